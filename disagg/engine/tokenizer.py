@@ -1,0 +1,122 @@
+"""Text <-> token ids, chat templates, and streaming detokenization, from a Hugging Face model directory."""
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class Tokenizer:
+    def __init__(self, model_dir: Path) -> None:
+        model_dir = Path(model_dir)
+        self._tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        config = _read_json(model_dir / "tokenizer_config.json")
+        self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id: int | None = self._token_id(config.get("bos_token"))
+        # A model may stop on several ids: config.json and generation_config.json can each list
+        # some (Llama 3 lists <|eot_id|> only in one of them), plus the tokenizer's own eos_token.
+        self.eos_token_ids: set[int] = set()
+        for path in (model_dir / "config.json", model_dir / "generation_config.json"):
+            eos = _read_json(path).get("eos_token_id")
+            self.eos_token_ids.update([] if eos is None else [eos] if isinstance(eos, int) else eos)
+        eos_token = self._token_id(config.get("eos_token"))
+        if eos_token is not None:
+            self.eos_token_ids.add(eos_token)
+        self._chat_template: str | None = config.get("chat_template")
+        # Passed to the template as transformers does, so templates that use them render the same.
+        self._template_tokens = {name: _token_content(config.get(name))
+                                 for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render `messages` with the model's chat template, as transformers' apply_chat_template(tokenize=False)."""
+        if self._chat_template is None:
+            raise ValueError("this model has no chat template (no chat_template in tokenizer_config.json); "
+                             "use the completions API with a plain prompt instead")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                    or not isinstance(message.get("content"), str):
+                raise ValueError(f"message {i} must be an object with a string 'role' and a string 'content', "
+                                 f"got {message!r}")
+        return _compile_template(self._chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **self._template_tokens)
+
+    def _token_id(self, token: str | dict | None) -> int | None:
+        content = _token_content(token)
+        return None if content is None else self._tokenizer.token_to_id(content)
+
+
+class IncrementalDetokenizer:
+    """Turns generated ids, one at a time, into text deltas that will not change later.
+
+    Decoding one token alone is wrong: a multi-byte character can be split across tokens, and
+    its first token alone decodes to U+FFFD. So each step decodes a short window that ends at the
+    new token and emits only the text past what the window's earlier part already produced,
+    holding it back while it ends in U+FFFD (vLLM's prefix/read offsets).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None,
+                 skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        # A few prompt tokens as left context, so the first generated token decodes in place.
+        self._ids: list[int] = list(prompt_ids or [])[-5:]
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        decode = self._tokenizer.decode
+        prefix = decode(self._ids[self._prefix_offset:self._read_offset], self._skip_special_tokens)
+        full = decode(self._ids[self._prefix_offset:], self._skip_special_tokens)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(prefix):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self.text += delta
+        return delta
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _token_content(token: str | dict | None) -> str | None:
+    # tokenizer_config.json writes a special token either as a string or as an AddedToken dict.
+    return token.get("content") if isinstance(token, dict) else token
+
+
+_compiled_templates: dict[str, jinja2.Template] = {}
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    """The template compiled in the environment transformers uses, so the rendered text is identical."""
+    if source not in _compiled_templates:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_template_error
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        _compiled_templates[source] = env.from_string(source)
+    return _compiled_templates[source]
+
+
+def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # jinja2's own tojson escapes HTML characters; chat templates need the plain JSON transformers emits.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_template_error(message: str) -> None:
+    raise ValueError(f"chat template refused the messages: {message}")

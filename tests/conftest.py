@@ -1,0 +1,72 @@
+"""Shared fixtures: the embedded model converted once (into the default cache, so reruns are fast),
+its transformers twin as the reference, and tiny random Llama directories for fast engine tests."""
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from disagg.engine.loader import resolve_model
+
+# Small matrix products run faster on one thread than on two that wait on each other, and the
+# suite shares two cores with the server processes it starts.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    """The embedded SmolLM2-135M-Instruct as a Hugging Face directory ($DISAGG_CACHE or ~/.cache/disagg)."""
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def write_tiny_llama(out_dir: Path, tokenizer_dir: Path, *, num_heads: int = 4, num_kv_heads: int = 2,
+                     num_layers: int = 2, hidden_size: int = 64, intermediate_size: int = 128,
+                     head_dim: int | None = None, tie_word_embeddings: bool = True, seed: int = 0,
+                     **config_overrides) -> Path:
+    """A complete Hugging Face Llama directory with random weights and the embedded model's tokenizer.
+
+    The vocabulary is the tokenizer's (49152) so token ids from the real tokenizer are valid here;
+    everything else is small so a forward pass takes milliseconds.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        head_dim=head_dim or hidden_size // num_heads, max_position_embeddings=2048, rope_theta=10000.0,
+        tie_word_embeddings=tie_word_embeddings, bos_token_id=1, eos_token_id=2, **config_overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, out_dir / name)
+    return out_dir
+
+
+@pytest.fixture
+def tiny_llama_dir(tmp_path: Path, model_dir: Path) -> Callable[..., Path]:
+    """Factory: tiny_llama_dir(num_heads=4, num_kv_heads=2, ...) -> a fresh tiny Llama directory."""
+    count = 0
+
+    def make(**kwargs) -> Path:
+        nonlocal count
+        count += 1
+        return write_tiny_llama(tmp_path / f"tiny-llama-{count}", model_dir, **kwargs)
+
+    return make
