@@ -1,0 +1,128 @@
+"""BlockManager: the pool of KV blocks, ref counts, and the prefix cache.
+
+A full block is known by a chained hash that covers every token before it too, so two
+requests share a block only when their whole prefix up to it is equal. A block whose last
+user finished stays in the cache while free; free blocks are reused least recently used
+first, and a cached block hit again is taken back out of the free list.
+"""
+
+from collections import OrderedDict
+
+from disagg.engine.sequence import Sequence
+
+
+def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
+    return hash((prev_hash, *token_ids))
+
+
+class Block:
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None  # set while registered in the prefix cache
+        self.token_ids: tuple[int, ...] = ()  # a hit is checked against these, not the hash alone
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.block_hashes: dict[str, list[int]] = {}  # request id -> chained hashes of its full blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_ids)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        """Cached blocks matching the sequence's leading full blocks. At least one token is
+        always left to compute, since the last position's logits pick the next token."""
+        if not self.enable_prefix_caching:
+            return []
+        hits, h = [], None
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
+            h = chain_hash(h, tokens)
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
+                break
+            hits.append(block_id)
+        return hits
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        hits = self._prefix_hits(seq)
+        in_use = sum(1 for b in hits if self.blocks[b].ref_count > 0)
+        return self.blocks_for(seq.num_tokens) - in_use <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give the sequence blocks for all its tokens, reusing prefix-cache hits."""
+        assert not seq.block_table
+        hits = self._prefix_hits(seq)
+        for block_id in hits:
+            self._take(block_id)
+        seq.block_table = hits + [self._take_free() for _ in range(self.blocks_for(seq.num_tokens) - len(hits))]
+        seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
+        seq.num_hashed_blocks = len(hits)
+        self.block_hashes[seq.request_id] = [self.blocks[b].hash for b in hits]
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return needed <= self.num_free_blocks
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
+        needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        seq.block_table.extend(self._take_free() for _ in range(needed))
+
+    def commit(self, seq: Sequence) -> None:
+        """Register the sequence's newly computed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self.block_hashes[seq.request_id]
+        for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // self.block_size):
+            tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
+            h = chain_hash(hashes[-1] if hashes else None, tokens)
+            hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            # Another request may have computed the same block first: keep that one cached.
+            if h not in self.hash_to_block:
+                block.hash, block.token_ids = h, tuple(tokens)
+                self.hash_to_block[h] = block.block_id
+        seq.num_hashed_blocks = seq.num_computed_tokens // self.block_size
+
+    def free(self, seq: Sequence) -> None:
+        # Tail first, so the end of a sequence is evicted before the prefix others may share.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_ids[block_id] = None
+                if block.hash is None:
+                    self.free_ids.move_to_end(block_id, last=False)  # nothing to keep: reuse first
+        seq.block_table = []
+        seq.num_computed_tokens = seq.num_hashed_blocks = 0
+        self.block_hashes.pop(seq.request_id, None)
+
+    def _take(self, block_id: int) -> int:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_ids[block_id]
+        block.ref_count += 1
+        return block_id
+
+    def _take_free(self) -> int:
+        block_id, _ = self.free_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:  # evict it from the prefix cache
+            del self.hash_to_block[block.hash]
+            block.hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id

@@ -1,0 +1,46 @@
+"""KVCache: the paged KV tensors, and gather/scatter of one request's blocks.
+
+All layers live in one tensor [layers, 2 (K, V), num_blocks * block_size, kv_heads, head_dim];
+token slot s of block b is row b * block_size + s. A request's KV leaves or enters the cache
+as one contiguous tensor [layers, 2, num_tokens, kv_heads, head_dim]: one message on a pipe.
+"""
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # Zeroed so slots never written (padding in batched decode) hold no NaN.
+        self.kv = torch.zeros(num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim,
+                              dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+    def keys(self, layer: int) -> torch.Tensor:
+        return self.kv[layer, 0]
+
+    def values(self, layer: int) -> torch.Tensor:
+        return self.kv[layer, 1]
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        self.kv[layer, 0].index_copy_(0, slot_mapping, k)
+        self.kv[layer, 1].index_copy_(0, slot_mapping, v)
+
+    def slots(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        blocks = torch.tensor(block_ids, dtype=torch.int64, device=self.kv.device)
+        offsets = torch.arange(self.block_size, device=self.kv.device)
+        return (blocks[:, None] * self.block_size + offsets[None, :]).flatten()[:num_tokens]
+
+    def gather(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        """A request's first num_tokens of KV as [layers, 2, num_tokens, kv_heads, head_dim]."""
+        return self.kv[:, :, self.slots(block_ids, num_tokens)]
+
+    def scatter(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        """Write KV received from elsewhere into a request's blocks."""
+        self.kv[:, :, self.slots(block_ids, kv.shape[2])] = kv.to(self.kv.device, self.kv.dtype)

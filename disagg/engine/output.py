@@ -1,0 +1,57 @@
+"""RequestOutput, and the text side of a request: incremental detokenization and stop strings."""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from disagg.engine.sequence import TokenLogprob
+from disagg.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # every output token so far
+    text: str  # every output character so far (stop string excluded)
+    new_token_ids: list[int]  # added by this step
+    new_text: str  # added by this step
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    kv: torch.Tensor | None = None  # the prompt's KV, for requests that export it
+
+
+class TextState:
+    """Turns a request's tokens into text, holding back what could still become a stop string."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str]):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.stop = stop
+        self.hold_back = max((len(s) for s in stop), default=1) - 1
+        self.emitted = 0  # characters already handed out
+
+    def add(self, token_id: int) -> str | None:
+        """Feed one token; return the stop string it completed, if any."""
+        before = len(self.detokenizer.text)
+        self.detokenizer.add(token_id)
+        text = self.detokenizer.text
+        for s in self.stop:
+            idx = text.find(s, max(0, before - len(s) + 1))
+            if idx != -1:
+                self.detokenizer.text = text[:idx]
+                return s
+        return None
+
+    def take_new_text(self, finished: bool) -> str:
+        text = self.detokenizer.text
+        end = len(text) if finished else max(self.emitted, len(text) - self.hold_back)
+        delta = text[self.emitted:end]
+        self.emitted = end
+        return delta
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text[:self.emitted]

@@ -1,0 +1,85 @@
+"""Scheduler: continuous batching of prompt chunks and decodes under a token budget.
+
+Every step is one batch. Running sequences go first (a decode is one token, a long prompt
+continues with its next chunk), then waiting ones are admitted while blocks, the sequence
+cap and the token budget allow. When a running sequence needs a block and none is free,
+the newest running sequence is preempted: its blocks are freed and it goes back to the
+head of the queue, to be recomputed from its tokens later.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+
+from disagg.engine.block_manager import BlockManager
+from disagg.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_num_batched_tokens
+        batch: list[ScheduledSeq] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.can_append(seq, n):
+                preempted = True
+                victim = self.running.pop()
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.append_slots(seq, n)
+                batch.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+        # Admitting new work right after a preemption would only evict it again.
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.block_manager.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            batch.append(ScheduledSeq(seq, n))
+            budget -= n
+        return batch
+
+    def preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a sequence wherever it is and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,62 @@
+"""Sequence: one request's tokens, state and block table."""
+
+import enum
+import time
+from dataclasses import dataclass
+
+from disagg.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued for (re)computation of its prompt
+    WAITING_FOR_KV = "waiting_for_kv"  # blocks reserved; its KV comes from a prefill node
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the n most likely (token id, logprob), when asked
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)  # prompt + output
+        self.params = params
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # of those, how many came from the prefix cache
+        self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
+        self.logprobs: list[TokenLogprob] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.arrival_time = time.monotonic()
+        self.export_kv = False  # prefill node: hand the prompt's KV out when done
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

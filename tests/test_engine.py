@@ -1,0 +1,189 @@
+"""The engine against Hugging Face transformers, float32 on CPU, token for token."""
+
+import pytest
+import torch
+
+from disagg import LLM, SamplingParams
+from disagg.engine.scheduler import ScheduledSeq
+from disagg.engine.sequence import Sequence
+from prompts import PASSAGE, PROMPTS, hf_greedy
+
+MAX_TOKENS = [64, 48, 32, 64, 16, 40, 24, 8, 64, 32, 56]
+_reference: dict[tuple, list[int]] = {}
+
+
+def reference(hf_model, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    key = (tuple(prompt_ids), max_tokens)
+    if key not in _reference:
+        _reference[key] = hf_greedy(hf_model, prompt_ids, max_tokens)
+    return _reference[key]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir) -> LLM:
+    return LLM(str(model_dir), device="cpu", dtype="float32")
+
+
+def assert_matches_reference(llm: LLM, hf_model, prompts: list, max_tokens: list[int]) -> list:
+    outs = llm.generate(prompts, [greedy(m) for m in max_tokens])
+    for prompt, m, out in zip(prompts, max_tokens, outs):
+        expected = reference(hf_model, out.prompt_token_ids, m)
+        assert out.token_ids == expected, f"prompt {str(prompt)[:40]!r}: {out.token_ids} != {expected}"
+        assert out.text == llm.tokenizer.decode(out.token_ids)
+    return outs
+
+
+def full_forward_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
+    """Logits at every position of one prompt, through the paged cache."""
+    engine = llm.engine
+    seq = Sequence("logits", token_ids, greedy(1))
+    engine.block_manager.allocate(seq)
+    try:
+        input_ids, positions, meta, _ = engine.runner.prepare([ScheduledSeq(seq, len(token_ids))])
+        with torch.inference_mode():
+            hidden = engine.model(input_ids, positions, engine.kv_cache, meta)
+            return engine.model.compute_logits(hidden).float()
+    finally:
+        engine.block_manager.free(seq)
+
+
+def test_logits_match_transformers(llm, hf_model):
+    ids = llm.tokenizer.encode(PASSAGE * 2)
+    ours = full_forward_logits(llm, ids)
+    with torch.no_grad():
+        theirs = hf_model(torch.tensor([ids])).logits[0].float()
+    assert (ours - theirs).abs().max().item() < 1e-3
+
+
+def test_batch_of_mixed_lengths_matches_transformers(llm, hf_model):
+    free = llm.engine.block_manager.num_free_blocks
+    outs = assert_matches_reference(llm, hf_model, [[42]] + PROMPTS[1:], MAX_TOKENS)
+    assert {len(o.prompt_token_ids) for o in outs} >= {1, 1448}
+    assert llm.engine.block_manager.num_free_blocks == free
+
+
+def test_prefix_cache_hits_match_transformers(llm, hf_model):
+    system = "You are the assistant of the prefix-cache test.\n" + PASSAGE * 4
+    questions = ["What is a compiler?", "Who shared computers?", "Name one abstraction.", "Why networks?"]
+    prompts = [system + q for q in questions]
+    first = assert_matches_reference(llm, hf_model, prompts[:1], [24])
+    second = assert_matches_reference(llm, hf_model, prompts, [24, 16, 32, 8])
+    shared = len(llm.tokenizer.encode(system)) // 16 * 16
+    assert first[0].num_cached_tokens < shared
+    assert all(o.num_cached_tokens >= shared - 16 for o in second)
+
+
+def test_chunked_prefill_matches_transformers(model_dir, hf_model):
+    llm = LLM(str(model_dir), device="cpu", max_num_batched_tokens=96, enable_prefix_caching=False)
+    assert_matches_reference(llm, hf_model, PROMPTS[5:10], MAX_TOKENS[5:10])
+
+
+def test_preemption_matches_transformers(model_dir, hf_model):
+    # 24 blocks of 16 tokens cannot hold these requests at once, so some are preempted and recomputed.
+    block_bytes = 30 * 2 * 16 * 3 * 64 * 4
+    llm = LLM(str(model_dir), device="cpu", kv_cache_memory=24 * block_bytes)
+    prompts = [PROMPTS[6], PROMPTS[5], PROMPTS[3], PROMPTS[4], PROMPTS[1]]
+    assert_matches_reference(llm, hf_model, prompts, [64, 64, 64, 64, 48])
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.block_manager.num_free_blocks == 24
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)])
+def test_random_llama_gqa_matches_transformers(tiny_llama_dir, num_heads, num_kv_heads):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_llama_dir(num_heads=num_heads, num_kv_heads=num_kv_heads, hidden_size=128, head_dim=32)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(str(path), device="cpu", max_num_batched_tokens=128)
+    ids = llm.tokenizer.encode(PASSAGE)
+    with torch.no_grad():
+        theirs = hf(torch.tensor([ids])).logits[0]
+    assert (full_forward_logits(llm, ids) - theirs).abs().max().item() < 1e-3
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:8]]
+    outs = llm.generate(prompts, greedy(24))
+    for ids, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(hf, ids, 24)
+
+
+def test_seeded_sampling_is_reproducible(llm):
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=24)
+    alone = llm.generate("Tell me a story about a dragon.", params)[0]
+    batched = llm.generate(["Tell me a story about a dragon.", "Another prompt"],
+                           [params, SamplingParams(temperature=1.0, max_tokens=24)])[0]
+    assert alone.token_ids == batched.token_ids
+    other = llm.generate("Tell me a story about a dragon.",
+                         SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=99, max_tokens=24))[0]
+    assert other.token_ids != alone.token_ids
+
+
+def test_stop_strings_and_stop_tokens(llm):
+    base = llm.generate("1, 2, 3, 4, 5,", greedy(32))[0]
+    assert " 8" in base.text
+    out = llm.generate("1, 2, 3, 4, 5,", SamplingParams(temperature=0, max_tokens=32, stop=[" 8"]))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == " 8"
+    assert out.text == base.text[:base.text.index(" 8")]
+    k = next(i for i, t in enumerate(base.token_ids) if i >= 3 and t not in base.token_ids[:i])
+    stop_id = base.token_ids[k]
+    out = llm.generate("1, 2, 3, 4, 5,", SamplingParams(temperature=0, max_tokens=32, stop_token_ids=[stop_id]))[0]
+    assert out.token_ids == base.token_ids[:k + 1] and out.stop_reason == stop_id
+
+
+def test_logprobs_match_transformers(llm, hf_model):
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4, logprobs=3))[0]
+    ids = out.prompt_token_ids + out.token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
+    for i, lp in enumerate(out.logprobs):
+        row = ref[len(out.prompt_token_ids) - 1 + i]
+        assert lp.token_id == out.token_ids[i]
+        assert abs(lp.logprob - row[lp.token_id].item()) < 1e-3
+        assert [t for t, _ in lp.top] == torch.topk(row, 3).indices.tolist()
+
+
+def test_abort_frees_every_block(llm):
+    engine = llm.engine
+    free = engine.block_manager.num_free_blocks
+    for i, prompt in enumerate(PROMPTS[5:9]):
+        engine.add_request(f"abort-{i}", prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.block_manager.num_free_blocks < free
+    for i in range(4):
+        assert engine.abort_request(f"abort-{i}")
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == free
+    assert not engine.abort_request("abort-0")
+
+
+@pytest.mark.parametrize("prompt,params,message", [
+    ("", greedy(4), "empty"),
+    ([], greedy(4), "empty"),
+    ([1, 2, 10**6], greedy(4), "token ids"),
+    ([-1], greedy(4), "token ids"),
+    ("hi", dict(temperature=-1.0), "temperature"),
+    ("hi", dict(temperature=float("nan")), "temperature"),
+    ("hi", dict(top_p=0.0), "top_p"),
+    ("hi", dict(top_p=1.5), "top_p"),
+    ("hi", dict(max_tokens=0), "max_tokens"),
+    ("hi", dict(n=2), "n=2"),
+])
+def test_bad_input_is_refused_and_engine_keeps_serving(llm, hf_model, prompt, params, message):
+    with pytest.raises(ValueError, match=message):
+        if isinstance(params, dict):
+            params = SamplingParams(**params)
+        llm.engine.add_request("bad", prompt, params)
+    assert not llm.engine.has_unfinished_requests()
+    assert_matches_reference(llm, hf_model, [PROMPTS[1]], [8])
+
+
+def test_prompt_longer_than_the_cache_is_refused(model_dir):
+    block_bytes = 30 * 2 * 16 * 3 * 64 * 4
+    llm = LLM(str(model_dir), device="cpu", kv_cache_memory=8 * block_bytes)
+    assert llm.engine.max_model_len == 7 * 16
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate(PASSAGE * 2, greedy(4))
+    assert llm.generate("Hello", greedy(4))[0].finish_reason == "length"
