@@ -1,0 +1,73 @@
+"""KVPipe: a FIFO of tensor lists (or None) between two endpoints.
+
+A pipe moves tensors and knows nothing of requests. One side listens on its own
+endpoint (`kv_ip`, `kv_port`) and accepts any number of peers, each accepted
+connection being its own `KVPipe`; the other side connects. This is what lets
+one prefill node feed several decode nodes and the reverse (xPyD).
+"""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+class PipeError(RuntimeError):
+    """The pipe cannot carry on: the peer is gone, timed out or spoke nonsense."""
+
+
+class PipeClosed(PipeError):
+    """The peer closed the connection or died."""
+
+
+class PipeTimeout(PipeError):
+    """A send or receive made no progress within the pipe's timeout."""
+
+
+class ProtocolError(PipeError):
+    """A malformed header, wrong magic or unsupported protocol version."""
+
+
+class AuthError(PipeError):
+    """The peer's shared secret did not match ours."""
+
+
+@dataclass
+class PipeConfig:
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
+    auth_token: str | None = None  # shared secret checked in the handshake
+    timeout: float = 30.0  # seconds a send/recv may stall before PipeTimeout
+
+
+class KVPipe(ABC):
+    """One connection. Messages arrive in the order they were sent."""
+
+    @abstractmethod
+    def send(self, tensors: list[torch.Tensor] | None) -> None:
+        """Send a list of tensors (any dtype, shape, device; may be empty) or None."""
+
+    @abstractmethod
+    def recv(self, out: list[torch.Tensor] | None = None) -> list[torch.Tensor] | None:
+        """Receive the next message. With `out`, fill those preallocated tensors in place
+        (their count, dtypes and shapes must match the message, else ProtocolError)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Close this connection; the peer's pending recv raises PipeClosed."""
+
+
+class PipeListener(ABC):
+    """A bound endpoint that accepts peers."""
+
+    @abstractmethod
+    def accept(self, timeout: float | None = None) -> KVPipe:
+        """Wait for the next peer that passes the handshake; PipeTimeout if none came."""
+
+    @property
+    @abstractmethod
+    def address(self) -> tuple[str, int]:
+        """(host, port) actually bound (port 0 in the config picks a free one)."""
+
+    @abstractmethod
+    def close(self) -> None: ...

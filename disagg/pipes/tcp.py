@@ -1,0 +1,340 @@
+"""tcp: the embedded default pipe. Plain sockets, zero-copy sends, receives straight
+into the destination tensor's memory.
+
+Timeouts: every socket call waits at most `config.timeout` for progress. A recv
+that times out before the first byte of a message leaves the pipe usable (the
+caller may simply recv again); a timeout or error mid-message breaks the pipe,
+because the byte stream can no longer be trusted.
+"""
+
+import logging
+import queue
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from disagg.pipes import wire
+from disagg.pipes.base import (
+    KVPipe,
+    PipeClosed,
+    PipeConfig,
+    PipeError,
+    PipeListener,
+    PipeTimeout,
+)
+
+logger = logging.getLogger(__name__)
+
+IOV_MAX = 1024  # sendmsg() takes at most this many buffers per call on Linux
+
+
+class NoMessage(PipeTimeout):
+    """No message started within the timeout; nothing was consumed, the pipe stays usable."""
+
+
+@contextmanager
+def socket_errors(what: str, timeout: float) -> Iterator[None]:
+    """Turn socket errors into pipe errors the caller can act on."""
+    try:
+        yield
+    except TimeoutError:
+        raise PipeTimeout(
+            f"{what}: no progress for {timeout}s (pipe timeout); is the peer alive?"
+        ) from None
+    except OSError as e:
+        raise PipeClosed(f"{what}: connection lost ({e})") from None
+
+
+def send_buffers(sock: socket.socket, buffers: list) -> None:
+    """Send all buffers with scatter-gather sendmsg: no copies, few syscalls."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    i = 0
+    while i < len(views):
+        sent = sock.sendmsg(views[i : i + IOV_MAX])
+        while sent:
+            if sent >= len(views[i]):
+                sent -= len(views[i])
+                i += 1
+            else:
+                views[i] = views[i][sent:]
+                sent = 0
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise PipeClosed("the peer closed the connection (or died)")
+        got += n
+
+
+def recv_exact(sock: socket.socket, nbytes: int) -> bytes:
+    buf = bytearray(nbytes)
+    recv_exact_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor. Via uint8 because numpy has no bfloat16."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor with the same contents; CUDA goes through pinned memory."""
+    if tensor.is_cuda:
+        staging = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        staging.copy_(tensor)
+        return staging
+    return tensor.contiguous()
+
+
+def host_target(meta: wire.TensorMeta, out: torch.Tensor | None) -> torch.Tensor:
+    """Where to receive a tensor's bytes: `out` itself when possible, else a host buffer."""
+    if out is not None and out.device.type == "cpu" and out.is_contiguous():
+        return out
+    return torch.empty(
+        meta.shape, dtype=meta.dtype, pin_memory=out is not None and out.is_cuda
+    )
+
+
+def configure(sock: socket.socket, config: PipeConfig) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.settimeout(config.timeout)
+
+
+def handshake_socket(
+    sock: socket.socket, config: PipeConfig, is_listener: bool
+) -> None:
+    try:
+        with socket_errors("pipe handshake", config.timeout):
+            wire.handshake(
+                sock.sendall,
+                lambda n: recv_exact(sock, n),
+                config.auth_token,
+                is_listener,
+            )
+    except PipeClosed as e:
+        raise PipeClosed(
+            f"{e}; the peer may have refused us: check kv_auth_token and versions on both"
+        ) from None
+
+
+def recv_header(
+    sock: socket.socket, config: PipeConfig
+) -> tuple[wire.Kind, list[wire.TensorMeta]]:
+    """Header and metadata of the next message. PipeTimeout before its first byte is harmless."""
+    buf = bytearray(wire.HEADER.size)
+    view = memoryview(buf)
+    try:
+        with socket_errors("waiting for a message", config.timeout):
+            got = sock.recv_into(view)
+    except PipeTimeout as e:
+        raise NoMessage(str(e)) from None
+    if got == 0:
+        raise PipeClosed("the peer closed the connection (or died)")
+    with socket_errors("receiving a message header", config.timeout):
+        recv_exact_into(sock, view[got:])
+        header = wire.decode_header(bytes(buf))
+        metas = wire.decode_meta(recv_exact(sock, header.meta_nbytes), header.count)
+    return header.kind, metas
+
+
+class TcpPipe(KVPipe):
+    def __init__(self, sock: socket.socket, config: PipeConfig):
+        self._sock = sock
+        self._config = config
+        self._send_lock = threading.Lock()
+        self._recv_lock = threading.Lock()
+        self._closed = False
+        self._broken: str | None = None  # why the byte stream can no longer be used
+
+    def send(self, tensors: list[torch.Tensor] | None) -> None:
+        with self._send_lock:
+            self._check_usable()
+            if tensors is None:
+                self._send(wire.encode(wire.Kind.NONE), [])
+                return
+            metas = [wire.TensorMeta.of(t) for t in tensors]
+            hosts = [to_host(t) for t in tensors]
+            self._send(
+                wire.encode(wire.Kind.TENSORS, metas), [byte_view(h) for h in hosts]
+            )
+
+    def _send(self, header: bytes, payload: list[memoryview]) -> None:
+        try:
+            with socket_errors("sending a message", self._config.timeout):
+                send_buffers(self._sock, [header, *payload])
+        except PipeError as e:
+            self._broken = str(e)
+            raise
+
+    def recv(self, out: list[torch.Tensor] | None = None) -> list[torch.Tensor] | None:
+        with self._recv_lock:
+            self._check_usable()
+            try:
+                return self._recv(out)
+            except NoMessage:
+                raise
+            except PipeError as e:
+                if self._closed:
+                    raise PipeClosed("the pipe was closed locally") from None
+                self._broken = str(e)
+                raise
+
+    def _recv(self, out: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+        kind, metas = recv_header(self._sock, self._config)
+        if kind == wire.Kind.CLOSE:
+            raise PipeClosed("the peer closed the pipe")
+        if kind == wire.Kind.NONE:
+            return None
+        if out is not None:
+            wire.check_out(out, metas)
+        received = []
+        with socket_errors("receiving tensor data", self._config.timeout):
+            for i, meta in enumerate(metas):
+                dest = out[i] if out is not None else None
+                target = host_target(meta, dest)
+                recv_exact_into(self._sock, byte_view(target))
+                if dest is not None and dest is not target:
+                    dest.copy_(target)
+                received.append(dest if dest is not None else target)
+        return received
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise PipeClosed("the pipe was closed")
+        if self._broken:
+            raise PipeError(
+                f"the pipe is broken and must be reconnected: {self._broken}"
+            )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        # Tell the peer it was a clean close, unless a send is stuck holding the lock.
+        if not self._broken and self._send_lock.acquire(timeout=1.0):
+            try:
+                self._sock.settimeout(1.0)
+                self._sock.sendall(wire.encode(wire.Kind.CLOSE))
+            except OSError:
+                pass
+            finally:
+                self._send_lock.release()
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes our own blocked recv
+        except OSError:
+            pass
+        self._sock.close()
+
+
+class TcpListener(PipeListener):
+    """Accepts peers on a background thread; each one is handshaken on its own thread,
+    so a slow or bad peer never blocks the others and never stops the listener."""
+
+    def __init__(
+        self,
+        config: PipeConfig,
+        make_pipe: Callable[[socket.socket, PipeConfig], KVPipe] = TcpPipe,
+    ):
+        self._config = config
+        self._make_pipe = make_pipe
+        try:
+            self._sock = socket.create_server(
+                (config.kv_ip, config.kv_port), backlog=128
+            )
+        except OSError as e:
+            raise PipeError(
+                f"cannot listen on {config.kv_ip}:{config.kv_port}: {e}; pick a free kv_port"
+            ) from None
+        self._sock.settimeout(0.2)  # lets the accept loop notice close()
+        self._ready: queue.Queue[KVPipe | None] = queue.Queue()
+        self._closed = threading.Event()
+        threading.Thread(
+            target=self._accept_loop, name="pipe-accept", daemon=True
+        ).start()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self._sock.getsockname()[:2]
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                sock, peer = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(
+                target=self._admit, args=(sock, peer), name="pipe-admit", daemon=True
+            ).start()
+
+    def _admit(self, sock: socket.socket, peer: tuple) -> None:
+        try:
+            configure(sock, self._config)
+            handshake_socket(sock, self._config, is_listener=True)
+            pipe = self._make_pipe(sock, self._config)
+        except Exception as e:  # noqa: BLE001  a bad peer is logged and dropped, never fatal to the listener
+            logger.warning("rejected pipe peer %s:%s: %s", peer[0], peer[1], e)
+            sock.close()
+            return
+        if self._closed.is_set():
+            pipe.close()
+        else:
+            self._ready.put(pipe)
+
+    def accept(self, timeout: float | None = None) -> KVPipe:
+        try:
+            pipe = self._ready.get(timeout=timeout)
+        except queue.Empty:
+            raise PipeTimeout(
+                f"no peer connected to {self.address} within {timeout}s"
+            ) from None
+        if pipe is None:
+            self._ready.put(None)  # wake any other accept() too
+            raise PipeClosed("the listener was closed")
+        return pipe
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._sock.close()
+        while True:
+            try:
+                pipe = self._ready.get_nowait()
+            except queue.Empty:
+                break
+            if pipe is not None:
+                pipe.close()
+        self._ready.put(None)
+
+
+def connect_socket(config: PipeConfig, host: str, port: int) -> socket.socket:
+    """A handshaken TCP connection to a listener."""
+    try:
+        sock = socket.create_connection((host, port), timeout=config.timeout)
+    except OSError as e:
+        raise PipeError(
+            f"cannot connect to pipe listener {host}:{port}: {e}; is the peer up?"
+        ) from None
+    try:
+        configure(sock, config)
+        handshake_socket(sock, config, is_listener=False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def listen(config: PipeConfig) -> TcpListener:
+    return TcpListener(config)
+
+
+def connect(config: PipeConfig, host: str, port: int) -> TcpPipe:
+    return TcpPipe(connect_socket(config, host, port), config)

@@ -1,0 +1,333 @@
+"""ucx: a pipe over a `ucxx` endpoint. UCX picks the fastest path it finds: shared
+memory on one host, RDMA or NVLink where present; CUDA tensors go as they are.
+
+ucxx's API is asyncio; its context is process-wide, so every pipe and listener in a
+process shares one private event-loop thread and the blocking methods below run
+coroutines on it. Each message is tag messages on the endpoint's own tag, in order:
+the fixed header, the metadata block, then one message per non-empty tensor.
+
+The listener binds config.kv_port on all interfaces (ucxx takes no bind address).
+Timeouts bound each step (the header, the metadata, all of a message's tensor bytes),
+not the progress within it: size config.timeout for the largest message.
+"""
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+from collections.abc import Coroutine
+from concurrent.futures import Future
+
+import numpy as np
+import torch
+
+from disagg.pipes import wire
+from disagg.pipes.base import (
+    KVPipe,
+    PipeClosed,
+    PipeConfig,
+    PipeError,
+    PipeListener,
+    PipeTimeout,
+)
+
+os.environ.setdefault(
+    "UCX_WARN_UNUSED_ENV_VARS", "n"
+)  # ucxx sets variables this UCX build ignores
+try:
+    import ucxx
+    from ucxx.exceptions import UCXError
+except ImportError as e:
+    raise ImportError(
+        f"the ucx pipe needs ucxx ({e}): pip install ucxx-cu12 (or pip install 'disagg[ucx]')"
+    ) from e
+
+logger = logging.getLogger(__name__)
+
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            _loop = asyncio.new_event_loop()
+            threading.Thread(
+                target=_loop.run_forever, name="ucx-loop", daemon=True
+            ).start()
+    return _loop
+
+
+def _submit(coro: Coroutine) -> Future:
+    return asyncio.run_coroutine_threadsafe(coro, _event_loop())
+
+
+def _wait(future: Future, what: str, timeout: float) -> object:
+    try:
+        return future.result(timeout)
+    except TimeoutError:
+        raise PipeTimeout(
+            f"{what}: no progress for {timeout}s (pipe timeout); is the peer alive?"
+        ) from None
+    except UCXError as e:
+        raise PipeClosed(f"{what}: connection lost ({type(e).__name__}: {e})") from None
+
+
+def _buffer(tensor: torch.Tensor) -> np.ndarray | torch.Tensor:
+    """What ucxx sends from or receives into: CUDA tensors as they are, host memory via numpy.
+    As uint8, because numpy has no bfloat16."""
+    flat = tensor.reshape(-1).view(torch.uint8)
+    return flat if flat.is_cuda else flat.numpy()
+
+
+async def _send_all(ep: "ucxx.Endpoint", buffers: list) -> None:
+    # gather starts the sends in list order, and UCX matches one tag's messages in the
+    # order they were posted, so the receiver sees them in this order.
+    await asyncio.gather(*(ep.send(b) for b in buffers if len(b)))
+
+
+async def _recv_all(ep: "ucxx.Endpoint", buffers: list) -> None:
+    await asyncio.gather(*(ep.recv(b) for b in buffers))
+
+
+async def _recv_bytes(ep: "ucxx.Endpoint", nbytes: int) -> bytes:
+    buf = np.empty(nbytes, dtype=np.uint8)
+    if nbytes:
+        await ep.recv(buf)
+    return buf.tobytes()
+
+
+def _handshake(ep: "ucxx.Endpoint", config: PipeConfig, is_listener: bool) -> None:
+    wire.handshake(
+        lambda b: _wait(
+            _submit(_send_all(ep, [np.frombuffer(b, np.uint8)])),
+            "pipe handshake",
+            config.timeout,
+        ),
+        lambda n: _wait(_submit(_recv_bytes(ep, n)), "pipe handshake", config.timeout),
+        config.auth_token,
+        is_listener,
+    )
+
+
+class UcxPipe(KVPipe):
+    def __init__(self, ep: "ucxx.Endpoint", config: PipeConfig):
+        self._ep = ep
+        self._config = config
+        self._send_lock = threading.Lock()
+        self._recv_lock = threading.Lock()
+        self._closed = False
+        self._broken: str | None = None
+        # A header recv that timed out stays posted and is awaited again by the next
+        # recv(): cancelling it could lose a message that arrives just then.
+        self._pending_header: Future | None = None
+
+    def send(self, tensors: list[torch.Tensor] | None) -> None:
+        with self._send_lock:
+            self._check_usable()
+            if tensors is None:
+                header, payload = wire.encode(wire.Kind.NONE), []
+            else:
+                metas = [wire.TensorMeta.of(t) for t in tensors]
+                header = wire.encode(wire.Kind.TENSORS, metas)
+                payload = [_buffer(t.contiguous()) for t in tensors if t.numel()]
+            buffers = [
+                np.frombuffer(header[: wire.HEADER.size], np.uint8),
+                np.frombuffer(header[wire.HEADER.size :], np.uint8),
+            ]
+            try:
+                _wait(
+                    _submit(_send_all(self._ep, buffers + payload)),
+                    "sending a message",
+                    self._config.timeout,
+                )
+            except PipeError as e:
+                self._broken = str(e)
+                raise
+
+    def recv(self, out: list[torch.Tensor] | None = None) -> list[torch.Tensor] | None:
+        with self._recv_lock:
+            self._check_usable()
+            if self._pending_header is None:
+                self._pending_header = _submit(_recv_bytes(self._ep, wire.HEADER.size))
+            try:
+                header_bytes = _wait(
+                    self._pending_header, "waiting for a message", self._config.timeout
+                )
+            except PipeTimeout:
+                raise  # nothing consumed: the header recv stays posted for the next recv()
+            except PipeError as e:
+                self._pending_header = None
+                raise self._fail(e) from None
+            self._pending_header = None
+            try:
+                return self._recv(header_bytes, out)
+            except PipeError as e:
+                raise self._fail(e) from None
+
+    def _fail(self, error: PipeError) -> PipeError:
+        """Mid-message the stream can no longer be trusted: the pipe is broken for good."""
+        if self._closed:
+            return PipeClosed("the pipe was closed locally")
+        self._broken = str(error)
+        return error
+
+    def _recv(
+        self, header_bytes: bytes, out: list[torch.Tensor] | None
+    ) -> list[torch.Tensor] | None:
+        header = wire.decode_header(header_bytes)
+        meta = _wait(
+            _submit(_recv_bytes(self._ep, header.meta_nbytes)),
+            "receiving a message header",
+            self._config.timeout,
+        )
+        metas = wire.decode_meta(meta, header.count)
+        if header.kind == wire.Kind.CLOSE:
+            raise PipeClosed("the peer closed the pipe")
+        if header.kind == wire.Kind.NONE:
+            return None
+        if out is not None:
+            wire.check_out(out, metas)
+        targets = []
+        for i, m in enumerate(metas):
+            dest = out[i] if out is not None else None
+            if dest is not None and dest.is_contiguous():
+                targets.append(dest)
+            else:
+                device = dest.device if dest is not None else torch.device("cpu")
+                targets.append(torch.empty(m.shape, dtype=m.dtype, device=device))
+        buffers = [_buffer(t) for t in targets if t.numel()]
+        _wait(
+            _submit(_recv_all(self._ep, buffers)),
+            "receiving tensor data",
+            self._config.timeout,
+        )
+        if out is None:
+            return targets
+        for dest, target in zip(out, targets):
+            if dest is not target:
+                dest.copy_(target)
+        return out
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise PipeClosed("the pipe was closed")
+        if self._broken:
+            raise PipeError(
+                f"the pipe is broken and must be reconnected: {self._broken}"
+            )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        if not self._broken and self._send_lock.acquire(timeout=1.0):
+            try:
+                close_msg = np.frombuffer(wire.encode(wire.Kind.CLOSE), np.uint8)
+                _wait(_submit(_send_all(self._ep, [close_msg])), "closing", 1.0)
+            except PipeError:
+                pass
+            finally:
+                self._send_lock.release()
+        self._closed = True
+        # abort() cancels our own pending recvs, which then raise PipeClosed.
+        _submit(_abort(self._ep)).result()
+
+
+async def _abort(ep: "ucxx.Endpoint") -> None:
+    ep.abort()
+
+
+class UcxListener(PipeListener):
+    def __init__(self, config: PipeConfig):
+        self._config = config
+        self._ready: queue.Queue[UcxPipe | None] = queue.Queue()
+        self._closed = threading.Event()
+        try:
+            self._listener = _submit(self._create(config.kv_port)).result(
+                config.timeout
+            )
+        except UCXError as e:
+            raise PipeError(
+                f"cannot listen on port {config.kv_port} with ucx: {e}; pick a free kv_port"
+            ) from None
+        self._host = config.kv_ip
+
+    async def _create(self, port: int) -> "ucxx.Listener":
+        return ucxx.create_listener(self._on_connect, port)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self._host, self._listener.port
+
+    def _on_connect(self, ep: "ucxx.Endpoint") -> None:
+        # Runs on the event loop: the blocking handshake must not, so hand it to a thread.
+        threading.Thread(
+            target=self._admit, args=(ep,), name="ucx-admit", daemon=True
+        ).start()
+
+    def _admit(self, ep: "ucxx.Endpoint") -> None:
+        try:
+            _handshake(ep, self._config, is_listener=True)
+        except Exception as e:  # noqa: BLE001  a bad peer is logged and dropped, never fatal to the listener
+            logger.warning("rejected ucx pipe peer: %s", e)
+            _submit(_abort(ep))
+            return
+        pipe = UcxPipe(ep, self._config)
+        if self._closed.is_set():
+            pipe.close()
+        else:
+            self._ready.put(pipe)
+
+    def accept(self, timeout: float | None = None) -> KVPipe:
+        try:
+            pipe = self._ready.get(timeout=timeout)
+        except queue.Empty:
+            raise PipeTimeout(
+                f"no peer connected to {self.address} within {timeout}s"
+            ) from None
+        if pipe is None:
+            self._ready.put(None)
+            raise PipeClosed("the listener was closed")
+        return pipe
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        _submit(self._close_listener()).result()
+        while True:
+            try:
+                pipe = self._ready.get_nowait()
+            except queue.Empty:
+                break
+            if pipe is not None:
+                pipe.close()
+        self._ready.put(None)
+
+    async def _close_listener(self) -> None:
+        self._listener.close()
+
+
+def listen(config: PipeConfig) -> UcxListener:
+    return UcxListener(config)
+
+
+def connect(config: PipeConfig, host: str, port: int) -> UcxPipe:
+    try:
+        ep = _wait(
+            _submit(ucxx.create_endpoint(host, port, connect_timeout=config.timeout)),
+            "ucx connect",
+            config.timeout,
+        )
+    except PipeClosed as e:
+        raise PipeError(
+            f"cannot connect to ucx pipe listener {host}:{port}: {e}; is the peer up?"
+        ) from None
+    try:
+        _handshake(ep, config, is_listener=False)
+    except BaseException:
+        _submit(_abort(ep))
+        raise
+    return UcxPipe(ep, config)

@@ -1,0 +1,209 @@
+"""The pipe wire format and handshake, shared by every transport. No pickle.
+
+A message is a fixed header, a metadata block (one entry per tensor), then the raw
+tensor bytes in order:
+
+    header   = magic(4s) version(H) kind(B) pad(x) count(I) meta_nbytes(I)
+    entry    = dtype_code(B) ndim(B) dims(ndim x Q) nbytes(Q)
+
+The handshake runs once per connection, both sides at the same time:
+
+    hello    = magic(4s) version(H) has_token(B) nonce(16s)
+    proof    = HMAC-SHA256(auth_token, role + peer's nonce)
+
+Each side checks the peer's hello and proof itself, so both ends learn why a
+connection was refused.
+"""
+
+import enum
+import hashlib
+import hmac
+import math
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from disagg.pipes.base import AuthError, ProtocolError
+
+MAGIC = b"DKV1"
+PROTOCOL_VERSION = 1
+
+MAX_TENSORS = 1 << 16
+MAX_NDIM = 8
+MAX_MESSAGE_BYTES = (
+    1 << 40
+)  # 1 TiB: anything larger is a corrupt header, not a KV cache
+
+HEADER = struct.Struct("!4sHBxII")
+HELLO = struct.Struct("!4sHB16s")
+PROOF_NBYTES = 32
+
+# Wire codes are fixed forever: never renumber, only append.
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 1,
+    torch.float16: 2,
+    torch.bfloat16: 3,
+    torch.float64: 4,
+    torch.int8: 5,
+    torch.int16: 6,
+    torch.int32: 7,
+    torch.int64: 8,
+    torch.uint8: 9,
+    torch.bool: 10,
+}
+CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+
+class Kind(enum.IntEnum):
+    TENSORS = 1
+    NONE = 2  # the message is `None`
+    CLOSE = 3  # the sender closed the pipe cleanly
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "TensorMeta":
+        if tensor.dtype not in DTYPE_CODES:
+            raise ProtocolError(
+                f"cannot send dtype {tensor.dtype}; supported: {', '.join(str(d) for d in DTYPE_CODES)}"
+            )
+        if tensor.dim() > MAX_NDIM:
+            raise ProtocolError(
+                f"cannot send a {tensor.dim()}-d tensor; at most {MAX_NDIM} dims"
+            )
+        return cls(tensor.dtype, tuple(tensor.shape))
+
+
+@dataclass(frozen=True)
+class Header:
+    kind: Kind
+    count: int
+    meta_nbytes: int
+
+
+def encode(kind: Kind, metas: list[TensorMeta] = ()) -> bytes:
+    """Header + metadata block for one message."""
+    meta = bytearray()
+    for m in metas:
+        meta += struct.pack(
+            f"!BB{len(m.shape)}QQ",
+            DTYPE_CODES[m.dtype],
+            len(m.shape),
+            *m.shape,
+            m.nbytes,
+        )
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, kind, len(metas), len(meta)) + bytes(
+        meta
+    )
+
+
+def decode_header(buf: bytes) -> Header:
+    magic, version, kind, count, meta_nbytes = HEADER.unpack(buf)
+    if magic != MAGIC:
+        raise ProtocolError(
+            f"bad magic {magic!r} (expected {MAGIC!r}): the peer is not a disagg pipe"
+        )
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"peer sent protocol version {version}, we speak {PROTOCOL_VERSION}"
+        )
+    if kind not in Kind._value2member_map_:
+        raise ProtocolError(f"unknown message kind {kind}")
+    if count > MAX_TENSORS:
+        raise ProtocolError(f"message claims {count} tensors; at most {MAX_TENSORS}")
+    if meta_nbytes > count * struct.calcsize(f"!BB{MAX_NDIM}QQ"):
+        raise ProtocolError(
+            f"metadata block of {meta_nbytes} bytes is too large for {count} tensors"
+        )
+    if kind != Kind.TENSORS and (count or meta_nbytes):
+        raise ProtocolError(
+            f"a {Kind(kind).name} message carries no tensors, got {count}"
+        )
+    return Header(Kind(kind), count, meta_nbytes)
+
+
+def decode_meta(buf: bytes, count: int) -> list[TensorMeta]:
+    metas, offset, total = [], 0, 0
+    try:
+        for i in range(count):
+            code, ndim = struct.unpack_from("!BB", buf, offset)
+            if code not in CODE_DTYPES:
+                raise ProtocolError(f"tensor {i}: unknown dtype code {code}")
+            if ndim > MAX_NDIM:
+                raise ProtocolError(f"tensor {i}: {ndim} dims; at most {MAX_NDIM}")
+            *shape, nbytes = struct.unpack_from(f"!{ndim}QQ", buf, offset + 2)
+            offset += 2 + 8 * (ndim + 1)
+            meta = TensorMeta(CODE_DTYPES[code], tuple(shape))
+            if nbytes != meta.nbytes:
+                raise ProtocolError(
+                    f"tensor {i}: {nbytes} bytes does not match shape {meta.shape} of {meta.dtype}"
+                )
+            total += nbytes
+            if total > MAX_MESSAGE_BYTES:
+                raise ProtocolError(f"message larger than {MAX_MESSAGE_BYTES} bytes")
+            metas.append(meta)
+    except struct.error as e:
+        raise ProtocolError(f"truncated metadata block: {e}") from None
+    if offset != len(buf):
+        raise ProtocolError(f"metadata block has {len(buf) - offset} trailing bytes")
+    return metas
+
+
+def check_out(out: list[torch.Tensor], metas: list[TensorMeta]) -> None:
+    """`recv(out=...)` must match the message exactly."""
+    if len(out) != len(metas):
+        raise ProtocolError(f"message has {len(metas)} tensors but out has {len(out)}")
+    for i, (t, m) in enumerate(zip(out, metas)):
+        if t.dtype != m.dtype or tuple(t.shape) != m.shape:
+            raise ProtocolError(
+                f"tensor {i}: message has {m.dtype}{list(m.shape)}, out has {t.dtype}{list(t.shape)}"
+            )
+
+
+def handshake(
+    send: Callable[[bytes], None],
+    recv_exact: Callable[[int], bytes],
+    auth_token: str | None,
+    is_listener: bool,
+) -> None:
+    """Run the connection handshake; raises ProtocolError or AuthError on a bad peer."""
+    nonce = os.urandom(16)
+    send(HELLO.pack(MAGIC, PROTOCOL_VERSION, auth_token is not None, nonce))
+    magic, version, peer_has_token, peer_nonce = HELLO.unpack(recv_exact(HELLO.size))
+    if magic != MAGIC:
+        raise ProtocolError(
+            f"bad magic {magic!r} (expected {MAGIC!r}): the peer is not a disagg pipe"
+        )
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"peer speaks pipe protocol version {version}, we speak {PROTOCOL_VERSION}"
+        )
+    # The role goes into the MAC so a proof cannot be reflected back to its sender.
+    send(_proof(auth_token, b"L" if is_listener else b"C", peer_nonce))
+    peer_proof = recv_exact(PROOF_NBYTES)
+    if bool(peer_has_token) != (auth_token is not None):
+        ours, theirs = ("set", "unset") if auth_token is not None else ("unset", "set")
+        raise AuthError(
+            f"kv_auth_token mismatch: ours is {ours}, the peer's is {theirs}; set the same token on both"
+        )
+    if not hmac.compare_digest(
+        peer_proof, _proof(auth_token, b"C" if is_listener else b"L", nonce)
+    ):
+        raise AuthError(
+            "kv_auth_token mismatch: the peer uses a different token; set the same token on both"
+        )
+
+
+def _proof(auth_token: str | None, role: bytes, nonce: bytes) -> bytes:
+    return hmac.new((auth_token or "").encode(), role + nonce, hashlib.sha256).digest()

@@ -1,0 +1,128 @@
+"""The remote end of tests/test_pipes.py, run as its own process.
+
+    python tests/pipe_peer.py PIPE MODE HOST PORT [--token T] [--seed S] [--count N]
+                              [--timeout S] [--device D]
+
+Modes:
+  echo   connect, then for each message of the seeded sequence: receive it (every other
+         one into preallocated tensors on --device), check it equals what we expect, send
+         it back.
+  big    connect, print "sending", then send one message of --count MiB; the test kills us.
+"""
+
+import argparse
+import random
+import sys
+
+import torch
+
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+]
+MAX_NUMEL = 1 << 15  # keeps a 500-message run a few hundred MiB at most
+
+
+def random_tensor(rng: random.Random) -> torch.Tensor:
+    ndim = rng.randint(0, 4)
+    shape, budget = [], MAX_NUMEL
+    for _ in range(ndim):
+        dim = 0 if rng.random() < 0.05 else rng.randint(1, min(1000, max(1, budget)))
+        shape.append(dim)
+        budget //= max(dim, 1)
+    dtype = rng.choice(DTYPES)
+    gen = torch.Generator().manual_seed(rng.getrandbits(32))
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(
+        max(info.min, -(2**31)),
+        min(info.max, 2**31 - 1),
+        shape,
+        generator=gen,
+        dtype=dtype,
+    )
+
+
+def messages(seed: int, count: int) -> list[list[torch.Tensor] | None]:
+    """A reproducible sequence: 5% None, 5% empty lists, else 1-4 random tensors."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        r = rng.random()
+        if r < 0.05:
+            out.append(None)
+        elif r < 0.10:
+            out.append([])
+        else:
+            out.append([random_tensor(rng) for _ in range(rng.randint(1, 4))])
+    return out
+
+
+def same(a: list[torch.Tensor] | None, b: list[torch.Tensor] | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return len(a) == len(b) and all(
+        x.dtype == y.dtype and torch.equal(x.cpu(), y.cpu()) for x, y in zip(a, b)
+    )
+
+
+def main() -> int:
+    from disagg.pipes import PipeConfig, connect
+
+    p = argparse.ArgumentParser()
+    p.add_argument("pipe")
+    p.add_argument("mode", choices=["echo", "big"])
+    p.add_argument("host")
+    p.add_argument("port", type=int)
+    p.add_argument("--token")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--count", type=int, default=500)
+    p.add_argument("--timeout", type=float, default=20.0)
+    p.add_argument(
+        "--device", default="cpu", help="where preallocated receive tensors live"
+    )
+    args = p.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    pipe = connect(
+        args.pipe,
+        PipeConfig(auth_token=args.token, timeout=args.timeout),
+        args.host,
+        args.port,
+    )
+    if args.mode == "big":
+        big = [
+            torch.empty(args.count << 20, dtype=torch.uint8)
+        ]  # contents do not matter
+        print("sending", flush=True)
+        pipe.send(big)
+        return 0
+    for i, expected in enumerate(messages(args.seed, args.count)):
+        if i % 2 and expected is not None:
+            got = pipe.recv(out=[torch.empty_like(t, device=device) for t in expected])
+        else:
+            got = pipe.recv()
+        if not same(got, expected):
+            print(
+                f"peer: message {i} differs from the seeded sequence", file=sys.stderr
+            )
+            return 1
+        pipe.send(got)
+    pipe.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

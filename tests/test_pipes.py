@@ -1,0 +1,335 @@
+"""Pipes between real processes: stress, preallocated receives, faults, handshake.
+
+The test process listens; tests/pipe_peer.py is the connecting peer.
+"""
+
+import importlib.util
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from disagg import pipes
+from disagg.pipes import (
+    AuthError,
+    PipeClosed,
+    PipeConfig,
+    PipeError,
+    PipeTimeout,
+    ProtocolError,
+    wire,
+)
+
+HERE = Path(__file__).parent
+PEER = HERE / "pipe_peer.py"
+_spec = importlib.util.spec_from_file_location("pipe_peer", PEER)
+pipe_peer = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pipe_peer)
+
+
+def _ucx_missing() -> str | None:
+    try:
+        import disagg.pipes.ucx  # noqa: F401
+    except ImportError as e:
+        return str(e)
+    return None
+
+
+UCX_MISSING = _ucx_missing()
+ALL_PIPES = [
+    "tcp",
+    "torch_dist",
+    pytest.param(
+        "ucx",
+        marks=pytest.mark.skipif(
+            UCX_MISSING is not None, reason=f"ucx unavailable: {UCX_MISSING}"
+        ),
+    ),
+]
+
+
+def start_peer(
+    pipe: str, mode: str, address: tuple[str, int], *extra: str
+) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(PEER), pipe, mode, address[0], str(address[1]), *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"},
+    )
+
+
+def finish(peer: subprocess.Popen) -> None:
+    try:
+        _, err = peer.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        peer.kill()
+        _, err = peer.communicate()
+    assert peer.returncode == 0, f"peer failed ({peer.returncode}): {err[-2000:]}"
+
+
+def echo_roundtrip(
+    listener: pipes.PipeListener,
+    pipe_name: str,
+    seed: int,
+    count: int,
+    devices: tuple[str, str] = ("cpu", "cpu"),
+) -> None:
+    """A peer receives the seeded sequence, checks it and echoes it; we check the echoes.
+    We send from devices[0]; the peer receives into devices[1]."""
+    args = ["--seed", str(seed), "--count", str(count), "--device", devices[1]]
+    peer = start_peer(pipe_name, "echo", listener.address, *args)
+    try:
+        pipe = listener.accept(timeout=30)
+        for i, msg in enumerate(pipe_peer.messages(seed, count)):
+            if msg is not None:
+                msg = [t.to(devices[0]) for t in msg]
+            pipe.send(msg)
+            if i % 3 == 0 and msg is not None:
+                out = [torch.empty_like(t) for t in msg]
+                got = pipe.recv(out=out)
+                assert all(g is o for g, o in zip(got, out)), (
+                    "recv(out=...) must fill the given tensors"
+                )
+            else:
+                got = pipe.recv()
+            assert pipe_peer.same(got, msg), f"echo of message {i} differs"
+        with pytest.raises(
+            PipeClosed
+        ):  # the peer closes cleanly after the last message
+            pipe.recv()
+        pipe.close()
+        finish(peer)
+    finally:
+        peer.kill()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pipe_name", ALL_PIPES)
+def test_stress_echo(pipe_name):
+    listener = pipes.listen(pipe_name, PipeConfig(kv_port=0, timeout=20))
+    try:
+        echo_roundtrip(listener, pipe_name, seed=1234, count=500)
+    finally:
+        listener.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pipe_name", ALL_PIPES)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_cuda_tensors_between_two_gpus(pipe_name):
+    torch.cuda.set_device(0)
+    listener = pipes.listen(pipe_name, PipeConfig(kv_port=0, timeout=60))
+    try:
+        echo_roundtrip(
+            listener, pipe_name, seed=99, count=100, devices=("cuda:0", "cuda:1")
+        )
+    finally:
+        listener.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pipe_name", ALL_PIPES)
+def test_peer_killed_mid_transfer(pipe_name):
+    timeout = 5.0
+    listener = pipes.listen(pipe_name, PipeConfig(kv_port=0, timeout=timeout))
+    peer = start_peer(
+        pipe_name, "big", listener.address, "--count", "1024", "--timeout", str(timeout)
+    )
+    try:
+        pipe = listener.accept(timeout=30)
+        result: dict = {}
+
+        def receive():
+            start = time.monotonic()
+            try:
+                pipe.recv()
+            except PipeError as e:
+                result["error"] = e
+            result["elapsed"] = time.monotonic() - start
+
+        receiver = threading.Thread(target=receive)
+        receiver.start()
+        assert peer.stdout.readline().strip() == "sending"
+        time.sleep(0.3)  # well inside the 1 GiB transfer
+        peer.send_signal(signal.SIGKILL)
+        receiver.join(timeout + 10)
+        assert not receiver.is_alive(), "recv hung after the peer died"
+        assert isinstance(result.get("error"), PipeError), result
+        assert result["elapsed"] < timeout + 5
+    finally:
+        peer.kill()
+        peer.wait()
+        listener.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pipe_name", ALL_PIPES)
+def test_bad_peers_do_not_stop_the_listener(pipe_name):
+    listener = pipes.listen(pipe_name, PipeConfig(kv_port=0, timeout=5))
+    try:
+        bad_hellos = [
+            b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + os.urandom(64),  # garbage
+            wire.HELLO.pack(
+                b"XXXX", wire.PROTOCOL_VERSION, 0, b"\0" * 16
+            ),  # wrong magic
+            wire.HELLO.pack(
+                wire.MAGIC, wire.PROTOCOL_VERSION + 1, 0, b"\0" * 16
+            ),  # wrong version
+        ]
+        for hello in bad_hellos:
+            with socket.create_connection(listener.address, timeout=5) as s:
+                s.sendall(hello)
+                if (
+                    pipe_name != "ucx"
+                ):  # a raw TCP peer meets UCX's own connection protocol, not ours
+                    assert _read_until_closed(s) <= wire.HELLO.size, (
+                        "listener kept talking to a bad peer"
+                    )
+        with pytest.raises(AuthError, match="kv_auth_token mismatch"):
+            pipes.connect(
+                pipe_name, PipeConfig(auth_token="wrong", timeout=5), *listener.address
+            )
+        echo_roundtrip(listener, pipe_name, seed=7, count=20)
+        with pytest.raises(PipeTimeout):  # no rejected peer ever came out of accept()
+            listener.accept(timeout=0.5)
+    finally:
+        listener.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pipe_name", ALL_PIPES)
+def test_auth_token_mismatch(pipe_name):
+    listener = pipes.listen(
+        pipe_name, PipeConfig(kv_port=0, auth_token="secret", timeout=5)
+    )
+    try:
+        for token in ("wrong", None):
+            with pytest.raises(AuthError, match="kv_auth_token mismatch"):
+                pipes.connect(
+                    pipe_name,
+                    PipeConfig(auth_token=token, timeout=5),
+                    *listener.address,
+                )
+        good = pipes.connect(
+            pipe_name, PipeConfig(auth_token="secret", timeout=5), *listener.address
+        )
+        served = listener.accept(timeout=10)
+        # torch_dist's send waits for the matching recv, so send from another thread.
+        sender = threading.Thread(target=good.send, args=([torch.arange(5)],))
+        sender.start()
+        assert torch.equal(served.recv()[0], torch.arange(5))
+        sender.join()
+        good.close()
+        served.close()
+    finally:
+        listener.close()
+
+
+@pytest.mark.timeout(30)
+def test_version_mismatch_named_on_connect():
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def old_listener():
+        conn, _ = server.accept()
+        conn.sendall(wire.HELLO.pack(wire.MAGIC, 99, 0, b"\0" * 16))
+        conn.recv(1024)
+        conn.close()
+
+    threading.Thread(target=old_listener, daemon=True).start()
+    with pytest.raises(
+        ProtocolError, match=f"version 99, we speak {wire.PROTOCOL_VERSION}"
+    ):
+        pipes.connect("tcp", PipeConfig(timeout=5), "127.0.0.1", port)
+    server.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("pipe_name", ALL_PIPES)
+def test_close_wakes_both_sides(pipe_name):
+    listener = pipes.listen(pipe_name, PipeConfig(kv_port=0, timeout=10))
+    try:
+        client = pipes.connect(pipe_name, PipeConfig(timeout=10), *listener.address)
+        server = listener.accept(timeout=10)
+        for closer, waiter in ((client, server), (server, client)):
+            threading.Timer(0.3, closer.close).start()
+            start = time.monotonic()
+            with pytest.raises(PipeClosed):
+                waiter.recv()
+            assert time.monotonic() - start < 5
+            waiter.close()
+            client = pipes.connect(pipe_name, PipeConfig(timeout=10), *listener.address)
+            server = listener.accept(timeout=10)
+        client.close()
+        server.close()
+    finally:
+        listener.close()
+
+
+@pytest.mark.timeout(30)
+def test_idle_recv_times_out_and_pipe_stays_usable():
+    listener = pipes.listen("tcp", PipeConfig(kv_port=0, timeout=0.5))
+    try:
+        client = pipes.connect("tcp", PipeConfig(timeout=0.5), *listener.address)
+        server = listener.accept(timeout=10)
+        with pytest.raises(PipeTimeout):
+            server.recv()
+        client.send([torch.ones(3, dtype=torch.bfloat16)])
+        assert torch.equal(server.recv()[0], torch.ones(3, dtype=torch.bfloat16))
+        with pytest.raises(ProtocolError, match="out has 2"):
+            client.send([torch.ones(1)])
+            server.recv(out=[torch.empty(1), torch.empty(1)])
+        client.close()
+        server.close()
+    finally:
+        listener.close()
+
+
+def test_unknown_pipe_names_the_known_ones():
+    with pytest.raises(ValueError, match="tcp, torch_dist, ucx"):
+        pipes.listen("carrier_pigeon", PipeConfig())
+
+
+def test_wire_rejects_malformed_headers():
+    good = wire.encode(wire.Kind.TENSORS, [wire.TensorMeta(torch.float32, (2, 3))])
+    head, meta = good[: wire.HEADER.size], good[wire.HEADER.size :]
+    assert wire.decode_meta(meta, 1) == [wire.TensorMeta(torch.float32, (2, 3))]
+    with pytest.raises(ProtocolError, match="bad magic"):
+        wire.decode_header(b"XKV1" + head[4:])
+    with pytest.raises(ProtocolError, match="version 7, we speak"):
+        wire.decode_header(head[:4] + struct.pack("!H", 7) + head[6:])
+    with pytest.raises(ProtocolError, match="unknown message kind"):
+        wire.decode_header(head[:6] + bytes([9]) + head[7:])
+    with pytest.raises(ProtocolError, match="unknown dtype code"):
+        wire.decode_meta(bytes([99]) + meta[1:], 1)
+    with pytest.raises(ProtocolError, match="at most 8"):
+        wire.decode_meta(struct.pack("!BB9QQ", 1, 9, *[1] * 9, 4), 1)
+    with pytest.raises(ProtocolError, match="does not match shape"):
+        wire.decode_meta(struct.pack("!BB2QQ", 1, 2, 2, 3, 25), 1)
+    with pytest.raises(ProtocolError, match="truncated"):
+        wire.decode_meta(meta[:-3], 1)
+    with pytest.raises(ProtocolError, match="larger than"):
+        wire.decode_meta(struct.pack("!BB1QQ", 9, 1, 1 << 41, 1 << 41), 1)
+    with pytest.raises(ProtocolError, match="cannot send dtype"):
+        wire.TensorMeta.of(torch.zeros(1, dtype=torch.complex64))
+
+
+def _read_until_closed(s: socket.socket) -> int:
+    """Bytes the listener sent before hanging up on us (a reset counts as hanging up)."""
+    total = 0
+    try:
+        while chunk := s.recv(4096):
+            total += len(chunk)
+    except ConnectionResetError:
+        pass
+    return total
