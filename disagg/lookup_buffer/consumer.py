@@ -1,0 +1,278 @@
+"""Consumer side of the lookup buffer (decode node).
+
+The consumer listens on its own endpoint (`address`, which the decode node advertises
+as "where to send the KV") and accepts any number of producers. One receiver thread
+per connection stores arriving entries by request id; `drop_select` blocks until the
+entry for exactly its request id is there, checks its token digest and hands it over.
+Entries nobody claims expire after `ttl`.
+"""
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from disagg import pipes
+from disagg.lookup_buffer.errors import (
+    DigestMismatch,
+    LookupBufferError,
+    LookupDiscarded,
+    LookupTimeout,
+    ProducerLost,
+)
+from disagg.lookup_buffer.messages import Hello, KVEntry, decode, token_digest
+from disagg.pipes.base import KVPipe, PipeConfig, PipeError, PipeTimeout, ProtocolError
+
+log = logging.getLogger(__name__)
+
+ACCEPT_POLL_S = 0.2  # how soon the accept thread notices close()
+
+
+@dataclass
+class ConsumerStats:
+    entries: int = 0  # received, not yet claimed
+    bytes: int = 0  # KV bytes of those entries
+    connections: int = 0  # live producer connections
+    received: int = 0
+    bytes_received: int = 0
+    hits: int = 0  # lookups answered with an entry
+    timeouts: int = 0
+    expiries: int = 0  # entries dropped unclaimed after ttl
+    digest_mismatches: int = 0
+    producer_losses: int = 0  # lookups failed because their producer's connection broke
+    discards: int = 0
+
+
+@dataclass
+class _Arrived:
+    entry: KVEntry
+    nbytes: int
+    source: tuple[str, int]
+    deadline: float  # time.monotonic() after which it expires unclaimed
+
+
+class LookupBufferConsumer:
+    """Entries pushed by producers, claimed by request id."""
+
+    def __init__(self, pipe_name: str, config: PipeConfig, ttl: float = 60.0) -> None:
+        self.ttl = ttl
+        self._listener = pipes.listen(pipe_name, config)
+
+        # One condition guards all state below; every arrival, loss, discard and close
+        # notifies all waiters, each of which rechecks its own request.
+        self._cond = threading.Condition()
+        self._closed = False
+        self._entries: dict[str, _Arrived] = {}  # insertion order == deadline order (one ttl)
+        self._discarded: dict[str, float] = {}  # request id -> deadline: late arrivals are dropped
+        self._pipes: set[KVPipe] = set()
+        self._receivers: list[threading.Thread] = []
+        self._losses: dict[tuple[str, int], int] = {}  # broken connections per producer
+        self._loss_reasons: dict[tuple[str, int], str] = {}
+        self._stats = ConsumerStats()
+        self._threads = [
+            threading.Thread(target=self._accept_loop, name="kv-consumer-accept", daemon=True),
+            threading.Thread(target=self._expire_loop, name="kv-consumer-expire", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(host, port) producers push to: what the decode node advertises."""
+        return self._listener.address
+
+    def drop_select(
+        self,
+        request_id: str,
+        token_ids: list[int] | torch.Tensor,
+        timeout: float,
+        source: tuple[str, int] | None = None,
+    ) -> KVEntry:
+        """Wait up to `timeout` seconds for the entry of `request_id`, remove it and return it.
+
+        Raises LookupTimeout if it does not arrive, DigestMismatch if it was computed for
+        other tokens, LookupDiscarded if `discard` was called for it, and, when `source`
+        names the producer expected to send it (its config's kv_ip, kv_port), ProducerLost
+        as soon as a connection from that producer breaks during the wait.
+        """
+        expected = token_digest(token_ids)
+        source = (str(source[0]), int(source[1])) if source is not None else None
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            losses_at_start = self._losses.get(source, 0)
+            while request_id not in self._entries:
+                self._check_open()
+                if request_id in self._discarded:
+                    raise LookupDiscarded(f"lookup for request {request_id!r} ended: the request was discarded")
+                if source is not None and self._losses.get(source, 0) != losses_at_start:
+                    self._stats.producer_losses += 1
+                    raise ProducerLost(
+                        f"no KV for request {request_id!r}: the connection from producer {source[0]}:{source[1]} "
+                        f"broke while we waited ({self._loss_reasons[source]}); recompute the prefill or retry "
+                        "on another prefill node"
+                    )
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._stats.timeouts += 1
+                    raise LookupTimeout(
+                        f"no KV for request {request_id!r} arrived within {timeout}s; the prefill node may be slow, "
+                        "overloaded or unable to reach this decode node: recompute the prefill or raise the timeout"
+                    )
+                self._cond.wait(remaining)
+            arrived = self._remove(request_id)
+            if arrived.entry.token_digest != expected:
+                self._stats.digest_mismatches += 1
+                raise DigestMismatch(
+                    f"KV for request {request_id!r} was computed for other tokens: entry digest "
+                    f"{arrived.entry.token_digest}, expected {expected}; the prefill and decode nodes "
+                    "tokenized the prompt differently (tokenizer or chat template mismatch?)"
+                )
+            self._stats.hits += 1
+            return arrived.entry
+
+    def discard(self, request_id: str) -> bool:
+        """The request was aborted: drop its entry, end its lookups, and drop it if it arrives
+        later (within ttl). True if an entry was dropped."""
+        with self._cond:
+            self._stats.discards += 1
+            self._discarded.pop(request_id, None)  # re-insert: the dict stays in deadline order
+            self._discarded[request_id] = time.monotonic() + self.ttl
+            self._cond.notify_all()
+            if request_id not in self._entries:
+                return False
+            self._remove(request_id)
+            return True
+
+    def stats(self) -> ConsumerStats:
+        with self._cond:
+            return replace(self._stats)
+
+    def close(self) -> None:
+        """Stop listening, close every connection, end waiting lookups and drop all entries."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+            live = list(self._pipes)
+        self._listener.close()
+        for pipe in live:  # wakes its receiver's blocked recv
+            pipe.close()
+        for thread in self._threads:
+            thread.join()
+        with self._cond:
+            receivers = list(self._receivers)
+        for thread in receivers:
+            thread.join()
+        with self._cond:
+            for request_id in list(self._entries):
+                self._remove(request_id)
+
+    def _accept_loop(self) -> None:
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+            try:
+                pipe = self._listener.accept(timeout=ACCEPT_POLL_S)
+            except PipeTimeout:
+                continue
+            except PipeError as e:
+                with self._cond:
+                    if not self._closed:
+                        log.error("KV consumer at %s stopped accepting producers: %s", self.address, e)
+                return
+            with self._cond:
+                if self._closed:
+                    pipe.close()
+                    return
+                self._pipes.add(pipe)
+                receiver = threading.Thread(target=self._recv_loop, args=(pipe,), name="kv-consumer-recv", daemon=True)
+                self._receivers.append(receiver)
+                receiver.start()
+
+    def _recv_loop(self, pipe: KVPipe) -> None:
+        source: tuple[str, int] | None = None
+        reason = "closed"
+        try:
+            hello = decode(self._recv(pipe))
+            if not isinstance(hello, Hello):
+                raise ProtocolError("a producer must send a hello first; is the peer a disagg lookup-buffer producer?")
+            source = hello.source
+            with self._cond:
+                self._stats.connections += 1
+            while True:
+                entry = decode(self._recv(pipe))
+                if not isinstance(entry, KVEntry):
+                    raise ProtocolError("a producer sent a second hello on one connection")
+                self._store(entry, source)
+        except PipeError as e:
+            reason = str(e)
+        finally:
+            pipe.close()
+            with self._cond:
+                self._pipes.discard(pipe)
+                self._receivers.remove(threading.current_thread())
+                if source is not None:
+                    self._stats.connections -= 1
+                    self._losses[source] = self._losses.get(source, 0) + 1
+                    self._loss_reasons[source] = reason
+                    self._cond.notify_all()
+                if not self._closed:
+                    log.warning("KV producer %s disconnected: %s", source or "(before its hello)", reason)
+
+    def _recv(self, pipe: KVPipe) -> list[torch.Tensor] | None:
+        while True:
+            try:
+                return pipe.recv()
+            except PipeTimeout:  # an idle connection, not a dead one; a stalled message breaks the pipe
+                continue
+
+    def _store(self, entry: KVEntry, source: tuple[str, int]) -> None:
+        nbytes = entry.nbytes
+        with self._cond:
+            self._stats.received += 1
+            self._stats.bytes_received += nbytes
+            if entry.request_id in self._discarded:
+                return
+            if entry.request_id in self._entries:  # a resend after a broken connection: keep the newest
+                self._remove(entry.request_id)
+            self._entries[entry.request_id] = _Arrived(entry, nbytes, source, time.monotonic() + self.ttl)
+            self._stats.entries += 1
+            self._stats.bytes += nbytes
+            self._cond.notify_all()
+
+    def _expire_loop(self) -> None:
+        with self._cond:
+            while not self._closed:
+                now, deadlines = time.monotonic(), []
+                while self._entries:
+                    request_id, arrived = next(iter(self._entries.items()))
+                    if arrived.deadline > now:
+                        deadlines.append(arrived.deadline)
+                        break
+                    self._remove(request_id)
+                    self._stats.expiries += 1
+                    log.warning(
+                        "dropped KV of request %r from %s:%d unclaimed after ttl %.1fs",
+                        request_id, *arrived.source, self.ttl,
+                    )
+                while self._discarded:
+                    request_id, deadline = next(iter(self._discarded.items()))
+                    if deadline > now:
+                        deadlines.append(deadline)
+                        break
+                    del self._discarded[request_id]
+                self._cond.wait(min(deadlines) - now if deadlines else None)
+
+    def _remove(self, request_id: str) -> _Arrived:
+        arrived = self._entries.pop(request_id)
+        self._stats.entries -= 1
+        self._stats.bytes -= arrived.nbytes
+        return arrived
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LookupBufferError("the lookup-buffer consumer is closed")

@@ -1,0 +1,115 @@
+"""What the lookup buffer puts on a pipe, and the token digest that identifies a prompt.
+
+A pipe carries lists of tensors and nothing else (no pickle), so every message starts
+with a 1-d uint8 tensor holding a small JSON header; an entry's KV tensors follow it:
+
+    hello  = [header {"kind": "hello", "version", "source": [host, port]}]
+    entry  = [header {"kind": "entry", "version", "request_id", "token_digest", "extras"}, *kv_tensors]
+
+A producer sends one hello as the first message of each connection, so the consumer
+knows which producer a connection (and its failure) belongs to.
+"""
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from disagg.pipes.base import ProtocolError
+
+PROTOCOL_VERSION = 1
+
+Extras = dict[str, int | float | str]
+
+
+def token_digest(token_ids: list[int] | torch.Tensor) -> str:
+    """Hex sha256 of the token ids as int64 little-endian bytes.
+
+    The prefill node returns it to the decode node, and the consumer checks every entry
+    against it, so KV computed for other tokens is never used under the same request id.
+    """
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dim() != 1:
+            raise ValueError(f"token_ids must be 1-d, got shape {list(token_ids.shape)}")
+        ids = token_ids.detach().cpu().numpy().astype("<i8")
+    else:
+        ids = np.asarray(token_ids, dtype="<i8")
+    return hashlib.sha256(ids.tobytes()).hexdigest()
+
+
+@dataclass
+class KVEntry:
+    """One request's KV as it crosses from a producer to a consumer."""
+
+    request_id: str
+    token_digest: str
+    kv_tensors: list[torch.Tensor]
+    extras: Extras = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.kv_tensors)
+
+
+@dataclass
+class Hello:
+    """First message of a connection: who the producer is."""
+
+    source: tuple[str, int]
+    version: int = PROTOCOL_VERSION
+
+
+def check_extras(extras: Extras) -> None:
+    """Extras travel as JSON, so only flat str -> int | float | str maps survive the trip unchanged."""
+    for key, value in extras.items():
+        if not isinstance(key, str) or not isinstance(value, int | float | str):
+            raise TypeError(
+                f"extras[{key!r}] = {value!r} ({type(value).__name__}): extras map str to int, float or str only"
+            )
+
+
+def encode_hello(hello: Hello) -> list[torch.Tensor]:
+    return [_header({"kind": "hello", "version": hello.version, "source": list(hello.source)})]
+
+
+def encode_entry(entry: KVEntry) -> list[torch.Tensor]:
+    header = {
+        "kind": "entry",
+        "version": PROTOCOL_VERSION,
+        "request_id": entry.request_id,
+        "token_digest": entry.token_digest,
+        "extras": entry.extras,
+    }
+    return [_header(header), *entry.kv_tensors]
+
+
+def decode(message: list[torch.Tensor] | None) -> Hello | KVEntry:
+    """Parse a received message; ProtocolError names what was wrong with it."""
+    if not message or message[0].dtype != torch.uint8 or message[0].dim() != 1:
+        raise ProtocolError("lookup-buffer message must start with a 1-d uint8 header tensor")
+    try:
+        header = json.loads(message[0].numpy().tobytes())
+        kind, version = header["kind"], header["version"]
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"peer speaks lookup-buffer protocol version {version}, we speak {PROTOCOL_VERSION}: "
+                "run the same disagg version on prefill and decode nodes"
+            )
+        if kind == "hello":
+            host, port = header["source"]
+            return Hello(source=(str(host), int(port)), version=version)
+        if kind == "entry":
+            extras = header["extras"]
+            if not isinstance(extras, dict):
+                raise TypeError(f"extras must be a map, got {type(extras).__name__}")
+            check_extras(extras)
+            return KVEntry(header["request_id"], header["token_digest"], list(message[1:]), extras)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ProtocolError(f"malformed lookup-buffer header: {e!r}") from None
+    raise ProtocolError(f"unknown lookup-buffer message kind {kind!r}")
+
+
+def _header(obj: dict) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)

@@ -1,0 +1,336 @@
+"""LookupBuffer over the tcp pipe: producers in their own processes (tests/lookup_peer.py),
+consumers in this one, all on loopback and CPU."""
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from lookup_peer import make_request
+
+from disagg.lookup_buffer import (
+    BufferFullError,
+    DigestMismatch,
+    KVEntry,
+    LookupBufferConsumer,
+    LookupBufferProducer,
+    LookupDiscarded,
+    LookupTimeout,
+    ProducerLost,
+    token_digest,
+)
+from disagg.pipes import PipeConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+PEER = Path(__file__).resolve().parent / "lookup_peer.py"
+
+
+@pytest.fixture
+def make_consumer() -> Iterator[Callable[..., LookupBufferConsumer]]:
+    consumers = []
+
+    def make(ttl: float = 30.0) -> LookupBufferConsumer:
+        consumers.append(LookupBufferConsumer("tcp", PipeConfig(kv_port=0), ttl=ttl))
+        return consumers[-1]
+
+    yield make
+    for consumer in consumers:
+        consumer.close()
+
+
+@pytest.fixture
+def make_producer() -> Iterator[Callable[..., LookupBufferProducer]]:
+    producers = []
+
+    def make(kv_buffer_size: int = 1 << 20, ttl: float = 30.0, insert_timeout: float = 5.0) -> LookupBufferProducer:
+        producers.append(LookupBufferProducer("tcp", PipeConfig(kv_port=0), kv_buffer_size, ttl, insert_timeout))
+        return producers[-1]
+
+    yield make
+    for producer in producers:
+        producer.close()
+
+
+@pytest.fixture
+def spawn_producer() -> Iterator[Callable[..., subprocess.Popen]]:
+    """Start tests/lookup_peer.py; killed at teardown if still running."""
+    procs = []
+
+    def spawn(dests: list[tuple[str, int]], source_port: int, count: int, first: int = 0, **opts) -> subprocess.Popen:
+        cmd = [sys.executable, str(PEER), f"--source-port={source_port}", f"--count={count}", f"--first={first}"]
+        for host, port in dests:
+            cmd += ["--dest", f"{host}:{port}"]
+        for name, value in opts.items():
+            cmd += [f"--{name.replace('_', '-')}", str(value)]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True))
+        return procs[-1]
+
+    yield spawn
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+
+def producer_stats(proc: subprocess.Popen, timeout: float = 30.0) -> dict:
+    """The stats the peer prints once everything is sent."""
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"producer exited with {proc.returncode}"
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def assert_entry(entry: KVEntry, i: int, big_floats: int = 0) -> None:
+    token_ids, kv, extras = make_request(i)
+    kv += [torch.ones(big_floats)] if big_floats else []
+    assert entry.request_id == f"req-{i}"
+    assert entry.token_digest == token_digest(token_ids)
+    assert entry.extras == extras
+    assert len(entry.kv_tensors) == len(kv)
+    for got, want in zip(entry.kv_tensors, kv):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def lookup(consumer: LookupBufferConsumer, i: int, timeout: float = 20.0, **kwargs) -> KVEntry:
+    token_ids, _, _ = make_request(i)
+    return consumer.drop_select(f"req-{i}", token_ids, timeout, **kwargs)
+
+
+def unused_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+@pytest.mark.timeout(60)
+def test_shuffled_lookups_with_backpressure(make_consumer, spawn_producer):
+    consumer = make_consumer()
+    # ~20 KB entries through a 64 KB buffer: the producer's inserts must wait for the sender.
+    proc = spawn_producer([consumer.address], source_port=1001, count=200, buffer_bytes=64 << 10)
+    order = list(range(200))
+    random.Random(0).shuffle(order)
+    results: dict[int, KVEntry] = {}
+    errors: list[BaseException] = []
+
+    def worker(indices: list[int]) -> None:
+        try:
+            for i in indices:
+                results[i] = lookup(consumer, i, source=("127.0.0.1", 1001))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(order[k::4],)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i in range(200):
+        assert_entry(results[i], i)
+
+    sent = producer_stats(proc)
+    assert sent["inserts"] == sent["sent"] == 200
+    assert sent["insert_waits"] > 0, "buffer never filled: backpressure not exercised"
+    assert sent["full_errors"] == sent["expiries"] == 0
+    assert sent["entries"] == sent["bytes"] == 0
+    stats = consumer.stats()
+    assert stats.hits == stats.received == 200
+    assert stats.entries == stats.bytes == 0
+    assert stats.bytes_received == sent["bytes_sent"]
+
+
+@pytest.mark.timeout(30)
+def test_lookup_never_inserted_times_out(make_consumer):
+    consumer = make_consumer()
+    start = time.monotonic()
+    with pytest.raises(LookupTimeout, match=r"'never'.*0\.3s"):
+        consumer.drop_select("never", [1, 2, 3], timeout=0.3)
+    assert 0.3 <= time.monotonic() - start < 1.0
+    assert consumer.stats().timeouts == 1
+
+
+@pytest.mark.timeout(30)
+def test_producer_ttl_frees_unreachable_entries(make_producer):
+    producer = make_producer(ttl=0.5)
+    token_ids, kv, extras = make_request(0)
+    start = time.monotonic()
+    producer.insert("req-0", token_ids, kv, extras, ("127.0.0.1", unused_port()))
+    assert producer.stats().bytes > 0
+    wait_until(lambda: producer.stats().entries == 0, timeout=5.0)
+    assert time.monotonic() - start >= 0.5
+    stats = producer.stats()
+    assert (stats.bytes, stats.expiries, stats.sent) == (0, 1, 0)
+    assert stats.send_errors >= 1
+
+
+@pytest.mark.timeout(30)
+def test_consumer_ttl_frees_unclaimed_entries(make_consumer, make_producer):
+    consumer = make_consumer(ttl=0.5)
+    producer = make_producer()
+    token_ids, kv, extras = make_request(0)
+    producer.insert("req-0", token_ids, kv, extras, consumer.address)
+    wait_until(lambda: consumer.stats().received == 1, timeout=5.0)
+    assert consumer.stats().bytes > 0
+    wait_until(lambda: consumer.stats().entries == 0, timeout=5.0)
+    stats = consumer.stats()
+    assert (stats.bytes, stats.expiries, stats.hits) == (0, 1, 0)
+    with pytest.raises(LookupTimeout):
+        consumer.drop_select("req-0", token_ids, timeout=0.1)
+
+
+@pytest.mark.timeout(30)
+def test_insert_into_full_buffer_raises_after_insert_timeout(make_producer):
+    producer = make_producer(kv_buffer_size=1000, ttl=60.0, insert_timeout=0.3)
+    nowhere = ("127.0.0.1", unused_port())  # nothing drains the buffer
+    producer.insert("a", [1], [torch.zeros(200)], None, nowhere)  # 800 bytes
+    start = time.monotonic()
+    with pytest.raises(BufferFullError, match=r"800 of 1000 bytes"):
+        producer.insert("b", [2], [torch.zeros(200)], None, nowhere)
+    assert 0.3 <= time.monotonic() - start < 1.0
+    with pytest.raises(BufferFullError, match="more than the whole kv_buffer_size"):
+        producer.insert("huge", [3], [torch.zeros(251)], None, nowhere)
+    # Aborting the unsent entry gives its bytes back.
+    assert producer.abort("a")
+    producer.insert("b", [2], [torch.zeros(200)], None, nowhere)
+    stats = producer.stats()
+    assert (stats.entries, stats.bytes, stats.aborts, stats.full_errors, stats.insert_waits) == (1, 800, 1, 2, 1)
+
+
+@pytest.mark.timeout(30)
+def test_wrong_digest_is_refused(make_consumer, make_producer):
+    consumer = make_consumer()
+    producer = make_producer()
+    producer.insert("r", [1, 2, 3], [torch.ones(4)], None, consumer.address)
+    with pytest.raises(DigestMismatch) as excinfo:
+        consumer.drop_select("r", [1, 2, 4], timeout=5.0)
+    assert token_digest([1, 2, 3]) in str(excinfo.value)
+    assert token_digest([1, 2, 4]) in str(excinfo.value)
+    assert consumer.stats().digest_mismatches == 1
+
+
+@pytest.mark.timeout(30)
+def test_discard_ends_lookup_and_drops_late_entry(make_consumer, make_producer):
+    consumer = make_consumer()
+    producer = make_producer()
+    threading.Timer(0.2, consumer.discard, args=("r",)).start()
+    with pytest.raises(LookupDiscarded):
+        consumer.drop_select("r", [1], timeout=10.0)
+    producer.insert("r", [1], [torch.ones(4)], None, consumer.address)  # arrives after the discard
+    producer.insert("s", [2], [torch.ones(4)], None, consumer.address)
+    consumer.drop_select("s", [2], timeout=5.0)  # entries arrive in order: "r" came and went first
+    stats = consumer.stats()
+    assert (stats.received, stats.hits, stats.entries, stats.bytes) == (2, 1, 0, 0)
+
+
+@pytest.mark.timeout(30)
+def test_unsendable_entry_is_dropped_without_blocking_the_queue(make_consumer, make_producer):
+    consumer = make_consumer()
+    producer = make_producer()
+    producer.insert("bad", [1], [torch.zeros(2, dtype=torch.complex64)], None, consumer.address)  # tcp lacks it
+    producer.insert("good", [2], [torch.ones(2)], None, consumer.address)
+    assert torch.equal(consumer.drop_select("good", [2], timeout=5.0).kv_tensors[0], torch.ones(2))
+    stats = producer.stats()
+    assert (stats.rejected, stats.sent, stats.entries, stats.bytes) == (1, 1, 0, 0)
+    assert consumer.stats().connections == 1  # the pipe was kept
+
+
+@pytest.mark.timeout(60)
+def test_two_producers_feed_one_consumer(make_consumer, spawn_producer):
+    consumer = make_consumer()
+    procs = [
+        spawn_producer([consumer.address], source_port=1001, first=0, count=30),
+        spawn_producer([consumer.address], source_port=1002, first=1000, count=30),
+    ]
+    for i in [*range(30), *range(1000, 1030)]:
+        assert_entry(lookup(consumer, i), i)
+    assert [producer_stats(proc)["sent"] for proc in procs] == [30, 30]
+    stats = consumer.stats()
+    assert (stats.received, stats.hits, stats.entries) == (60, 60, 0)
+
+
+@pytest.mark.timeout(60)
+def test_one_producer_feeds_two_consumers(make_consumer, spawn_producer):
+    consumers = [make_consumer(), make_consumer()]
+    proc = spawn_producer([c.address for c in consumers], source_port=1001, count=40)
+    assert producer_stats(proc)["sent"] == 40
+    # Sent means handed to the socket: wait until all 40 are in, then no consumer has a stray.
+    wait_until(lambda: sum(c.stats().received for c in consumers) == 40, timeout=5.0)
+    for k, consumer in enumerate(consumers):
+        assert consumer.stats().received == 20
+        for i in range(k, 40, 2):  # entry i is addressed to consumer i % 2
+            assert_entry(lookup(consumer, i, timeout=1.0), i)
+        assert consumer.stats().entries == 0
+
+
+@pytest.mark.timeout(60)
+def test_producer_killed_mid_transfer(make_consumer, make_producer, spawn_producer):
+    consumer = make_consumer()
+    big = 1 << 21  # 8 MB per entry, streamed until the kill: the kill lands mid-message
+    victim_source = ("127.0.0.1", 1001)
+    victim = spawn_producer([consumer.address], source_port=1001, count=0, big_floats=big, buffer_bytes=32 << 20)
+    for i in range(3):  # the stream is flowing
+        assert_entry(lookup(consumer, i, source=victim_source), i, big)
+
+    outcome: dict[str, BaseException] = {}
+    waited: dict[str, float] = {}
+
+    def claim_stream() -> None:  # claims the stream as it comes, so memory stays bounded
+        try:
+            for i in range(3, 10**6):
+                lookup(consumer, i, timeout=2.0, source=victim_source)
+        except BaseException:
+            pass
+
+    def expect_error(name: str, request_id: str, timeout: float, **kwargs) -> None:
+        start = time.monotonic()
+        try:
+            consumer.drop_select(request_id, [1], timeout, **kwargs)
+        except BaseException as e:
+            outcome[name] = e
+        waited[name] = time.monotonic() - start
+
+    threads = [
+        threading.Thread(target=claim_stream),
+        # Names the victim as its source: fails as soon as the victim's connection breaks.
+        threading.Thread(target=expect_error, args=("sourced", "never-1", 20.0), kwargs={"source": victim_source}),
+        # Names no source: ends at its own timeout.
+        threading.Thread(target=expect_error, args=("plain", "never-2", 1.0)),
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    os.kill(victim.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    threads[1].join(timeout=5.0)
+    assert isinstance(outcome.get("sourced"), ProducerLost), outcome
+    assert time.monotonic() - killed < 2.0, "lookup waited for its timeout instead of failing fast"
+    assert "127.0.0.1:1001" in str(outcome["sourced"])
+    threads[2].join()
+    assert isinstance(outcome["plain"], LookupTimeout)
+    assert 1.0 <= waited["plain"] < 2.0
+    threads[0].join()
+
+    assert consumer.stats().connections == 0  # the victim's pipe was dropped
+
+    other = make_producer()  # the consumer still accepts and serves other producers
+    for i in range(5000, 5020):
+        other.insert(f"req-{i}", *make_request(i), consumer.address)
+    for i in range(5000, 5020):
+        assert_entry(lookup(consumer, i), i)
