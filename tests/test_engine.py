@@ -187,3 +187,41 @@ def test_prompt_longer_than_the_cache_is_refused(model_dir):
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate(PASSAGE * 2, greedy(4))
     assert llm.generate("Hello", greedy(4))[0].finish_reason == "length"
+
+
+def test_remote_prefill_continues_like_local(llm, model_dir, hf_model):
+    """A prompt prefilled by one engine and decoded by another gives transformers' tokens."""
+    prefill = LLM(str(model_dir), device="cpu")
+    decode = llm.engine
+    free = decode.block_manager.num_free_blocks
+    prompts = [PROMPTS[2], PROMPTS[6], PROMPTS[5]]
+    for i, prompt in enumerate(prompts):
+        prefill.engine.add_request(f"p{i}", prompt, greedy(1), export_kv=True)
+        decode.add_request(f"r{i}", prompt, greedy(32), remote_prefill=True)
+    assert decode.step() == []  # nothing to compute while the KV is away
+    done = {}
+    while prefill.engine.has_unfinished_requests():
+        for out in prefill.engine.step():
+            i = int(out.request_id[1:])
+            decode.finish_remote_prefill(f"r{i}", out.kv, out.token_ids[0])
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            if out.finished:
+                done[out.request_id] = out
+    for i, prompt in enumerate(prompts):
+        out = done[f"r{i}"]
+        assert out.token_ids == reference(hf_model, out.prompt_token_ids, 32)
+    assert decode.block_manager.num_free_blocks == free
+
+
+def test_remote_prefill_can_fall_back_to_local(llm, hf_model):
+    decode = llm.engine
+    free = decode.block_manager.num_free_blocks
+    decode.add_request("fallback", PROMPTS[4], greedy(16), remote_prefill=True)
+    assert decode.block_manager.num_free_blocks < free
+    decode.prefill_locally("fallback")
+    outs = []
+    while decode.has_unfinished_requests():
+        outs += [o for o in decode.step() if o.finished]
+    assert outs[0].token_ids == reference(hf_model, outs[0].prompt_token_ids, 16)
+    assert decode.block_manager.num_free_blocks == free

@@ -16,7 +16,7 @@ from disagg.engine.output import RequestOutput, TextState
 from disagg.engine.sampler import Sampler
 from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.scheduler import Scheduler
-from disagg.engine.sequence import Sequence
+from disagg.engine.sequence import RemotePrefill, Sequence, SequenceStatus, TokenLogprob
 from disagg.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -117,6 +117,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, _Request] = {}
+        self.pending_outputs: list[RequestOutput] = []  # produced outside step(), handed out by it
 
     # -- requests ------------------------------------------------------------------------
 
@@ -137,8 +138,12 @@ class LLMEngine:
                              f"max_model_len={self.max_model_len} to leave room for output")
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    *, export_kv: bool = False) -> Sequence:
-        """Queue a request. Raises ValueError for bad input; other requests are unaffected."""
+                    *, export_kv: bool = False, remote_prefill: bool = False) -> Sequence:
+        """Queue a request. Raises ValueError for bad input; other requests are unaffected.
+
+        export_kv: when it finishes, its output carries the prompt's KV (a prefill node's job).
+        remote_prefill: reserve blocks and wait for `finish_remote_prefill` to bring the prompt's
+        KV and first token, instead of computing the prompt here (a decode node's job)."""
         params = params or SamplingParams()
         params.validate()
         if request_id in self.requests:
@@ -148,8 +153,49 @@ class LLMEngine:
         seq = Sequence(request_id, token_ids, params)
         seq.export_kv = export_kv
         self.requests[request_id] = _Request(seq, TextState(self.tokenizer, token_ids, params.stop))
-        self.scheduler.add(seq)
+        if remote_prefill:
+            self.scheduler.add_remote(seq)
+        else:
+            self.scheduler.add(seq)
         return seq
+
+    def finish_remote_prefill(self, request_id: str, kv: torch.Tensor, first_token: int,
+                              first_logprob: TokenLogprob | None = None) -> None:
+        """Hand over the KV and first token of a remote-prefilled request; it decodes from the next step."""
+        seq = self._remote_seq(request_id)
+        mc = self.model_config
+        expected = (mc.num_hidden_layers, 2, seq.num_prompt_tokens, mc.num_key_value_heads, mc.head_dim)
+        if tuple(kv.shape) != expected:
+            raise ValueError(f"KV for {request_id} has shape {tuple(kv.shape)}, expected {expected}")
+        if not 0 <= first_token < mc.vocab_size:
+            raise ValueError(f"first token {first_token} of {request_id} is outside the vocabulary")
+        seq.remote_prefill = RemotePrefill(kv, first_token, first_logprob)
+        if seq.request_id in self.scheduler.waiting_for_kv:
+            self._load_remote(seq)
+
+    def prefill_locally(self, request_id: str) -> None:
+        """The remote prefill failed: compute this request's prompt here instead."""
+        seq = self._remote_seq(request_id)
+        self.scheduler.finish(seq)  # gives the reserved blocks back; the prefix cache keeps what it can
+        seq.remote_prefill = None
+        self.scheduler.add(seq)
+
+    def _remote_seq(self, request_id: str) -> Sequence:
+        request = self.requests.get(request_id)
+        if request is None or request.seq.status != SequenceStatus.WAITING_FOR_KV:
+            raise KeyError(f"request {request_id!r} is not waiting for remote KV")
+        return request.seq
+
+    def _load_remote(self, seq: Sequence) -> None:
+        remote = seq.remote_prefill
+        # Leading blocks hit in our own prefix cache already hold this KV.
+        start = seq.num_cached_tokens
+        self.kv_cache.scatter(seq.block_table, remote.kv[:, :, start:], start)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.block_manager.commit(seq)
+        seq.remote_prefill = None
+        self.scheduler.start_remote(seq)
+        self.pending_outputs.append(self._append(seq, remote.first_token, remote.first_logprob))
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request and free its blocks; False if it is unknown or already finished."""
@@ -164,20 +210,36 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_work(self) -> bool:
+        """Something for step() to do now (requests waiting for remote KV need no steps)."""
+        reserving = self.scheduler.reserving
+        return (self.scheduler.has_work() or bool(self.pending_outputs)
+                or any(seq.remote_prefill is not None for seq in self.scheduler.waiting_for_kv.values())
+                or bool(reserving and self.block_manager.can_allocate(reserving[0])))
+
     # -- the loop ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; return an output for every request that got a token."""
+        self._admit_remote()
+        outputs, self.pending_outputs = self.pending_outputs, []
         batch = ModelRunner.order(self.scheduler.schedule())
         if not batch:
-            return []
+            return outputs
         logits = self.runner.run(batch)
         sampled = [item.seq for item in batch if item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens]
         for item in batch:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.commit(item.seq)
         results = self.sampler(logits, [(seq.request_id, seq.params) for seq in sampled])
-        return [self._append(seq, token, logprob) for seq, (token, logprob) in zip(sampled, results)]
+        return outputs + [self._append(seq, token, logprob) for seq, (token, logprob) in zip(sampled, results)]
+
+    def _admit_remote(self) -> None:
+        """Reserve blocks for remote requests that waited for them; load KV that already came."""
+        self.scheduler.reserve()
+        for seq in list(self.scheduler.waiting_for_kv.values()):
+            if seq.remote_prefill is not None:
+                self._load_remote(seq)
 
     def _append(self, seq: Sequence, token: int, logprob) -> RequestOutput:
         request = self.requests[seq.request_id]

@@ -41,6 +41,7 @@ class KVCache:
         """A request's first num_tokens of KV as [layers, 2, num_tokens, kv_heads, head_dim]."""
         return self.kv[:, :, self.slots(block_ids, num_tokens)]
 
-    def scatter(self, block_ids: list[int], kv: torch.Tensor) -> None:
-        """Write KV received from elsewhere into a request's blocks."""
-        self.kv[:, :, self.slots(block_ids, kv.shape[2])] = kv.to(self.kv.device, self.kv.dtype)
+    def scatter(self, block_ids: list[int], kv: torch.Tensor, start: int = 0) -> None:
+        """Write KV received from elsewhere into a request's blocks, from token `start` on."""
+        slots = self.slots(block_ids, start + kv.shape[2])[start:]
+        self.kv[:, :, slots] = kv.to(self.kv.device, self.kv.dtype)

@@ -27,11 +27,32 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Sequences whose KV is computed elsewhere: first they wait for blocks, then for the KV.
+        self.reserving: deque[Sequence] = deque()
+        self.waiting_for_kv: dict[str, Sequence] = {}
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+
+    def add_remote(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING_FOR_KV
+        self.reserving.append(seq)
+        self.reserve()
+
+    def reserve(self) -> None:
+        """Give blocks to remote sequences, in arrival order, while blocks are free."""
+        while self.reserving and self.block_manager.can_allocate(self.reserving[0]):
+            seq = self.reserving.popleft()
+            self.block_manager.allocate(seq)
+            self.waiting_for_kv[seq.request_id] = seq
+
+    def start_remote(self, seq: Sequence) -> None:
+        """Its KV has been loaded into its blocks: decode it from now on."""
+        del self.waiting_for_kv[seq.request_id]
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -81,5 +102,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.reserving:
+            self.reserving.remove(seq)
+        self.waiting_for_kv.pop(seq.request_id, None)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED

@@ -4,6 +4,8 @@ import enum
 import time
 from dataclasses import dataclass
 
+import torch
+
 from disagg.engine.sampling_params import SamplingParams
 
 
@@ -19,6 +21,13 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the n most likely (token id, logprob), when asked
+
+
+@dataclass
+class RemotePrefill:
+    kv: torch.Tensor  # [layers, 2, prompt tokens, kv heads, head dim]
+    first_token: int
+    first_logprob: TokenLogprob | None
 
 
 class Sequence:
@@ -37,6 +46,7 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.arrival_time = time.monotonic()
         self.export_kv = False  # prefill node: hand the prompt's KV out when done
+        self.remote_prefill: RemotePrefill | None = None  # decode node: KV and first token from a prefill node
 
     @property
     def num_tokens(self) -> int:
