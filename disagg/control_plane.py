@@ -1,0 +1,61 @@
+"""Messages of the control plane between decode and prefill nodes, as plain dataclasses.
+
+`proto/disagg.proto` is the wire contract; these are what the nodes pass around in-process,
+converted to and from protobuf at the gRPC boundary only.
+"""
+
+from dataclasses import dataclass, fields
+
+from disagg.engine.sampling_params import SamplingParams
+from disagg.engine.sequence import TokenLogprob
+
+PROTOCOL_VERSION = 1
+# Fields two nodes must agree on before KV can move between them.
+COMPATIBILITY_FIELDS = ("protocol_version", "model_name", "dtype", "num_layers", "num_kv_heads",
+                        "head_dim", "block_size", "kv_connector")
+
+
+@dataclass
+class NodeInfo:
+    model_name: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    kv_connector: str  # the pipe both ends must speak
+    kv_ip: str  # this node's own pipe endpoint
+    kv_port: int
+    protocol_version: int = PROTOCOL_VERSION
+
+    def mismatch(self, other: "NodeInfo") -> str | None:
+        """The first compatibility field that differs, described for an error message."""
+        for name in COMPATIBILITY_FIELDS:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                return f"{name} differs: this node has {mine!r}, the peer has {theirs!r}"
+        return None
+
+
+@dataclass
+class PrefillCall:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams  # the first token is sampled with these
+    kv_dest: tuple[str, int]  # the decode node's pipe endpoint: where the KV goes
+
+
+@dataclass
+class PrefillResult:
+    first_token: int
+    first_logprob: TokenLogprob | None
+    token_digest: str  # of the prompt whose KV was sent
+    num_cached_tokens: int  # prompt tokens the prefill node's prefix cache already had
+    kv_bytes: int
+    prefill_seconds: float
+
+
+def sampling_fields(params: SamplingParams) -> dict:
+    """What a prefill node needs of the sampling params to pick the first token."""
+    return {f.name: getattr(params, f.name) for f in fields(SamplingParams)
+            if f.name in ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs")}

@@ -1,0 +1,215 @@
+"""The decode node's side of the control plane: one gRPC client per prefill node, and the pool
+that picks among them.
+
+At start the pool runs the Info handshake with every node: a node that serves another model,
+dtype or block size, or refuses our auth token, is a misconfiguration and stops the decode node
+with the reason; a node that is merely unreachable is marked unhealthy and retried, since the
+decode node can serve meanwhile by computing prompts itself. A health loop (grpc.health.v1)
+marks nodes that stop answering and takes them back, after a new handshake, when they answer.
+"""
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from disagg.control_plane import NodeInfo, PrefillCall, PrefillResult
+from disagg.proto import AUTH_METADATA_KEY, SERVICE_NAME, convert, disagg_pb2_grpc
+from disagg.proto import disagg_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+ABORT_TIMEOUT_S = 1.0  # an abort is best effort: never hold a request's cleanup longer
+# gRPC backs off reconnects up to 120 s by default; a prefill node that restarts should be
+# noticed by the next health checks, not minutes later.
+CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
+class PrefillClientError(RuntimeError):
+    """Base of every error of a call to a prefill node."""
+
+
+class PrefillNodeUnavailable(PrefillClientError):
+    """The node could not be reached (down, wrong address, or no healthy node to pick)."""
+
+
+class PrefillNodeMismatch(PrefillClientError):
+    """The node serves something this decode node cannot use (model, dtype, block size, ...)."""
+
+
+class PrefillAuthError(PrefillClientError):
+    """The node refused this node's auth token."""
+
+
+class PrefillFailed(PrefillClientError):
+    """The node answered the call with an error status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class PrefillNodeBusy(PrefillFailed):
+    """RESOURCE_EXHAUSTED: the node's KV buffer is full; another node (or recomputing) may serve."""
+
+
+class PrefillClient:
+    """A channel to one prefill node. Create it inside the running event loop."""
+
+    def __init__(self, address: str, auth_token: str | None):
+        self.address = address  # "host:port" of the node's gRPC server
+        self.metadata = ((AUTH_METADATA_KEY, auth_token),) if auth_token else ()
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = disagg_pb2_grpc.PrefillServiceStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        self.info: NodeInfo | None = None  # the node's, after connect
+        self.healthy = False
+        self.reason = "not connected yet"  # why it is unhealthy, for logs and error messages
+        self.outstanding = 0  # Prefill calls in flight
+
+    async def connect(self, expected: NodeInfo, timeout: float) -> NodeInfo:
+        """The Info handshake: the node's NodeInfo, checked against `expected` (this node's)."""
+        try:
+            msg = await self.stub.Info(pb.InfoRequest(), timeout=timeout, metadata=self.metadata)
+        except grpc.aio.AioRpcError as e:
+            raise self._error(e, "Info", timeout) from None
+        peer = convert.node_info_from_proto(msg)
+        reason = expected.mismatch(peer)
+        if reason is not None:
+            raise PrefillNodeMismatch(
+                f"prefill node {self.address} is incompatible with this decode node: {reason}; "
+                f"start both nodes with the same model, dtype, block size and kv_connector")
+        self.info = peer
+        self.mark_healthy()
+        return peer
+
+    async def prefill(self, call: PrefillCall, timeout: float) -> PrefillResult:
+        self.outstanding += 1
+        try:
+            reply = await self.stub.Prefill(convert.prefill_call_to_proto(call), timeout=timeout,
+                                            metadata=self.metadata)
+        except grpc.aio.AioRpcError as e:
+            error = self._error(e, f"Prefill of {call.request_id}", timeout)
+            if isinstance(error, PrefillNodeUnavailable):
+                self.mark_unhealthy(str(error))  # don't send it more work until a health check passes
+            raise error from None
+        finally:
+            self.outstanding -= 1
+        return convert.prefill_result_from_proto(reply)
+
+    async def abort(self, request_id: str) -> bool:
+        """Ask the node to drop the request; False when it did not hold it or could not be told."""
+        try:
+            reply = await self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=ABORT_TIMEOUT_S,
+                                          metadata=self.metadata)
+        except grpc.aio.AioRpcError as e:
+            logger.debug("abort of %s on %s failed: %s", request_id, self.address, e.details())
+            return False
+        return reply.aborted
+
+    async def check_health(self, timeout: float) -> str | None:
+        """None when the node's health service says PrefillService is SERVING, else why not; never raises."""
+        try:
+            reply = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            return f"health check failed: {e.code().name}: {e.details()}"
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            return f"health check says {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
+        return None
+
+    def mark_healthy(self) -> None:
+        if not self.healthy:
+            logger.info("prefill node %s is healthy", self.address)
+        self.healthy = True
+        self.reason = ""
+
+    def mark_unhealthy(self, reason: str) -> None:
+        if self.healthy:
+            logger.warning("prefill node %s is unhealthy: %s", self.address, reason)
+        self.healthy = False
+        self.reason = reason
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    def _error(self, e: grpc.aio.AioRpcError, what: str, timeout: float) -> PrefillClientError:
+        code, details = e.code(), e.details()
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return PrefillAuthError(f"prefill node {self.address} refused {what}: {details}; "
+                                    "give both nodes the same kv_connector_extra_config.auth_token")
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return PrefillNodeUnavailable(f"prefill node {self.address} is unreachable ({what}): {details}")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return PrefillFailed(code, f"prefill node {self.address} did not answer {what} within {timeout:g}s")
+        if code == grpc.StatusCode.UNIMPLEMENTED:
+            return PrefillNodeMismatch(f"{self.address} does not serve {SERVICE_NAME} ({what}: {details}); "
+                                       "is it a prefill node's --grpc-port?")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return PrefillNodeBusy(code, f"prefill node {self.address} is busy ({what}): {details}")
+        return PrefillFailed(code, f"prefill node {self.address} failed {what}: {code.name}: {details}")
+
+
+class PrefillPool:
+    """The decode node's prefill nodes: `pick()` the least loaded healthy one."""
+
+    def __init__(self, addresses: list[str], auth_token: str | None, expected: NodeInfo,
+                 health_interval: float = 1.0):
+        if not addresses:
+            raise ValueError("a prefill pool needs at least one prefill node address (host:port)")
+        self.expected = expected  # this node's NodeInfo: every prefill node must match it
+        self.health_interval = health_interval
+        self.clients = [PrefillClient(address, auth_token) for address in addresses]
+        self.health_task: asyncio.Task | None = None
+
+    async def start(self, timeout: float) -> None:
+        """Handshake with every node, then watch them. Raises PrefillNodeMismatch or
+        PrefillAuthError when a node is misconfigured; unreachable nodes only start unhealthy."""
+        results = await asyncio.gather(*(c.connect(self.expected, timeout) for c in self.clients),
+                                       return_exceptions=True)
+        refused = [r for r in results if isinstance(r, (PrefillNodeMismatch, PrefillAuthError))]
+        if refused:
+            await self.close()
+            raise refused[0]
+        for client, result in zip(self.clients, results):
+            if isinstance(result, BaseException):
+                client.mark_unhealthy(str(result))
+                logger.warning("prefill node %s: %s; retrying it every %gs",
+                               client.address, result, self.health_interval)
+        self.health_task = asyncio.create_task(self._health_loop(), name="prefill-health")
+
+    def pick(self) -> PrefillClient:
+        healthy = [c for c in self.clients if c.healthy]
+        if not healthy:
+            reasons = "; ".join(f"{c.address}: {c.reason}" for c in self.clients)
+            raise PrefillNodeUnavailable(f"no healthy prefill node: {reasons}")
+        return min(healthy, key=lambda c: c.outstanding)
+
+    async def close(self) -> None:
+        if self.health_task is not None:
+            self.health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.health_task
+            self.health_task = None
+        await asyncio.gather(*(c.close() for c in self.clients))
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval)
+            await asyncio.gather(*(self._check(c) for c in self.clients))
+
+    async def _check(self, client: PrefillClient) -> None:
+        problem = await client.check_health(timeout=self.health_interval)
+        if problem is not None:
+            client.mark_unhealthy(problem)
+            return
+        if client.healthy:
+            return
+        # Back after a failure: it may have restarted with another model or pipe port.
+        try:
+            await client.connect(self.expected, timeout=self.health_interval)
+        except PrefillClientError as e:
+            if str(e) != client.reason:
+                logger.warning("prefill node %s answers but is refused: %s", client.address, e)
+            client.reason = str(e)

@@ -1,0 +1,109 @@
+"""The gRPC face of a prefill node: PrefillService (proto/disagg.proto), the standard health
+service, and the shared-secret check. The servicer only converts messages and maps errors to
+status codes; what a call does is PrefillNode's business.
+"""
+
+import hmac
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from disagg.lookup_buffer import BufferFullError
+from disagg.prefill_node.node import PrefillNode
+from disagg.proto import AUTH_METADATA_KEY, SERVICE_NAME, convert, disagg_pb2_grpc
+from disagg.proto import disagg_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+AUTH_ERROR = "wrong or missing node auth token (kv_connector_extra_config.auth_token)"
+HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
+
+
+class PrefillServicer(disagg_pb2_grpc.PrefillServiceServicer):
+    def __init__(self, node: PrefillNode):
+        self.node = node
+
+    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.NodeInfo:
+        return convert.node_info_to_proto(self.node.info)
+
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillReply:
+        # asyncio.CancelledError (the caller cancelled or its deadline passed) is not an Exception:
+        # it reaches grpc, which reports CANCELLED / DEADLINE_EXCEEDED itself.
+        try:
+            result = await self.node.prefill(convert.prefill_call_from_proto(request))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prefill of {request.request_id} refused: {e}")
+        except BufferFullError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"prefill of {request.request_id} refused: {e}")
+        except Exception as e:
+            logger.exception("prefill of %s failed", request.request_id)
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                f"prefill of {request.request_id} failed on the prefill node: {type(e).__name__}: {e}")
+        return convert.prefill_result_to_proto(result)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortReply:
+        try:
+            aborted = await self.node.abort(request.request_id)
+        except Exception as e:
+            logger.exception("abort of %s failed", request.request_id)
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                f"abort of {request.request_id} failed on the prefill node: {type(e).__name__}: {e}")
+        return pb.AbortReply(aborted=aborted)
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every call but health checks unless its metadata carries the shared secret."""
+
+    def __init__(self, token: str):
+        self.token = token.encode()
+        self.deny = grpc.unary_unary_rpc_method_handler(self._deny)
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        # Health checks stay open so load balancers and probes need no secret.
+        if details.method.startswith(HEALTH_METHOD_PREFIX):
+            return await continuation(details)
+        sent = dict(details.invocation_metadata or ()).get(AUTH_METADATA_KEY, "")
+        if hmac.compare_digest(sent.encode(), self.token):
+            return await continuation(details)
+        return self.deny
+
+    @staticmethod
+    async def _deny(request: bytes, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, AUTH_ERROR)
+
+
+class PrefillGrpcServer:
+    """A started gRPC server; `stop` turns its health to NOT_SERVING before closing it."""
+
+    def __init__(self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer, port: int):
+        self.server = server
+        self.health = health_servicer
+        self.port = port  # the bound port (the one asked for, or the one picked for port 0)
+
+    async def stop(self, grace: float | None = None) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def start_grpc_server(node: PrefillNode, host: str, port: int, auth_token: str | None) -> PrefillGrpcServer:
+    """Serve PrefillService and grpc.health.v1 on host:port (port 0: any free port)."""
+    interceptors = [AuthInterceptor(auth_token)] if auth_token else []
+    # gRPC sets SO_REUSEPORT by default, which lets a second server bind a port another one serves.
+    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+    disagg_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(node), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpc has logged the OS error; say what to do about it
+        raise OSError(f"cannot serve gRPC on {host}:{port}: the port is in use or {host} is not an address "
+                      "of this machine; free it or pick another --grpc-port") from None
+    await server.start()
+    for service in ("", SERVICE_NAME):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    logger.info("gRPC PrefillService on %s:%d (auth %s)", host, bound, "on" if auth_token else "off")
+    return PrefillGrpcServer(server, health_servicer, bound)

@@ -1,0 +1,63 @@
+"""Control-plane dataclasses <-> protobuf messages, one pair of functions per message.
+
+Only the gRPC boundary (prefill_node/service.py, decode_node/prefill_client.py) calls these;
+everything else passes the dataclasses of disagg/control_plane.py.
+"""
+
+from dataclasses import asdict
+
+from disagg.control_plane import NodeInfo, PrefillCall, PrefillResult, sampling_fields
+from disagg.engine.sampling_params import SamplingParams
+from disagg.engine.sequence import TokenLogprob
+from disagg.proto import disagg_pb2 as pb
+
+
+def node_info_to_proto(info: NodeInfo) -> pb.NodeInfo:
+    return pb.NodeInfo(**asdict(info))
+
+
+def node_info_from_proto(msg: pb.NodeInfo) -> NodeInfo:
+    return NodeInfo(model_name=msg.model_name, dtype=msg.dtype, num_layers=msg.num_layers,
+                    num_kv_heads=msg.num_kv_heads, head_dim=msg.head_dim, block_size=msg.block_size,
+                    kv_connector=msg.kv_connector, kv_ip=msg.kv_ip, kv_port=msg.kv_port,
+                    protocol_version=msg.protocol_version)
+
+
+def prefill_call_to_proto(call: PrefillCall) -> pb.PrefillRequest:
+    host, port = call.kv_dest
+    # Fields left None stay unset: the receiver reads them back as None.
+    sampling = {k: v for k, v in sampling_fields(call.params).items() if v is not None}
+    return pb.PrefillRequest(request_id=call.request_id, prompt_token_ids=call.prompt_token_ids,
+                             sampling=pb.SamplingFields(**sampling), kv_dest_host=host, kv_dest_port=port)
+
+
+def prefill_call_from_proto(msg: pb.PrefillRequest) -> PrefillCall:
+    """Raises ValueError when the sampling fields are out of range (SamplingParams checks them)."""
+    s = msg.sampling
+    params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+                            seed=s.seed if s.HasField("seed") else None,
+                            logprobs=s.logprobs if s.HasField("logprobs") else None)
+    return PrefillCall(request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids), params=params,
+                       kv_dest=(msg.kv_dest_host, msg.kv_dest_port))
+
+
+def prefill_result_to_proto(result: PrefillResult) -> pb.PrefillReply:
+    logprob = None
+    if result.first_logprob is not None:
+        lp = result.first_logprob
+        logprob = pb.Logprob(token_id=lp.token_id, logprob=lp.logprob,
+                             top=[pb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top])
+    return pb.PrefillReply(first_token=result.first_token, first_logprob=logprob, token_digest=result.token_digest,
+                           num_cached_tokens=result.num_cached_tokens, kv_bytes=result.kv_bytes,
+                           prefill_seconds=result.prefill_seconds)
+
+
+def prefill_result_from_proto(msg: pb.PrefillReply) -> PrefillResult:
+    logprob = None
+    if msg.HasField("first_logprob"):
+        lp = msg.first_logprob
+        logprob = TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                               top=[(t.token_id, t.logprob) for t in lp.top])
+    return PrefillResult(first_token=msg.first_token, first_logprob=logprob, token_digest=msg.token_digest,
+                         num_cached_tokens=msg.num_cached_tokens, kv_bytes=msg.kv_bytes,
+                         prefill_seconds=msg.prefill_seconds)

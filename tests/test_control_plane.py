@@ -1,0 +1,371 @@
+"""The control plane over real gRPC on loopback: a PrefillNode running a tiny random Llama behind
+start_grpc_server, and the decode node's PrefillClient / PrefillPool talking to it."""
+
+import asyncio
+import dataclasses
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from conftest import write_tiny_llama
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from disagg.config import EngineConfig, KVTransferConfig
+from disagg.control_plane import COMPATIBILITY_FIELDS, NodeInfo, PrefillCall
+from disagg.decode_node.prefill_client import (
+    PrefillAuthError,
+    PrefillClient,
+    PrefillFailed,
+    PrefillNodeBusy,
+    PrefillNodeMismatch,
+    PrefillNodeUnavailable,
+    PrefillPool,
+)
+from disagg.engine.async_engine import AsyncEngine
+from disagg.engine.engine import LLMEngine
+from disagg.engine.sampling_params import SamplingParams
+from disagg.lookup_buffer import (
+    LookupBufferConsumer,
+    LookupBufferProducer,
+    token_digest,
+)
+from disagg.pipes import PipeConfig
+from disagg.prefill_node.node import PrefillNode
+from disagg.prefill_node.service import PrefillGrpcServer, start_grpc_server
+from disagg.proto import SERVICE_NAME, generate
+from disagg.serving import node_info
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKEN = "s3cret"
+PROMPT = list(range(1000, 1040))  # 40 tokens: two full 16-token blocks for the prefix cache
+
+
+def run(coro: Coroutine, timeout: float = 20.0):
+    """Each test is one event loop; the engine thread behind the node serves any loop."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[AsyncEngine]:
+    tiny = write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), model_dir)
+    engine = AsyncEngine(LLMEngine(EngineConfig(model=str(tiny), device="cpu")))
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def make_node(engine: AsyncEngine) -> Iterator[Callable[..., PrefillNode]]:
+    """make_node(kv_buffer_size=...) -> a PrefillNode on the shared engine, as run_prefill_node builds it."""
+    producers = []
+
+    def make(kv_buffer_size: int = 10**8) -> PrefillNode:
+        kv = KVTransferConfig(kv_role="producer", kv_port=14600, kv_connector_extra_config={"auth_token": TOKEN})
+        producer = LookupBufferProducer(kv.kv_connector, PipeConfig(kv.kv_ip, kv.kv_port, TOKEN, 5.0),
+                                        kv_buffer_size, ttl=10.0, insert_timeout=0.5)
+        producers.append(producer)
+        return PrefillNode(engine, producer, node_info(engine, "tiny-llama", kv))
+
+    yield make
+    for producer in producers:
+        producer.close()
+
+
+@pytest.fixture(scope="module")
+def node(make_node: Callable[..., PrefillNode]) -> PrefillNode:
+    return make_node()
+
+
+@pytest.fixture(scope="module")
+def consumer() -> Iterator[LookupBufferConsumer]:
+    """The decode side's pipe endpoint: where prefill calls send their KV."""
+    consumer = LookupBufferConsumer("tcp", PipeConfig("127.0.0.1", 0, TOKEN, 5.0))
+    yield consumer
+    consumer.close()
+
+
+def address(server: PrefillGrpcServer) -> str:
+    return f"127.0.0.1:{server.port}"
+
+
+def prefill_call(request_id: str, consumer: LookupBufferConsumer, **params) -> PrefillCall:
+    return PrefillCall(request_id, PROMPT, SamplingParams(temperature=0.0, **params), consumer.address)
+
+
+async def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not {what} within {timeout}s")
+        await asyncio.sleep(0.05)
+
+
+# --- generated stubs ---------------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_stubs_are_fresh():
+    result = subprocess.run([sys.executable, "-m", "disagg.proto.generate", "--check"], check=False, cwd=ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_check_notices_a_changed_proto(tmp_path: Path, capsys: pytest.CaptureFixture):
+    changed = tmp_path / "disagg.proto"
+    shutil.copy(ROOT / "proto" / "disagg.proto", changed)
+    changed.write_text(changed.read_text().replace("message AbortRequest {", "message AbortRequest {\n  string why = 2;"))
+    assert generate.main(["--check", "--proto", str(changed)]) == 1
+    message = capsys.readouterr().err
+    assert "disagg_pb2.py" in message and "python -m disagg.proto.generate" in message
+
+
+# --- prefill through gRPC ----------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_prefill_runs_the_engine_and_the_kv_reaches_the_consumer(node: PrefillNode, consumer: LookupBufferConsumer):
+    async def scenario():
+        server = await start_grpc_server(node, "127.0.0.1", 0, TOKEN)
+        client = PrefillClient(address(server), TOKEN)
+        try:
+            peer = await client.connect(node.info, timeout=5)
+            assert peer == node.info and client.healthy
+            result = await client.prefill(prefill_call("greedy-1", consumer, logprobs=2), timeout=10)
+            assert client.outstanding == 0
+            entry = await asyncio.to_thread(consumer.drop_select, "greedy-1", PROMPT, 10.0)
+            again = await client.prefill(prefill_call("greedy-2", consumer), timeout=10)
+            await asyncio.to_thread(consumer.drop_select, "greedy-2", PROMPT, 10.0)
+            return result, entry, again
+        finally:
+            await client.close()
+            await server.stop(0)
+
+    result, entry, again = run(scenario())
+    assert result.token_digest == token_digest(PROMPT) == entry.token_digest
+    assert result.kv_bytes == entry.nbytes > 0
+    [kv] = entry.kv_tensors
+    assert kv.shape[:3] == (node.info.num_layers, 2, len(PROMPT))
+    # Greedy: the first token is the most likely one, and its logprob came across with the top 2.
+    lp = result.first_logprob
+    assert lp is not None and lp.token_id == result.first_token and len(lp.top) == 2
+    assert lp.top[0] == (result.first_token, pytest.approx(lp.logprob))
+    # The same prompt again: the same token, mostly from the prefix cache, and no logprobs asked.
+    assert again.first_token == result.first_token and again.first_logprob is None
+    assert again.num_cached_tokens > 0
+
+
+@pytest.mark.timeout(60)
+def test_prefill_errors_map_to_status_codes(node: PrefillNode, make_node: Callable[..., PrefillNode],
+                                           consumer: LookupBufferConsumer):
+    small = make_node(kv_buffer_size=1)  # no prompt's KV fits: every insert is refused
+
+    async def scenario():
+        server = await start_grpc_server(node, "127.0.0.1", 0, None)
+        small_server = await start_grpc_server(small, "127.0.0.1", 0, None)
+        client, small_client = PrefillClient(address(server), None), PrefillClient(address(small_server), None)
+        try:
+            bad = PrefillCall("bad-token", [1, 10**9], SamplingParams(temperature=0.0), consumer.address)
+            with pytest.raises(PrefillFailed) as invalid:
+                await client.prefill(bad, timeout=10)
+            with pytest.raises(PrefillNodeBusy) as busy:
+                await small_client.prefill(prefill_call("too-big", consumer), timeout=10)
+            assert not await client.abort("never-sent")
+            return invalid.value, busy.value
+        finally:
+            await client.close()
+            await small_client.close()
+            await server.stop(0)
+            await small_server.stop(0)
+
+    invalid, busy = run(scenario())
+    assert invalid.code == grpc.StatusCode.INVALID_ARGUMENT and "token ids must be integers" in str(invalid)
+    assert busy.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "kv_buffer_size" in str(busy)
+
+
+# --- handshake and auth ------------------------------------------------------------------------
+
+def changed(info: NodeInfo, field: str) -> NodeInfo:
+    value = getattr(info, field)
+    return dataclasses.replace(info, **{field: value + 1 if isinstance(value, int) else f"{value}-other"})
+
+
+@pytest.mark.timeout(60)
+def test_handshake_refuses_each_mismatched_field_by_name(node: PrefillNode):
+    async def scenario():
+        server = await start_grpc_server(node, "127.0.0.1", 0, TOKEN)
+        try:
+            errors = {}
+            for field in COMPATIBILITY_FIELDS:
+                client = PrefillClient(address(server), TOKEN)
+                with pytest.raises(PrefillNodeMismatch) as refused:
+                    await client.connect(changed(node.info, field), timeout=5)
+                errors[field] = str(refused.value)
+                assert not client.healthy and client.info is None
+                await client.close()
+            return errors
+        finally:
+            await server.stop(0)
+
+    for field, message in run(scenario()).items():
+        assert f"{field} differs" in message and "127.0.0.1:" in message
+
+
+@pytest.mark.timeout(60)
+def test_wrong_or_missing_token_is_refused_but_health_stays_open(node: PrefillNode):
+    async def scenario():
+        server = await start_grpc_server(node, "127.0.0.1", 0, TOKEN)
+        try:
+            errors = []
+            for token in ("wrong", None):
+                client = PrefillClient(address(server), token)
+                with pytest.raises(PrefillAuthError) as refused:
+                    await client.connect(node.info, timeout=5)
+                errors.append(str(refused.value))
+                assert await client.check_health(timeout=5) is None  # health checks need no token
+                await client.close()
+            pool = PrefillPool([address(server)], "wrong", node.info)
+            with pytest.raises(PrefillAuthError):
+                await pool.start(timeout=5)
+            return errors
+        finally:
+            await server.stop(0)
+
+    for message in run(scenario()):
+        assert "127.0.0.1:" in message and "auth token (kv_connector_extra_config.auth_token)" in message
+
+
+@pytest.mark.timeout(60)
+def test_health_service_serves_and_turns_not_serving_on_stop(node: PrefillNode):
+    async def scenario():
+        server = await start_grpc_server(node, "127.0.0.1", 0, TOKEN)
+        async with grpc.aio.insecure_channel(address(server)) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            for service in ("", SERVICE_NAME):
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            watch = stub.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+            first = await watch.read()
+            stopping = asyncio.create_task(server.stop(grace=2))
+            second = await watch.read()
+            watch.cancel()
+            await stopping
+        return first.status, second.status
+
+    assert run(scenario()) == (health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+@pytest.mark.timeout(60)
+def test_binding_a_port_in_use_names_the_port(node: PrefillNode):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"127.0.0.1:{port}.*in use"):
+            run(start_grpc_server(node, "127.0.0.1", port, None))
+
+
+# --- pool --------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_pool_picks_the_node_with_fewest_prefills_in_flight(node: PrefillNode, consumer: LookupBufferConsumer):
+    async def scenario():
+        servers = [await start_grpc_server(node, "127.0.0.1", 0, TOKEN) for _ in range(2)]
+        pool = PrefillPool([address(s) for s in servers], TOKEN, node.info)
+        try:
+            await pool.start(timeout=5)
+            first = pool.pick()
+            in_flight = asyncio.create_task(first.prefill(prefill_call("pick-1", consumer), timeout=10))
+            await asyncio.sleep(0)  # the call has started: it counts as outstanding
+            assert first.outstanding == 1
+            second = pool.pick()
+            assert second is not first
+            await asyncio.gather(in_flight, second.prefill(prefill_call("pick-2", consumer), timeout=10))
+            assert pool.pick() is first  # both idle again: ties go to the first node
+            for request_id in ("pick-1", "pick-2"):
+                await asyncio.to_thread(consumer.drop_select, request_id, PROMPT, 10.0)
+            return first.address, second.address
+        finally:
+            await pool.close()
+            for server in servers:
+                await server.stop(0)
+
+    first, second = run(scenario())
+    assert first != second
+
+
+@pytest.mark.timeout(60)
+def test_pool_avoids_a_dead_node_and_takes_it_back_when_it_returns(node: PrefillNode,
+                                                                   consumer: LookupBufferConsumer):
+    async def scenario():
+        alive = await start_grpc_server(node, "127.0.0.1", 0, TOKEN)
+        flaky = await start_grpc_server(node, "127.0.0.1", 0, TOKEN)
+        pool = PrefillPool([address(flaky), address(alive)], TOKEN, node.info, health_interval=0.1)
+        try:
+            await pool.start(timeout=5)
+            dead, live = pool.clients
+            assert dead.healthy and live.healthy
+            await flaky.stop(0)
+            await wait_until(lambda: not dead.healthy, 5, "marked unhealthy")
+            assert "health check failed" in dead.reason
+            assert all(pool.pick() is live for _ in range(3))
+            await pool.pick().prefill(prefill_call("while-down", consumer), timeout=10)
+            await asyncio.to_thread(consumer.drop_select, "while-down", PROMPT, 10.0)
+
+            flaky = await start_grpc_server(node, "127.0.0.1", int(dead.address.rsplit(":", 1)[1]), TOKEN)
+            await wait_until(lambda: dead.healthy, 10, "healthy again")
+            assert dead.info == node.info and pool.pick() is dead
+        finally:
+            await pool.close()
+            await alive.stop(0)
+            await flaky.stop(0)
+
+    run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_call_marks_the_node_unhealthy_at_once(node: PrefillNode, consumer: LookupBufferConsumer):
+    async def scenario():
+        server = await start_grpc_server(node, "127.0.0.1", 0, TOKEN)
+        pool = PrefillPool([address(server)], TOKEN, node.info, health_interval=60)  # no check in time
+        try:
+            await pool.start(timeout=5)
+            client = pool.pick()
+            await server.stop(0)
+            with pytest.raises(PrefillNodeUnavailable, match=client.address):
+                await client.prefill(prefill_call("to-the-dead", consumer), timeout=5)
+            assert not client.healthy
+            with pytest.raises(PrefillNodeUnavailable, match="no healthy prefill node: 127.0.0.1:"):
+                pool.pick()
+        finally:
+            await pool.close()
+
+    run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_pool_starts_with_an_unreachable_node_but_not_with_a_mismatched_one(node: PrefillNode):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{s.getsockname()[1]}"
+
+    async def scenario():
+        server = await start_grpc_server(node, "127.0.0.1", 0, TOKEN)
+        try:
+            pool = PrefillPool([nobody, address(server)], TOKEN, node.info)
+            await pool.start(timeout=5)
+            down, up = pool.clients
+            assert not down.healthy and "unreachable" in down.reason and up.healthy
+            assert pool.pick() is up
+            await pool.close()
+
+            pool = PrefillPool([nobody, address(server)], TOKEN, changed(node.info, "block_size"))
+            with pytest.raises(PrefillNodeMismatch, match="block_size differs"):
+                await pool.start(timeout=5)
+        finally:
+            await server.stop(0)
+
+    run(scenario())
