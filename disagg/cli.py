@@ -1,10 +1,17 @@
-"""`disagg` command line: generate (offline), later serve / router / bench."""
+"""`disagg` command line: serve (prefill, decode or colocated node) and generate (offline)."""
 
 import argparse
+import asyncio
+import json
 import logging
 import time
+from pathlib import Path
 
+from disagg.config import ROLES, EngineConfig, KVTransferConfig
+from disagg.engine.async_engine import AsyncEngine
+from disagg.engine.engine import LLMEngine
 from disagg.engine.llm import LLM
+from disagg.engine.loader import DEFAULT_MODEL_NAME
 from disagg.engine.sampling_params import SamplingParams
 
 SAMPLE_PROMPTS = [
@@ -61,9 +68,82 @@ def generate(args: argparse.Namespace) -> None:
     print(f"\n{len(outputs)} completions, {tokens} tokens in {elapsed:.2f}s ({tokens / elapsed:.1f} tokens/s)")
 
 
+def transfer_config(args: argparse.Namespace) -> KVTransferConfig:
+    """--kv-transfer-config JSON; --kv-role sets kv_role, and must agree with one the JSON gives."""
+    text = args.kv_transfer_config
+    kv = KVTransferConfig.from_json(text) if text else KVTransferConfig()
+    if args.kv_role:
+        role = ROLES[args.kv_role]
+        if text and "kv_role" in json.loads(text) and kv.kv_role != role:
+            raise ValueError(f"--kv-role {args.kv_role} disagrees with kv_role {kv.kv_role!r} in --kv-transfer-config")
+        kv.kv_role = role
+    return kv
+
+
+def check_serve_args(args: argparse.Namespace, kv: KVTransferConfig) -> list[str]:
+    prefill_nodes = [a.strip() for a in (args.prefill_nodes or "").split(",") if a.strip()]
+    if kv.kv_role == "consumer" and not prefill_nodes:
+        raise ValueError("a consumer (decode node) needs --prefill-nodes HOST:GRPC_PORT[,...]")
+    if kv.kv_role != "consumer" and prefill_nodes:
+        raise ValueError(f"--prefill-nodes is for consumer nodes; this node's kv_role is {kv.kv_role!r}")
+    for address in prefill_nodes:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--prefill-nodes entry {address!r} is not HOST:PORT")
+    return prefill_nodes
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    return DEFAULT_MODEL_NAME if args.model is None else Path(args.model).name
+
+
+def serve(args: argparse.Namespace) -> None:
+    kv = transfer_config(args)
+    prefill_nodes = check_serve_args(args, kv)
+    if args.check_config:
+        print(f"config ok: role {kv.kv_role}, pipe {kv.kv_connector} {kv.kv_ip}:{kv.kv_port}")
+        return
+    engine = AsyncEngine(LLMEngine(EngineConfig(**engine_kwargs(args))))
+    name = served_model_name(args)
+    if kv.kv_role == "producer":
+        from disagg.prefill_node.server import run_prefill_node
+
+        asyncio.run(run_prefill_node(engine, name, kv, args.host, args.port, args.grpc_port, args.log_level))
+    else:
+        from disagg.decode_node.server import run_decode_node
+
+        asyncio.run(run_decode_node(engine, name, kv, prefill_nodes, args.host, args.port, args.api_key,
+                                    args.log_level))
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-role", choices=["producer", "consumer", "both", "kv_producer", "kv_consumer", "kv_both"],
+                        default=None, help="producer = prefill node, consumer = decode node, both = colocated (default)")
+    parser.add_argument("--kv-transfer-config", default=None,
+                        help='JSON with vLLM\'s fields: {"kv_connector": "tcp|torch_dist|ucx", "kv_role": ..., '
+                             '"kv_rank": ..., "kv_ip": ..., "kv_port": ..., "kv_buffer_size": bytes, '
+                             '"kv_buffer_device": "cpu|cuda", "kv_connector_extra_config": {"auth_token": ..., '
+                             '"prefill_policy": "recompute|fail", "lookup_timeout": s, "prefill_timeout": s, '
+                             '"pipe_timeout": s, "buffer_ttl": s, "insert_timeout": s}}')
+    parser.add_argument("--host", default="127.0.0.1", help="address the HTTP (and gRPC) servers bind")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port: OpenAI API (decode/colocated), health, metrics")
+    parser.add_argument("--grpc-port", type=int, default=50051, help="prefill node: control-plane gRPC port")
+    parser.add_argument("--prefill-nodes", default=None, help="decode node: HOST:GRPC_PORT[,HOST:GRPC_PORT...] of its prefill nodes")
+    parser.add_argument("--served-model-name", default=None, help="model name in the API (default: the model's)")
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the OpenAI API")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    parser.add_argument("--check-config", action="store_true", help="validate the flags and exit")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="disagg", description="Disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
+    srv = sub.add_parser("serve", help="run a prefill, decode or colocated node",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_engine_args(srv)
+    add_serve_args(srv)
     gen = sub.add_parser("generate", help="offline generation with the engine, printed with timings")
     add_engine_args(gen)
     gen.add_argument("--prompt", action="append", help="a user message (repeatable; default: three samples)")
@@ -73,9 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        args.func = {"generate": generate}[args.command]
-        args.func(args)
-    except ValueError as e:
+        {"generate": generate, "serve": serve}[args.command](args)
+    except (ValueError, RuntimeError) as e:
         parser.exit(2, f"disagg: error: {e}\n")
 
 

@@ -1,5 +1,6 @@
 """Configuration dataclasses shared by the entrypoints and the engine."""
 
+import json
 from dataclasses import dataclass
 
 import torch
@@ -17,3 +18,71 @@ class EngineConfig:
     kv_cache_memory: int | float | None = None  # bytes, or a fraction of free memory
     enable_prefix_caching: bool = True
     seed: int = 0
+
+
+ROLES = {"producer": "producer", "kv_producer": "producer", "consumer": "consumer",
+         "kv_consumer": "consumer", "both": "both", "kv_both": "both"}
+PIPE_NAMES = ("tcp", "torch_dist", "ucx")
+# What kv_connector_extra_config may hold, with defaults.
+EXTRA_DEFAULTS: dict[str, object] = {
+    "auth_token": None,  # shared secret between nodes: gRPC metadata and the pipe handshake
+    "pipe_timeout": 30.0,  # seconds a pipe send/recv may stall
+    "lookup_timeout": 30.0,  # seconds a decode node waits for a prompt's KV
+    "prefill_timeout": 60.0,  # seconds a decode node waits for the Prefill call
+    "buffer_ttl": 60.0,  # seconds an unclaimed entry is kept
+    "insert_timeout": 5.0,  # seconds a prefill node waits for buffer space
+    "prefill_policy": "recompute",  # when the prefill node fails: "recompute" here or "fail" with 503
+}
+
+
+@dataclass
+class KVTransferConfig:
+    """vLLM's --kv-transfer-config fields; kv_connector names the pipe."""
+
+    kv_connector: str = "tcp"
+    kv_role: str = "both"
+    kv_rank: int | None = None
+    kv_parallel_size: int = 2
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
+    kv_buffer_size: float = 1e9  # bytes of KV a prefill node holds before inserts wait
+    kv_buffer_device: str = "cpu"
+    kv_connector_extra_config: dict | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_connector not in PIPE_NAMES:
+            raise ValueError(f"kv_connector {self.kv_connector!r} is not a known pipe; choose one of {', '.join(PIPE_NAMES)}")
+        if self.kv_role not in ROLES:
+            raise ValueError(f"kv_role {self.kv_role!r} is not a role; choose producer, consumer or both")
+        self.kv_role = ROLES[self.kv_role]
+        if not 0 <= int(self.kv_port) < 65536:
+            raise ValueError(f"kv_port {self.kv_port} is not a port number")
+        if self.kv_buffer_size <= 0:
+            raise ValueError(f"kv_buffer_size must be positive, got {self.kv_buffer_size}")
+        if self.kv_buffer_device not in ("cpu", "cuda"):
+            raise ValueError(f"kv_buffer_device must be 'cpu' or 'cuda', got {self.kv_buffer_device!r}")
+        extra = dict(self.kv_connector_extra_config or {})
+        unknown = set(extra) - set(EXTRA_DEFAULTS)
+        if unknown:
+            raise ValueError(f"kv_connector_extra_config has unknown field(s) {sorted(unknown)}; "
+                             f"known: {sorted(EXTRA_DEFAULTS)}")
+        self.kv_connector_extra_config = {**EXTRA_DEFAULTS, **extra}
+        if self.extra("prefill_policy") not in ("recompute", "fail"):
+            raise ValueError("kv_connector_extra_config.prefill_policy must be 'recompute' or 'fail'")
+
+    def extra(self, key: str):
+        return self.kv_connector_extra_config[key]
+
+    @classmethod
+    def from_json(cls, text: str) -> "KVTransferConfig":
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--kv-transfer-config is not valid JSON: {e}") from e
+        if not isinstance(fields, dict):
+            raise ValueError("--kv-transfer-config must be a JSON object")
+        known = set(cls.__dataclass_fields__)
+        unknown = set(fields) - known
+        if unknown:
+            raise ValueError(f"--kv-transfer-config has unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**fields)

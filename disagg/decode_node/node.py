@@ -1,0 +1,135 @@
+"""DecodeNode: the front door. Validates and tokenizes, gets each prompt's KV from a prefill
+node, and generates the answer; with no prefill nodes it is the colocated server.
+
+A disaggregated request, in order (DESIGN.md, "A request, end to end"):
+  1. the engine reserves blocks for the prompt (the request waits for KV without a step);
+  2. Prefill(request id, prompt, sampling, our pipe endpoint) on the least loaded prefill node;
+  3. drop_select on our LookupBuffer consumer takes exactly that request's KV off the pipe;
+  4. the engine loads it into the reserved blocks and decodes on from the first token.
+If the prefill node is down, dies mid-transfer or is too slow, the request is recomputed here
+(policy "recompute") or fails with PrefillUnavailable (policy "fail").
+"""
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from disagg import metrics
+from disagg.control_plane import PrefillCall
+from disagg.decode_node.prefill_client import PrefillClient, PrefillPool
+from disagg.engine.async_engine import AsyncEngine
+from disagg.engine.output import RequestOutput
+from disagg.engine.sampling_params import SamplingParams
+from disagg.lookup_buffer import LookupBufferConsumer
+
+logger = logging.getLogger(__name__)
+
+POLICIES = ("recompute", "fail")
+
+
+class PrefillUnavailable(RuntimeError):
+    """The prefill node could not provide the KV and the policy says fail (HTTP 503)."""
+
+
+class DecodeNode:
+    def __init__(self, engine: AsyncEngine, model_name: str, consumer: LookupBufferConsumer | None = None,
+                 pool: PrefillPool | None = None, kv_advertise: tuple[str, int] | None = None,
+                 prefill_policy: str = "recompute", prefill_timeout: float = 60.0, lookup_timeout: float = 30.0):
+        self.engine = engine
+        self.model_name = model_name
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+        self.consumer = consumer
+        self.pool = pool
+        self.kv_advertise = kv_advertise  # the pipe endpoint prefill nodes push our KV to
+        self.prefill_policy = prefill_policy
+        self.prefill_timeout = prefill_timeout
+        self.lookup_timeout = lookup_timeout
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.pool is not None
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        params.validate()
+        self.engine.engine.validate_prompt(prompt_token_ids)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       prefill_policy: str | None = None) -> AsyncIterator[RequestOutput]:
+        policy = prefill_policy or self.prefill_policy
+        if policy not in POLICIES:
+            raise ValueError(f"prefill_policy must be one of {POLICIES}, got {policy!r}")
+        self.validate(prompt_token_ids, params)
+        metrics.PROMPT_TOKENS.inc(len(prompt_token_ids))
+        if not self.disaggregated:
+            async with contextlib.aclosing(self.engine.generate(request_id, prompt_token_ids, params)) as outputs:
+                async for out in outputs:
+                    yield out
+            return
+        queue = await self.engine.add_request(request_id, prompt_token_ids, params, remote_prefill=True)
+        fetch = asyncio.create_task(self._fetch_kv(request_id, prompt_token_ids, params, policy))
+        try:
+            async with contextlib.aclosing(self.engine.stream(request_id, queue)) as outputs:
+                async for out in outputs:
+                    yield out
+        finally:
+            if not fetch.done():  # the client went away before the KV came: stop the prefill too
+                fetch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await fetch
+
+    async def _fetch_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                        policy: str) -> None:
+        client: PrefillClient | None = None
+        start = time.perf_counter()
+        try:
+            client = self.pool.pick()
+            call = PrefillCall(request_id, prompt_token_ids, params, self.kv_advertise)
+            result = await client.prefill(call, timeout=self.prefill_timeout)
+            source = (client.info.kv_ip, client.info.kv_port)
+            entry = await asyncio.to_thread(self.consumer.drop_select, request_id, prompt_token_ids,
+                                            self.lookup_timeout, source)
+            if entry.token_digest != result.token_digest:
+                raise RuntimeError(f"KV digest {entry.token_digest} differs from the prefill node's {result.token_digest}")
+            await self.engine.finish_remote_prefill(request_id, entry.kv_tensors[0], result.first_token,
+                                                    result.first_logprob)
+            metrics.KV_BYTES.labels("received").inc(entry.nbytes)
+            metrics.KV_TRANSFER.observe(time.perf_counter() - start)
+            metrics.REMOTE_PREFILL.labels("ok").inc()
+        except asyncio.CancelledError:
+            self.consumer.discard(request_id)
+            if client is not None:
+                await client.abort(request_id)
+            raise
+        except Exception as e:
+            self.consumer.discard(request_id)
+            if client is not None:
+                await client.abort(request_id)
+            where = client.address if client is not None else "no prefill node"
+            reason = f"remote prefill of {request_id} failed ({where}): {e}"
+            if policy == "fail":
+                metrics.REMOTE_PREFILL.labels("failed").inc()
+                logger.warning("%s; failing the request (policy fail)", reason)
+                await self.engine.fail(request_id, PrefillUnavailable(reason))
+            else:
+                metrics.REMOTE_PREFILL.labels("recomputed").inc()
+                logger.warning("%s; recomputing it here", reason)
+                with contextlib.suppress(KeyError):  # it may have been aborted meanwhile
+                    await self.engine.prefill_locally(request_id)
+
+    def health(self) -> dict:
+        status = {"status": "ok", "role": "consumer" if self.disaggregated else "both", "model": self.model_name}
+        if self.pool is not None:
+            status["prefill_nodes"] = {c.address: c.healthy for c in self.pool.clients}
+        return status
+
+    def update_gauges(self) -> None:
+        bm = self.engine.engine.block_manager
+        metrics.KV_BLOCKS_TOTAL.set(bm.num_blocks)
+        metrics.KV_BLOCKS_USED.set(bm.num_blocks - bm.num_free_blocks)
+        if self.consumer is not None:
+            stats = self.consumer.stats()
+            metrics.BUFFER_ENTRIES.set(stats.entries)
+            metrics.BUFFER_BYTES.set(stats.bytes)

@@ -1,0 +1,40 @@
+"""`disagg serve --kv-role consumer` (and the colocated `both`): engine + OpenAI HTTP API,
+plus, when disaggregated, the LookupBuffer consumer and the pool of prefill nodes."""
+
+import logging
+
+from disagg.config import KVTransferConfig
+from disagg.decode_node.api import build_app
+from disagg.decode_node.node import DecodeNode
+from disagg.decode_node.prefill_client import PrefillPool
+from disagg.engine.async_engine import AsyncEngine
+from disagg.lookup_buffer import LookupBufferConsumer
+from disagg.pipes.base import PipeConfig
+from disagg.serving import node_info, serve_http
+
+logger = logging.getLogger(__name__)
+
+
+async def run_decode_node(engine: AsyncEngine, model_name: str, kv: KVTransferConfig, prefill_nodes: list[str],
+                          host: str, port: int, api_key: str | None, log_level: str) -> None:
+    consumer = pool = None
+    try:
+        if kv.kv_role == "consumer":
+            token = kv.extra("auth_token")
+            consumer = LookupBufferConsumer(kv.kv_connector, PipeConfig(kv.kv_ip, kv.kv_port, token, kv.extra("pipe_timeout")),
+                                            ttl=kv.extra("buffer_ttl"))
+            pool = PrefillPool(prefill_nodes, token, node_info(engine, model_name, kv))
+            await pool.start(timeout=10.0)
+        node = DecodeNode(engine, model_name, consumer, pool, kv_advertise=(kv.kv_ip, consumer.address[1]) if consumer else None,
+                          prefill_policy=kv.extra("prefill_policy"), prefill_timeout=kv.extra("prefill_timeout"),
+                          lookup_timeout=kv.extra("lookup_timeout"))
+        where = f"kv {kv.kv_connector} {kv.kv_ip}:{consumer.address[1]} prefill {','.join(prefill_nodes)}" if consumer else "colocated"
+        role = "decode" if consumer else "colocated"
+        await serve_http(build_app(node, api_key, model_name), host, port,
+                         f"disagg {role} node ready: http://{host}:{port} {where} model {model_name}", log_level)
+    finally:
+        if pool is not None:
+            await pool.close()
+        if consumer is not None:
+            consumer.close()
+        engine.stop()

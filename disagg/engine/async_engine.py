@@ -1,0 +1,137 @@
+"""AsyncEngine: the engine's step loop in a thread, and a stream of outputs per request for asyncio code.
+
+The servers are asyncio programs; the engine is plain synchronous code. One thread runs
+`step()` while there is work and sleeps otherwise; every call that touches the engine takes
+the same lock, and runs in a worker thread so the event loop never waits on a step.
+"""
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator
+
+import torch
+
+from disagg.engine.engine import LLMEngine
+from disagg.engine.output import RequestOutput
+from disagg.engine.sampling_params import SamplingParams
+from disagg.engine.sequence import TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; requests it held cannot finish."""
+
+
+class RequestAborted(RuntimeError):
+    """The request was aborted while someone still waited for its outputs."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.lock = threading.Lock()
+        self.wakeup = threading.Event()
+        self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.stopped = False
+        self.thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.wakeup.set()
+        self.thread.join(timeout=10)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                       export_kv: bool = False, remote_prefill: bool = False) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs until it finishes. Raises ValueError for bad input
+        before the first output. Closing the iterator early (a client went away) aborts it."""
+        queue = await self.add_request(request_id, prompt_token_ids, params,
+                                       export_kv=export_kv, remote_prefill=remote_prefill)
+        async with contextlib.aclosing(self.stream(request_id, queue)) as outputs:
+            async for out in outputs:
+                yield out
+
+    async def stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """The outputs of a request added with add_request, until it finishes."""
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, Exception):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.streams.pop(request_id, None)
+                # Shielded: a second cancellation (servers cancel repeatedly) must not lose the abort.
+                await asyncio.shield(self._call(self.engine.abort_request, request_id))
+
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                          export_kv: bool = False, remote_prefill: bool = False) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue()
+        self.streams[request_id] = (asyncio.get_running_loop(), queue)
+        try:
+            await self._call(self.engine.add_request, request_id, prompt_token_ids, params,
+                             export_kv=export_kv, remote_prefill=remote_prefill)
+        except BaseException:
+            self.streams.pop(request_id, None)
+            raise
+        return queue
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.fail(request_id, RequestAborted(f"request {request_id} was aborted"))
+
+    async def fail(self, request_id: str, error: Exception) -> bool:
+        """Drop the request from the engine; whoever waits on its outputs gets `error`."""
+        found = await self._call(self.engine.abort_request, request_id)
+        self._deliver(request_id, error)
+        return found
+
+    async def finish_remote_prefill(self, request_id: str, kv: torch.Tensor, first_token: int,
+                                    first_logprob: TokenLogprob | None = None) -> None:
+        await self._call(self.engine.finish_remote_prefill, request_id, kv, first_token, first_logprob)
+
+    async def prefill_locally(self, request_id: str) -> None:
+        await self._call(self.engine.prefill_locally, request_id)
+
+    async def _call(self, fn, *args, **kwargs):
+        def locked():
+            with self.lock:
+                return fn(*args, **kwargs)
+        result = await asyncio.to_thread(locked)
+        self.wakeup.set()
+        return result
+
+    def _loop(self) -> None:
+        while not self.stopped:
+            with self.lock:
+                busy = self.engine.has_work()
+                try:
+                    outputs = self.engine.step() if busy else []
+                except Exception as e:  # a bug, not bad input: fail what is in flight, keep serving
+                    logger.exception("engine step failed")
+                    self._fail_all(e)
+                    outputs = []
+            for out in outputs:
+                self._deliver(out.request_id, out)
+            if not busy:
+                self.wakeup.wait(timeout=0.5)
+                self.wakeup.clear()
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort_request(request_id)
+            self._deliver(request_id, EngineDeadError(f"engine step failed: {error}"))
+
+    def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
+        stream = self.streams.get(request_id)
+        if stream is None:
+            return
+        if isinstance(item, Exception) or item.finished:
+            self.streams.pop(request_id, None)
+        loop, queue = stream
+        loop.call_soon_threadsafe(queue.put_nowait, item)

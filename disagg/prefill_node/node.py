@@ -1,0 +1,60 @@
+"""PrefillNode: computes prompts and pushes their KV to the decode node that asked.
+
+A Prefill call runs the prompt through the engine for exactly one token (prefix-cache hits
+skip what is cached), takes the prompt's KV out of the paged cache, inserts it into the
+LookupBuffer producer addressed to the caller's pipe endpoint and answers with the first
+token. Insert only queues the bytes: the engine never waits on the network.
+"""
+
+import asyncio
+import logging
+import time
+
+from disagg.control_plane import NodeInfo, PrefillCall, PrefillResult
+from disagg.engine.async_engine import AsyncEngine
+from disagg.engine.sampling_params import SamplingParams
+from disagg.lookup_buffer import LookupBufferProducer, token_digest
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillNode:
+    def __init__(self, engine: AsyncEngine, producer: LookupBufferProducer, info: NodeInfo,
+                 kv_buffer_device: str = "cpu"):
+        self.engine = engine
+        self.producer = producer
+        self.info = info
+        self.kv_buffer_device = kv_buffer_device
+
+    async def prefill(self, call: PrefillCall) -> PrefillResult:
+        start = time.perf_counter()
+        # Only the first token is sampled here; stop rules and lengths are the decode node's.
+        params = SamplingParams(temperature=call.params.temperature, top_p=call.params.top_p,
+                                top_k=call.params.top_k, min_p=call.params.min_p, seed=call.params.seed,
+                                logprobs=call.params.logprobs, max_tokens=1, ignore_eos=True)
+        final = None
+        async for out in self.engine.generate(call.request_id, call.prompt_token_ids, params, export_kv=True):
+            final = out
+        if final is None or final.kv is None:
+            raise RuntimeError(f"prefill of {call.request_id} ended without KV ({final and final.finish_reason})")
+        kv = final.kv if self.kv_buffer_device == "cuda" else final.kv.cpu()
+        # Insert may wait (bounded) for buffer space: keep that off the event loop.
+        await asyncio.to_thread(self.producer.insert, call.request_id, call.prompt_token_ids, [kv],
+                                None, call.kv_dest)
+        seconds = time.perf_counter() - start
+        logger.info("prefill %s: %d prompt tokens (%d cached), %.1f KiB KV to %s:%d in %.3fs",
+                    call.request_id, len(call.prompt_token_ids), final.num_cached_tokens,
+                    kv.nbytes / 1024, *call.kv_dest, seconds)
+        return PrefillResult(
+            first_token=final.token_ids[0],
+            first_logprob=final.logprobs[0] if final.logprobs else None,
+            token_digest=token_digest(call.prompt_token_ids),
+            num_cached_tokens=final.num_cached_tokens,
+            kv_bytes=kv.nbytes,
+            prefill_seconds=seconds,
+        )
+
+    async def abort(self, request_id: str) -> bool:
+        in_engine = await self.engine.abort(request_id)
+        in_buffer = self.producer.abort(request_id)
+        return in_engine or in_buffer

@@ -1,0 +1,57 @@
+"""`disagg serve --kv-role producer`: engine + LookupBuffer producer + gRPC PrefillService + HTTP health/metrics."""
+
+import logging
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import generate_latest
+
+from disagg import metrics
+from disagg.config import KVTransferConfig
+from disagg.engine.async_engine import AsyncEngine
+from disagg.lookup_buffer import LookupBufferProducer
+from disagg.pipes.base import PipeConfig
+from disagg.prefill_node.node import PrefillNode
+from disagg.prefill_node.service import start_grpc_server
+from disagg.serving import node_info, serve_http
+
+logger = logging.getLogger(__name__)
+
+
+def build_health_app(node: PrefillNode) -> FastAPI:
+    app = FastAPI(title="disagg prefill node")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        stats = node.producer.stats()
+        return JSONResponse({"status": "ok", "role": "producer", "model": node.info.model_name,
+                             "buffer_entries": stats.entries, "buffer_bytes": stats.bytes})
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        bm = node.engine.engine.block_manager
+        metrics.KV_BLOCKS_TOTAL.set(bm.num_blocks)
+        metrics.KV_BLOCKS_USED.set(bm.num_blocks - bm.num_free_blocks)
+        stats = node.producer.stats()
+        metrics.BUFFER_ENTRIES.set(stats.entries)
+        metrics.BUFFER_BYTES.set(stats.bytes)
+        return PlainTextResponse(generate_latest(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+async def run_prefill_node(engine: AsyncEngine, model_name: str, kv: KVTransferConfig, host: str, port: int,
+                           grpc_port: int, log_level: str) -> None:
+    token = kv.extra("auth_token")
+    producer = LookupBufferProducer(kv.kv_connector, PipeConfig(kv.kv_ip, kv.kv_port, token, kv.extra("pipe_timeout")),
+                                    int(kv.kv_buffer_size), kv.extra("buffer_ttl"), kv.extra("insert_timeout"))
+    node = PrefillNode(engine, producer, node_info(engine, model_name, kv), kv.kv_buffer_device)
+    grpc_server = await start_grpc_server(node, host, grpc_port, token)
+    try:
+        await serve_http(build_health_app(node), host, port,
+                         f"disagg prefill node ready: http://{host}:{port} grpc {host}:{grpc_port} "
+                         f"kv {kv.kv_connector} {kv.kv_ip}:{kv.kv_port} model {model_name}", log_level)
+    finally:
+        await grpc_server.stop(grace=2)
+        producer.close()
+        engine.stop()

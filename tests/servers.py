@@ -1,0 +1,103 @@
+"""Real node processes for the serving tests: `disagg serve ...` on free loopback ports."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Node:
+    role: str
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+    grpc_port: int | None = None
+    kv_port: int | None = None
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def grpc_address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=30)
+
+    def metric(self, name: str) -> float:
+        """One unlabelled sample of /metrics."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        for line in text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise KeyError(f"{name} not in /metrics")
+
+
+def start_node(role: str, tmp_dir: Path, *, model: str | None = None, connector: str = "tcp",
+               prefill_nodes: list[str] | None = None, kv_extra: dict | None = None,
+               extra_args: list[str] = (), wait: bool = True) -> Node:
+    """Start `disagg serve` for role producer, consumer or both, and wait until /health answers."""
+    port = free_port()
+    args = [sys.executable, "-m", "disagg.cli", "serve"] + ([model] if model else [])
+    args += ["--kv-role", role, "--port", str(port), "--device", "cpu", "--log-level", "INFO"]
+    grpc_port = kv_port = None
+    if role != "both":
+        kv_port = free_port()
+        config = {"kv_connector": connector, "kv_ip": "127.0.0.1", "kv_port": kv_port,
+                  "kv_connector_extra_config": kv_extra or {}}
+        args += ["--kv-transfer-config", json.dumps(config)]
+    if role == "producer":
+        grpc_port = free_port()
+        args += ["--grpc-port", str(grpc_port)]
+    if prefill_nodes:
+        args += ["--prefill-nodes", ",".join(prefill_nodes)]
+    args += list(extra_args)
+    log_path = tmp_dir / f"{role}-{port}.log"
+    # One thread each: the suite shares two cores between several node processes.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(args, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
+    node = Node(role, proc, port, log_path, grpc_port, kv_port, args)
+    if wait:
+        wait_ready(node)
+    return node
+
+
+def wait_ready(node: Node, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if node.proc.poll() is not None:
+            raise RuntimeError(f"{node.role} node exited with {node.proc.returncode}:\n{node.log()[-3000:]}")
+        try:
+            if httpx.get(f"{node.url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    node.kill()
+    raise TimeoutError(f"{node.role} node not ready in {timeout}s:\n{node.log()[-3000:]}")
+
+
+def wait_exit(node: Node, timeout: float = 120.0) -> int:
+    """For nodes expected to refuse to start: their exit code."""
+    return node.proc.wait(timeout=timeout)

@@ -1,0 +1,230 @@
+"""The OpenAI API of a real colocated node (`disagg serve --kv-role both`), checked against the
+offline engine: same greedy tokens, streamed or not, plus errors, the API key and disconnects."""
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from prompts import PROMPTS
+from servers import Node, start_node
+
+from disagg import LLM, SamplingParams
+
+pytestmark = pytest.mark.timeout(120)
+
+API_KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+MAX_TOKENS = 16
+CHAT = [{"role": "system", "content": "You are a concise assistant."},
+        {"role": "user", "content": "Name three primary colors."}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Node:
+    """One colocated node for the module, started with an API key that every request sends."""
+    node = start_node("both", tmp_path_factory.mktemp("openai-api"), extra_args=["--api-key", API_KEY])
+    yield node
+    node.kill()
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(device="cpu")
+
+
+@pytest.fixture(scope="module")
+def model_name(server: Node) -> str:
+    return httpx.get(f"{server.url}/v1/models", headers=AUTH).json()["data"][0]["id"]
+
+
+def greedy(max_tokens: int = MAX_TOKENS, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
+
+
+def post(server: Node, path: str, body: dict | str, headers: dict = AUTH) -> httpx.Response:
+    content = body if isinstance(body, str) else json.dumps(body)
+    return httpx.post(f"{server.url}{path}", content=content, timeout=60,
+                      headers={**headers, "Content-Type": "application/json"})
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    return [line.removeprefix("data: ") for line in response.text.split("\n\n") if line.startswith("data: ")]
+
+
+def assert_openai_error(response: httpx.Response, status: int, words: str) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert words.lower() in error["message"].lower(), error["message"]
+
+
+def kv_blocks_used(server: Node) -> float:
+    return server.metric("disagg_kv_blocks_used")
+
+
+def test_concurrent_greedy_completions_match_offline_engine(server, llm, model_name):
+    prompts = PROMPTS[:6]
+    expected = llm.generate(prompts, greedy(logprobs=0))
+
+    async def send_all() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as client:
+            return await asyncio.gather(*[
+                client.post("/v1/completions", json={"model": model_name, "prompt": p, "max_tokens": MAX_TOKENS,
+                                                     "temperature": 0, "logprobs": 0})
+                for p in prompts])
+
+    for prompt, want, response in zip(prompts, expected, asyncio.run(send_all())):
+        assert response.status_code == 200, response.text
+        body = response.json()
+        choice = body["choices"][0]
+        assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
+        assert choice["text"] == want.text, prompt
+        # Token for token: the logprobs name every output token.
+        tokens = [llm.tokenizer.decode([t], skip_special_tokens=False) for t in want.token_ids]
+        assert choice["logprobs"]["tokens"] == tokens
+        assert choice["finish_reason"] == want.finish_reason
+        assert body["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+        assert body["usage"]["completion_tokens"] == len(want.token_ids)
+
+
+def test_stream_concatenates_to_the_non_stream_text(server, llm):
+    body = {"prompt": PROMPTS[4], "max_tokens": MAX_TOKENS, "temperature": 0}
+    plain = post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    response = post(server, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text_chunks, usage_chunk = chunks[:-1], chunks[-1]
+    assert "".join(c["choices"][0]["text"] for c in text_chunks) == plain
+    assert plain == llm.generate(PROMPTS[4], greedy())[0].text
+    assert [c["choices"][0]["finish_reason"] for c in text_chunks][-1] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in text_chunks[:-1])
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == MAX_TOKENS
+
+
+def test_chat_matches_offline_chat(server, llm, model_name):
+    want = llm.chat(CHAT, greedy(32))[0]
+    response = post(server, "/v1/chat/completions",
+                    {"model": model_name, "messages": CHAT, "max_tokens": 32, "temperature": 0})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": want.text}
+    assert body["choices"][0]["finish_reason"] == want.finish_reason
+    assert body["usage"]["completion_tokens"] == len(want.token_ids)
+
+
+def test_openai_client_streams_chat(server, llm, model_name):
+    want = llm.chat(CHAT, greedy(24))[0]
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
+    stream = client.chat.completions.create(model=model_name, messages=CHAT, max_completion_tokens=24,
+                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content_chunks = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in content_chunks) == want.text
+    assert content_chunks[-1].choices[0].finish_reason == want.finish_reason
+    assert chunks[-1].usage.completion_tokens == len(want.token_ids)
+
+
+def test_prompt_as_token_ids(server, llm):
+    ids = llm.tokenizer.encode(PROMPTS[1])
+    want = llm.generate(ids, greedy())[0].text
+    for prompt in (ids, [ids]):
+        response = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == want
+
+
+@pytest.mark.parametrize("path, body, status, words", [
+    ("/v1/completions", {"model": "no-such-model", "prompt": "hi"}, 404, "does not exist"),
+    ("/v1/completions", {"prompt": "word " * 9000}, 400, "max_model_len"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/completions", '{"prompt": "hi",', 400, "not valid JSON"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n=2"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": ["one", "two"]}, 400, "one prompt per request"),
+    ("/v1/completions", {"prompt": "hi", "max_tokenz": 3}, 400, "unknown field"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
+     "top_logprobs needs logprobs"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404,
+     "does not exist"),
+])
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, path, body, status, words):
+    assert_openai_error(post(server, path, body), status, words)
+    response = post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 2})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
+
+
+def test_api_key_is_required_on_the_api_only(server):
+    body = {"prompt": "Hello", "max_tokens": 2}
+    assert_openai_error(post(server, "/v1/completions", body, headers={}), 401, "missing API key")
+    assert_openai_error(post(server, "/v1/completions", body, headers={"Authorization": "Bearer wrong"}), 401,
+                        "invalid API key")
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+    assert httpx.get(f"{server.url}/metrics").status_code == 200
+    assert "version" in httpx.get(f"{server.url}/version").json()
+
+
+def wait_for_free_blocks(server: Node, timeout: float = 5.0) -> float:
+    deadline = time.monotonic() + timeout
+    while (used := kv_blocks_used(server)) != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return used
+
+
+def test_client_disconnect_mid_stream_frees_every_block(server):
+    body = {"prompt": PROMPTS[6], "max_tokens": 2000, "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=60) as response:
+        # Not `break` out of a for loop over the lines: that closes the generator, and the connection with it.
+        lines = response.iter_lines()
+        events = 0
+        while events < 3:
+            events += next(lines).startswith("data: ")
+        assert kv_blocks_used(server) > 0  # still generating while we hold the connection
+    assert wait_for_free_blocks(server) == 0, server.log()[-2000:]
+
+
+def test_client_disconnect_without_stream_frees_every_block(server):
+    body = {"prompt": PROMPTS[6], "max_tokens": 2000, "ignore_eos": True, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up after a second and closes the connection
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=1.0)
+    assert wait_for_free_blocks(server) == 0, server.log()[-2000:]
+
+
+def test_completion_logprobs_shape(server, llm):
+    want = llm.generate(PROMPTS[1], greedy(8, logprobs=2))[0]
+    response = post(server, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0, "logprobs": 2})
+    logprobs = response.json()["choices"][0]["logprobs"]
+    assert set(logprobs) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"]) == 8
+    assert logprobs["token_logprobs"] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
+    assert all(len(top) == 2 for top in logprobs["top_logprobs"])
+    # Greedy: the chosen token is the most likely one.
+    for token, logprob, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]):
+        assert top[token] == pytest.approx(logprob) and logprob == pytest.approx(max(top.values()))
+    offsets = logprobs["text_offset"]
+    assert offsets[0] == 0 and all(b - a == len(t) for a, b, t in zip(offsets, offsets[1:], logprobs["tokens"]))
+
+
+def test_chat_logprobs_shape(server):
+    body = {"messages": CHAT, "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+    content = post(server, "/v1/chat/completions", body).json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 6
+    for entry in content:
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert entry["bytes"] == list(entry["token"].encode())
+        assert len(entry["top_logprobs"]) == 3
+        assert entry["top_logprobs"][0]["token"] == entry["token"]
+        assert set(entry["top_logprobs"][0]) == {"token", "logprob", "bytes"}
+    streamed = post(server, "/v1/chat/completions", {**body, "stream": True})
+    chunks = [json.loads(e) for e in sse_events(streamed)[:-1]]
+    streamed_content = [entry for c in chunks if c["choices"][0]["logprobs"] for entry in c["choices"][0]["logprobs"]["content"]]
+    assert [e["token"] for e in streamed_content] == [e["token"] for e in content]

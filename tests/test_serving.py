@@ -1,0 +1,297 @@
+"""Disaggregated serving with real processes: a prefill node and a decode node on loopback,
+compared token for token with the colocated server and with transformers."""
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from prompts import PROMPTS, hf_greedy
+from servers import free_port, start_node, wait_exit
+
+pytestmark = pytest.mark.timeout(300)
+
+EXTRA_PROMPTS = [
+    "List three colors:", "The opposite of hot is", "Once upon a time,", "def add(a, b):",
+    "What is 2 + 2?", "Name a planet.", "Water boils at", "The sun rises in the", "A haiku about code:",
+]
+PROMPTS_20 = PROMPTS + EXTRA_PROMPTS
+MAX_TOKENS = 24
+
+
+def greedy_body(prompt, **extra) -> dict:
+    return {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
+
+
+async def complete_all(url: str, prompts: list, stream: bool = False) -> list[str]:
+    async with httpx.AsyncClient(timeout=240) as client:
+        return await asyncio.gather(*(complete(client, url, p, stream) for p in prompts))
+
+
+async def complete(client: httpx.AsyncClient, url: str, prompt, stream: bool) -> str:
+    body = greedy_body(prompt, stream=stream)
+    if not stream:
+        r = await client.post(f"{url}/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+    text, done = "", False
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                break
+            text += json.loads(line[6:])["choices"][0]["text"]
+    assert done
+    return text
+
+
+async def chat_all(url: str, conversations: list) -> list[str]:
+    async with httpx.AsyncClient(timeout=240) as client:
+        async def one(messages):
+            r = await client.post(f"{url}/v1/chat/completions", json={
+                "model": "SmolLM2-135M-Instruct", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["content"]
+        return await asyncio.gather(*(one(m) for m in conversations))
+
+
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory):
+    node = start_node("both", tmp_path_factory.mktemp("colocated"))
+    yield node
+    node.kill()
+
+
+@pytest.fixture(scope="module", params=["tcp", "torch_dist", "ucx"])
+def pair(request, tmp_path_factory):
+    """1 prefill + 1 decode node over the given pipe."""
+    if request.param == "ucx":
+        pytest.importorskip("ucxx", reason="the ucx pipe needs ucxx-cu12")
+    tmp = tmp_path_factory.mktemp(f"pair-{request.param}")
+    prefill = start_node("producer", tmp, connector=request.param, kv_extra={"auth_token": "s3cret"})
+    decode = start_node("consumer", tmp, connector=request.param, prefill_nodes=[prefill.grpc_address],
+                        kv_extra={"auth_token": "s3cret", "prefill_policy": "fail"})
+    yield prefill, decode, request.param
+    decode.kill()
+    prefill.kill()
+
+
+@pytest.fixture(scope="module")
+def reference_texts(hf_model, hf_tokenizer) -> list[str]:
+    texts = []
+    for prompt in PROMPTS_20:
+        ids = hf_tokenizer(prompt).input_ids if isinstance(prompt, str) else prompt
+        texts.append(hf_tokenizer.decode(hf_greedy(hf_model, ids, MAX_TOKENS), skip_special_tokens=True))
+    return texts
+
+
+def prompt_indices(connector: str) -> list[int]:
+    """All 20 prompts on the default pipe; the other pipes get a mix of short and long ones."""
+    return list(range(len(PROMPTS_20))) if connector == "tcp" else [0, 1, 5, 6, 11, 12]
+
+
+def test_disaggregated_equals_colocated_and_transformers(pair, colocated, reference_texts):
+    prefill, decode, connector = pair
+    chosen = prompt_indices(connector)
+    prompts = [PROMPTS_20[i] for i in chosen]
+    expected = [reference_texts[i] for i in chosen]
+    disagg = asyncio.run(complete_all(decode.url, prompts))
+    local = asyncio.run(complete_all(colocated.url, prompts))
+    assert local == expected
+    assert disagg == expected
+    # Every prompt really went through the prefill node (policy "fail" would have refused otherwise).
+    assert "remote prefill" not in decode.log()
+    assert prefill.log().count("prefill cmpl-") >= len(prompts)
+
+
+def test_disaggregated_streaming_equals_non_streaming(pair, reference_texts):
+    _, decode, connector = pair
+    chosen = prompt_indices(connector)
+    texts = asyncio.run(complete_all(decode.url, [PROMPTS_20[i] for i in chosen], stream=True))
+    assert texts == [reference_texts[i] for i in chosen]
+
+
+def test_disaggregated_chat_equals_colocated_and_transformers(pair, colocated, hf_model, hf_tokenizer):
+    _, decode, _ = pair
+    conversations = [[{"role": "user", "content": p}] for p in EXTRA_PROMPTS[:6]]
+    expected = []
+    for messages in conversations:
+        ids = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        expected.append(hf_tokenizer.decode(hf_greedy(hf_model, list(ids), MAX_TOKENS), skip_special_tokens=True))
+    assert asyncio.run(chat_all(colocated.url, conversations)) == expected
+    assert asyncio.run(chat_all(decode.url, conversations)) == expected
+
+
+# -- failure semantics, each with its own processes ------------------------------------------
+
+LONG_PROMPT = PROMPTS[9]  # ~1,450 tokens: its prefill takes long enough to be caught mid-way
+
+
+def post_completion(url: str, prompt, timeout: float = 120, **extra) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json=greedy_body(prompt, **extra), timeout=timeout)
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout}s: {what}")
+
+
+def test_prefill_node_down_at_start(tmp_path, reference_texts):
+    """Decode starts with a dead prefill address: it serves by recomputing; policy fail gets a 503."""
+    dead = f"127.0.0.1:{free_port()}"
+    decode = start_node("consumer", tmp_path, prefill_nodes=[dead])
+    try:
+        started = time.monotonic()
+        r = post_completion(decode.url, PROMPTS_20[1])
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference_texts[1]
+        r = post_completion(decode.url, PROMPTS_20[1], prefill_policy="fail")
+        assert r.status_code == 503
+        assert "prefill" in r.json()["error"]["message"]
+        assert time.monotonic() - started < 60
+    finally:
+        decode.kill()
+
+
+def test_prefill_node_killed_mid_request(tmp_path, hf_model, hf_tokenizer):
+    """SIGKILL the prefill node while long prompts are in flight: every request is still answered."""
+    prefill = start_node("producer", tmp_path)
+    decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address],
+                        kv_extra={"lookup_timeout": 20.0})
+    prompts = [PROMPTS[8] + f"\nQuestion {i}: what was the second topic?" for i in range(2)]
+    expected = [hf_tokenizer.decode(hf_greedy(hf_model, hf_tokenizer(p).input_ids, MAX_TOKENS),
+                                    skip_special_tokens=True) for p in prompts]
+    try:
+        async def run():
+            async with httpx.AsyncClient(timeout=120) as client:
+                tasks = [asyncio.create_task(complete(client, decode.url, p, False)) for p in prompts]
+                await asyncio.sleep(0.5)
+                prefill.kill()
+                return await asyncio.gather(*tasks)
+        started = time.monotonic()
+        assert asyncio.run(run()) == expected
+        assert time.monotonic() - started < 90
+        assert "recomputing" in decode.log()
+        # With the prefill node gone for good, later requests are recomputed too.
+        assert post_completion(decode.url, PROMPTS_20[2]).status_code == 200
+    finally:
+        decode.kill()
+        prefill.kill()
+
+
+def test_prefill_slower_than_timeout(tmp_path, reference_texts):
+    prefill = start_node("producer", tmp_path)
+    decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address],
+                        kv_extra={"prefill_timeout": 0.001})
+    try:
+        r = post_completion(decode.url, PROMPTS_20[3])
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference_texts[3]
+        r = post_completion(decode.url, PROMPTS_20[3], prefill_policy="fail")
+        assert r.status_code == 503 and "within 0.001s" in r.json()["error"]["message"]
+        # Whatever the prefill node computed for nobody is expired and freed.
+        wait_for(lambda: prefill.metric("disagg_kv_blocks_used") == 0, 30, "prefill blocks free")
+    finally:
+        decode.kill()
+        prefill.kill()
+
+
+def test_decode_node_killed_entries_expire(tmp_path):
+    """KV addressed to a decode node that died is dropped after the TTL; nothing stays pinned."""
+    prefill = start_node("producer", tmp_path, kv_extra={"buffer_ttl": 3.0})
+    decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address])
+    try:
+        async def run():
+            async with httpx.AsyncClient(timeout=60) as client:
+                tasks = [asyncio.create_task(complete(client, decode.url, LONG_PROMPT + str(i), False))
+                         for i in range(3)]
+                await asyncio.sleep(0.5)
+                decode.kill()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        asyncio.run(run())
+        wait_for(lambda: prefill.metric("disagg_lookup_buffer_entries") == 0, 30, "buffer drained")
+        assert prefill.metric("disagg_lookup_buffer_bytes") == 0
+        wait_for(lambda: prefill.metric("disagg_kv_blocks_used") == 0, 30, "prefill blocks free")
+        assert httpx.get(f"{prefill.url}/health").status_code == 200
+    finally:
+        decode.kill()
+        prefill.kill()
+
+
+def test_client_disconnect_mid_stream_frees_both_nodes(tmp_path):
+    prefill = start_node("producer", tmp_path)
+    decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address])
+    try:
+        body = greedy_body(PROMPTS_20[2], stream=True, max_tokens=400, ignore_eos=True)
+        with httpx.stream("POST", f"{decode.url}/v1/completions", json=body, timeout=60) as r:
+            chunks = 0
+            for line in r.iter_lines():
+                chunks += line.startswith("data: ")
+                if chunks >= 3:
+                    break
+        wait_for(lambda: decode.metric("disagg_kv_blocks_used") == 0, 20, "decode blocks free")
+        wait_for(lambda: prefill.metric("disagg_kv_blocks_used") == 0, 20, "prefill blocks free")
+        assert prefill.metric("disagg_lookup_buffer_entries") == 0
+    finally:
+        decode.kill()
+        prefill.kill()
+
+
+@pytest.mark.parametrize("decode_args,kv_extra,needle", [
+    ([], {"auth_token": "wrong"}, "auth"),
+    (["--block-size", "32"], {"auth_token": "s3cret"}, "block_size"),
+    (["--dtype", "bfloat16"], {"auth_token": "s3cret"}, "dtype"),
+])
+def test_mismatched_decode_node_is_refused_at_start(tmp_path, decode_args, kv_extra, needle):
+    prefill = start_node("producer", tmp_path, kv_extra={"auth_token": "s3cret"})
+    try:
+        decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address], kv_extra=kv_extra,
+                            extra_args=decode_args, wait=False)
+        assert wait_exit(decode) != 0
+        assert needle in decode.log().lower()
+    finally:
+        prefill.kill()
+
+
+def test_mismatched_model_is_refused_at_start(tmp_path, tiny_llama_dir):
+    prefill = start_node("producer", tmp_path, model=str(tiny_llama_dir()))
+    try:
+        decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address], wait=False)
+        assert wait_exit(decode) != 0
+        assert "model_name" in decode.log()
+    finally:
+        prefill.kill()
+
+
+def test_load_100_streaming_requests_then_everything_is_free(pair):
+    prefill, decode, connector = pair
+    if connector != "tcp":
+        pytest.skip("the load test runs on the tcp pair")
+    prompts = [f"Request {i}: tell me a fact about the number {i}." for i in range(100)]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=240, limits=httpx.Limits(max_connections=100)) as client:
+            return await asyncio.gather(*(complete(client, decode.url, p, True) for p in prompts))
+    texts = asyncio.run(run())
+    assert len(texts) == 100 and all(texts)
+    wait_for(lambda: decode.metric("disagg_kv_blocks_used") == 0, 20, "decode blocks free")
+    assert prefill.metric("disagg_kv_blocks_used") == 0
+    assert prefill.metric("disagg_lookup_buffer_entries") == 0
+    assert decode.metric("disagg_lookup_buffer_entries") == 0
+
+
+def test_openai_client_streams_from_the_decode_node(pair, reference_texts):
+    openai = pytest.importorskip("openai")
+    _, decode, _ = pair
+    client = openai.OpenAI(base_url=f"{decode.url}/v1", api_key="unused")
+    stream = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPTS_20[4], max_tokens=MAX_TOKENS,
+                                       temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in stream) == reference_texts[4]
