@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 .PHONY: run test setup
 
 run: $(VENV)/.ready
-	$(BIN)/disagg generate
+	$(BIN)/disagg up
 
 test: $(VENV)/.ready
 	$(BIN)/python -m pytest -q tests

@@ -144,6 +144,16 @@ def main(argv: list[str] | None = None) -> None:
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_args(srv)
     add_serve_args(srv)
+    upp = sub.add_parser("up", help="start 1 prefill + 1 decode node on localhost and send a sample request",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    upp.add_argument("model", nargs="?", default=None, help="model directory or .gguf (default: embedded SmolLM2)")
+    upp.add_argument("--port", type=int, default=8000, help="decode node's HTTP port (the prefill node takes port+1)")
+    upp.add_argument("--grpc-port", type=int, default=50051, help="prefill node's gRPC port")
+    upp.add_argument("--kv-port", type=int, default=14579, help="prefill node's pipe port (decode takes kv-port+1)")
+    upp.add_argument("--kv-connector", default="tcp", help="pipe: tcp, torch_dist or ucx")
+    upp.add_argument("--device", default=None, help="cpu or cuda")
+    upp.add_argument("--once", action="store_true", help="stop both nodes after the sample request")
+    upp.add_argument("--log-level", default="WARNING")
     gen = sub.add_parser("generate", help="offline generation with the engine, printed with timings")
     add_engine_args(gen)
     gen.add_argument("--prompt", action="append", help="a user message (repeatable; default: three samples)")
@@ -153,7 +163,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        {"generate": generate, "serve": serve}[args.command](args)
+        if args.command == "up":
+            from disagg.launch import up
+
+            up(args)
+        else:
+            {"generate": generate, "serve": serve}[args.command](args)
     except (ValueError, RuntimeError) as e:
         parser.exit(2, f"disagg: error: {e}\n")
 

@@ -30,10 +30,22 @@ PROMPTS = [
 ]
 
 
+_greedy_cache: dict[tuple[int, ...], tuple[int, list[int]]] = {}
+
+
 def hf_greedy(hf_model, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    """transformers generate(), float32, greedy, one prompt at a time (no padding)."""
+    """transformers generate(), float32, greedy, one prompt at a time (no padding).
+
+    Memoized across the session: a greedy answer of M tokens starts with the answer of m < M
+    tokens, so a longer cached run answers a shorter request."""
+    key = (id(hf_model), *prompt_ids)
+    cached = _greedy_cache.get(key)
+    if cached is not None and (cached[0] >= max_tokens or len(cached[1]) < cached[0]):
+        return cached[1][:max_tokens]
     input_ids = torch.tensor([prompt_ids])
     with torch.no_grad():
         out = hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_tokens,
                                 do_sample=False, pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
+    tokens = out[0, len(prompt_ids):].tolist()
+    _greedy_cache[key] = (max_tokens, tokens)
+    return tokens

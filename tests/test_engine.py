@@ -9,14 +9,10 @@ from disagg.engine.sequence import Sequence
 from prompts import PASSAGE, PROMPTS, hf_greedy
 
 MAX_TOKENS = [64, 48, 32, 64, 16, 40, 24, 8, 64, 32, 56]
-_reference: dict[tuple, list[int]] = {}
 
 
 def reference(hf_model, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    key = (tuple(prompt_ids), max_tokens)
-    if key not in _reference:
-        _reference[key] = hf_greedy(hf_model, prompt_ids, max_tokens)
-    return _reference[key]
+    return hf_greedy(hf_model, prompt_ids, max_tokens)
 
 
 def greedy(max_tokens: int) -> SamplingParams:

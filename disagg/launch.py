@@ -1,0 +1,88 @@
+"""`disagg up`: one prefill node and one decode node on localhost, then a sample request.
+
+What the quick start runs. The two nodes are ordinary `disagg serve` processes; this only
+starts them with matching ports, waits until both answer, and shows a streamed answer.
+"""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+SAMPLE = "In one sentence, what does a prefill node do in disaggregated LLM serving?"
+
+
+def serve_command(args: argparse.Namespace, role: str, port: int, kv_port: int) -> list[str]:
+    command = [sys.executable, "-m", "disagg.cli", "serve"] + ([args.model] if args.model else [])
+    command += ["--kv-role", role, "--port", str(port), "--log-level", "WARNING",
+                "--kv-transfer-config", json.dumps({"kv_connector": args.kv_connector, "kv_port": kv_port})]
+    if role == "producer":
+        command += ["--grpc-port", str(args.grpc_port)]
+    else:
+        command += ["--prefill-nodes", f"127.0.0.1:{args.grpc_port}"]
+    if args.device:
+        command += ["--device", args.device]
+    return command
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the node behind {url} exited with code {proc.returncode}; its output is above")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{url} did not become healthy within {timeout:.0f}s")
+
+
+def sample_request(url: str, model: str) -> None:
+    print(f"\n> {SAMPLE}")
+    body = {"model": model, "messages": [{"role": "user", "content": SAMPLE}], "max_tokens": 64,
+            "temperature": 0, "stream": True}
+    start = time.perf_counter()
+    first = None
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            delta = json.loads(line[6:])["choices"]
+            text = delta[0]["delta"].get("content") if delta else None
+            if text:
+                first = first or time.perf_counter()
+                print(text, end="", flush=True)
+    print(f"\n\n(first token after {first - start:.2f}s, all in {time.perf_counter() - start:.2f}s)")
+
+
+def up(args: argparse.Namespace) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    prefill_port, decode_port = args.port + 1, args.port
+    prefill = subprocess.Popen(serve_command(args, "producer", prefill_port, args.kv_port), env=env)
+    decode = subprocess.Popen(serve_command(args, "consumer", decode_port, args.kv_port + 1), env=env)
+    url = f"http://127.0.0.1:{decode_port}"
+    try:
+        wait_healthy(f"http://127.0.0.1:{prefill_port}", prefill)
+        wait_healthy(url, decode)
+        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        sample_request(url, model)
+        if args.once:
+            return
+        print(f"serving {model}: OpenAI API at {url}/v1 (prefill node http://127.0.0.1:{prefill_port}); Ctrl-C stops")
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    finally:
+        for proc in (decode, prefill):
+            proc.terminate()
+        for proc in (decode, prefill):
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
