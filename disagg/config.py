@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from disagg.pipes.base import PipeConfig
+
 
 @dataclass
 class EngineConfig:
@@ -72,6 +74,10 @@ class KVTransferConfig:
 
     def extra(self, key: str):
         return self.kv_connector_extra_config[key]
+
+    def pipe_config(self) -> PipeConfig:
+        """This node's own pipe endpoint, with the shared secret and stall timeout."""
+        return PipeConfig(self.kv_ip, self.kv_port, self.extra("auth_token"), self.extra("pipe_timeout"))
 
     @classmethod
     def from_json(cls, text: str) -> "KVTransferConfig":

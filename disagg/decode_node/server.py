@@ -9,7 +9,6 @@ from disagg.decode_node.node import DecodeNode
 from disagg.decode_node.prefill_client import PrefillPool
 from disagg.engine.async_engine import AsyncEngine
 from disagg.lookup_buffer import LookupBufferConsumer
-from disagg.pipes.base import PipeConfig
 from disagg.serving import node_info, serve_http
 
 logger = logging.getLogger(__name__)
@@ -20,10 +19,8 @@ async def run_decode_node(engine: AsyncEngine, model_name: str, kv: KVTransferCo
     consumer = pool = None
     try:
         if kv.kv_role == "consumer":
-            token = kv.extra("auth_token")
-            consumer = LookupBufferConsumer(kv.kv_connector, PipeConfig(kv.kv_ip, kv.kv_port, token, kv.extra("pipe_timeout")),
-                                            ttl=kv.extra("buffer_ttl"))
-            pool = PrefillPool(prefill_nodes, token, node_info(engine, model_name, kv))
+            consumer = LookupBufferConsumer(kv.kv_connector, kv.pipe_config(), ttl=kv.extra("buffer_ttl"))
+            pool = PrefillPool(prefill_nodes, kv.extra("auth_token"), node_info(engine, model_name, kv))
             await pool.start(timeout=10.0)
         node = DecodeNode(engine, model_name, consumer, pool, kv_advertise=(kv.kv_ip, consumer.address[1]) if consumer else None,
                           prefill_policy=kv.extra("prefill_policy"), prefill_timeout=kv.extra("prefill_timeout"),

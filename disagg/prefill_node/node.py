@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 
+from disagg import metrics
 from disagg.control_plane import NodeInfo, PrefillCall, PrefillResult
 from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.sampling_params import SamplingParams
@@ -42,6 +43,7 @@ class PrefillNode:
         await asyncio.to_thread(self.producer.insert, call.request_id, call.prompt_token_ids, [kv],
                                 None, call.kv_dest)
         seconds = time.perf_counter() - start
+        metrics.KV_BYTES.labels("sent").inc(kv.nbytes)
         logger.info("prefill %s: %d prompt tokens (%d cached), %.1f KiB KV to %s:%d in %.3fs",
                     call.request_id, len(call.prompt_token_ids), final.num_cached_tokens,
                     kv.nbytes / 1024, *call.kv_dest, seconds)

@@ -10,7 +10,6 @@ from disagg import metrics
 from disagg.config import KVTransferConfig
 from disagg.engine.async_engine import AsyncEngine
 from disagg.lookup_buffer import LookupBufferProducer
-from disagg.pipes.base import PipeConfig
 from disagg.prefill_node.node import PrefillNode
 from disagg.prefill_node.service import start_grpc_server
 from disagg.serving import node_info, serve_http
@@ -42,11 +41,10 @@ def build_health_app(node: PrefillNode) -> FastAPI:
 
 async def run_prefill_node(engine: AsyncEngine, model_name: str, kv: KVTransferConfig, host: str, port: int,
                            grpc_port: int, log_level: str) -> None:
-    token = kv.extra("auth_token")
-    producer = LookupBufferProducer(kv.kv_connector, PipeConfig(kv.kv_ip, kv.kv_port, token, kv.extra("pipe_timeout")),
-                                    int(kv.kv_buffer_size), kv.extra("buffer_ttl"), kv.extra("insert_timeout"))
+    producer = LookupBufferProducer(kv.kv_connector, kv.pipe_config(), int(kv.kv_buffer_size),
+                                    kv.extra("buffer_ttl"), kv.extra("insert_timeout"))
     node = PrefillNode(engine, producer, node_info(engine, model_name, kv), kv.kv_buffer_device)
-    grpc_server = await start_grpc_server(node, host, grpc_port, token)
+    grpc_server = await start_grpc_server(node, host, grpc_port, kv.extra("auth_token"))
     try:
         await serve_http(build_health_app(node), host, port,
                          f"disagg prefill node ready: http://{host}:{port} grpc {host}:{grpc_port} "
