@@ -160,6 +160,12 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--log-level", default="INFO")
+    from disagg.bench import add_bench_parser  # argparse only: the load generator loads when it runs
+
+    add_bench_parser(sub)
+    from disagg.router import add_router_parser  # argparse only: the router's server loads when it runs
+
+    add_router_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -167,6 +173,14 @@ def main(argv: list[str] | None = None) -> None:
             from disagg.launch import up
 
             up(args)
+        elif args.command == "router":
+            from disagg.router.server import main as run_router
+
+            run_router(args)
+        elif args.command == "bench":
+            from disagg.bench import run_bench
+
+            run_bench(args)
         else:
             {"generate": generate, "serve": serve}[args.command](args)
     except (ValueError, RuntimeError) as e:

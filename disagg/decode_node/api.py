@@ -223,6 +223,21 @@ class Generation:
                     outcome, ttft, time.perf_counter() - self.start)
 
 
+MAX_REQUEST_ID_CHARS = 128
+
+
+def request_id_for(raw_request: Request, prefix: str) -> str:
+    """The client's X-Request-Id, or a fresh `prefix-<hex>`. A router sets the header so that one
+    request can be followed through the router's, this node's and the prefill node's logs."""
+    given = raw_request.headers.get("x-request-id")
+    if not given:
+        return f"{prefix}-{uuid.uuid4().hex}"
+    if len(given) > MAX_REQUEST_ID_CHARS or not given.isprintable():
+        raise APIError(400, f"the X-Request-Id header must be at most {MAX_REQUEST_ID_CHARS} printable characters "
+                            f"(got {len(given)}); send a shorter id or none")
+    return given
+
+
 def usage(out: RequestOutput) -> UsageInfo:
     prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
@@ -342,7 +357,7 @@ def build_app(node: DecodeNode, api_key: str | None, served_model_name: str) -> 
             params = request.to_sampling_params(default_max_tokens=max(1, node.max_model_len - len(prompt_ids)))
         except ValueError as e:
             raise APIError(400, str(e)) from e
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id = request_id_for(raw_request, "cmpl")
         try:
             generation, first = await start(request_id, prompt_ids, params, request.prefill_policy, raw_request)
         except ClientDisconnected:
@@ -407,7 +422,7 @@ def build_app(node: DecodeNode, api_key: str | None, served_model_name: str) -> 
             params = request.to_sampling_params(default_max_tokens=max(1, node.max_model_len - len(prompt_ids)))
         except ValueError as e:
             raise APIError(400, str(e)) from e
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id = request_id_for(raw_request, "chatcmpl")
         try:
             generation, first = await start(request_id, prompt_ids, params, request.prefill_policy, raw_request)
         except ClientDisconnected:

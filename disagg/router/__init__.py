@@ -1,0 +1,19 @@
+"""The router: one OpenAI front door over several decode nodes (xPyD), `disagg router`.
+
+Only the command line lives here, so that `disagg --help` does not load the router's server."""
+
+import argparse
+
+
+def add_router_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("router", help="one OpenAI front door over several decode nodes (xPyD)",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--decode-nodes", required=True,
+                        help="HOST:PORT[,HOST:PORT...] of the decode nodes' HTTP (OpenAI) servers")
+    parser.add_argument("--host", default="127.0.0.1", help="address the router's HTTP server binds")
+    parser.add_argument("--port", type=int, default=8000, help="the router's HTTP port")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1/* (forwarded to the decode nodes)")
+    parser.add_argument("--health-interval", type=float, default=2.0,
+                        help="seconds between health checks of each decode node")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")

@@ -1,0 +1,276 @@
+"""`disagg router`: one OpenAI-compatible front door over several decode nodes (xPyD).
+
+Each request goes to the healthy decode node with the fewest requests in flight. The router
+never parses a response: it passes the decode node's status, content type and bytes through
+chunk by chunk, so streamed tokens reach the client as soon as the decode node sends them.
+
+Every request carries an X-Request-Id (the client's, or a fresh `cmpl-<hex>`): the decode node
+uses it as its request id and passes it to the prefill node, so one grep follows a request
+through the router's, the decode node's and the prefill node's logs.
+
+Closing the upstream connection is how the decode node learns that the client went away (it
+then aborts the request on both nodes and frees its blocks), so the router closes it as soon as
+the client disconnects, whether the response is streamed or not.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import importlib.metadata
+import json
+import logging
+import secrets
+import time
+import uuid
+
+import anyio
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from disagg.router.router import (
+    NO_HEALTHY_NODE,
+    REGISTRY,
+    UPSTREAM_ERRORS,
+    DecodeNode,
+    Router,
+    describe,
+    parse_decode_nodes,
+)
+from disagg.serving import serve_http
+
+logger = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "x-request-id"
+# Headers of the client's request the decode node needs; hop-by-hop ones (Host, Content-Length,
+# Connection) are httpx's business.
+FORWARDED_HEADERS = ("content-type", "authorization", "accept")
+CONNECT_TIMEOUT_S = 5.0  # a decode node that does not accept within this is tried as unreachable
+# Below uvicorn's 5 s keep-alive: an idle connection is dropped here before the decode node closes
+# it, so a request is never sent down a connection the node is closing at that very moment.
+KEEPALIVE_EXPIRY_S = 2.0
+STATUS_CLIENT_CLOSED = 499  # nginx's "client closed request", as the decode node answers it
+
+
+def error_response(status: int, message: str, code: str | None = None) -> JSONResponse:
+    """OpenAI's error shape, as the decode nodes answer."""
+    kind = "authentication_error" if status == 401 else "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status_code=status)
+
+
+class APIKeyMiddleware:
+    """`Authorization: Bearer KEY` on /v1/*; /health and /metrics stay open for probes. The header
+    is forwarded as it is, so decode nodes started with the same --api-key accept it too."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                message = ("missing API key: send the header 'Authorization: Bearer <key>'" if not given
+                           else "invalid API key in the Authorization header")
+                await error_response(401, message, code="invalid_api_key")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    # The request body has been read already: what comes next is the disconnect.
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class UpstreamResponse(Response):
+    """A decode node's response passed through chunk by chunk.
+
+    Not Starlette's StreamingResponse: under ASGI 2.4 that one notices a disconnect only at its
+    next send and leaves its iterator to the garbage collector, which would keep the decode node
+    generating for nobody. Here a watcher closes the upstream response the moment the client
+    leaves, and the node's request count goes down once, however the response ends."""
+
+    def __init__(self, upstream: httpx.Response, request_id: str, node: DecodeNode, router: Router, start: float):
+        self.upstream = upstream
+        self.request_id = request_id
+        self.node = node
+        self.router = router
+        self.start = start  # when the router received the request
+        self.complete = False  # the whole body was relayed
+        self.status_code = upstream.status_code
+        self.background = None
+        headers = {REQUEST_ID_HEADER: request_id}
+        if "content-type" in upstream.headers:
+            headers["content-type"] = upstream.headers["content-type"]
+        self.init_headers(headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+                async def watch() -> None:
+                    await wait_for_disconnect(receive)
+                    # uvicorn also reports a disconnect once the response is complete.
+                    if not self.complete:
+                        logger.info("%s: the client disconnected; closing the stream from %s",
+                                    self.request_id, self.node.address)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(watch)
+                await self._relay(send)
+                group.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.upstream.aclose()
+            self.router.end(self.node)
+            logger.info("%s <- decode node %s: HTTP %d in %.3fs", self.request_id, self.node.address,
+                        self.status_code, time.perf_counter() - self.start)
+
+    async def _relay(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        try:
+            async for chunk in self.upstream.aiter_bytes():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except httpx.HTTPError as e:
+            # The decode node died mid-response; the status is sent, so only the body can say so.
+            UPSTREAM_ERRORS.labels(self.node.address).inc()
+            reason = f"decode node {self.node.address} broke off the response: {describe(e)}"
+            logger.warning("%s: %s", self.request_id, reason)
+            if self.headers.get("content-type", "").startswith("text/event-stream"):
+                event = {"error": {"message": reason, "type": "server_error", "param": None, "code": None}}
+                tail = f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
+                await send({"type": "http.response.body", "body": tail, "more_body": True})
+        self.complete = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def proxy_client() -> httpx.AsyncClient:
+    # No read timeout: a non-streamed answer arrives only once the whole generation is done.
+    return httpx.AsyncClient(timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
+                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
+                                                 keepalive_expiry=KEEPALIVE_EXPIRY_S))
+
+
+def build_app(router: Router, client: httpx.AsyncClient, api_key: str | None) -> FastAPI:
+    """The router's HTTP app; `client` carries the proxied requests to the decode nodes."""
+    version = importlib.metadata.version("disagg")
+    app = FastAPI(title="disagg router", version=version)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    async def send_upstream(request: Request, node: DecodeNode, request_id: str,
+                            body: bytes) -> httpx.Response | None:
+        """The decode node's response (headers read, body not), or None if the client left first."""
+        headers = {k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS}
+        headers[REQUEST_ID_HEADER] = request_id
+        upstream_request = client.build_request(request.method, f"{node.url}{request.url.path}",
+                                                params=request.query_params, headers=headers, content=body)
+        sending = asyncio.create_task(client.send(upstream_request, stream=True))
+        disconnect = asyncio.create_task(wait_for_disconnect(request.receive))
+        try:
+            await asyncio.wait([sending, disconnect], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            disconnect.cancel()
+            # The client left while the decode node was still working on a non-streamed answer
+            # (or the router is shutting down): cancelling the send closes the connection, which
+            # is what tells the node to abort.
+            given_up = sending.cancel()
+        if not given_up:
+            return sending.result()
+        with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+            upstream = await sending  # it may have got its answer just before the cancel
+            await upstream.aclose()
+        return None
+
+    async def proxy(request: Request, id_prefix: str) -> Response:
+        request_id = request.headers.get(REQUEST_ID_HEADER) or f"{id_prefix}-{uuid.uuid4().hex}"
+        body = await request.body()
+        start = time.perf_counter()
+        tried: set[str] = set()
+        while (node := router.pick(exclude=tried)) is not None:
+            tried.add(node.address)
+            router.begin(node)
+            logger.info("%s -> decode node %s (%s %s)", request_id, node.address, request.method, request.url.path)
+            try:
+                upstream = await send_upstream(request, node, request_id, body)
+            except httpx.TransportError as e:
+                # Nothing reached the client yet: the next healthy node can still take it.
+                router.end(node)
+                UPSTREAM_ERRORS.labels(node.address).inc()
+                node.mark_unhealthy(f"{request.url.path} failed: {describe(e)}")
+                logger.warning("%s: decode node %s is unreachable (%s); trying another", request_id, node.address,
+                               type(e).__name__)
+                continue
+            except BaseException:
+                router.end(node)
+                raise
+            if upstream is None:
+                router.end(node)
+                logger.info("%s: the client disconnected before %s answered; request aborted", request_id,
+                            node.address)
+                return Response(status_code=STATUS_CLIENT_CLOSED)
+            return UpstreamResponse(upstream, request_id, node, router, start)
+        NO_HEALTHY_NODE.inc()
+        reason = router.unavailable_reason()
+        logger.warning("%s: no decode node can take it: %s", request_id, reason)
+        return error_response(503, f"no healthy decode node: {reason}; check the decode nodes' logs and "
+                                   "the router's /health")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxy(request, "cmpl")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await proxy(request, "chatcmpl")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await proxy(request, "models")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        nodes = {n.address: {"healthy": n.healthy, "reason": n.reason, "outstanding": n.outstanding,
+                             "routed": n.routed} for n in router.nodes}
+        ok = any(n.healthy for n in router.nodes)
+        return JSONResponse({"status": "ok" if ok else "no healthy decode node", "role": "router",
+                             "decode_nodes": nodes}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version_info() -> dict:
+        return {"version": version}
+
+    return app
+
+
+async def run_router(decode_nodes: list[str], host: str, port: int, api_key: str | None, health_interval: float,
+                     log_level: str) -> None:
+    router = Router(decode_nodes, health_interval)
+    client = proxy_client()
+    try:
+        await router.start()
+        healthy = sum(n.healthy for n in router.nodes)
+        if not healthy:
+            logger.warning("no decode node is healthy yet (%s); answering 503 until one is", router.unavailable_reason())
+        await serve_http(build_app(router, client, api_key), host, port,
+                         f"disagg router ready: http://{host}:{port} decode {','.join(decode_nodes)} "
+                         f"({healthy} healthy)", log_level)
+    finally:
+        await client.aclose()
+        await router.close()
+
+
+def main(args: argparse.Namespace) -> None:
+    """`disagg router ...`, parsed by disagg.router.add_router_parser."""
+    if args.health_interval <= 0:
+        raise ValueError(f"--health-interval must be > 0 seconds, got {args.health_interval}")
+    # httpx logs every request at INFO: the health checks would drown the router's own lines.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    asyncio.run(run_router(parse_decode_nodes(args.decode_nodes), args.host, args.port, args.api_key,
+                           args.health_interval, args.log_level))

@@ -1,0 +1,350 @@
+"""xPyD through the router, with real processes: 2 prefill + 2 decode nodes behind `disagg router`.
+
+Greedy answers through the router equal the offline engine's, every node gets work, a prefill
+node killed mid-load costs no request, a request id can be followed through every node's log,
+a client that disconnects frees the decode node's blocks, and a decode node that is gone is
+skipped.
+"""
+
+import asyncio
+import http.server
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from servers import Node, free_port, start_node, wait_ready
+
+pytestmark = pytest.mark.timeout(300)
+
+MODEL = "SmolLM2-135M-Instruct"
+MAX_TOKENS = 12
+PROMPTS = [
+    "Hello", "The capital of France is", "1, 2, 3, 4,", "Name a color:", "The opposite of hot is",
+    "Once upon a time,", "def add(a, b):", "What is 2 + 2?", "Name a planet.", "Water boils at",
+    "The sun rises in the", "A haiku about code:", "Cats are", "My favourite food is", "Paris is in",
+    "Red, green and", "The best way to learn is", "Monday, Tuesday,", "Hi there!", "Rain falls from the",
+]
+KINDS = ("completion", "completion-stream", "chat", "chat-stream")
+NUM_REQUESTS = 40
+PREFILL_LOG_LINE = re.compile(r"prefill (test-xpyd-|cmpl-|chatcmpl-)")  # a prefill node's line for each prompt
+
+
+def start_router(tmp_dir: Path, decode_nodes: list[str], extra_args: list[str] = (), wait: bool = True) -> Node:
+    """`disagg router` over the given decode nodes (HTTP host:port); waits until /health answers 200."""
+    port = free_port()
+    args = [sys.executable, "-m", "disagg.cli", "router", "--decode-nodes", ",".join(decode_nodes),
+            "--port", str(port), "--health-interval", "0.5", "--log-level", "INFO", *extra_args]
+    log_path = tmp_dir / f"router-{port}.log"
+    proc = subprocess.Popen(args, stdout=log_path.open("w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    node = Node("router", proc, port, log_path, args=args)
+    if wait:
+        wait_ready(node)
+    return node
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout}s: {what}")
+
+
+def labelled_metric(node: Node, name: str, label: str) -> dict[str, float]:
+    """{label value: sample} of one labelled metric in the node's /metrics."""
+    text = httpx.get(f"{node.url}/metrics", timeout=10).text
+    pattern = re.compile(rf'^{name}\{{{label}="([^"]+)"\}} (\S+)$', re.MULTILINE)
+    return {value: float(sample) for value, sample in pattern.findall(text)}
+
+
+@dataclass
+class Cluster:
+    prefills: list[Node]
+    decodes: list[Node]
+    router: Node
+    expected: dict[str, list[str]]  # "completion" / "chat" -> the colocated greedy text of each prompt
+
+
+def colocated_answers() -> dict[str, list[str]]:
+    """The offline engine's greedy answers: the colocated reference."""
+    from disagg import LLM, SamplingParams
+
+    llm = LLM(device="cpu")
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    completions = [o.text for o in llm.generate(PROMPTS, params)]
+    chats = [o.text for o in llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params)]
+    return {"completion": completions, "chat": chats}
+
+
+def wait_connected(decode: Node, timeout: float = 60.0) -> None:
+    """Until the decode node has handshaken with all its prefill nodes (they may have started after it)."""
+    def connected() -> bool:
+        prefill_nodes = httpx.get(f"{decode.url}/health", timeout=5).json()["prefill_nodes"]
+        return all(prefill_nodes.values())
+    wait_for(connected, timeout, f"decode node {decode.port} connects to its prefill nodes")
+
+
+def healthy_decode_nodes(router: Node) -> set[str]:
+    nodes = httpx.get(f"{router.url}/health", timeout=5).json()["decode_nodes"]
+    return {address for address, state in nodes.items() if state["healthy"]}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """2 prefill + 2 decode nodes (each decode node given both prefill nodes) + the router, all
+    booted at once; the reference answers are computed meanwhile."""
+    tmp = tmp_path_factory.mktemp("xpyd")
+    nodes: list[Node] = []
+    try:
+        prefills = [start_node("producer", tmp, wait=False) for _ in range(2)]
+        nodes += prefills
+        # A short lookup timeout: KV cut off by the killed prefill node is recomputed soon.
+        decodes = [start_node("consumer", tmp, prefill_nodes=[p.grpc_address for p in prefills],
+                              kv_extra={"lookup_timeout": 10.0}, wait=False) for _ in range(2)]
+        nodes += decodes
+        router = start_router(tmp, [f"127.0.0.1:{d.port}" for d in decodes], wait=False)
+        nodes.append(router)
+        expected = colocated_answers()
+        for node in nodes:
+            wait_ready(node)
+        for node in decodes:
+            wait_connected(node)
+        wait_for(lambda: healthy_decode_nodes(router) == {f"127.0.0.1:{d.port}" for d in decodes}, 30,
+                 "the router sees both decode nodes healthy")
+        yield Cluster(prefills, decodes, router, expected)
+    finally:
+        for node in nodes:
+            node.kill()
+
+
+def request_kind(i: int) -> str:
+    # Each prompt is sent twice (i and i + 20), as two different kinds.
+    return KINDS[(i + i // len(PROMPTS)) % len(KINDS)]
+
+
+async def ask(client: httpx.AsyncClient, url: str, i: int, request_id: str | None) -> tuple[str, str]:
+    """Request i through the router: (its text, the X-Request-Id it went by)."""
+    kind = request_kind(i)
+    prompt = PROMPTS[i % len(PROMPTS)]
+    body = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": kind.endswith("stream")}
+    if kind.startswith("chat"):
+        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
+    else:
+        path, body["prompt"] = "/v1/completions", prompt
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    if not body["stream"]:
+        r = await client.post(url + path, json=body, headers=headers)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return (choice["message"]["content"] if kind == "chat" else choice["text"]), r.headers["x-request-id"]
+    text, done = "", False
+    async with client.stream("POST", url + path, json=body, headers=headers) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                for choice in event["choices"]:
+                    text += (choice["delta"].get("content") or "") if kind == "chat-stream" else choice["text"]
+        assert done, f"request {i}: the stream ended without [DONE]"
+        return text, r.headers["x-request-id"]
+
+
+def test_xpyd_spreads_load_survives_a_dead_prefill_node_and_matches_colocated(cluster: Cluster):
+    prefills, decodes, router, expected = cluster.prefills, cluster.decodes, cluster.router, cluster.expected
+    victim = prefills[0]
+
+    async def run() -> list[tuple[str, str]]:
+        async with httpx.AsyncClient(timeout=180) as client:
+            # Even requests bring their own id (kept), odd ones get the router's.
+            tasks = [asyncio.create_task(ask(client, router.url, i, f"test-xpyd-{i}" if i % 2 == 0 else None))
+                     for i in range(NUM_REQUESTS)]
+            # Kill one prefill node once it has taken work, while the rest is still in flight.
+            deadline = time.monotonic() + 60
+            while not PREFILL_LOG_LINE.search(victim.log()):
+                assert time.monotonic() < deadline, "the first prefill node got no work"
+                await asyncio.sleep(0.1)
+            victim.kill()
+            unfinished = sum(not t.done() for t in tasks)
+            results = await asyncio.gather(*tasks)
+            assert unfinished > 0, "every request finished before the prefill node was killed"
+            return results
+
+    results = asyncio.run(run())
+    for i, (text, _) in enumerate(results):
+        kind = request_kind(i).removesuffix("-stream")
+        assert text == expected[kind][i % len(PROMPTS)], f"request {i} ({request_kind(i)}) differs"
+
+    # The router kept the clients' ids and gave the others its own.
+    ids = [request_id for _, request_id in results]
+    assert ids[0::2] == [f"test-xpyd-{i}" for i in range(0, NUM_REQUESTS, 2)]
+    assert all(re.fullmatch(r"(chat)?cmpl-[0-9a-f]{32}", rid) for rid in ids[1::2]), ids[1::2]
+
+    # Both decode nodes and both prefill nodes got work.
+    routed = labelled_metric(router, "disagg_router_requests_total", "decode_node")
+    assert sorted(routed) == sorted(f"127.0.0.1:{d.port}" for d in decodes)
+    assert all(count >= 5 for count in routed.values()), routed
+    assert sum(routed.values()) == NUM_REQUESTS
+    for node in prefills:
+        assert PREFILL_LOG_LINE.search(node.log()), f"prefill node {node.port} got no work"
+    # The surviving prefill node pushed KV to both decode nodes, which used it (not recomputed).
+    survivor = prefills[1]
+    for decode in decodes:
+        assert f"KV to 127.0.0.1:{decode.kv_port} " in survivor.log(), f"no KV pushed to decode node {decode.port}"
+        assert labelled_metric(decode, "disagg_remote_prefill_total", "outcome").get("ok", 0) >= 1
+
+    # One request followed by its id through the router, a decode node and a prefill node.
+    decode_logs = "".join(d.log() for d in decodes)
+    prefill_logs = "".join(p.log() for p in prefills)
+    followed = [rid for rid in ids if f"prefill {rid}:" in prefill_logs]
+    assert followed, "no request id shows up in a prefill node's log"
+    rid = followed[0]
+    assert re.search(rf"{rid} -> decode node 127\.0\.0\.1:\d+", router.log())
+    assert f"{rid} started" in decode_logs and f"{rid} finished" in decode_logs
+    assert "the client disconnected" not in router.log()  # every client read its answer to the end
+
+    # The router answers later requests too, with the prefill node gone for good.
+    text, _ = asyncio.run(_ask_once(router.url, 1))
+    assert text == expected["completion"][1]
+
+
+async def _ask_once(url: str, i: int) -> tuple[str, str]:
+    async with httpx.AsyncClient(timeout=120) as client:
+        return await ask(client, url, i, None)
+
+
+def test_router_health_and_models(cluster: Cluster):
+    health = httpx.get(f"{cluster.router.url}/health", timeout=10).json()
+    assert health["status"] == "ok"
+    assert healthy_decode_nodes(cluster.router) == {f"127.0.0.1:{d.port}" for d in cluster.decodes}
+    models = httpx.get(f"{cluster.router.url}/v1/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+
+
+def test_decode_node_errors_pass_through(cluster: Cluster):
+    """The decode node's 400 for an unusable X-Request-Id comes back as it is, status and body."""
+    r = httpx.post(f"{cluster.router.url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1},
+                   headers={"X-Request-Id": "x" * 200}, timeout=30)
+    assert r.status_code == 400
+    assert "X-Request-Id" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_frees_the_decode_nodes_blocks(cluster: Cluster, stream: bool):
+    decodes, router = cluster.decodes, cluster.router
+    request_id = f"test-disconnect-{'stream' if stream else 'full'}"
+    body = {"model": MODEL, "prompt": "Count to a thousand:", "max_tokens": 1500, "ignore_eos": True,
+            "temperature": 0, "stream": stream}
+    headers = {"X-Request-Id": request_id}
+    if stream:
+        # Chunks arrive long before the 1500 tokens are done: the router does not buffer the stream.
+        with httpx.stream("POST", f"{router.url}/v1/completions", json=body, headers=headers, timeout=60) as r:
+            assert r.status_code == 200
+            chunks = 0
+            for line in r.iter_lines():
+                chunks += line.startswith("data: ")
+                if chunks >= 3:
+                    break
+    else:
+        # The answer would take minutes: give up after the decode node has started on it.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{router.url}/v1/completions", json=body, headers=headers, timeout=httpx.Timeout(60, read=3))
+    wait_for(lambda: all(d.metric("disagg_kv_blocks_used") == 0 for d in decodes), 30, "decode blocks free")
+    decode_logs = "".join(d.log() for d in decodes)
+    assert re.search(rf"{request_id} finished: .* finish reason abort", decode_logs), "the decode node did not abort"
+    wait_for(lambda: f"{request_id}: the client disconnected" in router.log(), 10, "the router logs the disconnect")
+
+
+class FakeDecodeNode:
+    """Answers /health 200 until closed, then refuses connections: a decode node that died
+    between two health checks."""
+
+    def __init__(self):
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(b'{"status": "ok"}')
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_unreachable_decode_node_is_skipped(cluster: Cluster, tmp_path: Path):
+    fake = FakeDecodeNode()
+    # Health checks far apart: the router still believes the fake node healthy when it is gone.
+    router = start_router(tmp_path, [fake.address, f"127.0.0.1:{cluster.decodes[0].port}"],
+                          extra_args=["--health-interval", "600"])
+    try:
+        fake.close()
+        text, _ = asyncio.run(_ask_once(router.url, 1))  # ties go to the first node: the dead one
+        assert text == cluster.expected["completion"][1]
+        assert f"decode node {fake.address} is unreachable" in router.log()
+        errors = labelled_metric(router, "disagg_router_upstream_errors_total", "decode_node")
+        assert errors.get(fake.address) == 1
+        health = httpx.get(f"{router.url}/health", timeout=10).json()
+        assert health["decode_nodes"][fake.address]["healthy"] is False
+    finally:
+        router.kill()
+
+
+def test_no_healthy_decode_node_answers_503_and_the_api_key_is_checked(tmp_path: Path):
+    router = start_router(tmp_path, [f"127.0.0.1:{free_port()}"], extra_args=["--api-key", "k3y"], wait=False)
+    try:
+        wait_for(lambda: "disagg router ready" in router.log(), 60, "the router starts")
+        assert httpx.get(f"{router.url}/health", timeout=10).status_code == 503
+        body = {"model": MODEL, "prompt": "Hi"}
+        r = httpx.post(f"{router.url}/v1/completions", json=body, timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = httpx.post(f"{router.url}/v1/completions", json=body, headers={"Authorization": "Bearer k3y"}, timeout=10)
+        assert r.status_code == 503
+        error = r.json()["error"]
+        assert error["type"] == "server_error" and "no healthy decode node" in error["message"]
+    finally:
+        router.kill()
+
+
+def test_pick_is_least_outstanding_among_healthy_nodes():
+    from disagg.router.router import Router
+
+    async def run() -> None:
+        router = Router(["a:1", "b:2", "c:3"])
+        a, b, c = router.nodes
+        assert router.pick() is None  # nothing checked yet
+        a.mark_healthy()
+        b.mark_healthy()
+        router.begin(router.pick())  # a: ties go to the node sent fewer requests, then list order
+        assert router.pick() is b
+        router.begin(b)
+        router.end(a)
+        assert router.pick() is a  # a: 0 in flight
+        assert router.pick(exclude={"a:1"}) is b
+        c.mark_healthy()
+        assert router.pick() is c  # never used yet
+        b.mark_unhealthy("test")
+        assert router.pick(exclude={"a:1", "c:3"}) is None
+        await router.close()
+
+    asyncio.run(run())
