@@ -89,8 +89,13 @@ class DecodeNode:
             call = PrefillCall(request_id, prompt_token_ids, params, self.kv_advertise)
             result = await client.prefill(call, timeout=self.prefill_timeout)
             source = (client.info.kv_ip, client.info.kv_port)
-            entry = await asyncio.to_thread(self.consumer.drop_select, request_id, prompt_token_ids,
-                                            self.lookup_timeout, source)
+            # The reply means the KV is queued, not sent: if the node dies now, stop waiting at once.
+            watch = asyncio.create_task(self._discard_when_unhealthy(client, request_id))
+            try:
+                entry = await asyncio.to_thread(self.consumer.drop_select, request_id, prompt_token_ids,
+                                                self.lookup_timeout, source)
+            finally:
+                watch.cancel()
             if entry.token_digest != result.token_digest:
                 raise RuntimeError(f"KV digest {entry.token_digest} differs from the prefill node's {result.token_digest}")
             await self.engine.finish_remote_prefill(request_id, entry.kv_tensors[0], result.first_token,
@@ -118,6 +123,11 @@ class DecodeNode:
                 logger.warning("%s; recomputing it here", reason)
                 with contextlib.suppress(KeyError):  # it may have been aborted meanwhile
                     await self.engine.prefill_locally(request_id)
+
+    async def _discard_when_unhealthy(self, client: PrefillClient, request_id: str) -> None:
+        while client.healthy:
+            await asyncio.sleep(0.2)
+        self.consumer.discard(request_id)
 
     def health(self) -> dict:
         status = {"status": "ok", "role": "consumer" if self.disaggregated else "both", "model": self.model_name}

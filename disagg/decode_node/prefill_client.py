@@ -68,6 +68,7 @@ class PrefillClient:
         self.healthy = False
         self.reason = "not connected yet"  # why it is unhealthy, for logs and error messages
         self.outstanding = 0  # Prefill calls in flight
+        self.calls = 0  # Prefill calls made, to break ties so light traffic still alternates
 
     async def connect(self, expected: NodeInfo, timeout: float) -> NodeInfo:
         """The Info handshake: the node's NodeInfo, checked against `expected` (this node's)."""
@@ -87,6 +88,7 @@ class PrefillClient:
 
     async def prefill(self, call: PrefillCall, timeout: float) -> PrefillResult:
         self.outstanding += 1
+        self.calls += 1
         try:
             reply = await self.stub.Prefill(convert.prefill_call_to_proto(call), timeout=timeout,
                                             metadata=self.metadata)
@@ -184,7 +186,7 @@ class PrefillPool:
         if not healthy:
             reasons = "; ".join(f"{c.address}: {c.reason}" for c in self.clients)
             raise PrefillNodeUnavailable(f"no healthy prefill node: {reasons}")
-        return min(healthy, key=lambda c: c.outstanding)
+        return min(healthy, key=lambda c: (c.outstanding, c.calls))
 
     async def close(self) -> None:
         if self.health_task is not None:

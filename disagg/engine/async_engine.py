@@ -72,6 +72,8 @@ class AsyncEngine:
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                           export_kv: bool = False, remote_prefill: bool = False) -> asyncio.Queue:
+        if request_id in self.streams:
+            raise ValueError(f"request id {request_id!r} is already in use; send a unique X-Request-Id")
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[request_id] = (asyncio.get_running_loop(), queue)
         try:
