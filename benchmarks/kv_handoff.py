@@ -1,0 +1,147 @@
+"""KV handoff overhead: TTFT of disagg 1P1D minus TTFT of a colocated node, by prompt length.
+
+    python benchmarks/kv_handoff.py --lens 128,512,1024,2048 --repeats 3 --json handoff.json
+
+One request at a time (max_tokens 2, streamed, random token ids: no prefix-cache hits), each
+length on both systems side by side, alternating which goes first; medians over repeats. The
+colocated node runs with the same core and threads as the prefill node (default: both on core 0,
+1 thread; the decode node on core 1), so the difference is the handoff, not more compute.
+
+Split of the disagg TTFT, per request:
+- prefill: the prefill node's own time for the call (its log line "prefill <id>: ... in Xs" =
+  PrefillResult.prefill_seconds: schedule + compute + KV taken out of the cache + buffer insert);
+- kv_transfer: the decode node's `disagg_kv_transfer_seconds` for the request (Prefill call sent
+  -> KV loaded into its blocks), read as the histogram's _sum delta around the request;
+- transfer+load = kv_transfer - prefill: gRPC round trip, the pipe, drop_select and the load;
+- rest = TTFT - kv_transfer: HTTP, tokenization, block reservation, the first token's stream.
+"""
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from e2e_disagg_vs_colocated import EMBEDDED_VOCAB, NodeSpec, System, systems
+
+PREFILL_LINE = re.compile(r"prefill (\S+): (\d+) prompt tokens \((\d+) cached\), ([\d.]+) KiB KV .* in ([\d.]+)s")
+
+
+def ttft_of(url: str, prompt: list[int], timeout: float = 600.0) -> float:
+    body = {"prompt": prompt, "max_tokens": 2, "ignore_eos": True, "temperature": 0, "stream": True}
+    start = time.perf_counter()
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as response:
+        response.raise_for_status()
+        lines = response.iter_lines()
+        for line in lines:
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                if "error" in event:
+                    raise RuntimeError(f"stream error: {event['error']}")
+                if event.get("choices") and event["choices"][0].get("text"):
+                    ttft = time.perf_counter() - start
+                    for _ in lines:  # drain
+                        pass
+                    return ttft
+    raise RuntimeError("no content in the stream")
+
+
+def last_prefill(system: System) -> tuple[float, float]:
+    """(prefill seconds, KiB of KV) from the prefill node's newest log line."""
+    matches = PREFILL_LINE.findall(system.prefill.log())
+    if not matches:
+        raise RuntimeError(f"no 'prefill ... in Xs' line in {system.prefill.log_path}")
+    _, _, cached, kib, seconds = matches[-1]
+    if int(cached):
+        raise RuntimeError(f"the prompt hit the prefix cache ({cached} tokens): prompts must be fresh")
+    return float(seconds), float(kib)
+
+
+def measure(sys_by_name: dict[str, System], lens: list[int], repeats: int, vocab: int, seed: int = 0) -> dict:
+    import random
+
+    rng = random.Random(seed)
+    rows: dict[int, dict[str, list[float]]] = {n: {} for n in lens}
+    step = 0
+    for repeat in range(repeats):
+        for n in lens:
+            order = ["colocated", "disagg"] if step % 2 == 0 else ["disagg", "colocated"]
+            step += 1
+            for name in order:
+                system = sys_by_name[name]
+                prompt = [rng.randrange(1000, vocab) for _ in range(n)]
+                rec = rows[n]
+                if name == "disagg":
+                    before = system.front.metric_sum("disagg_kv_transfer_seconds_sum")
+                    count = system.front.metric_sum("disagg_kv_transfer_seconds_count")
+                ttft = ttft_of(system.front.url, prompt)
+                rec.setdefault(f"ttft_{name}", []).append(ttft)
+                if name == "disagg":
+                    time.sleep(0.2)  # the prefill node logs after answering
+                    transfer = system.front.metric_sum("disagg_kv_transfer_seconds_sum") - before
+                    if system.front.metric_sum("disagg_kv_transfer_seconds_count") != count + 1:
+                        raise RuntimeError("the KV did not come from the prefill node (recomputed?): "
+                                           "see the decode node's log")
+                    prefill, kib = last_prefill(system)
+                    rec.setdefault("prefill", []).append(prefill)
+                    rec.setdefault("kv_transfer", []).append(transfer)
+                    rec.setdefault("kv_mib", []).append(kib / 1024)
+            print(f"  repeat {repeat} len {n}: colocated {rec['ttft_colocated'][-1] * 1000:.0f} ms, "
+                  f"disagg {rec['ttft_disagg'][-1] * 1000:.0f} ms (prefill {rec['prefill'][-1] * 1000:.0f}, "
+                  f"kv_transfer {rec['kv_transfer'][-1] * 1000:.0f}) load {os.getloadavg()[0]:.1f}", flush=True)
+    out = {}
+    for n, rec in rows.items():
+        med = {k: statistics.median(v) for k, v in rec.items()}
+        # Per-request differences first, then medians (both systems' requests of a repeat ran side by side).
+        overhead = [d - c for d, c in zip(rec["ttft_disagg"], rec["ttft_colocated"])]
+        transfer_load = [t - p for t, p in zip(rec["kv_transfer"], rec["prefill"])]
+        rest = [d - t for d, t in zip(rec["ttft_disagg"], rec["kv_transfer"])]
+        out[n] = {**med, "overhead": statistics.median(overhead), "transfer_load": statistics.median(transfer_load),
+                  "rest": statistics.median(rest), "samples": rec}
+    return out
+
+
+def table(results: dict) -> str:
+    lines = [("| prompt tokens | KV MiB | TTFT colocated ms | TTFT disagg ms | overhead ms | prefill (P node) ms | "
+             "transfer+load ms | rest ms |"), "|---|---|---|---|---|---|---|---|"]
+    for n, r in results.items():
+        lines.append(f"| {n} | {r['kv_mib']:.1f} | {r['ttft_colocated'] * 1000:.0f} | "
+                     f"{r['ttft_disagg'] * 1000:.0f} | {r['overhead'] * 1000:+.0f} | {r['prefill'] * 1000:.0f} | "
+                     f"{r['transfer_load'] * 1000:.1f} | {r['rest'] * 1000:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lens", default="128,512,1024,2048")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cores", default="0,1", help="prefill and colocated on the first, decode on the second")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--connector", default="tcp")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--vocab-size", type=int, default=EMBEDDED_VOCAB)
+    ap.add_argument("--log-dir", default="/tmp/disagg-handoff-logs")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    lens = [int(x) for x in args.lens.split(",")]
+    first, second = args.cores.split(",")
+    start = time.time()
+    same_core = NodeSpec(cpus=first, threads=args.threads)
+    with systems(Path(args.log_dir), same_core, same_core, NodeSpec(cpus=second, threads=args.threads),
+                 model=args.model, connector=args.connector) as sys_by_name:
+        measure(sys_by_name, [64], 1, args.vocab_size, seed=999)  # warm-up
+        results = measure(sys_by_name, lens, args.repeats, args.vocab_size)
+    print(f"\n{time.time() - start:.0f}s")
+    print(table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

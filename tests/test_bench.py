@@ -1,0 +1,121 @@
+"""`disagg bench serve` and `disagg bench plot` as real processes against a real colocated node."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from disagg.bench.plot import plot_files
+from disagg.bench.serve import SLO, RequestResult, parse_rates, percentile, served_model, summarize
+from tests.servers import start_node
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    node = start_node("both", tmp_path_factory.mktemp("bench-node"))
+    yield node
+    node.kill()
+
+
+def bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "disagg.cli", "bench", *args], check=False, capture_output=True,
+                          text=True,
+                          timeout=timeout, env=env)
+
+
+def test_serve_sweep_json_and_plot(node, tmp_path: Path):
+    out_json, out_png = tmp_path / "run.json", tmp_path / "run.png"
+    done = bench("serve", "--base-url", node.url, "--qps-sweep", "4,inf", "--num-requests", "3",
+                 "--input-len", "8", "--output-len", "4", "--goodput", "ttft:60000", "tpot:60000",
+                 "--label", "colocated", "--save-json", str(out_json), "--plot", str(out_png), "--no-progress")
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out_json.read_text())
+    assert result["label"] == "colocated" and result["model"]
+    assert [run["qps"] for run in result["runs"]] == [4.0, "inf"]
+    for run in result["runs"]:
+        assert run["completed"] == 3 and run["failed"] == 0, run.get("errors")
+        for key in ("request_throughput", "output_throughput", "goodput", "duration_s",
+                    *(f"{s}_{m}_ms" for s in ("mean", "median", "p99") for m in ("ttft", "tpot", "itl", "e2e"))):
+            assert run[key] is not None and run[key] >= 0, key
+        assert run["goodput"] == pytest.approx(run["request_throughput"])  # SLOs of a minute: all meet them
+        assert run["median_ttft_ms"] <= run["median_e2e_ms"]
+        assert len(run["requests"]) == 3
+        for request in run["requests"]:
+            assert request["ok"], request["error"]
+            assert 0 < request["ttft"] <= request["e2e"]
+            assert request["output_tokens"] == 4  # ignore_eos: the asked length, counted from usage
+            assert request["prompt_tokens"] >= 1
+            assert request["tpot"] is not None and request["tpot"] >= 0
+    assert out_png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_serve_chat_and_plot_of_two_files(node, tmp_path: Path):
+    out_json = tmp_path / "chat.json"
+    done = bench("serve", "--base-url", node.url, "--endpoint", "chat", "--qps", "inf", "--num-requests", "2",
+                 "--input-len", "6", "--output-len", "3", "--save-json", str(out_json), "--no-progress")
+    assert done.returncode == 0, done.stdout + done.stderr
+    run = json.loads(out_json.read_text())["runs"][0]
+    assert run["completed"] == 2 and all(r["output_tokens"] == 3 for r in run["requests"])
+
+    plot = tmp_path / "both.png"  # `disagg bench plot a.json b.json --label ...`, in this process
+    plot_files([str(out_json), str(out_json)], plot, ["a", "b"])
+    assert plot.read_bytes()[:8] == PNG_MAGIC
+    with pytest.raises(ValueError, match="one per file"):
+        plot_files([str(out_json)], plot, ["a", "b"])
+
+
+def test_unreachable_server_names_the_url():
+    with pytest.raises(RuntimeError, match="127.0.0.1:9/v1/models"):
+        served_model("http://127.0.0.1:9", None)
+
+
+def test_metrics_helpers():
+    assert parse_rates("inf", "0.5,1, inf") == [0.5, 1.0, float("inf")]
+    with pytest.raises(ValueError, match="> 0"):
+        parse_rates("0", None)
+    with pytest.raises(ValueError, match="METRIC:MS"):
+        SLO.parse(["latency:5"])
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([5], 99) == 5
+    fast = RequestResult(ok=True, input_len=8, output_len=3, output_tokens=3, ttft=0.1, e2e=0.3, itl=[0.1, 0.1])
+    slow = RequestResult(ok=True, input_len=8, output_len=3, output_tokens=3, ttft=2.0, e2e=2.2, itl=[0.1, 0.1])
+    failed = RequestResult(ok=False, input_len=8, output_len=3, error="HTTP 503")
+    assert fast.tpot == pytest.approx(0.1)
+    summary = summarize([fast, slow, failed], duration=2.0, slo=SLO.parse(["ttft:500"]))
+    assert (summary["completed"], summary["failed"]) == (2, 1)
+    assert summary["goodput"] == pytest.approx(0.5) and summary["goodput_fraction"] == pytest.approx(1 / 3)
+    assert summary["median_ttft_ms"] == pytest.approx(1050)
+    assert summary["errors"] == ["HTTP 503"]
+
+
+def test_request_building(tmp_path: Path):
+    import argparse
+    import random
+
+    from disagg.bench import add_serve_args
+    from disagg.bench.serve import build_requests, request_body
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": [5, 6, 7], "max_tokens": 2}\n{"messages": [{"role": "user", "content": "hi"}]}\n')
+    args = parser.parse_args(["--prompts-file", str(prompts), "--num-requests", "3", "--output-len", "9"])
+    specs = build_requests(args, random.Random(0))
+    assert [(s.prompt, s.output_len) for s in specs] == [([5, 6, 7], 2), (None, 9), ([5, 6, 7], 2)]
+    assert specs[1].messages == [{"role": "user", "content": "hi"}]
+    body = request_body(specs[0], args, "m")
+    assert body["ignore_eos"] is True and body["stream_options"] == {"include_usage": True}
+
+    args = parser.parse_args(["--prompt-kind", "token-ids", "--vocab-size", "2000", "--input-len", "10",
+                              "--len-dist", "uniform", "--num-requests", "20"])
+    specs = build_requests(args, random.Random(0))
+    assert all(5 <= len(s.prompt) <= 15 and max(s.prompt) < 2000 for s in specs)
+    assert len({len(s.prompt) for s in specs}) > 1
+    args = parser.parse_args(["--endpoint", "chat", "--prompt-kind", "token-ids"])
+    with pytest.raises(ValueError, match="completions"):
+        build_requests(args, random.Random(0))
