@@ -22,6 +22,9 @@ from disagg.proto import disagg_pb2 as pb
 logger = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 1.0  # an abort is best effort: never hold a request's cleanup longer
+# A dead node refuses at once; this only bounds a live one that is slow to answer because its
+# engine keeps the CPU busy, which must not count as down.
+HEALTH_TIMEOUT_S = 5.0
 # gRPC backs off reconnects up to 120 s by default; a prefill node that restarts should be
 # noticed by the next health checks, not minutes later.
 CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)]
@@ -202,7 +205,7 @@ class PrefillPool:
             await asyncio.gather(*(self._check(c) for c in self.clients))
 
     async def _check(self, client: PrefillClient) -> None:
-        problem = await client.check_health(timeout=self.health_interval)
+        problem = await client.check_health(timeout=HEALTH_TIMEOUT_S)
         if problem is not None:
             client.mark_unhealthy(problem)
             return
@@ -210,7 +213,7 @@ class PrefillPool:
             return
         # Back after a failure: it may have restarted with another model or pipe port.
         try:
-            await client.connect(self.expected, timeout=self.health_interval)
+            await client.connect(self.expected, timeout=HEALTH_TIMEOUT_S)
         except PrefillClientError as e:
             if str(e) != client.reason:
                 logger.warning("prefill node %s answers but is refused: %s", client.address, e)

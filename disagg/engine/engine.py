@@ -222,17 +222,19 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batch; return an output for every request that got a token."""
         self._admit_remote()
-        outputs, self.pending_outputs = self.pending_outputs, []
+        if self.pending_outputs:  # first tokens that came with remote KV: out now, not after a batch
+            outputs, self.pending_outputs = self.pending_outputs, []
+            return outputs
         batch = ModelRunner.order(self.scheduler.schedule())
         if not batch:
-            return outputs
+            return []
         logits = self.runner.run(batch)
         sampled = [item.seq for item in batch if item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens]
         for item in batch:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.commit(item.seq)
         results = self.sampler(logits, [(seq.request_id, seq.params) for seq in sampled])
-        return outputs + [self._append(seq, token, logprob) for seq, (token, logprob) in zip(sampled, results)]
+        return [self._append(seq, token, logprob) for seq, (token, logprob) in zip(sampled, results)]
 
     def _admit_remote(self) -> None:
         """Reserve blocks for remote requests that waited for them; load KV that already came."""
