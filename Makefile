@@ -9,7 +9,7 @@ run: $(VENV)/.ready
 	$(BIN)/disagg up
 
 test: $(VENV)/.ready
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 setup: $(VENV)/.ready
 
