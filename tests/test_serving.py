@@ -102,8 +102,9 @@ def test_disaggregated_equals_colocated_and_transformers(pair, colocated, refere
     chosen = prompt_indices(connector)
     prompts = [PROMPTS_20[i] for i in chosen]
     expected = [reference_texts[i] for i in chosen]
-    disagg = asyncio.run(complete_all(decode.url, prompts))
-    local = asyncio.run(complete_all(colocated.url, prompts))
+    async def both():  # at once: each node computes on its own core
+        return await asyncio.gather(complete_all(decode.url, prompts), complete_all(colocated.url, prompts))
+    disagg, local = asyncio.run(both())
     assert local == expected
     assert disagg == expected
     # Every prompt really went through the prefill node (policy "fail" would have refused otherwise).
@@ -130,8 +131,11 @@ def test_disaggregated_chat_equals_colocated_and_transformers(pair, colocated, h
         ids = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         expected.append(hf_tokenizer.decode(hf_greedy(hf_model, list(ids), MAX_TOKENS), skip_special_tokens=True))
-    assert asyncio.run(chat_all(colocated.url, conversations)) == expected
-    assert asyncio.run(chat_all(decode.url, conversations)) == expected
+    async def both():
+        return await asyncio.gather(chat_all(colocated.url, conversations), chat_all(decode.url, conversations))
+    local, disagg = asyncio.run(both())
+    assert local == expected
+    assert disagg == expected
 
 
 # -- failure semantics, each with its own processes ------------------------------------------
