@@ -2,9 +2,13 @@
 
 import asyncio
 import logging
+import secrets
+from collections.abc import Callable
 
 import uvicorn
 from fastapi import FastAPI
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from disagg.config import KVTransferConfig
 from disagg.control_plane import NodeInfo
@@ -34,3 +38,26 @@ def node_info(engine: AsyncEngine, model_name: str, kv: KVTransferConfig) -> Nod
                     num_layers=e.model_config.num_hidden_layers, num_kv_heads=e.model_config.num_key_value_heads,
                     head_dim=e.model_config.head_dim, block_size=e.config.block_size,
                     kv_connector=kv.kv_connector, kv_ip=kv.kv_ip, kv_port=kv.kv_port)
+
+
+class APIKeyMiddleware:
+    """`Authorization: Bearer KEY` on /v1/*; /health, /metrics and /version stay open for probes.
+
+    A plain ASGI middleware: Starlette's BaseHTTPMiddleware would wrap streamed responses and
+    hide the client's disconnect from them. `error_response(status, message, code)` builds the
+    refusal, so each app answers in its own error shape and counts it in its own metrics."""
+
+    def __init__(self, app: ASGIApp, api_key: str, error_response: Callable[..., Response]):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.error_response = error_response
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                message = ("missing API key: send the header 'Authorization: Bearer <key>'" if not given
+                           else "invalid API key in the Authorization header")
+                await self.error_response(401, message, code="invalid_api_key")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -12,7 +12,6 @@ after that is sent as an error event, then [DONE].
 import asyncio
 import importlib.metadata
 import logging
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,7 +23,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from disagg import metrics
 from disagg.decode_node.node import DecodeNode, PrefillUnavailable
@@ -55,6 +53,7 @@ from disagg.engine.output import RequestOutput
 from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.sequence import TokenLogprob
 from disagg.engine.tokenizer import Tokenizer
+from disagg.serving import APIKeyMiddleware
 
 logger = logging.getLogger(__name__)
 
@@ -100,27 +99,6 @@ def api_error_from(error: Exception) -> APIError:
                              "compute the prompt itself")
     logger.error("request failed", exc_info=error)
     return APIError(500, f"the server failed while generating: {error}")
-
-
-class APIKeyMiddleware:
-    """`Authorization: Bearer KEY` on /v1/*; /health, /metrics and /version stay open for probes.
-
-    A plain ASGI middleware: Starlette's BaseHTTPMiddleware would wrap streamed responses and
-    hide the client's disconnect from them."""
-
-    def __init__(self, app: ASGIApp, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                message = ("missing API key: send the header 'Authorization: Bearer <key>'" if not given
-                           else "invalid API key in the Authorization header")
-                await error_response(401, message, code="invalid_api_key")(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 class Generation:
@@ -290,7 +268,7 @@ def build_app(node: DecodeNode, api_key: str | None, served_model_name: str) -> 
     version = importlib.metadata.version("disagg")
     app = FastAPI(title="disagg", version=version)
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, error_response=error_response)
 
     @app.exception_handler(APIError)
     async def on_api_error(_: Request, e: APIError) -> JSONResponse:

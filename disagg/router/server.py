@@ -19,7 +19,6 @@ import contextlib
 import importlib.metadata
 import json
 import logging
-import secrets
 import time
 import uuid
 
@@ -28,7 +27,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from disagg.router.router import (
     NO_HEALTHY_NODE,
@@ -39,7 +38,7 @@ from disagg.router.router import (
     describe,
     parse_decode_nodes,
 )
-from disagg.serving import serve_http
+from disagg.serving import APIKeyMiddleware, serve_http
 
 logger = logging.getLogger(__name__)
 
@@ -58,25 +57,6 @@ def error_response(status: int, message: str, code: str | None = None) -> JSONRe
     """OpenAI's error shape, as the decode nodes answer."""
     kind = "authentication_error" if status == 401 else "invalid_request_error" if status < 500 else "server_error"
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status_code=status)
-
-
-class APIKeyMiddleware:
-    """`Authorization: Bearer KEY` on /v1/*; /health and /metrics stay open for probes. The header
-    is forwarded as it is, so decode nodes started with the same --api-key accept it too."""
-
-    def __init__(self, app: ASGIApp, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                message = ("missing API key: send the header 'Authorization: Bearer <key>'" if not given
-                           else "invalid API key in the Authorization header")
-                await error_response(401, message, code="invalid_api_key")(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 async def wait_for_disconnect(receive: Receive) -> None:
@@ -158,7 +138,7 @@ def build_app(router: Router, client: httpx.AsyncClient, api_key: str | None) ->
     version = importlib.metadata.version("disagg")
     app = FastAPI(title="disagg router", version=version)
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, error_response=error_response)
 
     async def send_upstream(request: Request, node: DecodeNode, request_id: str,
                             body: bytes) -> httpx.Response | None:
