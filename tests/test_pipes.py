@@ -85,14 +85,15 @@ def echo_roundtrip(
     devices: tuple[str, str] = ("cpu", "cpu"),
 ) -> None:
     """A peer receives the seeded sequence, checks it and echoes it; we check the echoes.
-    We send from devices[0]; the peer receives into devices[1]."""
+    We send from devices[0] (on a GPU, every other tensor of a message stays on the CPU,
+    as a lookup-buffer header does beside its KV); the peer receives into devices[1]."""
     args = ["--seed", str(seed), "--count", str(count), "--device", devices[1]]
     peer = start_peer(pipe_name, "echo", listener.address, *args)
     try:
         pipe = listener.accept(timeout=30)
         for i, msg in enumerate(pipe_peer.messages(seed, count)):
             if msg is not None:
-                msg = [t.to(devices[0]) for t in msg]
+                msg = [t.to(devices[0]) if j % 2 == 0 else t for j, t in enumerate(msg)]
             pipe.send(msg)
             if i % 3 == 0 and msg is not None:
                 out = [torch.empty_like(t) for t in msg]
@@ -102,6 +103,10 @@ def echo_roundtrip(
                 )
             else:
                 got = pipe.recv()
+                if pipe_name == "torch_dist" and msg is not None and i % 2 == 0:
+                    # torch_dist keeps each tensor where it was, CUDA over NCCL and CPU
+                    # inline (odd messages the peer took into tensors on devices[1]).
+                    assert [g.device.type for g in got] == [t.device.type for t in msg]
             assert pipe_peer.same(got, msg), f"echo of message {i} differs"
         with pytest.raises(
             PipeClosed

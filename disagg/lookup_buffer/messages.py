@@ -90,8 +90,7 @@ def decode(message: list[torch.Tensor] | None) -> Hello | KVEntry:
     if not message or message[0].dtype != torch.uint8 or message[0].dim() != 1:
         raise ProtocolError("lookup-buffer message must start with a 1-d uint8 header tensor")
     try:
-        # .cpu(): a pipe may hand every tensor of a message over on the KV's device.
-        header = json.loads(message[0].cpu().numpy().tobytes())
+        header = json.loads(message[0].numpy().tobytes())
         kind, version = header["kind"], header["version"]
         if version != PROTOCOL_VERSION:
             raise ProtocolError(

@@ -3,15 +3,25 @@
 Each connection gets its own groups, never the global default group, so a node can
 hold any number of pipes. The listener's endpoint takes a TCP control connection
 (the tcp pipe's handshake, auth included); the listener then hosts a TCPStore on a
-free port for the pair's rendezvous. Headers travel over the control socket; tensor
-bytes go over gloo (CPU tensors) or NCCL (CUDA tensors, when both sides have CUDA),
-all tensors of one message in one batch of point-to-point ops (coalesced for NCCL).
+free port for the pair's rendezvous.
+
+A message's header goes over the control socket, followed by one route byte per
+tensor saying how that tensor's bytes travel:
+- NCCL: CUDA tensors, when both sides have CUDA. One tensor is one plain send; several
+  go in one coalesced group (the benchmark's layer list).
+- INLINE: the CPU tensors of a message that also has CUDA tensors (a lookup-buffer
+  header beside its KV) follow the header on the control socket, so they need neither
+  a host-to-device copy nor a device sync on the receiver, and arrive on the CPU.
+- GLOO: everything else (no CUDA on one side, or only CPU tensors).
 Tensors travel as uint8 views, which sidesteps backends' dtype gaps (bool, bfloat16).
 
-Unlike tcp, send() returns only once the peer's recv() has taken the message (gloo and
-NCCL point-to-point are rendezvous): a send with no receiver waiting raises PipeTimeout
-after config.timeout. With NCCL, one pipe should carry CUDA traffic in one direction at
-a time: concurrent NCCL sends in opposite directions on one communicator can deadlock.
+With gloo, send() returns only once the peer's recv() has taken the message (gloo
+point-to-point is a rendezvous): a send with no receiver waiting raises PipeTimeout
+after config.timeout. With NCCL, send() and recv() return once the transfer is queued
+on the GPU, ordered before later work on the caller's current stream (like any NCCL
+op); the socket carries the next header meanwhile. One pipe should carry CUDA traffic
+in one direction at a time: concurrent NCCL sends in opposite directions on one
+communicator can deadlock.
 """
 
 import socket
@@ -25,7 +35,7 @@ import torch.distributed as dist
 from disagg.pipes import tcp, wire
 from disagg.pipes.base import KVPipe, PipeClosed, PipeConfig, PipeError, PipeTimeout
 
-GLOO, NCCL = 0, 1  # which group carries a message's bytes, sent after its header
+INLINE, GLOO, NCCL = 0, 1, 2  # a tensor's route, one byte per tensor after the header
 RENDEZVOUS = struct.Struct("!HB")  # listener -> connector: store port, has_cuda
 HAS_CUDA = struct.Struct("!B")  # connector -> listener
 
@@ -43,10 +53,58 @@ def _make_groups(
     if use_nccl:
         nccl_options = dist.ProcessGroupNCCL.Options()
         nccl_options._timeout = timeout
-        nccl = dist.ProcessGroupNCCL(
-            dist.PrefixStore("nccl", store), rank, 2, nccl_options
-        )
+        nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, 2, nccl_options)
     return gloo, nccl
+
+
+class ControlReader:
+    """The control socket, read through a buffer. Headers are a few dozen bytes and a
+    sender that runs ahead queues several, so one recv() usually serves many messages:
+    at 16 MiB NCCL needs ~60 us a message, and the receiver's CPU must keep up."""
+
+    def __init__(self, sock: socket.socket, timeout: float):
+        self._sock = sock
+        self._timeout = timeout
+        self._buf = bytearray(1 << 16)
+        self._start = self._end = 0  # unread bytes are _buf[_start:_end]
+
+    def message_head(self) -> tuple[wire.Kind, list[wire.TensorMeta], bytes]:
+        """Kind, tensor metadata and route bytes of the next message."""
+        if self._start == self._end:
+            try:
+                self._fill()
+            except PipeTimeout as e:
+                raise tcp.NoMessage(str(e)) from None
+        with tcp.socket_errors("receiving a message header", self._timeout):
+            header = wire.decode_header(self._take(wire.HEADER.size))
+            metas = wire.decode_meta(self._take(header.meta_nbytes), header.count)
+            return header.kind, metas, self._take(header.count)
+
+    def read_into(self, view: memoryview) -> None:
+        buffered = min(len(view), self._end - self._start)
+        view[:buffered] = self._buf[self._start : self._start + buffered]
+        self._start += buffered
+        with tcp.socket_errors("receiving inline tensor data", self._timeout):
+            tcp.recv_exact_into(self._sock, view[buffered:])
+
+    def _take(self, n: int) -> bytes:
+        while self._end - self._start < n:
+            self._fill(n)
+        data = bytes(self._buf[self._start : self._start + n])
+        self._start += n
+        return data
+
+    def _fill(self, need: int = 1) -> None:
+        if len(self._buf) - self._start < need:  # make room: move what is unread to the front
+            unread = self._buf[self._start : self._end]
+            self._buf = bytearray(max(len(self._buf), need))
+            self._buf[: len(unread)] = unread
+            self._start, self._end = 0, len(unread)
+        with tcp.socket_errors("waiting for a message", self._timeout):
+            got = self._sock.recv_into(memoryview(self._buf)[self._end :])
+        if got == 0:
+            raise PipeClosed("the peer closed the connection (or died)")
+        self._end += got
 
 
 class TorchDistPipe(KVPipe):
@@ -59,10 +117,9 @@ class TorchDistPipe(KVPipe):
         nccl: dist.ProcessGroup | None,
     ):
         self._sock = sock
+        self._reader = ControlReader(sock, config.timeout)
         self._config = config
-        self._store = (
-            store  # the listener side hosts it; keep it alive as long as the pipe
-        )
+        self._store = store  # the listener side hosts it; keep it alive as long as the pipe
         self._gloo = gloo
         self._nccl = nccl
         self._peer = 1 - gloo.rank()
@@ -82,27 +139,33 @@ class TorchDistPipe(KVPipe):
 
     def _send(self, tensors: list[torch.Tensor] | None) -> None:
         if tensors is None:
-            with tcp.socket_errors("sending a message header", self._config.timeout):
-                tcp.send_buffers(
-                    self._sock, [wire.encode(wire.Kind.NONE), bytes([GLOO])]
-                )
+            self._send_control([wire.encode(wire.Kind.NONE)])
             return
-        metas = [wire.TensorMeta.of(t) for t in tensors]
-        on_cuda = any(t.is_cuda for t in tensors)
-        if on_cuda and self._nccl is not None:
-            backend, device = NCCL, next(t.device for t in tensors if t.is_cuda)
-            tensors = [t.to(device).contiguous() for t in tensors]
-        else:
-            backend, tensors = GLOO, [tcp.to_host(t) for t in tensors]
+        # One pass: this runs per message, and at 16 MiB a message takes NCCL ~60 us.
+        use_nccl = self._nccl is not None and any(t.is_cuda for t in tensors)
+        device = next((t.device for t in tensors if t.is_cuda), None)
+        metas, routes, inline, bulk = [], [], [], []
+        for t in tensors:
+            metas.append(wire.TensorMeta.of(t))
+            if use_nccl and t.is_cuda:
+                routes.append(NCCL)
+                t = t.to(device)
+            elif use_nccl:
+                routes.append(INLINE)
+                if t.numel():
+                    inline.append(tcp.byte_view(t.contiguous()))
+                continue
+            else:
+                routes.append(GLOO)
+                t = tcp.to_host(t)
+            if t.numel():
+                bulk.append(_flat_bytes(t))
+        self._send_control([wire.encode(wire.Kind.TENSORS, metas), bytes(routes), *inline])
+        self._transfer(NCCL if use_nccl else GLOO, bulk, send=True)
+
+    def _send_control(self, buffers: list) -> None:
         with tcp.socket_errors("sending a message header", self._config.timeout):
-            tcp.send_buffers(
-                self._sock, [wire.encode(wire.Kind.TENSORS, metas), bytes([backend])]
-            )
-        self._transfer(
-            backend,
-            [t.reshape(-1).view(torch.uint8) for t in tensors if t.numel()],
-            send=True,
-        )
+            tcp.send_buffers(self._sock, buffers)
 
     def recv(self, out: list[torch.Tensor] | None = None) -> list[torch.Tensor] | None:
         with self._recv_lock:
@@ -118,36 +181,34 @@ class TorchDistPipe(KVPipe):
                 raise
 
     def _recv(self, out: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
-        kind, metas = tcp.recv_header(self._sock, self._config)
-        with tcp.socket_errors("receiving a message header", self._config.timeout):
-            backend = tcp.recv_exact(self._sock, 1)[0]
+        kind, metas, routes = self._reader.message_head()
         if kind == wire.Kind.CLOSE:
             raise PipeClosed("the peer closed the pipe")
         if kind == wire.Kind.NONE:
             return None
-        if backend not in (GLOO, NCCL) or (backend == NCCL and self._nccl is None):
-            raise wire.ProtocolError(
-                f"peer chose backend {backend}, which this pipe did not set up"
-            )
         if out is not None:
             wire.check_out(out, metas)
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if backend == NCCL
-            else torch.device("cpu")
-        )
-        targets = []
-        for i, meta in enumerate(metas):
+        backend = NCCL if NCCL in routes else GLOO
+        if not set(routes) <= {INLINE, backend} or (backend == NCCL and self._nccl is None):
+            raise wire.ProtocolError(f"peer chose routes {sorted(set(routes))}, which this pipe cannot take")
+        cpu = torch.device("cpu")
+        bulk_device = torch.device("cuda", torch.cuda.current_device()) if backend == NCCL else cpu
+        targets, bulk = [], []
+        for i, (meta, route) in enumerate(zip(metas, routes)):
             dest = out[i] if out is not None else None
+            device = bulk_device if route != INLINE else cpu
             if dest is not None and dest.device == device and dest.is_contiguous():
-                targets.append(dest)
+                target = dest
             else:
-                targets.append(torch.empty(meta.shape, dtype=meta.dtype, device=device))
-        self._transfer(
-            backend,
-            [t.reshape(-1).view(torch.uint8) for t in targets if t.numel()],
-            send=False,
-        )
+                target = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+            targets.append(target)
+            if not target.numel():
+                continue
+            if route == INLINE:
+                self._reader.read_into(tcp.byte_view(target))
+            else:
+                bulk.append(_flat_bytes(target))
+        self._transfer(backend, bulk, send=False)
         if out is None:
             return targets
         for dest, target in zip(out, targets):
@@ -156,40 +217,34 @@ class TorchDistPipe(KVPipe):
         return out
 
     def _transfer(self, backend: int, buffers: list[torch.Tensor], send: bool) -> None:
-        """All of one message's tensors in one batch of p2p ops, then wait for all of them."""
+        """All of one message's tensors on one backend as one batch of p2p ops."""
         if not buffers:
             return
         op = "send" if send else "recv"
         try:
-            if backend == NCCL:
+            if backend == NCCL and len(buffers) == 1:
+                # A plain p2p op, as raw NCCL does: less CPU per message than a group of one.
+                getattr(self._nccl, op)(buffers, self._peer, 0).wait()
+            elif backend == NCCL:
                 # What batch_isend_irecv does for NCCL, on our private group: one grouped call.
                 self._nccl._start_coalescing()
                 for tag, buf in enumerate(buffers):
                     getattr(self._nccl, op)([buf], self._peer, tag)
                 self._nccl._end_coalescing().wait()
             else:
-                works = [
-                    getattr(self._gloo, op)([buf], self._peer, tag)
-                    for tag, buf in enumerate(buffers)
-                ]
+                works = [getattr(self._gloo, op)([buf], self._peer, tag) for tag, buf in enumerate(buffers)]
                 for work in works:
                     work.wait()
         except RuntimeError as e:
             if "timeout" in str(e).lower() or "timed out" in str(e).lower():
-                raise PipeTimeout(
-                    f"torch.distributed {op} made no progress for {self._config.timeout}s: {e}"
-                ) from None
-            raise PipeClosed(
-                f"torch.distributed {op} failed, the peer is gone: {e}"
-            ) from None
+                raise PipeTimeout(f"torch.distributed {op} made no progress for {self._config.timeout}s: {e}") from None
+            raise PipeClosed(f"torch.distributed {op} failed, the peer is gone: {e}") from None
 
     def _check_usable(self) -> None:
         if self._closed:
             raise PipeClosed("the pipe was closed")
         if self._broken:
-            raise PipeError(
-                f"the pipe is broken and must be reconnected: {self._broken}"
-            )
+            raise PipeError(f"the pipe is broken and must be reconnected: {self._broken}")
 
     def close(self) -> None:
         if self._closed:
@@ -197,7 +252,7 @@ class TorchDistPipe(KVPipe):
         if not self._broken and self._send_lock.acquire(timeout=1.0):
             try:
                 self._sock.settimeout(1.0)
-                self._sock.sendall(wire.encode(wire.Kind.CLOSE) + bytes([GLOO]))
+                self._sock.sendall(wire.encode(wire.Kind.CLOSE))
             except OSError:
                 pass
             finally:
@@ -210,6 +265,10 @@ class TorchDistPipe(KVPipe):
         self._sock.close()
         if self._nccl is not None:
             self._nccl.abort()  # frees the communicator's GPU buffers now, not at exit
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(-1).view(torch.uint8)
 
 
 def _accept_pipe(sock: socket.socket, config: PipeConfig) -> TorchDistPipe:
@@ -226,9 +285,7 @@ def _accept_pipe(sock: socket.socket, config: PipeConfig) -> TorchDistPipe:
     with tcp.socket_errors("torch_dist rendezvous", config.timeout):
         sock.sendall(RENDEZVOUS.pack(store.port, torch.cuda.is_available()))
         (peer_cuda,) = HAS_CUDA.unpack(tcp.recv_exact(sock, HAS_CUDA.size))
-    gloo, nccl = _make_groups(
-        store, 0, local_ip, bool(peer_cuda) and torch.cuda.is_available(), config
-    )
+    gloo, nccl = _make_groups(store, 0, local_ip, bool(peer_cuda) and torch.cuda.is_available(), config)
     return TorchDistPipe(sock, config, store, gloo, nccl)
 
 
@@ -240,9 +297,7 @@ def connect(config: PipeConfig, host: str, port: int) -> TorchDistPipe:
     sock = tcp.connect_socket(config, host, port)
     try:
         with tcp.socket_errors("torch_dist rendezvous", config.timeout):
-            store_port, peer_cuda = RENDEZVOUS.unpack(
-                tcp.recv_exact(sock, RENDEZVOUS.size)
-            )
+            store_port, peer_cuda = RENDEZVOUS.unpack(tcp.recv_exact(sock, RENDEZVOUS.size))
             sock.sendall(HAS_CUDA.pack(torch.cuda.is_available()))
         try:
             store = dist.TCPStore(
@@ -260,9 +315,7 @@ def connect(config: PipeConfig, host: str, port: int) -> TorchDistPipe:
                 config,
             )
         except RuntimeError as e:
-            raise PipeError(
-                f"torch_dist: could not form the pair's process group with {host}: {e}"
-            ) from None
+            raise PipeError(f"torch_dist: could not form the pair's process group with {host}: {e}") from None
     except BaseException:
         sock.close()
         raise
