@@ -19,6 +19,12 @@ the reported number is the median over repeats.
 disagg is driven through `llm.engine.add_request` / `step()`; transformers' step times come
 from a logits processor that stamps the clock each time generate() has a new row of logits
 (the first stamp ends the prefill forward).
+
+`matmuls` (in --engines by default) times only the matrix products of the same passes:
+every nn.Linear of the model on random inputs of the batch's shape, lm_head on one row a
+sequence. Both engines run exactly these products with the same torch kernels, so
+transformers' time over this floor bounds how far any engine change can beat it at equal
+dtype.
 """
 
 import argparse
@@ -36,7 +42,7 @@ import torch
 from disagg import LLM, SamplingParams
 from disagg.engine.loader import resolve_model
 
-ENGINES = ("disagg", "transformers")
+ENGINES = ("disagg", "transformers", "matmuls")
 
 
 @dataclass
@@ -160,6 +166,39 @@ class TransformersBench:
         return stamp.times[0] - t0, stamp.times[-1] - stamp.times[0]
 
 
+class MatmulFloorBench:
+    """Only the matrix products of the same forward passes (every nn.Linear of the model,
+    lm_head on the last row of each prompt), on random inputs: a floor under both engines'
+    time, since both run exactly these float products with the same torch kernels."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        self.body = [m.weight for m in linears if m is not model.lm_head]
+        self.head = model.lm_head.weight
+        self.device = device
+
+    def _products(self, rows: int, last_rows: int) -> None:
+        inputs = {}
+        for w in [*self.body, self.head]:
+            n = last_rows if w is self.head else rows
+            if (n, w.shape[1]) not in inputs:
+                inputs[n, w.shape[1]] = torch.randn(n, w.shape[1], dtype=w.dtype, device=self.device)
+            torch.nn.functional.linear(inputs[n, w.shape[1]], w)
+
+    @torch.inference_mode()
+    def run(self, prompts: list[list[int]], decode_tokens: int) -> tuple[float, float]:
+        b = len(prompts)
+        sync(self.device)
+        t0 = time.perf_counter()
+        self._products(sum(len(p) for p in prompts), b)
+        sync(self.device)
+        t1 = time.perf_counter()
+        for _ in range(decode_tokens - 1):
+            self._products(b, b)
+        sync(self.device)
+        return t1 - t0, time.perf_counter() - t1
+
+
 def machine_info(device: torch.device) -> dict:
     info = {
         "date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -212,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
                                         args.decode_tokens)
     if "transformers" in engines:
         benches["transformers"] = TransformersBench(model_dir, args.device, args.dtype)
+    if "matmuls" in engines:
+        if "disagg" not in benches:
+            ap.error("--engines matmuls needs disagg too (it borrows its weights)")
+        benches["matmuls"] = MatmulFloorBench(benches["disagg"].engine.model, benches["disagg"].device)
     vocab = read_config(model_dir)["vocab_size"]
     gen = torch.Generator().manual_seed(args.seed)
 
@@ -252,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         by = {row.engine: row for row in rows if row.batch == b}
         for name, row in by.items():
             ratio = ""
-            if name == "disagg" and "transformers" in by:
+            if name != "transformers" and "transformers" in by:
                 hf = by["transformers"]
                 ratio = f"prefill {row.prefill_tps / hf.prefill_tps:.2f}x decode {row.decode_tps / hf.decode_tps:.2f}x"
             print(f"{b:>5}  {name:12s} {row.prefill_tps:14.1f} {row.decode_tps:13.1f}  {ratio}")

