@@ -2,8 +2,8 @@
 
 Greedy answers through the router equal the offline engine's, every node gets work, a prefill
 node killed mid-load costs no request, a request id can be followed through every node's log,
-a client that disconnects frees the decode node's blocks, and a decode node that is gone is
-skipped.
+a client that disconnects frees the decode node's blocks, a decode node that is gone is
+skipped, and one that hangs has its requests failed.
 """
 
 import asyncio
@@ -307,6 +307,89 @@ def test_unreachable_decode_node_is_skipped(cluster: Cluster, tmp_path: Path):
         health = httpx.get(f"{router.url}/health", timeout=10).json()
         assert health["decode_nodes"][fake.address]["healthy"] is False
     finally:
+        router.kill()
+
+
+class HungDecodeNode:
+    """Answers /health until a completion request arrives; then hangs on everything, having sent
+    the stream's first chunk: a decode node frozen mid-request (stopped, or its GPU wedged)."""
+
+    def __init__(self):
+        frozen, self.release = threading.Event(), threading.Event()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                if frozen.is_set():
+                    self.release.wait()
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(b'{"status": "ok"}')
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if body.get("stream"):
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.end_headers()
+                    self.wfile.write(b'data: {"choices": [{"index": 0, "text": "Hi", "finish_reason": null}]}\n\n')
+                    self.wfile.flush()
+                frozen.set()
+                self.release.wait()
+
+            def log_message(self, *args):
+                pass
+
+        Handler.release = self.release
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_hung_decode_node_fails_its_requests_instead_of_holding_them(tmp_path: Path):
+    """Health checks time out, the node is declared down, and both a stream already under way and
+    a request waiting for a whole answer end with an error, long before any client timeout."""
+    node = HungDecodeNode()
+    router = start_router(tmp_path, [node.address])
+    url = f"{router.url}/v1/completions"
+
+    async def streamed(client: httpx.AsyncClient) -> list[str]:
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 100, "stream": True}
+        async with client.stream("POST", url, json=body) as r:
+            assert r.status_code == 200
+            return [line async for line in r.aiter_lines() if line]
+
+    async def whole(client: httpx.AsyncClient) -> httpx.Response:
+        await asyncio.sleep(0.5)  # after the stream has frozen the node
+        return await client.post(url, json={"model": MODEL, "prompt": "Hi", "max_tokens": 100})
+
+    async def both() -> tuple[list[str], httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(streamed(client), whole(client))
+
+    try:
+        start = time.monotonic()
+        lines, response = asyncio.run(both())
+        elapsed = time.monotonic() - start
+        assert lines[0].startswith('data: {"choices"'), lines  # the chunk sent before the hang was relayed
+        assert lines[-1] == "data: [DONE]"
+        error = json.loads(lines[-2][len("data: "):])["error"]
+        assert f"decode node {node.address} is down" in error["message"], error
+        assert response.status_code == 503, response.text
+        assert "no healthy decode node" in response.json()["error"]["message"]
+        assert elapsed < 60, f"took {elapsed:.0f}s"
+        health = httpx.get(f"{router.url}/health", timeout=10).json()
+        assert health["decode_nodes"][node.address]["outstanding"] == 0
+        assert "is down after 3 failures in a row; failing its 2 requests in flight" in router.log()
+    finally:
+        node.close()
         router.kill()
 
 

@@ -1,7 +1,9 @@
 """The router's view of its decode nodes: which are healthy, how busy each is, which to pick.
 
 A decode node is healthy while GET /health answers 200. A node that fails a check, or that the
-proxy could not reach, is skipped until a later check passes again. Among the healthy ones the
+proxy could not reach, is skipped until a later check passes again. After several failed checks in
+a row it is down: the requests it still holds are failed (a hung node would otherwise keep them
+forever, since a non-streamed answer has no read timeout). Among the healthy ones the
 router picks the node with the fewest requests in flight; ties go to the node that has been
 sent fewer requests so far, so sequential requests alternate instead of all landing on the first.
 """
@@ -9,7 +11,7 @@ sent fewer requests so far, so sequential requests alternate instead of all land
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -18,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 # A decode node busy with a full batch may answer /health late; that is not a failure.
 HEALTH_TIMEOUT_S = 5.0
+DOWN_AFTER_FAILED_CHECKS = 3  # then its requests in flight are failed
 
 # The router's own registry: it serves only its own metrics, not the engine's (which it never runs).
 REGISTRY = CollectorRegistry()
@@ -59,6 +62,8 @@ class DecodeNode:
     reason: str = "not checked yet"  # why it is unhealthy, for /health and the 503 message
     outstanding: int = 0  # requests proxied to it and not finished
     routed: int = 0  # requests sent to it so far
+    failures: int = 0  # failed health checks (or unreachable proxied requests) in a row
+    down: asyncio.Event = field(default_factory=asyncio.Event)  # set at DOWN_AFTER_FAILED_CHECKS failures
 
     @property
     def url(self) -> str:
@@ -69,6 +74,8 @@ class DecodeNode:
             logger.info("decode node %s is healthy", self.address)
         self.healthy = True
         self.reason = ""
+        self.failures = 0
+        self.down.clear()
         HEALTHY.labels(self.address).set(1)
 
     def mark_unhealthy(self, reason: str) -> None:
@@ -76,7 +83,12 @@ class DecodeNode:
             logger.warning("decode node %s is unhealthy: %s", self.address, reason)
         self.healthy = False
         self.reason = reason
+        self.failures += 1
         HEALTHY.labels(self.address).set(0)
+        if self.failures >= DOWN_AFTER_FAILED_CHECKS and not self.down.is_set():
+            logger.warning("decode node %s is down after %d failures in a row; failing its %d requests in flight",
+                           self.address, self.failures, self.outstanding)
+            self.down.set()
 
 
 class Router:

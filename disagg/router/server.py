@@ -80,6 +80,7 @@ class UpstreamResponse(Response):
         self.router = router
         self.start = start  # when the router received the request
         self.complete = False  # the whole body was relayed
+        self.started = False  # http.response.start was sent
         self.status_code = upstream.status_code
         self.background = None
         headers = {REQUEST_ID_HEADER: request_id}
@@ -88,6 +89,7 @@ class UpstreamResponse(Response):
         self.init_headers(headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        node_down = False
         try:
             async with anyio.create_task_group() as group:
                 async def watch() -> None:
@@ -98,9 +100,18 @@ class UpstreamResponse(Response):
                                     self.request_id, self.node.address)
                     group.cancel_scope.cancel()
 
+                async def watch_node() -> None:
+                    nonlocal node_down
+                    await self.node.down.wait()
+                    node_down = True
+                    group.cancel_scope.cancel()
+
                 group.start_soon(watch)
+                group.start_soon(watch_node)
                 await self._relay(send)
                 group.cancel_scope.cancel()
+            if node_down and not self.complete:
+                await self._fail(send, f"decode node {self.node.address} is down ({self.node.reason})")
         finally:
             with anyio.CancelScope(shield=True):
                 await self.upstream.aclose()
@@ -109,21 +120,36 @@ class UpstreamResponse(Response):
                         self.status_code, time.perf_counter() - self.start)
 
     async def _relay(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await self._start(send)
         try:
             async for chunk in self.upstream.aiter_bytes():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.HTTPError as e:
-            # The decode node died mid-response; the status is sent, so only the body can say so.
-            UPSTREAM_ERRORS.labels(self.node.address).inc()
-            reason = f"decode node {self.node.address} broke off the response: {describe(e)}"
-            logger.warning("%s: %s", self.request_id, reason)
-            if self.headers.get("content-type", "").startswith("text/event-stream"):
-                event = {"error": {"message": reason, "type": "server_error", "param": None, "code": None}}
-                tail = f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
-                await send({"type": "http.response.body", "body": tail, "more_body": True})
+            await self._fail(send, f"decode node {self.node.address} broke off the response: {describe(e)}")
+            return
         self.complete = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _start(self, send: Send) -> None:
+        self.started = True
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+
+    async def _fail(self, send: Send, reason: str) -> None:
+        """End a response the decode node will not finish; the status is sent, so only the body can say so."""
+        UPSTREAM_ERRORS.labels(self.node.address).inc()
+        logger.warning("%s: %s", self.request_id, reason)
+        if not self.started:
+            await self._start(send)
+        if self.headers.get("content-type", "").startswith("text/event-stream"):
+            event = {"error": {"message": reason, "type": "server_error", "param": None, "code": None}}
+            tail = f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
+            await send({"type": "http.response.body", "body": tail, "more_body": True})
+        self.complete = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class NodeDown(Exception):
+    """The decode node was declared down while the router waited for its answer."""
 
 
 def proxy_client() -> httpx.AsyncClient:
@@ -149,10 +175,12 @@ def build_app(router: Router, client: httpx.AsyncClient, api_key: str | None) ->
                                                 params=request.query_params, headers=headers, content=body)
         sending = asyncio.create_task(client.send(upstream_request, stream=True))
         disconnect = asyncio.create_task(wait_for_disconnect(request.receive))
+        down = asyncio.create_task(node.down.wait())
         try:
-            await asyncio.wait([sending, disconnect], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([sending, disconnect, down], return_when=asyncio.FIRST_COMPLETED)
         finally:
             disconnect.cancel()
+            down.cancel()
             # The client left while the decode node was still working on a non-streamed answer
             # (or the router is shutting down): cancelling the send closes the connection, which
             # is what tells the node to abort.
@@ -162,6 +190,8 @@ def build_app(router: Router, client: httpx.AsyncClient, api_key: str | None) ->
         with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
             upstream = await sending  # it may have got its answer just before the cancel
             await upstream.aclose()
+        if node.down.is_set():
+            raise NodeDown(f"decode node {node.address} is down ({node.reason})")
         return None
 
     async def proxy(request: Request, id_prefix: str) -> Response:
@@ -182,6 +212,11 @@ def build_app(router: Router, client: httpx.AsyncClient, api_key: str | None) ->
                 node.mark_unhealthy(f"{request.url.path} failed: {describe(e)}")
                 logger.warning("%s: decode node %s is unreachable (%s); trying another", request_id, node.address,
                                type(e).__name__)
+                continue
+            except NodeDown as e:
+                router.end(node)
+                UPSTREAM_ERRORS.labels(node.address).inc()
+                logger.warning("%s: %s before it answered; trying another", request_id, e)
                 continue
             except BaseException:
                 router.end(node)
