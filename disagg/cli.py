@@ -4,6 +4,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -68,10 +69,18 @@ def generate(args: argparse.Namespace) -> None:
     print(f"\n{len(outputs)} completions, {tokens} tokens in {elapsed:.2f}s ({tokens / elapsed:.1f} tokens/s)")
 
 
+# Secrets may come from the environment instead of the command line, where `ps` shows them.
+API_KEY_ENV = "DISAGG_API_KEY"  # for --api-key
+KV_AUTH_TOKEN_ENV = "DISAGG_KV_AUTH_TOKEN"  # for kv_connector_extra_config.auth_token
+
+
 def transfer_config(args: argparse.Namespace) -> KVTransferConfig:
-    """--kv-transfer-config JSON; --kv-role sets kv_role, and must agree with one the JSON gives."""
+    """--kv-transfer-config JSON; --kv-role sets kv_role, and must agree with one the JSON gives.
+    The auth token comes from $DISAGG_KV_AUTH_TOKEN when the JSON has none."""
     text = args.kv_transfer_config
     kv = KVTransferConfig.from_json(text) if text else KVTransferConfig()
+    if kv.extra("auth_token") is None and os.environ.get(KV_AUTH_TOKEN_ENV):
+        kv.kv_connector_extra_config["auth_token"] = os.environ[KV_AUTH_TOKEN_ENV]
     if args.kv_role:
         role = ROLES[args.kv_role]
         if text and "kv_role" in json.loads(text) and kv.kv_role != role:
@@ -124,7 +133,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-transfer-config", default=None,
                         help='JSON with vLLM\'s fields: {"kv_connector": "tcp|torch_dist|ucx", "kv_role": ..., '
                              '"kv_rank": ..., "kv_ip": ..., "kv_port": ..., "kv_buffer_size": bytes, '
-                             '"kv_buffer_device": "cpu|cuda", "kv_connector_extra_config": {"auth_token": ..., '
+                             '"kv_buffer_device": "cpu|cuda", "kv_connector_extra_config": {"auth_token": ... (default: '
+                             f'${KV_AUTH_TOKEN_ENV}), '
                              '"prefill_policy": "recompute|fail", "lookup_timeout": s, "prefill_timeout": s, '
                              '"pipe_timeout": s, "buffer_ttl": s, "insert_timeout": s}}')
     parser.add_argument("--host", default="127.0.0.1", help="address the HTTP (and gRPC) servers bind")
@@ -132,7 +142,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grpc-port", type=int, default=50051, help="prefill node: control-plane gRPC port")
     parser.add_argument("--prefill-nodes", default=None, help="decode node: HOST:GRPC_PORT[,HOST:GRPC_PORT...] of its prefill nodes")
     parser.add_argument("--served-model-name", default=None, help="model name in the API (default: the model's)")
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the OpenAI API")
+    parser.add_argument("--api-key", default=None,
+                        help=f"require 'Authorization: Bearer KEY' on the OpenAI API (default: ${API_KEY_ENV})")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     parser.add_argument("--check-config", action="store_true", help="validate the flags and exit")
 
@@ -167,6 +178,8 @@ def main(argv: list[str] | None = None) -> None:
 
     add_router_parser(sub)
     args = parser.parse_args(argv)
+    if getattr(args, "api_key", "") is None:  # serve and router: the key may come from the environment
+        args.api_key = os.environ.get(API_KEY_ENV) or None
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "up":

@@ -77,6 +77,10 @@ class Service:
         return self.spec["command"]
 
     @property
+    def environment(self) -> dict[str, str]:
+        return self.spec.get("environment", {})
+
+    @property
     def role(self) -> str:
         return "router" if self.argv[1] == "router" else flag(self.argv, "--kv-role")
 
@@ -152,11 +156,16 @@ def test_services_line_up(file: str):
         own_ports = {s.port} | ({s.grpc_port} if s.role == "producer" else set()) | (
             {s.kv["kv_port"]} if s.role == "consumer" else set())
         assert own_ports <= exposed, f"{s.name}: the Dockerfile does not EXPOSE {own_ports - exposed}"
+        # Secrets come from the environment, each service holding only the ones it uses: never argv.
+        assert "--api-key" not in s.argv, f"{s.name}: the API key belongs in the environment"
+        assert set(s.environment) == {"producer": {"DISAGG_KV_AUTH_TOKEN"}, "router": {"DISAGG_API_KEY"},
+                                      "consumer": {"DISAGG_KV_AUTH_TOKEN", "DISAGG_API_KEY"}}[s.role], s.name
         if s.role != "router":
             assert s.kv["kv_ip"] == s.name, f"{s.name}: kv_ip must be the address peers reach it at, its own name"
-            tokens.add(s.kv["kv_connector_extra_config"]["auth_token"])
+            assert "kv_connector_extra_config" not in s.kv, f"{s.name}: the auth token belongs in the environment"
+            tokens.add(s.environment["DISAGG_KV_AUTH_TOKEN"])
         if s.role != "producer":
-            api_keys.add(flag(s.argv, "--api-key"))
+            api_keys.add(s.environment["DISAGG_API_KEY"])
         if s.role in ("producer", "consumer"):
             assert {str(p) for p in own_ports} <= set(s.spec["expose"]), f"{s.name}: expose its ports"
         if s.role == "consumer":
@@ -168,8 +177,8 @@ def test_services_line_up(file: str):
             for host, port in addresses(flag(s.argv, "--decode-nodes")):
                 peer = depended_on(services, s, host, "consumer")
                 assert port == peer.port, f"{s.name} routes to {host}:{port}; its --port is {peer.port}"
-    assert len(tokens) == 1, f"{file}: the nodes must share one auth_token, got {tokens}"
-    assert len(api_keys) == 1, f"{file}: the router forwards the client's key: decode nodes need the same --api-key"
+    assert len(tokens) == 1, f"{file}: the nodes must share one auth token, got {tokens}"
+    assert len(api_keys) == 1, f"{file}: the router forwards the client's key: decode nodes need the same key"
 
 
 def depended_on(services: dict[str, Service], service: Service, host: str, role: str) -> Service:
@@ -236,7 +245,7 @@ def test_compose_services_answer_through_the_router(tmp_path: Path):
     try:
         for s in order:
             proc = subprocess.Popen(local_argv(s, ports), stdout=logs[s.name].open("w"), stderr=subprocess.STDOUT,
-                                    env=env)
+                                    env={**env, **s.environment})
             procs.append(proc)
             wait_healthy(s, proc, local_health_check(s, ports), logs[s.name])
         router = services["router"]
@@ -250,6 +259,7 @@ def test_compose_services_answer_through_the_router(tmp_path: Path):
         # The KV came over the pipe: the prefill node computed the prompt, the decode node did not.
         assert "recomputing" not in logs["decode"].read_text(), logs["decode"].read_text()[-3000:]
         assert re.search(r"prefill \S+: \d+ prompt tokens", logs["prefill"].read_text()), logs["prefill"].read_text()
+        assert "(auth on)" in logs["prefill"].read_text(), "the prefill node did not take the token from its environment"
     finally:
         for proc in reversed(procs):
             proc.terminate()
@@ -259,3 +269,11 @@ def test_compose_services_answer_through_the_router(tmp_path: Path):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def test_the_auth_token_comes_from_the_environment_unless_the_config_gives_one(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv(cli.KV_AUTH_TOKEN_ENV, "from-env")
+    kv = cli.transfer_config(argparse.Namespace(kv_transfer_config=None, kv_role="producer"))
+    assert kv.extra("auth_token") == "from-env" and kv.pipe_config().auth_token == "from-env"
+    given = '{"kv_connector_extra_config": {"auth_token": "given"}}'
+    assert cli.transfer_config(argparse.Namespace(kv_transfer_config=given, kv_role=None)).extra("auth_token") == "given"
