@@ -246,6 +246,7 @@ def test_unsendable_entry_is_dropped_without_blocking_the_queue(make_consumer, m
     producer.insert("bad", [1], [torch.zeros(2, dtype=torch.complex64)], None, consumer.address)  # tcp lacks it
     producer.insert("good", [2], [torch.ones(2)], None, consumer.address)
     assert torch.equal(consumer.drop_select("good", [2], timeout=5.0).kv_tensors[0], torch.ones(2))
+    wait_until(lambda: producer.stats().sent == 1, timeout=5.0)  # the sender counts after send() returns
     stats = producer.stats()
     assert (stats.rejected, stats.sent, stats.entries, stats.bytes) == (1, 1, 0, 0)
     assert consumer.stats().connections == 1  # the pipe was kept
