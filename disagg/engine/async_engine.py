@@ -1,15 +1,20 @@
 """AsyncEngine: the engine's step loop in a thread, and a stream of outputs per request for asyncio code.
 
-The servers are asyncio programs; the engine is plain synchronous code. One thread runs
-`step()` while there is work and sleeps otherwise; every call that touches the engine takes
-the same lock, and runs in a worker thread so the event loop never waits on a step.
+The servers are asyncio programs; the engine is plain synchronous code. One thread owns the
+engine: it runs `step()` while there is work and sleeps otherwise, and every call from asyncio
+code (add, abort, load remote KV) is queued to that thread and runs between two steps, so a call
+waits at most one step and the event loop never waits on a step. (A lock shared with worker
+threads starved them: the loop thread re-took it right after each step, and an abort could wait
+seconds while the request kept its blocks.)
 """
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
+import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import torch
 
@@ -32,7 +37,7 @@ class RequestAborted(RuntimeError):
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self.lock = threading.Lock()
+        self.calls: queue.SimpleQueue[tuple[Callable, tuple, dict, concurrent.futures.Future]] = queue.SimpleQueue()
         self.wakeup = threading.Event()
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.stopped = False
@@ -101,28 +106,47 @@ class AsyncEngine:
         await self._call(self.engine.prefill_locally, request_id)
 
     async def _call(self, fn, *args, **kwargs):
-        def locked():
-            with self.lock:
-                return fn(*args, **kwargs)
-        result = await asyncio.to_thread(locked)
+        """Run fn(*args, **kwargs) on the engine thread before its next step; its result or error."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.calls.put((fn, args, kwargs, future))
         self.wakeup.set()
-        return result
+        return await asyncio.wrap_future(future)
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, args, kwargs, future = self.calls.get_nowait()
+            except queue.Empty:
+                return
+            if not future.set_running_or_notify_cancel():  # its caller was cancelled before it ran
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # noqa: BLE001  handed to the caller
+                future.set_exception(e)
 
     def _loop(self) -> None:
         while not self.stopped:
-            with self.lock:
-                busy = self.engine.has_work()
-                try:
-                    outputs = self.engine.step() if busy else []
-                except Exception as e:  # a bug, not bad input: fail what is in flight, keep serving
-                    logger.exception("engine step failed")
-                    self._fail_all(e)
-                    outputs = []
+            self._run_calls()
+            busy = self.engine.has_work()
+            try:
+                outputs = self.engine.step() if busy else []
+            except Exception as e:  # a bug, not bad input: fail what is in flight, keep serving
+                logger.exception("engine step failed")
+                self._fail_all(e)
+                outputs = []
             for out in outputs:
                 self._deliver(out.request_id, out)
             if not busy:
                 self.wakeup.wait(timeout=0.5)
                 self.wakeup.clear()
+        while True:  # stopped: whoever still waits on a call gets an answer
+            try:
+                _, _, _, future = self.calls.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineDeadError("the engine was stopped"))
 
     def _fail_all(self, error: Exception) -> None:
         for request_id in list(self.engine.requests):
