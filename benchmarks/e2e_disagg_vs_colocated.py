@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from disagg.bench import add_serve_args
 from disagg.bench.serve import run_benchmark
+from disagg.launch import wait_healthy
 
 # `disagg serve` without building the whole CLI parser: the node's own flags and nothing else.
 SERVE = ("import argparse, logging, sys; from disagg import cli; p = argparse.ArgumentParser(); "
@@ -110,17 +111,10 @@ def start_node(role: str, log_dir: Path, spec: NodeSpec, *, model: str | None = 
 
 
 def wait_ready(node: Node, timeout: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if node.proc.poll() is not None:
-            raise RuntimeError(f"{node.role} node exited with {node.proc.returncode}:\n{node.log()[-3000:]}")
-        try:
-            if httpx.get(f"{node.url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"{node.role} node not ready in {timeout}s:\n{node.log()[-3000:]}")
+    try:
+        wait_healthy(node.url, node.proc, timeout)
+    except RuntimeError as e:
+        raise RuntimeError(f"{node.role} node: {e}:\n{node.log()[-3000:]}") from None
 
 
 def stop(nodes: list[Node]) -> None:

@@ -31,16 +31,17 @@ def serve_command(args: argparse.Namespace, role: str, port: int, kv_port: int) 
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
+    """Until GET {url}/health answers 200; RuntimeError if `proc` exits first or time runs out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the node behind {url} exited with code {proc.returncode}; its output is above")
+            raise RuntimeError(f"the node behind {url} exited with code {proc.returncode}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.3)
+        time.sleep(0.2)
     raise RuntimeError(f"{url} did not become healthy within {timeout:.0f}s")
 
 
@@ -70,8 +71,11 @@ def up(args: argparse.Namespace) -> None:
     decode = subprocess.Popen(serve_command(args, "consumer", decode_port, args.kv_port + 1), env=env)
     url = f"http://127.0.0.1:{decode_port}"
     try:
-        wait_healthy(f"http://127.0.0.1:{prefill_port}", prefill)
-        wait_healthy(url, decode)
+        try:
+            wait_healthy(f"http://127.0.0.1:{prefill_port}", prefill)
+            wait_healthy(url, decode)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}; its output is above") from None
         model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         sample_request(url, model)
         if args.once:

@@ -7,10 +7,13 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from disagg.launch import wait_healthy
 
 
 def free_port() -> int:
@@ -84,18 +87,20 @@ def start_node(role: str, tmp_dir: Path, *, model: str | None = None, connector:
 
 
 def wait_ready(node: Node, timeout: float = 120.0) -> None:
+    try:
+        wait_healthy(node.url, node.proc, timeout)
+    except RuntimeError as e:
+        node.kill()
+        raise RuntimeError(f"{node.role} node: {e}:\n{node.log()[-3000:]}") from None
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if node.proc.poll() is not None:
-            raise RuntimeError(f"{node.role} node exited with {node.proc.returncode}:\n{node.log()[-3000:]}")
-        try:
-            if httpx.get(f"{node.url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+        if condition():
+            return
         time.sleep(0.2)
-    node.kill()
-    raise TimeoutError(f"{node.role} node not ready in {timeout}s:\n{node.log()[-3000:]}")
+    raise AssertionError(f"not within {timeout}s: {what}")
 
 
 def wait_exit(node: Node, timeout: float = 120.0) -> int:

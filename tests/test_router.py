@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from servers import Node, free_port, start_node, wait_ready
+from servers import Node, free_port, start_node, wait_for, wait_ready
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -49,15 +49,6 @@ def start_router(tmp_dir: Path, decode_nodes: list[str], extra_args: list[str] =
     if wait:
         wait_ready(node)
     return node
-
-
-def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"not within {timeout}s: {what}")
 
 
 def labelled_metric(node: Node, name: str, label: str) -> dict[str, float]:

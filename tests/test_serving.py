@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from prompts import PROMPTS, hf_greedy
-from servers import free_port, start_node, wait_exit
+from servers import free_port, start_node, wait_exit, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -144,15 +144,6 @@ def test_disaggregated_chat_equals_colocated_and_transformers(pair, colocated, h
 
 def post_completion(url: str, prompt, timeout: float = 120, **extra) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=greedy_body(prompt, **extra), timeout=timeout)
-
-
-def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"not within {timeout}s: {what}")
 
 
 def test_prefill_node_down_at_start(tmp_path, reference_texts):

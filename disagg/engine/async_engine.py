@@ -112,13 +112,17 @@ class AsyncEngine:
         self.wakeup.set()
         return await asyncio.wrap_future(future)
 
-    def _run_calls(self) -> None:
+    def _run_calls(self, stopped: Exception | None = None) -> None:
+        """Run the queued calls; once the engine is `stopped`, answer each with that error instead."""
         while True:
             try:
                 fn, args, kwargs, future = self.calls.get_nowait()
             except queue.Empty:
                 return
             if not future.set_running_or_notify_cancel():  # its caller was cancelled before it ran
+                continue
+            if stopped is not None:
+                future.set_exception(stopped)
                 continue
             try:
                 future.set_result(fn(*args, **kwargs))
@@ -140,13 +144,7 @@ class AsyncEngine:
             if not busy:
                 self.wakeup.wait(timeout=0.5)
                 self.wakeup.clear()
-        while True:  # stopped: whoever still waits on a call gets an answer
-            try:
-                _, _, _, future = self.calls.get_nowait()
-            except queue.Empty:
-                return
-            if future.set_running_or_notify_cancel():
-                future.set_exception(EngineDeadError("the engine was stopped"))
+        self._run_calls(stopped=EngineDeadError("the engine was stopped"))  # whoever still waits gets an answer
 
     def _fail_all(self, error: Exception) -> None:
         for request_id in list(self.engine.requests):
