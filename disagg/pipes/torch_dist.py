@@ -75,10 +75,9 @@ class ControlReader:
                 self._fill()
             except PipeTimeout as e:
                 raise tcp.NoMessage(str(e)) from None
-        with tcp.socket_errors("receiving a message header", self._timeout):
-            header = wire.decode_header(self._take(wire.HEADER.size))
-            metas = wire.decode_meta(self._take(header.meta_nbytes), header.count)
-            return header.kind, metas, self._take(header.count)
+        header = wire.decode_header(self._take(wire.HEADER.size))
+        metas = wire.decode_meta(self._take(header.meta_nbytes), header.count)
+        return header.kind, metas, self._take(header.count)
 
     def read_into(self, view: memoryview) -> None:
         buffered = min(len(view), self._end - self._start)
@@ -141,27 +140,20 @@ class TorchDistPipe(KVPipe):
         if tensors is None:
             self._send_control([wire.encode(wire.Kind.NONE)])
             return
-        # One pass: this runs per message, and at 16 MiB a message takes NCCL ~60 us.
-        use_nccl = self._nccl is not None and any(t.is_cuda for t in tensors)
-        device = next((t.device for t in tensors if t.is_cuda), None)
-        metas, routes, inline, bulk = [], [], [], []
-        for t in tensors:
-            metas.append(wire.TensorMeta.of(t))
-            if use_nccl and t.is_cuda:
-                routes.append(NCCL)
-                t = t.to(device)
-            elif use_nccl:
-                routes.append(INLINE)
-                if t.numel():
-                    inline.append(tcp.byte_view(t.contiguous()))
-                continue
-            else:
-                routes.append(GLOO)
-                t = tcp.to_host(t)
-            if t.numel():
-                bulk.append(_flat_bytes(t))
-        self._send_control([wire.encode(wire.Kind.TENSORS, metas), bytes(routes), *inline])
-        self._transfer(NCCL if use_nccl else GLOO, bulk, send=True)
+        # Lean on purpose: at 16 MiB NCCL needs ~60 us a message, and this runs per message.
+        metas = [wire.TensorMeta.of(t) for t in tensors]
+        cuda = [t for t in tensors if t.is_cuda]
+        if cuda and self._nccl is not None:
+            device = cuda[0].get_device()  # the whole message goes through one GPU's communicator
+            routes = bytes(NCCL if t.is_cuda else INLINE for t in tensors)
+            inline = [tcp.byte_view(t.contiguous()) for t in tensors if not t.is_cuda and t.numel()]
+            bulk = [_flat_bytes(t if t.get_device() == device else t.to(device)) for t in cuda if t.numel()]
+            backend = NCCL
+        else:
+            routes, inline, backend = bytes([GLOO]) * len(tensors), [], GLOO
+            bulk = [_flat_bytes(tcp.to_host(t)) for t in tensors if t.numel()]
+        self._send_control([wire.encode(wire.Kind.TENSORS, metas), routes, *inline])
+        self._transfer(backend, bulk, send=True)
 
     def _send_control(self, buffers: list) -> None:
         with tcp.socket_errors("sending a message header", self._config.timeout):
@@ -191,16 +183,16 @@ class TorchDistPipe(KVPipe):
         backend = NCCL if NCCL in routes else GLOO
         if not set(routes) <= {INLINE, backend} or (backend == NCCL and self._nccl is None):
             raise wire.ProtocolError(f"peer chose routes {sorted(set(routes))}, which this pipe cannot take")
-        cpu = torch.device("cpu")
-        bulk_device = torch.device("cuda", torch.cuda.current_device()) if backend == NCCL else cpu
+        # Where each tensor lands, as get_device() numbers it: the current GPU, or -1 for the CPU.
+        gpu = torch.cuda.current_device() if backend == NCCL else -1
         targets, bulk = [], []
         for i, (meta, route) in enumerate(zip(metas, routes)):
+            device = gpu if route == NCCL else -1
             dest = out[i] if out is not None else None
-            device = bulk_device if route != INLINE else cpu
-            if dest is not None and dest.device == device and dest.is_contiguous():
+            if dest is not None and dest.get_device() == device and dest.is_contiguous():
                 target = dest
             else:
-                target = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+                target = torch.empty(meta.shape, dtype=meta.dtype, device=device if device >= 0 else "cpu")
             targets.append(target)
             if not target.numel():
                 continue
@@ -268,7 +260,9 @@ class TorchDistPipe(KVPipe):
 
 
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.contiguous().view(-1).view(torch.uint8)
+    """A uint8 view of a tensor's bytes (any shape will do for a p2p op, a 0-d one is made 1-d)."""
+    tensor = tensor.contiguous()
+    return tensor.view(torch.uint8) if tensor.dim() else tensor.reshape(1).view(torch.uint8)
 
 
 def _accept_pipe(sock: socket.socket, config: PipeConfig) -> TorchDistPipe:

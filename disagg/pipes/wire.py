@@ -22,7 +22,7 @@ import math
 import os
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -38,6 +38,10 @@ MAX_MESSAGE_BYTES = (
 )  # 1 TiB: anything larger is a corrupt header, not a KV cache
 
 HEADER = struct.Struct("!4sHBxII")
+ENTRY_HEAD = struct.Struct("!BB")
+# One struct per rank: a message's metadata is packed and parsed on every send and recv.
+ENTRY_DIMS = [struct.Struct(f"!{ndim}QQ") for ndim in range(MAX_NDIM + 1)]
+ENTRY = [struct.Struct(f"!BB{ndim}QQ") for ndim in range(MAX_NDIM + 1)]
 HELLO = struct.Struct("!4sHB16s")
 PROOF_NBYTES = 32
 
@@ -63,8 +67,10 @@ class Kind(enum.IntEnum):
     CLOSE = 3  # the sender closed the pipe cleanly
 
 
-@dataclass(frozen=True)
-class TensorMeta:
+KINDS = {kind.value: kind for kind in Kind}
+
+
+class TensorMeta(NamedTuple):  # a NamedTuple: built for every tensor of every message
     dtype: torch.dtype
     shape: tuple[int, ...]
 
@@ -85,8 +91,7 @@ class TensorMeta:
         return cls(tensor.dtype, tuple(tensor.shape))
 
 
-@dataclass(frozen=True)
-class Header:
+class Header(NamedTuple):
     kind: Kind
     count: int
     meta_nbytes: int
@@ -94,18 +99,11 @@ class Header:
 
 def encode(kind: Kind, metas: list[TensorMeta] = ()) -> bytes:
     """Header + metadata block for one message."""
-    meta = bytearray()
-    for m in metas:
-        meta += struct.pack(
-            f"!BB{len(m.shape)}QQ",
-            DTYPE_CODES[m.dtype],
-            len(m.shape),
-            *m.shape,
-            m.nbytes,
-        )
-    return HEADER.pack(MAGIC, PROTOCOL_VERSION, kind, len(metas), len(meta)) + bytes(
-        meta
+    meta = b"".join(
+        ENTRY[len(m.shape)].pack(DTYPE_CODES[m.dtype], len(m.shape), *m.shape, m.nbytes)
+        for m in metas
     )
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, kind, len(metas), len(meta)) + meta
 
 
 def decode_header(buf: bytes) -> Header:
@@ -118,32 +116,32 @@ def decode_header(buf: bytes) -> Header:
         raise ProtocolError(
             f"peer sent protocol version {version}, we speak {PROTOCOL_VERSION}"
         )
-    if kind not in Kind._value2member_map_:
+    if kind not in KINDS:
         raise ProtocolError(f"unknown message kind {kind}")
     if count > MAX_TENSORS:
         raise ProtocolError(f"message claims {count} tensors; at most {MAX_TENSORS}")
-    if meta_nbytes > count * struct.calcsize(f"!BB{MAX_NDIM}QQ"):
+    if meta_nbytes > count * ENTRY[MAX_NDIM].size:
         raise ProtocolError(
             f"metadata block of {meta_nbytes} bytes is too large for {count} tensors"
         )
     if kind != Kind.TENSORS and (count or meta_nbytes):
         raise ProtocolError(
-            f"a {Kind(kind).name} message carries no tensors, got {count}"
+            f"a {KINDS[kind].name} message carries no tensors, got {count}"
         )
-    return Header(Kind(kind), count, meta_nbytes)
+    return Header(KINDS[kind], count, meta_nbytes)
 
 
 def decode_meta(buf: bytes, count: int) -> list[TensorMeta]:
     metas, offset, total = [], 0, 0
     try:
         for i in range(count):
-            code, ndim = struct.unpack_from("!BB", buf, offset)
+            code, ndim = ENTRY_HEAD.unpack_from(buf, offset)
             if code not in CODE_DTYPES:
                 raise ProtocolError(f"tensor {i}: unknown dtype code {code}")
             if ndim > MAX_NDIM:
                 raise ProtocolError(f"tensor {i}: {ndim} dims; at most {MAX_NDIM}")
-            *shape, nbytes = struct.unpack_from(f"!{ndim}QQ", buf, offset + 2)
-            offset += 2 + 8 * (ndim + 1)
+            *shape, nbytes = ENTRY_DIMS[ndim].unpack_from(buf, offset + 2)
+            offset += ENTRY[ndim].size
             meta = TensorMeta(CODE_DTYPES[code], tuple(shape))
             if nbytes != meta.nbytes:
                 raise ProtocolError(
