@@ -6,6 +6,7 @@ connection being its own `KVPipe`; the other side connects. This is what lets
 one prefill node feed several decode nodes and the reverse (xPyD).
 """
 
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -41,7 +42,22 @@ class PipeConfig:
 
 
 class KVPipe(ABC):
-    """One connection. Messages arrive in the order they were sent."""
+    """One connection. Messages arrive in the order they were sent.
+
+    Every transport keeps the same state: one sender and one receiver at a time, and a
+    pipe that failed mid-message stays broken (its byte stream can no longer be trusted)."""
+
+    def __init__(self) -> None:
+        self._send_lock = threading.Lock()
+        self._recv_lock = threading.Lock()
+        self._closed = False
+        self._broken: str | None = None  # why the pipe can no longer be used
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise PipeClosed("the pipe was closed")
+        if self._broken:
+            raise PipeError(f"the pipe is broken and must be reconnected: {self._broken}")
 
     @abstractmethod
     def send(self, tensors: list[torch.Tensor] | None) -> None:

@@ -150,12 +150,9 @@ def recv_header(
 
 class TcpPipe(KVPipe):
     def __init__(self, sock: socket.socket, config: PipeConfig):
+        super().__init__()
         self._sock = sock
         self._config = config
-        self._send_lock = threading.Lock()
-        self._recv_lock = threading.Lock()
-        self._closed = False
-        self._broken: str | None = None  # why the byte stream can no longer be used
 
     def send(self, tensors: list[torch.Tensor] | None) -> None:
         with self._send_lock:
@@ -208,14 +205,6 @@ class TcpPipe(KVPipe):
                     dest.copy_(target)
                 received.append(dest if dest is not None else target)
         return received
-
-    def _check_usable(self) -> None:
-        if self._closed:
-            raise PipeClosed("the pipe was closed")
-        if self._broken:
-            raise PipeError(
-                f"the pipe is broken and must be reconnected: {self._broken}"
-            )
 
     def close(self) -> None:
         if self._closed:

@@ -26,7 +26,6 @@ communicator can deadlock.
 
 import socket
 import struct
-import threading
 from datetime import timedelta
 
 import torch
@@ -115,6 +114,7 @@ class TorchDistPipe(KVPipe):
         gloo: dist.ProcessGroup,
         nccl: dist.ProcessGroup | None,
     ):
+        super().__init__()
         self._sock = sock
         self._reader = ControlReader(sock, config.timeout)
         self._config = config
@@ -122,10 +122,6 @@ class TorchDistPipe(KVPipe):
         self._gloo = gloo
         self._nccl = nccl
         self._peer = 1 - gloo.rank()
-        self._send_lock = threading.Lock()
-        self._recv_lock = threading.Lock()
-        self._closed = False
-        self._broken: str | None = None
 
     def send(self, tensors: list[torch.Tensor] | None) -> None:
         with self._send_lock:
@@ -231,12 +227,6 @@ class TorchDistPipe(KVPipe):
             if "timeout" in str(e).lower() or "timed out" in str(e).lower():
                 raise PipeTimeout(f"torch.distributed {op} made no progress for {self._config.timeout}s: {e}") from None
             raise PipeClosed(f"torch.distributed {op} failed, the peer is gone: {e}") from None
-
-    def _check_usable(self) -> None:
-        if self._closed:
-            raise PipeClosed("the pipe was closed")
-        if self._broken:
-            raise PipeError(f"the pipe is broken and must be reconnected: {self._broken}")
 
     def close(self) -> None:
         if self._closed:

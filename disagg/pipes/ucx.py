@@ -114,12 +114,9 @@ def _handshake(ep: "ucxx.Endpoint", config: PipeConfig, is_listener: bool) -> No
 
 class UcxPipe(KVPipe):
     def __init__(self, ep: "ucxx.Endpoint", config: PipeConfig):
+        super().__init__()
         self._ep = ep
         self._config = config
-        self._send_lock = threading.Lock()
-        self._recv_lock = threading.Lock()
-        self._closed = False
-        self._broken: str | None = None
         # A header recv that timed out stays posted and is awaited again by the next
         # recv(): cancelling it could lose a message that arrives just then.
         self._pending_header: Future | None = None
@@ -210,14 +207,6 @@ class UcxPipe(KVPipe):
             if dest is not target:
                 dest.copy_(target)
         return out
-
-    def _check_usable(self) -> None:
-        if self._closed:
-            raise PipeClosed("the pipe was closed")
-        if self._broken:
-            raise PipeError(
-                f"the pipe is broken and must be reconnected: {self._broken}"
-            )
 
     def close(self) -> None:
         if self._closed:
