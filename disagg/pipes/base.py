@@ -6,6 +6,7 @@ connection being its own `KVPipe`; the other side connects. This is what lets
 one prefill node feed several decode nodes and the reverse (xPyD).
 """
 
+import queue
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -74,11 +75,30 @@ class KVPipe(ABC):
 
 
 class PipeListener(ABC):
-    """A bound endpoint that accepts peers."""
+    """A bound endpoint that accepts peers. A transport admits each peer on its own thread
+    (the handshake can be slow or hostile) and hands the pipes that passed to `_admitted`;
+    accept() takes them in order."""
 
-    @abstractmethod
+    def __init__(self) -> None:
+        self._ready: queue.Queue[KVPipe | None] = queue.Queue()  # None: the listener closed
+        self._closed = threading.Event()
+
     def accept(self, timeout: float | None = None) -> KVPipe:
         """Wait for the next peer that passes the handshake; PipeTimeout if none came."""
+        try:
+            pipe = self._ready.get(timeout=timeout)
+        except queue.Empty:
+            raise PipeTimeout(f"no peer connected to {self.address} within {timeout}s") from None
+        if pipe is None:
+            self._ready.put(None)  # wake any other accept() too
+            raise PipeClosed("the listener was closed")
+        return pipe
+
+    def _admitted(self, pipe: KVPipe) -> None:
+        if self._closed.is_set():
+            pipe.close()
+        else:
+            self._ready.put(pipe)
 
     @property
     @abstractmethod
@@ -86,4 +106,20 @@ class PipeListener(ABC):
         """(host, port) actually bound (port 0 in the config picks a free one)."""
 
     @abstractmethod
-    def close(self) -> None: ...
+    def _stop_listening(self) -> None:
+        """The transport's part of close(): take no more connections."""
+
+    def close(self) -> None:
+        """Stop listening and close the pipes nobody accepted; accepted ones stay open."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._stop_listening()
+        while True:
+            try:
+                pipe = self._ready.get_nowait()
+            except queue.Empty:
+                break
+            if pipe is not None:
+                pipe.close()
+        self._ready.put(None)

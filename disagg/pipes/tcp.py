@@ -8,7 +8,6 @@ because the byte stream can no longer be trusted.
 """
 
 import logging
-import queue
 import socket
 import threading
 from collections.abc import Callable
@@ -235,6 +234,7 @@ class TcpListener(PipeListener):
         config: PipeConfig,
         make_pipe: Callable[[socket.socket, PipeConfig], KVPipe] = TcpPipe,
     ):
+        super().__init__()
         self._config = config
         self._make_pipe = make_pipe
         try:
@@ -246,8 +246,6 @@ class TcpListener(PipeListener):
                 f"cannot listen on {config.kv_ip}:{config.kv_port}: {e}; pick a free kv_port"
             ) from None
         self._sock.settimeout(0.2)  # lets the accept loop notice close()
-        self._ready: queue.Queue[KVPipe | None] = queue.Queue()
-        self._closed = threading.Event()
         threading.Thread(
             target=self._accept_loop, name="pipe-accept", daemon=True
         ).start()
@@ -277,36 +275,10 @@ class TcpListener(PipeListener):
             logger.warning("rejected pipe peer %s:%s: %s", peer[0], peer[1], e)
             sock.close()
             return
-        if self._closed.is_set():
-            pipe.close()
-        else:
-            self._ready.put(pipe)
+        self._admitted(pipe)
 
-    def accept(self, timeout: float | None = None) -> KVPipe:
-        try:
-            pipe = self._ready.get(timeout=timeout)
-        except queue.Empty:
-            raise PipeTimeout(
-                f"no peer connected to {self.address} within {timeout}s"
-            ) from None
-        if pipe is None:
-            self._ready.put(None)  # wake any other accept() too
-            raise PipeClosed("the listener was closed")
-        return pipe
-
-    def close(self) -> None:
-        if self._closed.is_set():
-            return
-        self._closed.set()
+    def _stop_listening(self) -> None:
         self._sock.close()
-        while True:
-            try:
-                pipe = self._ready.get_nowait()
-            except queue.Empty:
-                break
-            if pipe is not None:
-                pipe.close()
-        self._ready.put(None)
 
 
 def connect_socket(config: PipeConfig, host: str, port: int) -> socket.socket:

@@ -14,7 +14,6 @@ not the progress within it: size config.timeout for the largest message.
 import asyncio
 import logging
 import os
-import queue
 import threading
 from collections.abc import Coroutine
 from concurrent.futures import Future
@@ -230,9 +229,8 @@ async def _abort(ep: "ucxx.Endpoint") -> None:
 
 class UcxListener(PipeListener):
     def __init__(self, config: PipeConfig):
+        super().__init__()
         self._config = config
-        self._ready: queue.Queue[UcxPipe | None] = queue.Queue()
-        self._closed = threading.Event()
         try:
             self._listener = _submit(self._create(config.kv_port)).result(
                 config.timeout
@@ -263,37 +261,10 @@ class UcxListener(PipeListener):
             logger.warning("rejected ucx pipe peer: %s", e)
             _submit(_abort(ep))
             return
-        pipe = UcxPipe(ep, self._config)
-        if self._closed.is_set():
-            pipe.close()
-        else:
-            self._ready.put(pipe)
+        self._admitted(UcxPipe(ep, self._config))
 
-    def accept(self, timeout: float | None = None) -> KVPipe:
-        try:
-            pipe = self._ready.get(timeout=timeout)
-        except queue.Empty:
-            raise PipeTimeout(
-                f"no peer connected to {self.address} within {timeout}s"
-            ) from None
-        if pipe is None:
-            self._ready.put(None)
-            raise PipeClosed("the listener was closed")
-        return pipe
-
-    def close(self) -> None:
-        if self._closed.is_set():
-            return
-        self._closed.set()
+    def _stop_listening(self) -> None:
         _submit(self._close_listener()).result()
-        while True:
-            try:
-                pipe = self._ready.get_nowait()
-            except queue.Empty:
-                break
-            if pipe is not None:
-                pipe.close()
-        self._ready.put(None)
 
     async def _close_listener(self) -> None:
         self._listener.close()
