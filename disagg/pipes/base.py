@@ -9,6 +9,7 @@ one prefill node feed several decode nodes and the reverse (xPyD).
 import queue
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,17 @@ class KVPipe(ABC):
             raise PipeClosed("the pipe was closed")
         if self._broken:
             raise PipeError(f"the pipe is broken and must be reconnected: {self._broken}")
+
+    def _say_goodbye(self, send_close: Callable[[], None]) -> None:
+        """Tell the peer this is a clean close, unless the pipe is broken or a send is stuck
+        holding the lock: the peer then raises PipeClosed at once instead of on a timeout."""
+        if not self._broken and self._send_lock.acquire(timeout=1.0):
+            try:
+                send_close()
+            except (OSError, PipeError):
+                pass
+            finally:
+                self._send_lock.release()
 
     @abstractmethod
     def send(self, tensors: list[torch.Tensor] | None) -> None:

@@ -208,21 +208,23 @@ class TcpPipe(KVPipe):
     def close(self) -> None:
         if self._closed:
             return
-        # Tell the peer it was a clean close, unless a send is stuck holding the lock.
-        if not self._broken and self._send_lock.acquire(timeout=1.0):
-            try:
-                self._sock.settimeout(1.0)
-                self._sock.sendall(wire.encode(wire.Kind.CLOSE))
-            except OSError:
-                pass
-            finally:
-                self._send_lock.release()
+        self._say_goodbye(lambda: send_close(self._sock))
         self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes our own blocked recv
-        except OSError:
-            pass
-        self._sock.close()
+        shut(self._sock)
+
+
+def send_close(sock: socket.socket) -> None:
+    sock.settimeout(1.0)
+    sock.sendall(wire.encode(wire.Kind.CLOSE))
+
+
+def shut(sock: socket.socket) -> None:
+    """Close a socket so that a recv blocked on it, ours included, wakes up at once."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
 
 
 class TcpListener(PipeListener):

@@ -231,20 +231,9 @@ class TorchDistPipe(KVPipe):
     def close(self) -> None:
         if self._closed:
             return
-        if not self._broken and self._send_lock.acquire(timeout=1.0):
-            try:
-                self._sock.settimeout(1.0)
-                self._sock.sendall(wire.encode(wire.Kind.CLOSE))
-            except OSError:
-                pass
-            finally:
-                self._send_lock.release()
+        self._say_goodbye(lambda: tcp.send_close(self._sock))
         self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
+        tcp.shut(self._sock)
         if self._nccl is not None:
             self._nccl.abort()  # frees the communicator's GPU buffers now, not at exit
 

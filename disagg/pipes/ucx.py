@@ -210,14 +210,8 @@ class UcxPipe(KVPipe):
     def close(self) -> None:
         if self._closed:
             return
-        if not self._broken and self._send_lock.acquire(timeout=1.0):
-            try:
-                close_msg = np.frombuffer(wire.encode(wire.Kind.CLOSE), np.uint8)
-                _wait(_submit(_send_all(self._ep, [close_msg])), "closing", 1.0)
-            except PipeError:
-                pass
-            finally:
-                self._send_lock.release()
+        close_msg = np.frombuffer(wire.encode(wire.Kind.CLOSE), np.uint8)
+        self._say_goodbye(lambda: _wait(_submit(_send_all(self._ep, [close_msg])), "closing", 1.0))
         self._closed = True
         # abort() cancels our own pending recvs, which then raise PipeClosed.
         _submit(_abort(self._ep)).result()
