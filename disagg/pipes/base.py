@@ -61,6 +61,14 @@ class KVPipe(ABC):
         if self._broken:
             raise PipeError(f"the pipe is broken and must be reconnected: {self._broken}")
 
+    def _fail(self, error: PipeError) -> PipeError:
+        """What to raise for an error mid-message: the stream can no longer be trusted, so
+        the pipe is broken for good (or it was closed locally under a blocked call)."""
+        if self._closed:
+            return PipeClosed("the pipe was closed locally")
+        self._broken = str(error)
+        return error
+
     def _say_goodbye(self, send_close: Callable[[], None]) -> None:
         """Tell the peer this is a clean close, unless the pipe is broken or a send is stuck
         holding the lock: the peer then raises PipeClosed at once instead of on a timeout."""

@@ -161,12 +161,9 @@ class TorchDistPipe(KVPipe):
             try:
                 return self._recv(out)
             except tcp.NoMessage:
-                raise
+                raise  # nothing was consumed: the pipe stays usable
             except PipeError as e:
-                if self._closed:
-                    raise PipeClosed("the pipe was closed locally") from None
-                self._broken = str(e)
-                raise
+                raise self._fail(e) from None
 
     def _recv(self, out: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
         kind, metas, routes = self._reader.message_head()

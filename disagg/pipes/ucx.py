@@ -163,13 +163,6 @@ class UcxPipe(KVPipe):
             except PipeError as e:
                 raise self._fail(e) from None
 
-    def _fail(self, error: PipeError) -> PipeError:
-        """Mid-message the stream can no longer be trusted: the pipe is broken for good."""
-        if self._closed:
-            return PipeClosed("the pipe was closed locally")
-        self._broken = str(error)
-        return error
-
     def _recv(
         self, header_bytes: bytes, out: list[torch.Tensor] | None
     ) -> list[torch.Tensor] | None:
