@@ -1,0 +1,153 @@
+"""The CUDA backend's Triton kernels against SDPA over gathered K/V (the CPU backend's math).
+
+Without a GPU they run under TRITON_INTERPRET=1 on CPU tensors (slowly, exactly), so the
+shapes stay small; on a CUDA machine the same tests run the compiled kernels.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are defined, so before the import
+triton_kernels = pytest.importorskip("disagg.engine.triton_kernels")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BLOCK_SIZE = 16
+
+
+class PagedCase:
+    """Random paged cache with shuffled blocks, and sequences of (context, new tokens)."""
+
+    def __init__(self, lengths: list[tuple[int, int]], num_kv_heads: int, group: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.lengths = lengths
+        self.num_heads = num_kv_heads * group
+        blocks_per_seq = [-(-ctx // BLOCK_SIZE) for ctx, _ in lengths]
+        num_blocks = sum(blocks_per_seq) + 3
+        order = torch.randperm(num_blocks, generator=g).tolist()
+        width = max(blocks_per_seq) + 2
+        # Rows of the block table in another order than the batch, as running sequences keep theirs.
+        self.rows = torch.randperm(len(lengths) + 2, generator=g)[:len(lengths)].to(torch.int32)
+        self.table = torch.full((len(lengths) + 2, width), -1, dtype=torch.int32)
+        self.block_ids = []
+        for i, n in enumerate(blocks_per_seq):
+            ids, order = order[:n], order[n:]
+            self.block_ids.append(ids)
+            self.table[self.rows[i], :n] = torch.tensor(ids, dtype=torch.int32)
+        shape = (num_blocks * BLOCK_SIZE, num_kv_heads, head_dim)
+        self.k_cache = torch.randn(shape, generator=g).to(dtype)
+        self.v_cache = torch.randn(shape, generator=g).to(dtype)
+        total_new = sum(new for _, new in lengths)
+        self.q = torch.randn(total_new, self.num_heads, head_dim, generator=g).to(dtype)
+
+    def slots(self, i: int) -> torch.Tensor:
+        ids = torch.tensor(self.block_ids[i])
+        return (ids[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)[None, :]).flatten()[:self.lengths[i][0]]
+
+    def reference(self) -> torch.Tensor:
+        out, row = [], 0
+        for i, (ctx, new) in enumerate(self.lengths):
+            slots = self.slots(i)
+            k = self.k_cache[slots].float().transpose(0, 1)
+            v = self.v_cache[slots].float().transpose(0, 1)
+            q = self.q[row:row + new].float().transpose(0, 1)
+            mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - new, ctx)[:, None]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            out.append(o.transpose(0, 1))
+            row += new
+        return torch.cat(out)
+
+    def to(self, device: str) -> "PagedCase":
+        for name in ("rows", "table", "k_cache", "v_cache", "q"):
+            setattr(self, name, getattr(self, name).to(device))
+        return self
+
+
+def prefill(case: PagedCase, block_m: int) -> torch.Tensor:
+    group = case.num_heads // case.k_cache.shape[1]
+    per_tile = block_m // group
+    query_start, tile_seq, tile_start = [0], [], []
+    for i, (_, new) in enumerate(case.lengths):
+        query_start.append(query_start[-1] + new)
+        for first in range(0, new, per_tile):
+            tile_seq.append(i)
+            tile_start.append(first)
+    ints = lambda xs: torch.tensor(xs, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    out = torch.full_like(case.q, float("nan"))
+    triton_kernels.prefill_attention(case.q, out, case.k_cache, case.v_cache, case.table, case.rows,
+                                     ints(query_start), ints([ctx for ctx, _ in case.lengths]), ints(tile_seq),
+                                     ints(tile_start), BLOCK_SIZE, block_m)
+    return out
+
+
+@pytest.mark.parametrize("num_kv_heads,group,head_dim", [(2, 1, 64), (2, 4, 64), (1, 8, 128), (3, 3, 64)])
+def test_prefill_matches_sdpa(num_kv_heads, group, head_dim):
+    # Fresh prompts, prompts behind a prefix-cache hit or earlier chunks, block boundaries.
+    lengths = [(1, 1), (16, 16), (17, 17), (40, 9), (33, 1), (64, 31)]
+    case = PagedCase(lengths, num_kv_heads, group, head_dim).to(DEVICE)
+    out = prefill(case, block_m=max(16, 2 * group)).cpu()
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, case.to("cpu").reference(), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("num_kv_heads,group,head_dim", [(2, 1, 64), (2, 4, 128), (1, 8, 64)])
+def test_decode_matches_sdpa(num_kv_heads, group, head_dim, num_splits):
+    lengths = [(1, 1), (15, 1), (16, 1), (17, 1), (150, 1)]
+    case = PagedCase(lengths, num_kv_heads, group, head_dim).to(DEVICE)
+    # Two padding rows (negative positions), as a CUDA graph's batch bucket has.
+    positions = torch.tensor([ctx - 1 for ctx, _ in lengths] + [-1, -1], dtype=torch.int32, device=DEVICE)
+    rows = torch.cat([case.rows, case.rows[:2]])
+    q = torch.cat([case.q, case.q[:2]])
+    out = torch.full_like(q, float("nan"))
+    triton_kernels.decode_attention(q, out, case.k_cache, case.v_cache, case.table, rows, positions,
+                                    BLOCK_SIZE, num_splits)
+    out = out.cpu()
+    torch.testing.assert_close(out[:len(lengths)], case.to("cpu").reference(), atol=2e-5, rtol=1e-4)
+    assert torch.all(out[len(lengths):] == 0)
+
+
+def test_store_kv_writes_each_token_at_its_slot_and_skips_padding():
+    case = PagedCase([(20, 20), (35, 3)], num_kv_heads=2, group=1, head_dim=64).to(DEVICE)
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    positions = torch.tensor(list(range(20)) + [32, 33, 34, -1], dtype=torch.int32, device=DEVICE)
+    rows = torch.tensor([case.rows[0].item()] * 20 + [case.rows[1].item()] * 4, dtype=torch.int32, device=DEVICE)
+    # Strided views, as the split of a fused QKV projection gives.
+    kv = torch.randn(24, 2, 2, 64, device=DEVICE)
+    k, v = kv[:, 0], kv[:, 1]
+    triton_kernels.store_kv(k, v, k_cache, v_cache, case.table, rows, positions, BLOCK_SIZE)
+    case = case.to("cpu")
+    k_cache, v_cache, k, v = k_cache.cpu(), v_cache.cpu(), k.cpu(), v.cpu()
+    slots = torch.cat([case.slots(0)[:20], case.slots(1)[32:35]])
+    assert torch.equal(k_cache[slots], k[:23]) and torch.equal(v_cache[slots], v[:23])
+    untouched = torch.ones(k_cache.shape[0], dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(k_cache[untouched], case.k_cache[untouched])
+    assert torch.equal(v_cache[untouched], case.v_cache[untouched])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA, test_gpu_engine.py runs the engine")
+def test_engine_on_triton_backend_generates_what_sdpa_does(tiny_llama_dir):
+    """The backend's metadata (device block table, query tiles, decode rows) through the whole
+    engine: chunked prompts, prefix-cache hits and preemption, against the SDPA backend."""
+    from disagg import LLM, SamplingParams
+
+    model = tiny_llama_dir(num_heads=4, num_kv_heads=2, hidden_size=64, head_dim=16, seed=3)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (1, 17, 40, 70)]
+    prompts.append(prompts[3][:50] + prompts[1])  # shares 3 full blocks with the 70-token prompt
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    outputs = {}
+    for backend in ("sdpa", "triton"):
+        # 24 tokens a step chunks the prompts; 10 blocks cannot hold all five, so some are preempted.
+        llm = LLM(str(model), device="cpu", dtype="float32", attention_backend=backend,
+                  max_num_batched_tokens=24, kv_cache_memory=10 * 8192)  # 8 KiB a block
+        outputs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
+        outputs[backend] += [o.token_ids for o in llm.generate(prompts[3:], params)]  # prefix hits
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    assert outputs["triton"] == outputs["sdpa"]
