@@ -20,7 +20,6 @@ import torch
 
 from disagg import LLM, SamplingParams
 from disagg.engine.loader import resolve_model
-from disagg.engine.model_runner import ModelRunner
 
 PARAGRAPH = (
     "Disaggregated serving splits the work of a language model into two phases that run on "
@@ -52,11 +51,7 @@ def engine_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     """The engine's float32 logits for every prompt position, through its paged-KV prefill path."""
     engine = llm.engine
     engine.add_request("logits-check", ids, SamplingParams(temperature=0.0, max_tokens=1))
-    batch = ModelRunner.order(engine.scheduler.schedule())
-    with torch.inference_mode():
-        input_ids, positions, meta, _ = engine.runner.prepare(batch)
-        hidden = engine.model(input_ids, positions, engine.kv_cache, meta)
-        logits = engine.model.compute_logits(hidden).float().cpu()
+    logits = engine.runner.all_logits(engine.scheduler.schedule()).cpu()
     engine.abort_request("logits-check")
     return logits
 

@@ -20,6 +20,8 @@ class EngineConfig:
     kv_cache_memory: int | float | None = None  # bytes, or a fraction of free memory
     enable_prefix_caching: bool = True
     seed: int = 0
+    enforce_eager: bool = False  # CUDA: no decode graphs
+    attention_backend: str | None = None  # "sdpa" or "triton"; None: triton on CUDA, sdpa on the CPU
 
 
 ROLES = {"producer": "producer", "kv_producer": "producer", "consumer": "consumer",

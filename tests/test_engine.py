@@ -39,10 +39,7 @@ def full_forward_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
     seq = Sequence("logits", token_ids, greedy(1))
     engine.block_manager.allocate(seq)
     try:
-        input_ids, positions, meta, _ = engine.runner.prepare([ScheduledSeq(seq, len(token_ids))])
-        with torch.inference_mode():
-            hidden = engine.model(input_ids, positions, engine.kv_cache, meta)
-            return engine.model.compute_logits(hidden).float()
+        return engine.runner.all_logits([ScheduledSeq(seq, len(token_ids))])
     finally:
         engine.block_manager.free(seq)
 

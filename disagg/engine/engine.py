@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from disagg.config import EngineConfig
+from disagg.engine.attention import SdpaAttention
 from disagg.engine.block_manager import BlockManager
 from disagg.engine.kv_cache import KVCache
 from disagg.engine.loader import load_config, load_weights, resolve_model
@@ -114,10 +115,26 @@ class LLMEngine:
                     num_blocks * block_bytes / 2**20, self.device, str(self.dtype).removeprefix("torch."))
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.runner = self._make_runner(config)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, _Request] = {}
         self.pending_outputs: list[RequestOutput] = []  # produced outside step(), handed out by it
+
+    def _make_runner(self, config: EngineConfig) -> ModelRunner:
+        backend = config.attention_backend or ("triton" if self.device.type == "cuda" else "sdpa")
+        if backend == "sdpa":
+            return ModelRunner(self.model, SdpaAttention(self.kv_cache))
+        # Triton on the CPU only under its interpreter, which is how CI checks the kernels.
+        if backend != "triton" or (self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
+            raise ValueError(f"attention_backend must be 'sdpa', or 'triton' on CUDA; got {backend!r} on {self.device}")
+        from disagg.engine.cuda_graphs import DecodeGraphs  # Triton is needed on CUDA only
+        from disagg.engine.triton_attention import TritonAttention
+
+        self.model.fuse_projections()
+        mc = self.model_config
+        attention = TritonAttention(self.kv_cache, mc.num_attention_heads, config.max_num_seqs, self.max_model_len)
+        graphs = None if config.enforce_eager or self.device.type != "cuda" else DecodeGraphs(self.model, attention, config.max_num_seqs)
+        return ModelRunner(self.model, attention, graphs)
 
     # -- requests ------------------------------------------------------------------------
 

@@ -7,8 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from disagg.engine.attention import AttentionMetadata, paged_attention
-from disagg.engine.kv_cache import KVCache
+from disagg.engine.attention import AttentionBackend
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -135,17 +134,26 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         # Qwen2 has q/k/v bias but none on the output projection.
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.qkv_proj: nn.Linear | None = None  # q, k and v in one product, made by fuse()
+
+    def fuse(self) -> None:
+        self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, positions: torch.Tensor,
-                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+                attention: AttentionBackend, meta) -> torch.Tensor:
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.qkv_proj is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
-        kv_cache.store(self.layer_idx, k, v, meta.slot_mapping)
-        out = paged_attention(q, k, v, kv_cache.keys(self.layer_idx), kv_cache.values(self.layer_idx), meta)
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+        out = attention.forward(self.layer_idx, q, k, v, meta)
+        return self.o_proj(out.reshape(T, q_size))
 
 
 class MLP(nn.Module):
@@ -154,9 +162,28 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj: nn.Linear | None = None  # made by fuse()
+
+    def fuse(self) -> None:
+        self.gate_up_proj = fuse_linears(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def fuse_linears(*linears: nn.Linear) -> nn.Linear:
+    """One projection whose output is the given ones' outputs side by side: one matrix product
+    instead of several reading the same input."""
+    fused = nn.Linear(linears[0].in_features, sum(lin.out_features for lin in linears),
+                      bias=linears[0].bias is not None, device="meta")
+    fused.weight = nn.Parameter(torch.cat([lin.weight.data for lin in linears]), requires_grad=False)
+    if linears[0].bias is not None:
+        fused.bias = nn.Parameter(torch.cat([lin.bias.data for lin in linears]), requires_grad=False)
+    return fused
 
 
 class DecoderLayer(nn.Module):
@@ -168,8 +195,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, positions: torch.Tensor,
-                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, positions, kv_cache, meta)
+                attention: AttentionBackend, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotary, positions, attention, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -194,12 +221,19 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+                attention: AttentionBackend, meta) -> torch.Tensor:
         """Flat tokens of the whole batch [T] -> final hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
-            x = layer(x, self.model.rotary, positions, kv_cache, meta)
+            x = layer(x, self.model.rotary, positions, attention, meta)
         return self.model.norm(x)
+
+    def fuse_projections(self) -> None:
+        """The GPU path, after loading: q/k/v and gate/up each one matrix product. Not on the
+        CPU's SDPA path, whose outputs must equal transformers' unfused float32 products bit for bit."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -1,0 +1,71 @@
+"""DecodeGraphs: the decode forward captured as CUDA graphs, one per batch-size bucket.
+
+A decode step of a large model launches hundreds of small kernels; replaying a graph launches
+them as one. Buckets are 1, 2, 4, 8, 16, 32, then every 32 up to max_num_seqs; a batch is
+padded to the next bucket with tokens at position -1, which the kernels skip. Captured from the
+largest bucket down into one memory pool. Prefill runs eagerly (docs/ARCHITECTURE.md, "The GPU path").
+"""
+
+import logging
+import time
+
+import torch
+
+from disagg.engine.models.llama import LlamaForCausalLM
+from disagg.engine.triton_attention import TritonAttention, TritonMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def buckets(max_batch: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4, 8, 16) if b < max_batch] + list(range(32, max_batch, 32))
+    return sizes + [max_batch]
+
+
+class DecodeGraphs:
+    def __init__(self, model: LlamaForCausalLM, attention: TritonAttention, max_batch: int):
+        self.model = model
+        self.attention = attention
+        device = attention.kv_cache.kv.device
+        self.input_ids = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        self.positions = torch.full((max_batch,), -1, dtype=torch.int32, device=device)
+        self.rows = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        self.buckets = buckets(max_batch)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        start = time.monotonic()
+        free_before = torch.cuda.mem_get_info(device)[0]
+        pool = None
+        with torch.inference_mode():
+            for b in reversed(self.buckets):
+                self._forward(b)  # compiles the kernels and settles the allocator outside the capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.logits[b] = self._forward(b)
+                pool = graph.pool()
+                self.graphs[b] = graph
+        torch.cuda.synchronize(device)
+        logger.info("captured %d decode CUDA graphs (batch %s) in %.1f s using %.0f MiB", len(self.buckets),
+                    ",".join(map(str, self.buckets)), time.monotonic() - start,
+                    (free_before - torch.cuda.mem_get_info(device)[0]) / 2**20)
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def _forward(self, b: int) -> torch.Tensor:
+        meta = TritonMetadata(self.positions[:b], self.rows[:b], num_decodes=b,
+                              num_splits=self.attention.num_splits(b))
+        hidden = self.model(self.input_ids[:b], self.positions[:b], self.attention, meta)
+        return self.model.compute_logits(hidden).float()
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Logits [n, vocab] for n decodes (n <= max_batch); inputs on the device."""
+        n = input_ids.shape[0]
+        b = next(size for size in self.buckets if size >= n)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.positions[n:b].fill_(-1)
+        self.rows[:n].copy_(rows)
+        self.graphs[b].replay()
+        return self.logits[b][:n]

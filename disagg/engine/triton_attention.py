@@ -1,0 +1,107 @@
+"""TritonAttention: the CUDA backend. Paged kernels read the cache in place through a
+device-resident block table; a step's metadata is a few int32 vectors sent in one copy."""
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+
+from disagg.engine import triton_kernels
+from disagg.engine.attention import StepInputs
+from disagg.engine.block_table import DeviceBlockTable
+from disagg.engine.kv_cache import KVCache
+from disagg.engine.scheduler import ScheduledSeq
+
+MAX_SPLITS = 32
+
+
+@dataclass
+class TritonMetadata:
+    positions: torch.Tensor  # [T] int32; negative: a padding token (CUDA graph buckets)
+    token_rows: torch.Tensor  # [T] int32 block-table row of each token's sequence
+    num_decodes: int  # rows 0..num_decodes-1 are single-token segments
+    num_splits: int  # context slices per decode (split-K)
+    # Multi-token segments, numbered from 0 after the decodes; None when the step has none.
+    query_start: torch.Tensor | None = None  # [P + 1] first row of each segment, relative to num_decodes
+    seq_lens: torch.Tensor | None = None  # [P] context length after this step
+    seq_rows: torch.Tensor | None = None  # [P]
+    tile_seq: torch.Tensor | None = None  # [tiles] segment of each query tile
+    tile_start: torch.Tensor | None = None  # [tiles] its first query within the segment
+
+
+class TritonAttention:
+    def __init__(self, kv_cache: KVCache, num_heads: int, max_num_seqs: int, max_model_len: int):
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        device = kv_cache.kv.device
+        max_blocks = -(-max_model_len // self.block_size) + 1
+        self.block_table = DeviceBlockTable(2 * max_num_seqs, max_blocks, device)
+        num_kv_heads = kv_cache.kv.shape[3]
+        self.group = num_heads // num_kv_heads
+        self.num_kv_heads = num_kv_heads
+        # Query rows of a prefill tile: wide for the matrix units, a power of two, at least 16 for tl.dot.
+        self.block_m = min(128, max(16, triton.next_power_of_2(32 * self.group)))
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+    def num_splits(self, batch: int) -> int:
+        """Enough programs to fill the GPU twice over, in powers of two; slices with no keys exit at once."""
+        want = -(-2 * self.num_sms // (batch * self.num_kv_heads))
+        return min(MAX_SPLITS, 1 << max(0, want - 1).bit_length())
+
+    def prepare(self, batch: list[ScheduledSeq]) -> StepInputs:
+        rows, updates = self.block_table.assign([item.seq for item in batch])
+        ids, positions, token_rows, sample_rows = [], [], [], []
+        query_start, seq_lens, seq_rows, tile_seq, tile_start = [0], [], [], [], []
+        per_tile = self.block_m // self.group
+        num_decodes = 0
+        for item, row in zip(batch, rows):
+            seq, n = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens
+            if n == 1:
+                assert not seq_lens, "single-token segments must come first"
+                num_decodes += 1
+                ids.append(seq.token_ids[start])
+                positions.append(start)
+                token_rows.append(row)
+            else:
+                ids.extend(seq.token_ids[start:start + n])
+                positions.extend(range(start, start + n))
+                token_rows.extend([row] * n)
+                tiles = range(0, n, per_tile)
+                tile_seq.extend([len(seq_lens)] * len(tiles))
+                tile_start.extend(tiles)
+                query_start.append(query_start[-1] + n)
+                seq_lens.append(start + n)
+                seq_rows.append(row)
+            if start + n == seq.num_tokens:
+                sample_rows.append(len(ids) - 1)
+        parts = [ids, positions, token_rows, sample_rows]
+        if seq_lens:
+            parts += [query_start, seq_lens, seq_rows, tile_seq, tile_start]
+        host = np.concatenate([np.fromiter(itertools.chain.from_iterable(parts), np.int32), updates.reshape(-1)])
+        # Everything the step needs from the host, in one copy.
+        flat = torch.from_numpy(host).to(self.kv_cache.kv.device, non_blocking=True)
+        views = flat.split([len(p) for p in parts] + [updates.size])
+        self.block_table.apply(views[-1].view(2, -1))
+        meta = TritonMetadata(views[1], views[2], num_decodes, self.num_splits(max(num_decodes, 1)))
+        if seq_lens:
+            meta.query_start, meta.seq_lens, meta.seq_rows, meta.tile_seq, meta.tile_start = views[4:9]
+        return StepInputs(views[0], views[1], meta, views[3])
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: TritonMetadata) -> torch.Tensor:
+        k_cache, v_cache = self.kv_cache.keys(layer), self.kv_cache.values(layer)
+        table = self.block_table.table
+        triton_kernels.store_kv(k, v, k_cache, v_cache, table, meta.token_rows, meta.positions, self.block_size)
+        out = torch.empty_like(q)
+        b = meta.num_decodes
+        if b:
+            triton_kernels.decode_attention(q[:b], out[:b], k_cache, v_cache, table, meta.token_rows[:b],
+                                            meta.positions[:b], self.block_size, meta.num_splits)
+        if meta.tile_seq is not None:
+            triton_kernels.prefill_attention(q[b:], out[b:], k_cache, v_cache, table, meta.seq_rows,
+                                             meta.query_start, meta.seq_lens, meta.tile_seq, meta.tile_start,
+                                             self.block_size, self.block_m)
+        return out
