@@ -23,6 +23,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[tuple[str, SamplingParams]]) -> list[tuple[int, TokenLogprob | None]]:
         """logits [B, vocab] float32; one (token, logprob) per request, in order."""
+        if all(p.greedy and p.logprobs is None for _, p in requests):
+            # On the device: one small copy of the chosen tokens instead of the whole logits.
+            return [(token, None) for token in torch.argmax(logits, dim=-1).tolist()]
         logits = logits.cpu()
         logprobs = None
         if any(p.logprobs is not None for _, p in requests):
