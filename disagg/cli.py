@@ -35,6 +35,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="KV cache size: bytes (e.g. 2GiB) or a fraction of free memory (e.g. 0.8)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     parser.add_argument("--seed", type=int, default=0, help="seed for requests that set none")
+    parser.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode without CUDA graphs")
+    parser.add_argument("--attention-backend", choices=["sdpa", "triton"], default=None,
+                        help="default: triton on CUDA, sdpa on the CPU")
 
 
 def parse_memory(text: str) -> int | float:
@@ -51,7 +54,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-                enable_prefix_caching=not args.no_prefix_caching, seed=args.seed)
+                enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+                enforce_eager=args.enforce_eager, attention_backend=args.attention_backend)
 
 
 def generate(args: argparse.Namespace) -> None:
