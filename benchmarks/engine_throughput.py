@@ -79,17 +79,18 @@ def sync(device: torch.device) -> None:
 
 class DisaggBench:
     def __init__(self, model_dir: str, device: str, dtype: str, max_batch: int, prompt_len: int,
-                 decode_tokens: int):
+                 decode_tokens: int, **llm_kwargs):
+        """llm_kwargs: more LLM(...) arguments (enforce_eager, attention_backend, max_model_len, ...)."""
         mc = read_config(model_dir)
         block_size = 16
         blocks_per_seq = (prompt_len + decode_tokens) // block_size + 2
         block_bytes = (mc["num_hidden_layers"] * 2 * block_size * mc["num_key_value_heads"]
                        * (mc.get("head_dim") or mc["hidden_size"] // mc["num_attention_heads"])
                        * torch.empty((), dtype=getattr(torch, dtype)).element_size())
+        llm_kwargs.setdefault("max_num_batched_tokens", max(2048, max_batch * prompt_len))
         self.llm = LLM(model=model_dir, device=device, dtype=dtype, block_size=block_size,
-                       max_num_seqs=max_batch, max_num_batched_tokens=max(2048, max_batch * prompt_len),
-                       kv_cache_memory=(max_batch * blocks_per_seq + 4) * block_bytes,
-                       enable_prefix_caching=False)
+                       max_num_seqs=max_batch, kv_cache_memory=(max_batch * blocks_per_seq + 4) * block_bytes,
+                       enable_prefix_caching=False, **llm_kwargs)
         self.engine = self.llm.engine
         self.device = self.engine.device
         self._ids = 0
