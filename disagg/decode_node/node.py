@@ -1,7 +1,7 @@
 """DecodeNode: the front door. Validates and tokenizes, gets each prompt's KV from a prefill
 node, and generates the answer; with no prefill nodes it is the colocated server.
 
-A disaggregated request, in order (DESIGN.md, "A request, end to end"):
+A disaggregated request, in order (docs/ARCHITECTURE.md, "A request, end to end"):
   1. the engine reserves blocks for the prompt (the request waits for KV without a step);
   2. Prefill(request id, prompt, sampling, our pipe endpoint) on the least loaded prefill node;
   3. drop_select on our LookupBuffer consumer takes exactly that request's KV off the pipe;
