@@ -1,0 +1,165 @@
+"""The engine's bookkeeping on its own, with no model: BlockManager, Scheduler, KVCache and the
+device block table (on the CPU)."""
+
+import torch
+
+from disagg.engine.block_manager import BlockManager
+from disagg.engine.block_table import DeviceBlockTable
+from disagg.engine.kv_cache import KVCache
+from disagg.engine.sampling_params import SamplingParams
+from disagg.engine.scheduler import Scheduler
+from disagg.engine.sequence import Sequence, SequenceStatus
+
+BS = 4
+
+
+def seq(request_id: str, tokens: list[int]) -> Sequence:
+    return Sequence(request_id, tokens, SamplingParams(temperature=0.0))
+
+
+def computed(manager: BlockManager, s: Sequence) -> None:
+    """As if the whole sequence had been computed this step."""
+    s.num_computed_tokens = s.num_tokens
+    manager.commit(s)
+
+
+def test_allocate_and_free_return_every_block():
+    manager = BlockManager(8, BS)
+    a = seq("a", list(range(10)))
+    manager.allocate(a)
+    assert len(a.block_table) == 3 and manager.num_free_blocks == 5
+    manager.free(a)
+    assert a.block_table == [] and manager.num_free_blocks == 8
+
+
+def test_prefix_hits_share_blocks_and_leave_the_last_token_to_compute():
+    manager = BlockManager(8, BS)
+    a = seq("a", list(range(12)))
+    manager.allocate(a)
+    computed(manager, a)
+    b = seq("b", list(range(8)) + [99, 98])  # the same first two blocks
+    manager.allocate(b)
+    assert b.block_table[:2] == a.block_table[:2] and b.num_cached_tokens == 8
+    assert manager.blocks[a.block_table[0]].ref_count == 2
+    c = seq("c", list(range(12)))  # all three blocks cached, but the last token must be computed
+    manager.allocate(c)
+    assert c.num_cached_tokens == 8
+    d = seq("d", [5, 6, 7, 8] + list(range(4, 8)))  # block 2's tokens behind another prefix: no hit
+    manager.allocate(d)
+    assert d.num_cached_tokens == 0
+
+
+def test_freed_cached_blocks_are_hit_again_and_evicted_least_recently_used_first():
+    manager = BlockManager(4, BS)
+    a = seq("a", list(range(9)))
+    manager.allocate(a)
+    computed(manager, a)
+    manager.free(a)
+    assert manager.num_free_blocks == 4
+    b = seq("b", list(range(9)))
+    assert manager.can_allocate(b)
+    manager.allocate(b)
+    assert b.num_cached_tokens == 8 and manager.num_free_blocks == 1
+    manager.free(b)
+    # Three fresh blocks: the uncached tail block and the never used one first, then the cached
+    # ones, the later block first (a sequence frees its tail first).
+    c = seq("c", [50 + i for i in range(12)])
+    manager.allocate(c)
+    manager.free(c)
+    d = seq("d", list(range(9)))
+    manager.allocate(d)
+    assert d.num_cached_tokens == 4  # the second cached block was evicted, the first survived
+
+
+def test_scheduler_chunks_long_prompts_under_the_token_budget():
+    manager = BlockManager(64, BS)
+    scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=16)
+    a, b = seq("a", list(range(40))), seq("b", list(range(100, 105)))
+    scheduler.add(a)
+    scheduler.add(b)
+    chunks = []
+    while a.num_computed_tokens < a.num_tokens:
+        batch = scheduler.schedule()
+        chunks.append([(item.seq.request_id, item.num_new_tokens) for item in batch])
+        for item in batch:
+            item.seq.num_computed_tokens += item.num_new_tokens
+    assert chunks == [[("a", 16)], [("a", 16)], [("a", 8), ("b", 5)]]
+
+
+def test_scheduler_caps_running_sequences():
+    manager = BlockManager(64, BS)
+    scheduler = Scheduler(manager, max_num_seqs=2, max_num_batched_tokens=100)
+    for i in range(3):
+        scheduler.add(seq(str(i), [i] * 5))
+    batch = scheduler.schedule()
+    assert [item.seq.request_id for item in batch] == ["0", "1"] and len(scheduler.waiting) == 1
+
+
+def test_scheduler_preempts_the_newest_when_blocks_run_out():
+    manager = BlockManager(4, BS)
+    scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=100)
+    a, b = seq("a", list(range(8))), seq("b", list(range(20, 28)))
+    scheduler.add(a)
+    scheduler.add(b)
+    for item in scheduler.schedule():  # both prompts: all 4 blocks
+        item.seq.num_computed_tokens += item.num_new_tokens
+        item.seq.append_token(1)
+    batch = scheduler.schedule()  # each needs a fifth block for its new token
+    assert [item.seq.request_id for item in batch] == ["a"]
+    assert b.status == SequenceStatus.WAITING and scheduler.waiting[0] is b and b.block_table == []
+    assert scheduler.num_preemptions == 1
+
+
+def test_remote_sequences_reserve_blocks_in_arrival_order():
+    manager = BlockManager(4, BS)
+    scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=100)
+    a, b = seq("a", list(range(12))), seq("b", list(range(8)))
+    scheduler.add_remote(a)
+    scheduler.add_remote(b)
+    assert list(scheduler.waiting_for_kv) == ["a"] and list(scheduler.reserving) == [b]
+    scheduler.finish(a)
+    scheduler.reserve()
+    assert list(scheduler.waiting_for_kv) == ["b"]
+    b.num_computed_tokens = b.num_tokens
+    scheduler.start_remote(b)
+    assert scheduler.running == [b] and b.status == SequenceStatus.RUNNING
+
+
+def test_kv_cache_gather_scatter_round_trip():
+    cache = KVCache(num_layers=2, num_blocks=6, block_size=BS, num_kv_heads=2, head_dim=3,
+                    dtype=torch.float32, device=torch.device("cpu"))
+    blocks = [4, 1, 3]
+    assert cache.slots(blocks, 6).tolist() == [16, 17, 18, 19, 4, 5]
+    kv = torch.randn(2, 2, 10, 2, 3)
+    cache.scatter(blocks, kv)
+    assert torch.equal(cache.gather(blocks, 10), kv)
+    tail = torch.randn(2, 2, 4, 2, 3)
+    cache.scatter(blocks, tail, start=6)  # a prefix already in place: only the rest is written
+    assert torch.equal(cache.gather(blocks, 10)[:, :, :6], kv[:, :, :6])
+    assert torch.equal(cache.gather(blocks, 10)[:, :, 6:], tail)
+    k, v = torch.randn(2, 2, 3), torch.randn(2, 2, 3)
+    cache.store(1, k, v, torch.tensor([0, 23]))
+    assert torch.equal(cache.keys(1)[[0, 23]], k) and torch.equal(cache.values(1)[[0, 23]], v)
+
+
+def test_device_block_table_sends_only_what_changed():
+    table = DeviceBlockTable(num_rows=2, max_blocks=4, device=torch.device("cpu"))
+    a, b = seq("a", [0]), seq("b", [0])
+    a.block_table, b.block_table = [5, 2], [7]
+
+    def step(*seqs):
+        rows, updates = table.assign(list(seqs))
+        table.apply(torch.from_numpy(updates))
+        return rows, updates.shape[1]
+
+    rows, sent = step(a, b)
+    assert sent == 3 and table.table[rows[0], :2].tolist() == [5, 2] and table.table[rows[1], 0] == 7
+    assert step(a, b) == (rows, 0)  # nothing changed: nothing sent
+    a.block_table.append(9)  # a decode crossed a block boundary
+    assert step(a, b) == (rows, 1) and table.table[rows[0], 2] == 9
+    a.block_table = [1]  # freed and allocated again: a new list, the whole row is sent
+    assert step(a) == (rows[:1], 1) and table.table[rows[0], 0] == 1
+    c = seq("c", [0])
+    c.block_table = [3, 3]
+    rows_c, sent = step(a, c)  # no free row: b, not in this step, gives its row back
+    assert rows_c[1] == rows[1] and sent == 2 and "b" not in table.rows
