@@ -8,7 +8,8 @@ import os
 import time
 from pathlib import Path
 
-from disagg.config import ROLES, EngineConfig, KVTransferConfig
+from disagg.config import ROLES, KVTransferConfig
+from disagg.engine.config import EngineConfig
 from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.engine import LLMEngine
 from disagg.engine.llm import LLM

@@ -1,28 +1,9 @@
-"""Configuration dataclasses shared by the entrypoints and the engine."""
+"""KVTransferConfig: how a node takes part in disaggregation, with vLLM's field names."""
 
 import json
 from dataclasses import dataclass
 
-import torch
-
 from disagg.pipes.base import PipeConfig
-
-
-@dataclass
-class EngineConfig:
-    model: str | None = None  # local HF-format directory or .gguf file; None: the embedded SmolLM2
-    device: str | None = None  # "cpu", "cuda", "cuda:N"; None: CUDA when present
-    dtype: str | torch.dtype | None = None  # "float32", "bfloat16", "float16", "auto"
-    block_size: int = 16
-    max_model_len: int | None = None  # None: the model's context length, capped by the KV cache
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048  # per step; longer prompts are prefilled in chunks
-    kv_cache_memory: int | float | None = None  # bytes, or a fraction of free memory
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    enforce_eager: bool = False  # CUDA: no decode graphs
-    attention_backend: str | None = None  # "sdpa" or "triton"; None: triton on CUDA, sdpa on the CPU
-
 
 ROLES = {"producer": "producer", "kv_producer": "producer", "consumer": "consumer",
          "kv_consumer": "consumer", "both": "both", "kv_both": "both"}

@@ -27,7 +27,8 @@ from multiprocessing.sharedctypes import Synchronized
 from multiprocessing.synchronize import Event
 
 from disagg import LLM, SamplingParams
-from disagg.config import EngineConfig, KVTransferConfig
+from disagg.config import KVTransferConfig
+from disagg.engine.config import EngineConfig
 from disagg.engine.engine import LLMEngine
 from disagg.engine.output import RequestOutput
 from disagg.lookup_buffer import LookupBufferConsumer, LookupBufferProducer

@@ -16,7 +16,8 @@ import pytest
 from conftest import write_tiny_llama
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from disagg.config import EngineConfig, KVTransferConfig
+from disagg.config import KVTransferConfig
+from disagg.engine.config import EngineConfig
 from disagg.control_plane import COMPATIBILITY_FIELDS, NodeInfo, PrefillCall
 from disagg.decode_node.prefill_client import (
     PrefillAuthError,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from disagg.config import EngineConfig
+from disagg.engine.config import EngineConfig
 from disagg.engine.attention import SdpaAttention
 from disagg.engine.block_manager import BlockManager
 from disagg.engine.kv_cache import KVCache

@@ -5,7 +5,7 @@ import itertools
 import torch
 from tqdm import tqdm
 
-from disagg.config import EngineConfig
+from disagg.engine.config import EngineConfig
 from disagg.engine.engine import LLMEngine
 from disagg.engine.output import RequestOutput
 from disagg.engine.sampling_params import SamplingParams

@@ -1,0 +1,21 @@
+"""EngineConfig: what an engine is built from (the engine imports nothing of the network)."""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # local HF-format directory or .gguf file; None: the embedded SmolLM2
+    device: str | None = None  # "cpu", "cuda", "cuda:N"; None: CUDA when present
+    dtype: str | torch.dtype | None = None  # "float32", "bfloat16", "float16", "auto"
+    block_size: int = 16
+    max_model_len: int | None = None  # None: the model's context length, capped by the KV cache
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # per step; longer prompts are prefilled in chunks
+    kv_cache_memory: int | float | None = None  # bytes, or a fraction of free memory
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    enforce_eager: bool = False  # CUDA: no decode graphs
+    attention_backend: str | None = None  # "sdpa" or "triton"; None: triton on CUDA, sdpa on the CPU
