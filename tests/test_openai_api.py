@@ -228,3 +228,52 @@ def test_chat_logprobs_shape(server):
     chunks = [json.loads(e) for e in sse_events(streamed)[:-1]]
     streamed_content = [entry for c in chunks if c["choices"][0]["logprobs"] for entry in c["choices"][0]["logprobs"]["content"]]
     assert [e["token"] for e in streamed_content] == [e["token"] for e in content]
+
+
+# Each of these used to pass validation and then make the engine step raise, failing every request
+# in flight, or to slow every step down; now each is refused, naming the field.
+HOSTILE = [
+    ({"temperature": 1e-300}, "temperature"),
+    ({"seed": 2**70}, "seed"),
+    ({"top_k": 2**70}, "top_k"),
+    ({"max_tokens": 2**70}, "max_tokens"),
+    ({"stop": [f"stop {i}" for i in range(10_000)]}, "stop"),
+    ({"stop": "x" * 100_000}, "stop"),
+    ({"stop_token_ids": list(range(10_000))}, "stop_token_ids"),
+]
+
+
+def test_hostile_sampling_params_are_refused_while_another_stream_goes_on(server, llm):
+    want = llm.generate(PROMPTS[6], greedy(48))[0].text
+    assert wait_for_free_blocks(server) == 0
+
+    async def run() -> tuple[str, list[httpx.Response]]:
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as client:
+            streaming = asyncio.Event()
+
+            async def stream() -> str:
+                text = ""
+                body = {"prompt": PROMPTS[6], "max_tokens": 48, "temperature": 0, "stream": True}
+                async with client.stream("POST", "/v1/completions", json=body) as response:
+                    assert response.status_code == 200
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            text += json.loads(line[6:])["choices"][0]["text"]
+                            streaming.set()
+                return text
+
+            normal = asyncio.create_task(stream())
+            await streaming.wait()
+            hostile = [await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4, **fields})
+                       for fields, _ in HOSTILE]
+            assert not normal.done(), "the normal stream ended before the hostile requests were sent"
+            return await normal, hostile
+
+    text, hostile = asyncio.run(run())
+    for (_, field), response in zip(HOSTILE, hostile):
+        assert_openai_error(response, 400, field)
+        assert response.json()["error"]["param"] == field
+    assert text == want
+    assert wait_for_free_blocks(server) == 0
+    assert server.metric("disagg_engine_request_errors_total") == 0
+

@@ -93,7 +93,7 @@ def api_error_from(error: Exception) -> APIError:
     if isinstance(error, APIError):
         return error
     if isinstance(error, ValueError):
-        return APIError(400, str(error))
+        return APIError(400, str(error), param=getattr(error, "param", None))  # SamplingParamError names it
     if isinstance(error, PrefillUnavailable):
         return APIError(503, f"{error}; retry, or send prefill_policy \"recompute\" to let the decode node "
                              "compute the prompt itself")
@@ -310,7 +310,7 @@ def build_app(node: DecodeNode, api_key: str | None, served_model_name: str) -> 
         try:
             node.validate(prompt_token_ids, params)
         except ValueError as e:
-            raise APIError(400, str(e)) from e
+            raise api_error_from(e) from e
         generation = Generation(node, request_id, prompt_token_ids, params, prefill_policy, raw_request)
         try:
             return generation, await generation.next()
@@ -334,7 +334,7 @@ def build_app(node: DecodeNode, api_key: str | None, served_model_name: str) -> 
         try:
             params = request.to_sampling_params(default_max_tokens=max(1, node.max_model_len - len(prompt_ids)))
         except ValueError as e:
-            raise APIError(400, str(e)) from e
+            raise api_error_from(e) from e
         request_id = request_id_for(raw_request, "cmpl")
         try:
             generation, first = await start(request_id, prompt_ids, params, request.prefill_policy, raw_request)
