@@ -129,13 +129,14 @@ class LLMEngine:
     def validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("the prompt is empty")
+        # The length first: it is cheap, and a prompt far too long need not be scanned.
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; it must be shorter than "
+                             f"max_model_len={self.max_model_len} to leave room for output")
         vocab = self.model_config.vocab_size
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token ids must be integers in [0, {vocab}); got {bad[:5]}")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens; it must be shorter than "
-                             f"max_model_len={self.max_model_len} to leave room for output")
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     *, export_kv: bool = False, remote_prefill: bool = False) -> Sequence:
