@@ -15,6 +15,7 @@ from disagg.engine.engine import LLMEngine
 from disagg.engine.llm import LLM
 from disagg.engine.loader import DEFAULT_MODEL_NAME
 from disagg.engine.sampling_params import SamplingParams
+from disagg.router import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 SAMPLE_PROMPTS = [
     "What is disaggregated prefill in LLM serving?",
@@ -95,6 +96,8 @@ def transfer_config(args: argparse.Namespace) -> KVTransferConfig:
 
 
 def check_serve_args(args: argparse.Namespace, kv: KVTransferConfig) -> list[str]:
+    if args.max_request_body_bytes < 1:
+        raise ValueError(f"--max-request-body-bytes must be at least 1, got {args.max_request_body_bytes}")
     prefill_nodes = [a.strip() for a in (args.prefill_nodes or "").split(",") if a.strip()]
     if kv.kv_role == "consumer" and not prefill_nodes:
         raise ValueError("a consumer (decode node) needs --prefill-nodes HOST:GRPC_PORT[,...]")
@@ -129,7 +132,7 @@ def serve(args: argparse.Namespace) -> None:
         from disagg.decode_node.server import run_decode_node
 
         asyncio.run(run_decode_node(engine, name, kv, prefill_nodes, args.host, args.port, args.api_key,
-                                    args.log_level))
+                                    args.max_request_body_bytes, args.log_level))
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -149,6 +152,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="model name in the API (default: the model's)")
     parser.add_argument("--api-key", default=None,
                         help=f"require 'Authorization: Bearer KEY' on the OpenAI API (default: ${API_KEY_ENV})")
+    parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        help="decode/colocated node: larger request bodies are refused with 413")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     parser.add_argument("--check-config", action="store_true", help="validate the flags and exit")
 

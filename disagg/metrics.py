@@ -6,6 +6,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 REQUESTS = Counter("disagg_requests_total", "Requests finished, by how they ended", ["finish_reason"])
 REQUEST_ERRORS = Counter("disagg_request_errors_total", "Requests refused or failed, by HTTP status", ["status"])
+ENGINE_REQUEST_ERRORS = Counter("disagg_engine_request_errors_total",
+                                "Requests the engine failed (their sampling or their step's forward raised)")
 TTFT = Histogram("disagg_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS)
 ITL = Histogram("disagg_inter_token_latency_seconds", "Time between output tokens", buckets=LATENCY_BUCKETS)
 E2E = Histogram("disagg_e2e_request_latency_seconds", "Request latency, end to end", buckets=LATENCY_BUCKETS)

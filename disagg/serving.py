@@ -1,4 +1,5 @@
-"""Running a node: its HTTP server (and gRPC server) in one event loop, one ready line, clean shutdown."""
+"""Running a node: its HTTP server (and gRPC server) in one event loop, one ready line, clean shutdown,
+and the ASGI middlewares its API and the router's share."""
 
 import asyncio
 import logging
@@ -8,7 +9,7 @@ from collections.abc import Callable
 import uvicorn
 from fastapi import FastAPI
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from disagg.config import KVTransferConfig
 from disagg.control_plane import NodeInfo
@@ -61,3 +62,52 @@ class APIKeyMiddleware:
                 await self.error_response(401, message, code="invalid_api_key")(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Refuses a request body over `max_bytes` with 413 before the app sees any of it.
+
+    A declared Content-Length over the limit is refused unread; a chunked body is counted while it
+    arrives and refused as soon as it passes the limit. A body within the limit is read whole here
+    and handed to the app as one message (the JSON APIs behind this read it whole anyway), then
+    `receive` goes on to the client's disconnect as usual."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, error_response: Callable[..., Response]):
+        self.app = app
+        self.max_bytes = max_bytes
+        self.error_response = error_response
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        body = bytearray()
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left before its body was complete: nobody to answer
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = (f"the request body is larger than this server's limit of {self.max_bytes} bytes "
+                   "(--max-request-body-bytes); send a shorter prompt")
+        await self.error_response(413, message, code="request_too_large")(scope, receive, send)

@@ -159,6 +159,24 @@ def test_prefill_runs_the_engine_and_the_kv_reaches_the_consumer(node: PrefillNo
     assert again.num_cached_tokens > 0
 
 
+def hostile_calls(consumer: LookupBufferConsumer) -> list[PrefillCall]:
+    """Calls a decode node would not send: a prompt longer than the context, and sampling fields out of
+    range (set after SamplingParams checked them), as another gRPC client could send them."""
+    too_long = PrefillCall("too-long", list(range(3000)), SamplingParams(temperature=0.0), consumer.address)
+    calls = [too_long]
+    for name, value in [("temperature", 1e-300), ("seed", -1), ("top_k", -5)]:
+        call = prefill_call(f"bad-{name}", consumer)
+        setattr(call.params, name, value)
+        calls.append(call)
+    return calls
+
+
+async def refusal(client: PrefillClient, call: PrefillCall) -> PrefillFailed:
+    with pytest.raises(PrefillFailed) as refused:
+        await client.prefill(call, timeout=10)
+    return refused.value
+
+
 @pytest.mark.timeout(60)
 def test_prefill_errors_map_to_status_codes(node: PrefillNode, make_node: Callable[..., PrefillNode],
                                            consumer: LookupBufferConsumer):
@@ -175,16 +193,52 @@ def test_prefill_errors_map_to_status_codes(node: PrefillNode, make_node: Callab
             with pytest.raises(PrefillNodeBusy) as busy:
                 await small_client.prefill(prefill_call("too-big", consumer), timeout=10)
             assert not await client.abort("never-sent")
-            return invalid.value, busy.value
+            return invalid.value, busy.value, [await refusal(client, call) for call in hostile_calls(consumer)]
         finally:
             await client.close()
             await small_client.close()
             await server.stop(0)
             await small_server.stop(0)
 
-    invalid, busy = run(scenario())
+    invalid, busy, refusals = run(scenario())
     assert invalid.code == grpc.StatusCode.INVALID_ARGUMENT and "token ids must be integers" in str(invalid)
     assert busy.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "kv_buffer_size" in str(busy)
+    for error, words in zip(refusals, ["max_model_len", "temperature", "seed", "top_k"]):
+        assert error.code == grpc.StatusCode.INVALID_ARGUMENT and words in str(error), error
+
+
+@pytest.mark.timeout(60)
+def test_a_prefill_the_engine_fails_fails_alone(node: PrefillNode, consumer: LookupBufferConsumer, monkeypatch):
+    engine = node.engine.engine
+    free = engine.block_manager.num_free_blocks
+    generator_for = engine.sampler.generator_for
+
+    def failing(request_id: str, params: SamplingParams):
+        if request_id == "fails":  # where a seed of 2**70 used to raise
+            raise RuntimeError("injected sampling failure")
+        return generator_for(request_id, params)
+
+    monkeypatch.setattr(engine.sampler, "generator_for", failing)
+
+    async def scenario():
+        server = await start_grpc_server(node, "127.0.0.1", 0, None)
+        client = PrefillClient(address(server), None)
+        try:
+            fails = PrefillCall("fails", PROMPT, SamplingParams(temperature=0.8), consumer.address)
+            results = await asyncio.gather(client.prefill(fails, timeout=10),
+                                           client.prefill(prefill_call("fine", consumer), timeout=10),
+                                           return_exceptions=True)
+            entry = await asyncio.to_thread(consumer.drop_select, "fine", PROMPT, 10.0)
+            return results, entry
+        finally:
+            await client.close()
+            await server.stop(0)
+
+    (failed, fine), entry = run(scenario())
+    assert isinstance(failed, PrefillFailed) and failed.code == grpc.StatusCode.INTERNAL
+    assert "injected sampling failure" in str(failed)
+    assert fine.token_digest == entry.token_digest and fine.kv_bytes == entry.nbytes
+    assert engine.block_manager.num_free_blocks == free
 
 
 # --- handshake and auth ------------------------------------------------------------------------

@@ -1,9 +1,13 @@
 """The engine against Hugging Face transformers, float32 on CPU, token for token."""
 
+import asyncio
+
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from disagg import LLM, SamplingParams
+from disagg.engine.async_engine import AsyncEngine, RequestFailed
 from disagg.engine.scheduler import ScheduledSeq
 from disagg.engine.sequence import Sequence
 from prompts import PASSAGE, PROMPTS, hf_greedy
@@ -163,6 +167,17 @@ def test_abort_frees_every_block(llm):
     ("hi", dict(top_p=1.5), "top_p"),
     ("hi", dict(max_tokens=0), "max_tokens"),
     ("hi", dict(n=2), "n=2"),
+    # Each of these used to pass, then make the sampler raise or cost every request a slower step.
+    ("hi", dict(temperature=1e-300), "temperature"),
+    ("hi", dict(temperature=10**400), "temperature"),
+    ("hi", dict(seed=2**70), "seed"),
+    ("hi", dict(seed=-1), "seed"),
+    ("hi", dict(top_k=2**70), "top_k"),
+    ("hi", dict(min_p=float("nan")), "min_p"),
+    ("hi", dict(stop=["x"] * 17), "stop"),
+    ("hi", dict(stop=["x" * 257]), "stop"),
+    ("hi", dict(stop_token_ids=list(range(65))), "stop_token_ids"),
+    ("hi", dict(stop_token_ids=[2**70]), "stop_token_ids"),
 ])
 def test_bad_input_is_refused_and_engine_keeps_serving(llm, hf_model, prompt, params, message):
     with pytest.raises(ValueError, match=message):
@@ -218,3 +233,98 @@ def test_remote_prefill_can_fall_back_to_local(llm, hf_model):
         outs += [o for o in decode.step() if o.finished]
     assert outs[0].token_ids == reference(hf_model, outs[0].prompt_token_ids, 16)
     assert decode.block_manager.num_free_blocks == free
+
+
+def test_values_at_the_bounds_sample(llm):
+    params = SamplingParams(temperature=1e-5, top_k=2**31 - 1, seed=2**63 - 1, stop=["x" * 256] * 16,
+                            stop_token_ids=[2**31 - 1] * 64, max_tokens=8)
+    # A temperature this small picks the most likely token here, as greedy does.
+    assert llm.generate(PROMPTS[1], params)[0].token_ids == llm.generate(PROMPTS[1], greedy(8))[0].token_ids
+
+
+def run_to_end(llm: LLM) -> dict:
+    """Step the engine until every request has finished; their final outputs by request id."""
+    done = {}
+    while llm.engine.has_unfinished_requests():
+        done.update((out.request_id, out) for out in llm.engine.step() if out.finished)
+    return done
+
+
+def fail_sampling(engine, request_id: str, after_tokens: int, monkeypatch) -> None:
+    """Make sampling `request_id`'s next token raise once it has `after_tokens` output tokens, where a
+    seed of 2**70 used to raise before SamplingParams refused it: in its generator."""
+    generator_for = engine.sampler.generator_for
+    calls = 0
+
+    def failing(rid: str, params: SamplingParams):
+        nonlocal calls
+        if rid == request_id:
+            calls += 1
+            if calls > after_tokens:
+                raise RuntimeError("injected sampling failure")
+        return generator_for(rid, params)
+
+    monkeypatch.setattr(engine.sampler, "generator_for", failing)
+
+
+def test_a_sampling_failure_fails_that_request_alone(llm, hf_model, monkeypatch):
+    engine = llm.engine
+    free = engine.block_manager.num_free_blocks
+    fail_sampling(engine, "bad", 3, monkeypatch)
+    engine.add_request("good-0", PROMPTS[1], greedy(16))
+    engine.add_request("bad", PROMPTS[2], SamplingParams(temperature=0.8, max_tokens=16))
+    engine.add_request("good-1", PROMPTS[4], greedy(16))
+    done = run_to_end(llm)
+    bad = done["bad"]
+    assert bad.finish_reason == "error" and len(bad.token_ids) == 3
+    assert bad.error == "sampling its next token failed: RuntimeError: injected sampling failure"
+    for request_id in ("good-0", "good-1"):  # decoded in the same batches, untouched
+        out = done[request_id]
+        assert out.error is None and out.token_ids == reference(hf_model, out.prompt_token_ids, 16)
+    assert engine.block_manager.num_free_blocks == free
+
+
+def test_a_forward_failure_fails_its_step_and_the_engine_goes_on(llm, hf_model, monkeypatch):
+    engine = llm.engine
+    free = engine.block_manager.num_free_blocks
+    run = engine.runner.run
+    steps = 0
+
+    def failing_third_step(batch):
+        nonlocal steps
+        steps += 1
+        if steps == 3:
+            raise RuntimeError("injected forward failure")
+        return run(batch)
+
+    monkeypatch.setattr(engine.runner, "run", failing_third_step)
+    engine.add_request("a", PROMPTS[1], greedy(16))
+    engine.add_request("b", PROMPTS[4], greedy(16))
+    done = run_to_end(llm)
+    for out in done.values():
+        assert out.finish_reason == "error" and len(out.token_ids) == 2
+        assert out.error == "the model forward failed: RuntimeError: injected forward failure"
+    assert engine.block_manager.num_free_blocks == free
+    assert_matches_reference(llm, hf_model, [PROMPTS[3]], [8])
+
+
+def test_async_engine_ends_a_failed_request_alone_and_counts_it(llm, hf_model, monkeypatch):
+    fail_sampling(llm.engine, "bad", 0, monkeypatch)
+    before = REGISTRY.get_sample_value("disagg_engine_request_errors_total")
+    engine = AsyncEngine(llm.engine)
+
+    async def last_output(request_id: str, params: SamplingParams):
+        outputs = [out async for out in engine.generate(request_id, llm.tokenizer.encode(PROMPTS[1]), params)]
+        return outputs[-1]
+
+    async def both():
+        return await asyncio.gather(last_output("good", greedy(12)), last_output("bad", SamplingParams(max_tokens=12)),
+                                    return_exceptions=True)
+
+    try:
+        good, bad = asyncio.run(both())
+    finally:
+        engine.stop()
+    assert isinstance(bad, RequestFailed) and "injected sampling failure" in str(bad)
+    assert good.token_ids == reference(hf_model, good.prompt_token_ids, 12)
+    assert REGISTRY.get_sample_value("disagg_engine_request_errors_total") == before + 1

@@ -3,6 +3,7 @@ offline engine: same greedy tokens, streamed or not, plus errors, the API key an
 
 import asyncio
 import json
+import threading
 import time
 
 import httpx
@@ -228,3 +229,104 @@ def test_chat_logprobs_shape(server):
     chunks = [json.loads(e) for e in sse_events(streamed)[:-1]]
     streamed_content = [entry for c in chunks if c["choices"][0]["logprobs"] for entry in c["choices"][0]["logprobs"]["content"]]
     assert [e["token"] for e in streamed_content] == [e["token"] for e in content]
+
+
+# Each of these used to pass validation and then make the engine step raise, failing every request
+# in flight, or to slow every step down; now each is refused, naming the field.
+HOSTILE = [
+    ({"temperature": 1e-300}, "temperature"),
+    ({"seed": 2**70}, "seed"),
+    ({"top_k": 2**70}, "top_k"),
+    ({"max_tokens": 2**70}, "max_tokens"),
+    ({"stop": [f"stop {i}" for i in range(10_000)]}, "stop"),
+    ({"stop": "x" * 100_000}, "stop"),
+    ({"stop_token_ids": list(range(10_000))}, "stop_token_ids"),
+]
+
+
+def test_hostile_sampling_params_are_refused_while_another_stream_goes_on(server, llm):
+    want = llm.generate(PROMPTS[6], greedy(48))[0].text
+    assert wait_for_free_blocks(server) == 0
+
+    async def run() -> tuple[str, list[httpx.Response]]:
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as client:
+            streaming = asyncio.Event()
+
+            async def stream() -> str:
+                text = ""
+                body = {"prompt": PROMPTS[6], "max_tokens": 48, "temperature": 0, "stream": True}
+                async with client.stream("POST", "/v1/completions", json=body) as response:
+                    assert response.status_code == 200
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            text += json.loads(line[6:])["choices"][0]["text"]
+                            streaming.set()
+                return text
+
+            normal = asyncio.create_task(stream())
+            await streaming.wait()
+            hostile = [await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4, **fields})
+                       for fields, _ in HOSTILE]
+            assert not normal.done(), "the normal stream ended before the hostile requests were sent"
+            return await normal, hostile
+
+    text, hostile = asyncio.run(run())
+    for (_, field), response in zip(HOSTILE, hostile):
+        assert_openai_error(response, 400, field)
+        assert response.json()["error"]["param"] == field
+    assert text == want
+    assert wait_for_free_blocks(server) == 0
+    assert server.metric("disagg_engine_request_errors_total") == 0
+
+
+def poll_health(url: str, stop: threading.Event, latencies: list[float]) -> None:
+    with httpx.Client(timeout=10) as client:
+        while not stop.is_set():
+            start = time.perf_counter()
+            assert client.get(f"{url}/health").status_code == 200
+            latencies.append(time.perf_counter() - start)
+            time.sleep(0.01)
+
+
+def test_huge_bodies_get_413_and_long_prompts_leave_health_answering(server, llm, model_name):
+    max_model_len = httpx.get(f"{server.url}/v1/models", headers=AUTH).json()["data"][0]["max_model_len"]
+    huge = json.dumps({"prompt": "word " * (12 * 2**20 // 5), "max_tokens": 2}).encode()
+    # Within the character limit (32 per token), so tokenized, then refused for its 50k tokens:
+    # a tenth of a second of tokenizing each, which used to hold up the event loop.
+    char_limit = max_model_len * 32
+    long_prompt = json.dumps({"prompt": "word " * (char_limit // 5), "max_tokens": 2}).encode()
+
+    async def chunked(body: bytes):  # no Content-Length: the server has to count
+        for i in range(0, len(body), 2**16):
+            yield body[i:i + 2**16]
+
+    async def send_all() -> list[httpx.Response]:
+        headers = {**AUTH, "Content-Type": "application/json"}
+        async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=60) as client:
+            return await asyncio.gather(client.post("/v1/completions", content=huge),
+                                        client.post("/v1/completions", content=chunked(huge)),
+                                        *(client.post("/v1/completions", content=long_prompt) for _ in range(8)))
+
+    stop, latencies = threading.Event(), []
+    poller = threading.Thread(target=poll_health, args=(server.url, stop, latencies))
+    poller.start()
+    try:
+        whole, streamed, *long_ones = asyncio.run(send_all())
+    finally:
+        stop.set()
+        poller.join()
+    for response in (whole, streamed):
+        assert_openai_error(response, 413, "--max-request-body-bytes")
+    for response in long_ones:
+        assert_openai_error(response, 400, "max_model_len")
+    assert latencies and max(latencies) < 0.25, latencies
+
+    over = post(server, "/v1/completions", {"prompt": "a" * (char_limit + 1), "max_tokens": 2})
+    assert_openai_error(over, 400, f"at most {char_limit}")
+    assert over.json()["error"]["param"] == "prompt"
+    chat = post(server, "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "a" * char_limit}], "max_tokens": 2})
+    assert_openai_error(chat, 400, f"at most {char_limit}")
+    response = post(server, "/v1/completions", {"model": model_name, "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS,
+                                                "temperature": 0})
+    assert response.json()["choices"][0]["text"] == llm.generate(PROMPTS[1], greedy())[0].text

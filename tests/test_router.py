@@ -232,6 +232,30 @@ def test_decode_node_errors_pass_through(cluster: Cluster):
     assert "X-Request-Id" in r.json()["error"]["message"]
 
 
+def test_a_huge_body_is_refused_by_the_router_itself(cluster: Cluster):
+    huge = json.dumps({"model": MODEL, "prompt": "word " * (12 * 2**20 // 5), "max_tokens": 2}).encode()
+
+    async def chunked():  # no Content-Length: the router has to count
+        for i in range(0, len(huge), 2**16):
+            yield huge[i:i + 2**16]
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=cluster.router.url, timeout=60,
+                                     headers={"Content-Type": "application/json"}) as client:
+            return await asyncio.gather(client.post("/v1/completions", content=huge),
+                                        client.post("/v1/completions", content=chunked()),
+                                        client.get("/health"))
+
+    *refused, health = asyncio.run(run())
+    for response in refused:
+        assert response.status_code == 413, response.text
+        assert "--max-request-body-bytes" in response.json()["error"]["message"]
+        assert "x-request-id" not in response.headers  # answered by the router: nothing was forwarded
+    assert health.status_code == 200
+    text, _ = asyncio.run(_ask_once(cluster.router.url, 1))
+    assert text == cluster.expected["completion"][1]
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_frees_the_decode_nodes_blocks(cluster: Cluster, stream: bool):
     decodes, router = cluster.decodes, cluster.router

@@ -2,7 +2,8 @@
 
 Every error answers in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with the
 status vLLM gives it: 400 bad input (validation included, never FastAPI's 422), 401 bad key,
-404 unknown model, 503 prefill node unavailable under the "fail" policy.
+404 unknown model, 413 a body over --max-request-body-bytes, 500 a request the engine failed,
+503 prefill node unavailable under the "fail" policy.
 
 A streamed request waits for its first output before the response starts, so the errors that
 come before the first token (prefill unavailable, bad input) keep their HTTP status; an error
@@ -53,7 +54,7 @@ from disagg.engine.output import RequestOutput
 from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.sequence import TokenLogprob
 from disagg.engine.tokenizer import Tokenizer
-from disagg.serving import APIKeyMiddleware
+from disagg.serving import APIKeyMiddleware, BodyLimitMiddleware
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ def api_error_from(error: Exception) -> APIError:
     if isinstance(error, APIError):
         return error
     if isinstance(error, ValueError):
-        return APIError(400, str(error))
+        return APIError(400, str(error), param=getattr(error, "param", None))  # SamplingParamError names it
     if isinstance(error, PrefillUnavailable):
         return APIError(503, f"{error}; retry, or send prefill_policy \"recompute\" to let the decode node "
                              "compute the prompt itself")
@@ -202,6 +203,9 @@ class Generation:
 
 
 MAX_REQUEST_ID_CHARS = 128
+# Real text averages about 4 characters a token; a prompt over max_model_len times this many
+# characters cannot fit, and is refused before it is tokenized.
+MAX_PROMPT_CHARS_PER_TOKEN = 32
 
 
 def request_id_for(raw_request: Request, prefix: str) -> str:
@@ -264,10 +268,11 @@ def stream_error(error: Exception) -> str:
     return sse(error_body(api_error.status, api_error.message, api_error.param, api_error.code))
 
 
-def build_app(node: DecodeNode, api_key: str | None, served_model_name: str) -> FastAPI:
+def build_app(node: DecodeNode, api_key: str | None, served_model_name: str, max_request_body_bytes: int) -> FastAPI:
     version = importlib.metadata.version("disagg")
     app = FastAPI(title="disagg", version=version)
-    if api_key:
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes, error_response=error_response)
+    if api_key:  # added last, so it runs first: a request without the key is refused before its body is read
         app.add_middleware(APIKeyMiddleware, api_key=api_key, error_response=error_response)
 
     @app.exception_handler(APIError)
@@ -304,13 +309,34 @@ def build_app(node: DecodeNode, api_key: str | None, served_model_name: str) -> 
             raise APIError(404, f"The model `{model}` does not exist. This server serves `{served_model_name}` "
                                 "(see /v1/models).", param="model", code="model_not_found")
 
+    def check_prompt_chars(prompt: str, param: str) -> None:
+        limit = node.max_model_len * MAX_PROMPT_CHARS_PER_TOKEN
+        if len(prompt) > limit:
+            raise APIError(400, f"the prompt has {len(prompt)} characters; this server takes at most {limit} "
+                                f"({MAX_PROMPT_CHARS_PER_TOKEN} per token of max_model_len={node.max_model_len}), "
+                                "since a longer prompt cannot fit the context", param=param)
+
+    # Tokenizing and templating run in worker threads (the tokenizer lets go of the GIL while it
+    # works): a long prompt must not hold up the event loop, which answers /health and streams tokens.
+    async def tokenize_prompt(prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        check_prompt_chars(prompt, "prompt")
+        return await asyncio.to_thread(node.tokenizer.encode, prompt)
+
+    async def tokenize_chat(messages: list[dict]) -> list[int]:
+        prompt = await asyncio.to_thread(node.tokenizer.apply_chat_template, messages)
+        check_prompt_chars(prompt, "messages")
+        # The rendered template already holds the special tokens (BOS included) it wants.
+        return await asyncio.to_thread(node.tokenizer.encode, prompt, add_special_tokens=False)
+
     async def start(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prefill_policy: str | None, raw_request: Request) -> tuple[Generation, RequestOutput]:
         """Validate, start the request, and wait for its first output (errors before it keep their status)."""
         try:
             node.validate(prompt_token_ids, params)
         except ValueError as e:
-            raise APIError(400, str(e)) from e
+            raise api_error_from(e) from e
         generation = Generation(node, request_id, prompt_token_ids, params, prefill_policy, raw_request)
         try:
             return generation, await generation.next()
@@ -330,11 +356,11 @@ def build_app(node: DecodeNode, api_key: str | None, served_model_name: str) -> 
     @v1.post("/completions", response_model=None)
     async def completions(request: CompletionRequest, raw_request: Request) -> Response | CompletionResponse:
         check_model(request.model)
-        prompt_ids = request.prompt if isinstance(request.prompt, list) else node.tokenizer.encode(request.prompt)
+        prompt_ids = await tokenize_prompt(request.prompt)
         try:
             params = request.to_sampling_params(default_max_tokens=max(1, node.max_model_len - len(prompt_ids)))
         except ValueError as e:
-            raise APIError(400, str(e)) from e
+            raise api_error_from(e) from e
         request_id = request_id_for(raw_request, "cmpl")
         try:
             generation, first = await start(request_id, prompt_ids, params, request.prefill_policy, raw_request)
@@ -394,12 +420,10 @@ def build_app(node: DecodeNode, api_key: str | None, served_model_name: str) -> 
                                raw_request: Request) -> Response | ChatCompletionResponse:
         check_model(request.model)
         try:
-            prompt = node.tokenizer.apply_chat_template([m.to_template() for m in request.messages])
-            # The rendered template already holds the special tokens (BOS included) it wants.
-            prompt_ids = node.tokenizer.encode(prompt, add_special_tokens=False)
+            prompt_ids = await tokenize_chat([m.to_template() for m in request.messages])
             params = request.to_sampling_params(default_max_tokens=max(1, node.max_model_len - len(prompt_ids)))
         except ValueError as e:
-            raise APIError(400, str(e)) from e
+            raise api_error_from(e) from e
         request_id = request_id_for(raw_request, "chatcmpl")
         try:
             generation, first = await start(request_id, prompt_ids, params, request.prefill_policy, raw_request)

@@ -21,7 +21,7 @@ from disagg.control_plane import PrefillCall
 from disagg.decode_node.prefill_client import PrefillClient, PrefillPool
 from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.output import RequestOutput
-from disagg.engine.sampling_params import SamplingParams
+from disagg.engine.sampling_params import SamplingParamError, SamplingParams
 from disagg.lookup_buffer import LookupBufferConsumer
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,9 @@ class DecodeNode:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         params.validate()
+        if params.max_tokens > self.max_model_len:
+            raise SamplingParamError("max_tokens", f"max_tokens must be at most max_model_len={self.max_model_len} "
+                                                   f"(the context holds prompt and output), got {params.max_tokens}")
         self.engine.engine.validate_prompt(prompt_token_ids)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

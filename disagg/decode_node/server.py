@@ -15,7 +15,8 @@ logger = logging.getLogger(__name__)
 
 
 async def run_decode_node(engine: AsyncEngine, model_name: str, kv: KVTransferConfig, prefill_nodes: list[str],
-                          host: str, port: int, api_key: str | None, log_level: str) -> None:
+                          host: str, port: int, api_key: str | None, max_request_body_bytes: int,
+                          log_level: str) -> None:
     consumer = pool = None
     try:
         if kv.kv_role == "consumer":
@@ -27,7 +28,7 @@ async def run_decode_node(engine: AsyncEngine, model_name: str, kv: KVTransferCo
                           lookup_timeout=kv.extra("lookup_timeout"))
         where = f"kv {kv.kv_connector} {kv.kv_ip}:{consumer.address[1]} prefill {','.join(prefill_nodes)}" if consumer else "colocated"
         role = "decode" if consumer else "colocated"
-        await serve_http(build_app(node, api_key, model_name), host, port,
+        await serve_http(build_app(node, api_key, model_name, max_request_body_bytes), host, port,
                          f"disagg {role} node ready: http://{host}:{port} {where} model {model_name}", log_level)
     finally:
         if pool is not None:

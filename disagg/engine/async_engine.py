@@ -6,6 +6,9 @@ code (add, abort, load remote KV) is queued to that thread and runs between two 
 waits at most one step and the event loop never waits on a step. (A lock shared with worker
 threads starved them: the loop thread re-took it right after each step, and an abort could wait
 seconds while the request kept its blocks.)
+
+A request the engine fails (its sampling, or its step's forward, raised) ends with RequestFailed
+for whoever waits on it, and is counted; the other requests go on.
 """
 
 import asyncio
@@ -18,6 +21,7 @@ from collections.abc import AsyncIterator, Callable
 
 import torch
 
+from disagg import metrics
 from disagg.engine.engine import LLMEngine
 from disagg.engine.output import RequestOutput
 from disagg.engine.sampling_params import SamplingParams
@@ -32,6 +36,10 @@ class EngineDeadError(RuntimeError):
 
 class RequestAborted(RuntimeError):
     """The request was aborted while someone still waited for its outputs."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine failed this request (its sampling or its step's forward raised); the others go on."""
 
 
 class AsyncEngine:
@@ -68,6 +76,8 @@ class AsyncEngine:
                 if isinstance(out, Exception):
                     raise out
                 finished = out.finished
+                if out.error is not None:
+                    raise RequestFailed(f"the engine failed request {request_id}: {out.error}")
                 yield out
         finally:
             if not finished:
@@ -135,11 +145,15 @@ class AsyncEngine:
             busy = self.engine.has_work()
             try:
                 outputs = self.engine.step() if busy else []
-            except Exception as e:  # a bug, not bad input: fail what is in flight, keep serving
-                logger.exception("engine step failed")
+            except Exception as e:
+                # step() fails only the requests that a failed forward or sampling concerns; what gets
+                # here is a bug outside those (scheduling), after which no request's state can be trusted.
+                logger.exception("engine step failed outside the forward and sampling")
                 self._fail_all(e)
                 outputs = []
             for out in outputs:
+                if out.error is not None:
+                    metrics.ENGINE_REQUEST_ERRORS.inc()
                 self._deliver(out.request_id, out)
             if not busy:
                 self.wakeup.wait(timeout=0.5)
@@ -149,6 +163,7 @@ class AsyncEngine:
     def _fail_all(self, error: Exception) -> None:
         for request_id in list(self.engine.requests):
             self.engine.abort_request(request_id)
+            metrics.ENGINE_REQUEST_ERRORS.inc()
             self._deliver(request_id, EngineDeadError(f"engine step failed: {error}"))
 
     def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:

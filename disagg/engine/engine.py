@@ -146,13 +146,14 @@ class LLMEngine:
     def validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("the prompt is empty")
+        # The length first: it is cheap, and a prompt far too long need not be scanned.
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; it must be shorter than "
+                             f"max_model_len={self.max_model_len} to leave room for output")
         vocab = self.model_config.vocab_size
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token ids must be integers in [0, {vocab}); got {bad[:5]}")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens; it must be shorter than "
-                             f"max_model_len={self.max_model_len} to leave room for output")
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     *, export_kv: bool = False, remote_prefill: bool = False) -> Sequence:
@@ -245,13 +246,27 @@ class LLMEngine:
         batch = ModelRunner.order(self.scheduler.schedule())
         if not batch:
             return []
-        logits = self.runner.run(batch)
+        try:
+            logits = self.runner.run(batch)
+        except Exception as e:  # the step's requests fail; the next step runs as usual
+            logger.exception("the model forward failed; failing the %d requests of this step", len(batch))
+            return [self._fail(item.seq, f"the model forward failed: {type(e).__name__}: {e}") for item in batch]
         sampled = [item.seq for item in batch if item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens]
         for item in batch:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.commit(item.seq)
         results = self.sampler(logits, [(seq.request_id, seq.params) for seq in sampled])
-        return [self._append(seq, token, logprob) for seq, (token, logprob) in zip(sampled, results)]
+        outputs = []
+        for seq, result in zip(sampled, results):
+            # A failure in one sequence's sampling or post-processing fails that request alone.
+            try:
+                if isinstance(result, Exception):
+                    raise result  # sampling its row raised
+                outputs.append(self._append(seq, *result))
+            except Exception as e:
+                logger.exception("request %s failed; the other requests go on", seq.request_id)
+                outputs.append(self._fail(seq, f"sampling its next token failed: {type(e).__name__}: {e}"))
+        return outputs
 
     def _admit_remote(self) -> None:
         """Reserve blocks for remote requests that waited for them; load KV that already came."""
@@ -259,6 +274,26 @@ class LLMEngine:
         for seq in list(self.scheduler.waiting_for_kv.values()):
             if seq.remote_prefill is not None:
                 self._load_remote(seq)
+
+    def _fail(self, seq: Sequence, error: str) -> RequestOutput:
+        """End one request with an error: its blocks are freed, the others are untouched."""
+        request = self.requests.pop(seq.request_id, None)  # _append may have dropped it before it failed
+        seq.finish_reason = "error"
+        self.scheduler.finish(seq)
+        self.sampler.release(seq.request_id)
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            text=request.text.text if request else "",
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason="error",
+            logprobs=list(seq.logprobs),
+            num_cached_tokens=seq.num_cached_tokens,
+            error=error,
+        )
 
     def _append(self, seq: Sequence, token: int, logprob) -> RequestOutput:
         request = self.requests[seq.request_id]

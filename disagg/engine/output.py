@@ -17,11 +17,12 @@ class RequestOutput:
     new_token_ids: list[int]  # added by this step
     new_text: str  # added by this step
     finished: bool = False
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     kv: torch.Tensor | None = None  # the prompt's KV, for requests that export it
+    error: str | None = None  # why the engine failed this request (finish_reason "error")
 
 
 class TextState:

@@ -21,7 +21,7 @@ class Sampler:
     def release(self, request_id: str) -> None:
         self.request_generators.pop(request_id, None)
 
-    def __call__(self, logits: torch.Tensor, requests: list[tuple[str, SamplingParams]]) -> list[tuple[int, TokenLogprob | None]]:
+    def __call__(self, logits: torch.Tensor, requests: list[tuple[str, SamplingParams]]) -> list[tuple[int, TokenLogprob | None] | Exception]:
         """logits [B, vocab] float32; one (token, logprob) per request, in order."""
         if all(p.greedy and p.logprobs is None for _, p in requests):
             # On the device: one small copy of the chosen tokens instead of the whole logits.
@@ -32,19 +32,22 @@ class Sampler:
             logprobs = torch.log_softmax(logits, dim=-1)
         results = []
         for row, (request_id, params) in enumerate(requests):
-            if params.greedy:
-                token = int(torch.argmax(logits[row]))
-            else:
-                probs = filtered_probs(logits[row], params)
-                token = int(torch.multinomial(probs, 1, generator=self.generator_for(request_id, params)))
-            info = None
-            if params.logprobs is not None:
-                top = []
-                if params.logprobs > 0:
-                    values, ids = torch.topk(logprobs[row], params.logprobs)
-                    top = list(zip(ids.tolist(), values.tolist()))
-                info = TokenLogprob(token, float(logprobs[row, token]), top)
-            results.append((token, info))
+            try:  # a row whose sampling raises gets the exception: the engine fails that request alone
+                if params.greedy:
+                    token = int(torch.argmax(logits[row]))
+                else:
+                    probs = filtered_probs(logits[row], params)
+                    token = int(torch.multinomial(probs, 1, generator=self.generator_for(request_id, params)))
+                info = None
+                if params.logprobs is not None:
+                    top = []
+                    if params.logprobs > 0:
+                        values, ids = torch.topk(logprobs[row], params.logprobs)
+                        top = list(zip(ids.tolist(), values.tolist()))
+                    info = TokenLogprob(token, float(logprobs[row, token]), top)
+                results.append((token, info))
+            except Exception as e:  # noqa: BLE001  handed to the engine, which fails this request
+                results.append(e)
         return results
 
 

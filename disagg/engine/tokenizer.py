@@ -31,7 +31,9 @@ class Tokenizer:
                                  for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch lets go of the GIL while it works and encode does not: a long prompt
+        # tokenized in a worker thread would otherwise stall every other thread, the event loop too.
+        return self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -4,6 +4,10 @@ Only the command line lives here, so that `disagg --help` does not load the rout
 
 import argparse
 
+# The request body limit of the router and of the decode nodes' API (`disagg serve` uses it too);
+# it lives here because this module must stay light. Prompts of a full context fit with room to spare.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 2**20
+
 
 def add_router_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("router", help="one OpenAI front door over several decode nodes (xPyD)",
@@ -17,4 +21,6 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
                              "default: $DISAGG_API_KEY)")
     parser.add_argument("--health-interval", type=float, default=2.0,
                         help="seconds between health checks of each decode node")
+    parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        help="larger request bodies are refused with 413 before they are forwarded")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")

@@ -38,7 +38,7 @@ from disagg.router.router import (
     describe,
     parse_decode_nodes,
 )
-from disagg.serving import APIKeyMiddleware, serve_http
+from disagg.serving import APIKeyMiddleware, BodyLimitMiddleware, serve_http
 
 logger = logging.getLogger(__name__)
 
@@ -159,11 +159,12 @@ def proxy_client() -> httpx.AsyncClient:
                                                  keepalive_expiry=KEEPALIVE_EXPIRY_S))
 
 
-def build_app(router: Router, client: httpx.AsyncClient, api_key: str | None) -> FastAPI:
+def build_app(router: Router, client: httpx.AsyncClient, api_key: str | None, max_request_body_bytes: int) -> FastAPI:
     """The router's HTTP app; `client` carries the proxied requests to the decode nodes."""
     version = importlib.metadata.version("disagg")
     app = FastAPI(title="disagg router", version=version)
-    if api_key:
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes, error_response=error_response)
+    if api_key:  # added last, so it runs first: a request without the key is refused before its body is read
         app.add_middleware(APIKeyMiddleware, api_key=api_key, error_response=error_response)
 
     async def send_upstream(request: Request, node: DecodeNode, request_id: str,
@@ -265,7 +266,7 @@ def build_app(router: Router, client: httpx.AsyncClient, api_key: str | None) ->
 
 
 async def run_router(decode_nodes: list[str], host: str, port: int, api_key: str | None, health_interval: float,
-                     log_level: str) -> None:
+                     max_request_body_bytes: int, log_level: str) -> None:
     router = Router(decode_nodes, health_interval)
     client = proxy_client()
     try:
@@ -273,7 +274,7 @@ async def run_router(decode_nodes: list[str], host: str, port: int, api_key: str
         healthy = sum(n.healthy for n in router.nodes)
         if not healthy:
             logger.warning("no decode node is healthy yet (%s); answering 503 until one is", router.unavailable_reason())
-        await serve_http(build_app(router, client, api_key), host, port,
+        await serve_http(build_app(router, client, api_key, max_request_body_bytes), host, port,
                          f"disagg router ready: http://{host}:{port} decode {','.join(decode_nodes)} "
                          f"({healthy} healthy)", log_level)
     finally:
@@ -285,7 +286,9 @@ def main(args: argparse.Namespace) -> None:
     """`disagg router ...`, parsed by disagg.router.add_router_parser."""
     if args.health_interval <= 0:
         raise ValueError(f"--health-interval must be > 0 seconds, got {args.health_interval}")
+    if args.max_request_body_bytes < 1:
+        raise ValueError(f"--max-request-body-bytes must be at least 1, got {args.max_request_body_bytes}")
     # httpx logs every request at INFO: the health checks would drown the router's own lines.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     asyncio.run(run_router(parse_decode_nodes(args.decode_nodes), args.host, args.port, args.api_key,
-                           args.health_interval, args.log_level))
+                           args.health_interval, args.max_request_body_bytes, args.log_level))
