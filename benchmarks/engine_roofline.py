@@ -144,7 +144,7 @@ def main() -> int:
         benches["sdpa"] = DisaggBench(model_dir, attention_backend="sdpa", enforce_eager=True, **common)
     if "transformers" in engines:
         benches["transformers"] = TransformersBench(model_dir, "cuda", "bfloat16")
-    shape = Shape(config, benches["disagg"].engine.model)
+    shape = Shape(config, benches["disagg"].engine.runner.model)
     gen = torch.Generator().manual_seed(0)
     vocab = config["vocab_size"]
     for bench in benches.values():

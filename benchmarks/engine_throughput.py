@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     if "matmuls" in engines:
         if "disagg" not in benches:
             ap.error("--engines matmuls needs disagg too (it borrows its weights)")
-        benches["matmuls"] = MatmulFloorBench(benches["disagg"].engine.model, benches["disagg"].device)
+        benches["matmuls"] = MatmulFloorBench(benches["disagg"].engine.runner.model, benches["disagg"].device)
     vocab = read_config(model_dir)["vocab_size"]
     gen = torch.Generator().manual_seed(args.seed)
 

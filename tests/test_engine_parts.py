@@ -77,13 +77,14 @@ def test_scheduler_chunks_long_prompts_under_the_token_budget():
     a, b = seq("a", list(range(40))), seq("b", list(range(100, 105)))
     scheduler.add(a)
     scheduler.add(b)
-    chunks = []
+    chunks, sampled = [], []
     while a.num_computed_tokens < a.num_tokens:
         batch = scheduler.schedule()
         chunks.append([(item.seq.request_id, item.num_new_tokens) for item in batch])
-        for item in batch:
-            item.seq.num_computed_tokens += item.num_new_tokens
+        sampled.append([s.request_id for s in scheduler.postprocess(batch)])
     assert chunks == [[("a", 16)], [("a", 16)], [("a", 8), ("b", 5)]]
+    assert sampled == [[], [], ["a", "b"]]  # a prompt's token is sampled once its last chunk ran
+    assert len(manager.block_hashes["a"]) == 10  # its full blocks went into the prefix cache
 
 
 def test_scheduler_caps_running_sequences():

@@ -1,18 +1,14 @@
 """LLMEngine: add_request / step / abort_request, the core every entrypoint drives."""
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
-from disagg.engine.config import EngineConfig
-from disagg.engine.attention import SdpaAttention
 from disagg.engine.block_manager import BlockManager
-from disagg.engine.kv_cache import KVCache
-from disagg.engine.loader import load_config, load_weights, resolve_model
-from disagg.engine.model_runner import ModelRunner
-from disagg.engine.models.llama import LlamaForCausalLM
+from disagg.engine.builder import build_runner, resolve_device, resolve_dtype
+from disagg.engine.config import EngineConfig
+from disagg.engine.loader import load_config, resolve_model
 from disagg.engine.output import RequestOutput, TextState
 from disagg.engine.sampler import Sampler
 from disagg.engine.sampling_params import SamplingParams
@@ -21,55 +17,6 @@ from disagg.engine.sequence import RemotePrefill, Sequence, SequenceStatus, Toke
 from disagg.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-          "float16": torch.float16, "half": torch.float16}
-DEFAULT_CPU_KV_CACHE_BYTES = 512 * 2**20
-DEFAULT_GPU_KV_CACHE_FRACTION = 0.8
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from e
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {str(device)!r} was asked for but no CUDA GPU is available; use device='cpu'")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {str(device)!r}")
-    return device
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        if dtype not in DTYPES.values():
-            raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
-    return DTYPES[dtype]
-
-
-def kv_cache_budget(memory: int | float | None, device: torch.device) -> int:
-    """Bytes for the KV cache: given as bytes, or as a fraction of free memory."""
-    if memory is None:
-        memory = DEFAULT_GPU_KV_CACHE_FRACTION if device.type == "cuda" else DEFAULT_CPU_KV_CACHE_BYTES
-    if isinstance(memory, float):
-        if not 0.0 < memory <= 1.0:
-            raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {memory}")
-        if device.type == "cuda":
-            free = torch.cuda.mem_get_info(device)[0]
-        else:
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return int(free * memory)
-    if memory <= 0:
-        raise ValueError(f"kv_cache_memory must be positive, got {memory}")
-    return int(memory)
-
 
 @dataclass
 class _Request:
@@ -85,56 +32,14 @@ class LLMEngine:
         self.model_dir = resolve_model(config.model)
         self.model_config = load_config(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
-        mc = self.model_config
-        if config.block_size < 1 or config.block_size & (config.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {config.block_size}")
-        max_model_len = config.max_model_len or mc.max_position_embeddings
-        if max_model_len < 2:
-            raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
-
-        self.model = LlamaForCausalLM(mc, max_positions=max(max_model_len, mc.max_position_embeddings))
-        self.model.load_weights(load_weights(self.model_dir, self.dtype, "cpu"))
-        self.model.to(device=self.device, dtype=self.dtype).eval()
-        # Rotary tables stay float32 for accuracy; they are cast per call.
-        self.model.model.rotary.float()
-
-        block_bytes = KVCache.bytes_per_block(mc.num_hidden_layers, config.block_size,
-                                              mc.num_key_value_heads, mc.head_dim, self.dtype)
-        num_blocks = kv_cache_budget(config.kv_cache_memory, self.device) // block_bytes
-        if num_blocks < 2:
-            raise ValueError(f"kv_cache_memory holds {num_blocks} blocks of {block_bytes} bytes; give it more memory")
-        capacity = (num_blocks - 1) * config.block_size  # one block of headroom for the next token
-        if max_model_len > capacity:
-            logger.warning("max_model_len %d does not fit the KV cache (%d tokens); using %d",
-                           max_model_len, capacity, capacity)
-            max_model_len = capacity
-        self.max_model_len = max_model_len
-        self.kv_cache = KVCache(mc.num_hidden_layers, num_blocks, config.block_size, mc.num_key_value_heads,
-                                mc.head_dim, self.dtype, self.device)
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s, %s", num_blocks, config.block_size,
-                    num_blocks * block_bytes / 2**20, self.device, str(self.dtype).removeprefix("torch."))
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner = build_runner(config, self.model_dir, self.model_config, self.device, self.dtype)
+        self.kv_cache = self.runner.kv_cache
+        self.max_model_len = self.runner.max_model_len
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = self._make_runner(config)
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, _Request] = {}
         self.pending_outputs: list[RequestOutput] = []  # produced outside step(), handed out by it
-
-    def _make_runner(self, config: EngineConfig) -> ModelRunner:
-        backend = config.attention_backend or ("triton" if self.device.type == "cuda" else "sdpa")
-        if backend == "sdpa":
-            return ModelRunner(self.model, SdpaAttention(self.kv_cache))
-        # Triton on the CPU only under its interpreter, which is how CI checks the kernels.
-        if backend != "triton" or (self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
-            raise ValueError(f"attention_backend must be 'sdpa', or 'triton' on CUDA; got {backend!r} on {self.device}")
-        from disagg.engine.cuda_graphs import DecodeGraphs  # Triton is needed on CUDA only
-        from disagg.engine.triton_attention import TritonAttention
-
-        self.model.fuse_projections()
-        mc = self.model_config
-        attention = TritonAttention(self.kv_cache, mc.num_attention_heads, config.max_num_seqs, self.max_model_len)
-        graphs = None if config.enforce_eager or self.device.type != "cuda" else DecodeGraphs(self.model, attention, config.max_num_seqs)
-        return ModelRunner(self.model, attention, graphs)
 
     # -- requests ------------------------------------------------------------------------
 
@@ -243,18 +148,15 @@ class LLMEngine:
         if self.pending_outputs:  # first tokens that came with remote KV: out now, not after a batch
             outputs, self.pending_outputs = self.pending_outputs, []
             return outputs
-        batch = ModelRunner.order(self.scheduler.schedule())
+        batch = self.scheduler.schedule()
         if not batch:
             return []
         try:
-            logits = self.runner.run(batch)
+            batch, logits = self.runner.run(batch)
         except Exception as e:  # the step's requests fail; the next step runs as usual
             logger.exception("the model forward failed; failing the %d requests of this step", len(batch))
             return [self._fail(item.seq, f"the model forward failed: {type(e).__name__}: {e}") for item in batch]
-        sampled = [item.seq for item in batch if item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens]
-        for item in batch:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.commit(item.seq)
+        sampled = self.scheduler.postprocess(batch)
         results = self.sampler(logits, [(seq.request_id, seq.params) for seq in sampled])
         outputs = []
         for seq, result in zip(sampled, results):

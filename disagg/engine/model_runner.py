@@ -8,21 +8,26 @@ from disagg.engine.scheduler import ScheduledSeq
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, attention: AttentionBackend, graphs=None):
+    def __init__(self, model: LlamaForCausalLM, attention: AttentionBackend, graphs, max_model_len: int):
+        """Made by builder.build_runner. max_model_len: the longest sequence its KV cache holds."""
         self.model = model
         self.attention = attention
+        self.kv_cache = attention.kv_cache
         self.graphs = graphs  # DecodeGraphs on CUDA unless enforce_eager
+        self.max_model_len = max_model_len
 
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        """Compute the batch's new tokens; return float32 logits [num_sampled, vocab] on the
-        device for the sequences whose last token was computed. `batch` must be in `order()`."""
+    def run(self, batch: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], torch.Tensor]:
+        """Compute the batch's new tokens. Returns the batch in the order it ran, and float32
+        logits [num_sampled, vocab] on the device for the sequences whose last token was
+        computed, in that order."""
+        batch = self.order(batch)
         inputs = self.attention.prepare(batch)
         decode_only = all(item.num_new_tokens == 1 for item in batch)
         if self.graphs is not None and decode_only and len(batch) <= self.graphs.max_batch:
-            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta.token_rows)
+            return batch, self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta.token_rows)
         hidden = self._forward(inputs)
-        return self.model.compute_logits(hidden[inputs.sample_rows]).float()
+        return batch, self.model.compute_logits(hidden[inputs.sample_rows]).float()
 
     @torch.inference_mode()
     def all_logits(self, batch: list[ScheduledSeq]) -> torch.Tensor:

@@ -90,6 +90,18 @@ class Scheduler:
             budget -= n
         return batch
 
+    def postprocess(self, batch: list[ScheduledSeq]) -> list[Sequence]:
+        """The batch was computed: advance each sequence and register its newly full blocks in
+        the prefix cache. Returns the sequences that now need a sampled token, in batch order."""
+        sampled = []
+        for item in batch:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.commit(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                sampled.append(seq)
+        return sampled
+
     def preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING

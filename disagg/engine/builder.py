@@ -1,0 +1,116 @@
+"""Building an engine's model runner: the model loaded onto its device, the KV cache sized from
+its memory budget (which also bounds max_model_len), the attention backend and the decode graphs."""
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from disagg.engine.attention import AttentionBackend, SdpaAttention
+from disagg.engine.config import EngineConfig
+from disagg.engine.kv_cache import KVCache
+from disagg.engine.loader import load_weights
+from disagg.engine.model_runner import ModelRunner
+from disagg.engine.models.llama import LlamaConfig, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16, "half": torch.float16}
+DEFAULT_CPU_KV_CACHE_BYTES = 512 * 2**20
+DEFAULT_GPU_KV_CACHE_FRACTION = 0.8
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} was asked for but no CUDA GPU is available; use device='cpu'")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {str(device)!r}")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def kv_cache_budget(memory: int | float | None, device: torch.device) -> int:
+    """Bytes for the KV cache: given as bytes, or as a fraction of free memory."""
+    if memory is None:
+        memory = DEFAULT_GPU_KV_CACHE_FRACTION if device.type == "cuda" else DEFAULT_CPU_KV_CACHE_BYTES
+    if isinstance(memory, float):
+        if not 0.0 < memory <= 1.0:
+            raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {memory}")
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+        else:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return int(free * memory)
+    if memory <= 0:
+        raise ValueError(f"kv_cache_memory must be positive, got {memory}")
+    return int(memory)
+
+
+def build_runner(config: EngineConfig, model_dir: Path, mc: LlamaConfig, device: torch.device,
+                 dtype: torch.dtype) -> ModelRunner:
+    if config.block_size < 1 or config.block_size & (config.block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {config.block_size}")
+    max_model_len = config.max_model_len or mc.max_position_embeddings
+    if max_model_len < 2:
+        raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
+    model = LlamaForCausalLM(mc, max_positions=max(max_model_len, mc.max_position_embeddings))
+    model.load_weights(load_weights(model_dir, dtype, "cpu"))
+    model.to(device=device, dtype=dtype).eval()
+    # Rotary tables stay float32 for accuracy; they are cast per call.
+    model.model.rotary.float()
+
+    block_bytes = KVCache.bytes_per_block(mc.num_hidden_layers, config.block_size, mc.num_key_value_heads,
+                                          mc.head_dim, dtype)
+    num_blocks = kv_cache_budget(config.kv_cache_memory, device) // block_bytes
+    if num_blocks < 2:
+        raise ValueError(f"kv_cache_memory holds {num_blocks} blocks of {block_bytes} bytes; give it more memory")
+    capacity = (num_blocks - 1) * config.block_size  # one block of headroom for the next token
+    if max_model_len > capacity:
+        logger.warning("max_model_len %d does not fit the KV cache (%d tokens); using %d",
+                       max_model_len, capacity, capacity)
+        max_model_len = capacity
+    kv_cache = KVCache(mc.num_hidden_layers, num_blocks, config.block_size, mc.num_key_value_heads,
+                       mc.head_dim, dtype, device)
+    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s, %s", num_blocks, config.block_size,
+                num_blocks * block_bytes / 2**20, device, str(dtype).removeprefix("torch."))
+    attention = make_attention(config, model, kv_cache, max_model_len)
+    graphs = None
+    if device.type == "cuda" and not config.enforce_eager and not isinstance(attention, SdpaAttention):
+        from disagg.engine.cuda_graphs import DecodeGraphs  # Triton is needed on CUDA only
+
+        graphs = DecodeGraphs(model, attention, config.max_num_seqs)
+    return ModelRunner(model, attention, graphs, max_model_len)
+
+
+def make_attention(config: EngineConfig, model: LlamaForCausalLM, kv_cache: KVCache,
+                   max_model_len: int) -> AttentionBackend:
+    device = kv_cache.kv.device
+    backend = config.attention_backend or ("triton" if device.type == "cuda" else "sdpa")
+    if backend == "sdpa":
+        return SdpaAttention(kv_cache)
+    # Triton on the CPU only under its interpreter, which is how CI checks the kernels.
+    if backend != "triton" or (device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
+        raise ValueError(f"attention_backend must be 'sdpa', or 'triton' on CUDA; got {backend!r} on {device}")
+    from disagg.engine.triton_attention import TritonAttention
+
+    model.fuse_projections()
+    return TritonAttention(kv_cache, model.config.num_attention_heads, config.max_num_seqs, max_model_len)
