@@ -13,7 +13,7 @@ EXTRA_DEFAULTS: dict[str, object] = {
     "auth_token": None,  # shared secret between nodes: gRPC metadata and the pipe handshake
     "pipe_timeout": 30.0,  # seconds a pipe send/recv may stall
     "lookup_timeout": 30.0,  # seconds a decode node waits for a prompt's KV
-    "prefill_timeout": 60.0,  # seconds a decode node waits for the Prefill call
+    "prefill_timeout": 10.0,  # seconds a decode node waits for a prefill node that makes no progress
     "buffer_ttl": 60.0,  # seconds an unclaimed entry is kept
     "insert_timeout": 5.0,  # seconds a prefill node waits for buffer space
     "prefill_policy": "recompute",  # when the prefill node fails: "recompute" here or "fail" with 503

@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.sequence import TokenLogprob
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Prefill streams progress before its result
 # Fields two nodes must agree on before KV can move between them.
 COMPATIBILITY_FIELDS = ("protocol_version", "model_name", "dtype", "num_layers", "num_kv_heads",
                         "head_dim", "block_size", "kv_connector")
@@ -53,6 +53,12 @@ class PrefillResult:
     num_cached_tokens: int  # prompt tokens the prefill node's prefix cache already had
     kv_bytes: int
     prefill_seconds: float
+
+
+@dataclass(frozen=True)
+class PrefillProgress:
+    engine_steps: int  # steps the prefill node's engine has run, for any request
+    num_computed_tokens: int  # of this prompt; 0 while it waits in the node's queue
 
 
 def sampling_fields(params: SamplingParams) -> dict:

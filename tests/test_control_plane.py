@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 from conftest import write_tiny_llama
+from servers import wait_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from disagg.config import KVTransferConfig
@@ -135,10 +137,10 @@ def test_prefill_runs_the_engine_and_the_kv_reaches_the_consumer(node: PrefillNo
         try:
             peer = await client.connect(node.info, timeout=5)
             assert peer == node.info and client.healthy
-            result = await client.prefill(prefill_call("greedy-1", consumer, logprobs=2), timeout=10)
+            result = await client.prefill(prefill_call("greedy-1", consumer, logprobs=2), idle_timeout=10)
             assert client.outstanding == 0
             entry = await asyncio.to_thread(consumer.drop_select, "greedy-1", PROMPT, 10.0)
-            again = await client.prefill(prefill_call("greedy-2", consumer), timeout=10)
+            again = await client.prefill(prefill_call("greedy-2", consumer), idle_timeout=10)
             await asyncio.to_thread(consumer.drop_select, "greedy-2", PROMPT, 10.0)
             return result, entry, again
         finally:
@@ -173,7 +175,7 @@ def hostile_calls(consumer: LookupBufferConsumer) -> list[PrefillCall]:
 
 async def refusal(client: PrefillClient, call: PrefillCall) -> PrefillFailed:
     with pytest.raises(PrefillFailed) as refused:
-        await client.prefill(call, timeout=10)
+        await client.prefill(call, idle_timeout=10)
     return refused.value
 
 
@@ -189,9 +191,9 @@ def test_prefill_errors_map_to_status_codes(node: PrefillNode, make_node: Callab
         try:
             bad = PrefillCall("bad-token", [1, 10**9], SamplingParams(temperature=0.0), consumer.address)
             with pytest.raises(PrefillFailed) as invalid:
-                await client.prefill(bad, timeout=10)
+                await client.prefill(bad, idle_timeout=10)
             with pytest.raises(PrefillNodeBusy) as busy:
-                await small_client.prefill(prefill_call("too-big", consumer), timeout=10)
+                await small_client.prefill(prefill_call("too-big", consumer), idle_timeout=10)
             assert not await client.abort("never-sent")
             return invalid.value, busy.value, [await refusal(client, call) for call in hostile_calls(consumer)]
         finally:
@@ -225,8 +227,8 @@ def test_a_prefill_the_engine_fails_fails_alone(node: PrefillNode, consumer: Loo
         client = PrefillClient(address(server), None)
         try:
             fails = PrefillCall("fails", PROMPT, SamplingParams(temperature=0.8), consumer.address)
-            results = await asyncio.gather(client.prefill(fails, timeout=10),
-                                           client.prefill(prefill_call("fine", consumer), timeout=10),
+            results = await asyncio.gather(client.prefill(fails, idle_timeout=10),
+                                           client.prefill(prefill_call("fine", consumer), idle_timeout=10),
                                            return_exceptions=True)
             entry = await asyncio.to_thread(consumer.drop_select, "fine", PROMPT, 10.0)
             return results, entry
@@ -239,6 +241,55 @@ def test_a_prefill_the_engine_fails_fails_alone(node: PrefillNode, consumer: Loo
     assert "injected sampling failure" in str(failed)
     assert fine.token_digest == entry.token_digest and fine.kv_bytes == entry.nbytes
     assert engine.block_manager.num_free_blocks == free
+
+
+@pytest.mark.timeout(60)
+def test_a_slow_prefill_that_progresses_is_waited_for_and_a_stuck_one_is_given_up_and_aborted(
+        node: PrefillNode, consumer: LookupBufferConsumer, monkeypatch):
+    """prefill_timeout is a limit on silence, not on length: a prompt whose steps take longer
+    in all than the timeout finishes; an engine that stops stepping is given up on, and the
+    caller's cancellation aborts the request on the prefill node."""
+    engine = node.engine.engine
+    free = engine.block_manager.num_free_blocks
+    run_batch = engine.runner.run
+    unstick = threading.Event()
+    step_seconds = {"value": 0.3}
+
+    def slow_or_stuck(batch):
+        if step_seconds["value"] is None:
+            unstick.wait(30)
+        else:
+            time.sleep(step_seconds["value"])
+        return run_batch(batch)
+
+    monkeypatch.setattr(engine.runner, "run", slow_or_stuck)
+    monkeypatch.setattr(engine.scheduler, "max_num_batched_tokens", 8)  # 40 new prompt tokens: 5 steps
+    prompt = list(range(2000, 2040))  # not in the prefix cache
+
+    async def scenario():
+        server = await start_grpc_server(node, "127.0.0.1", 0, None)
+        client = PrefillClient(address(server), None)
+        try:
+            start = time.monotonic()
+            call = PrefillCall("slow", prompt, SamplingParams(temperature=0.0), consumer.address)
+            result = await client.prefill(call, idle_timeout=1.0)
+            slow_seconds = time.monotonic() - start
+            entry = await asyncio.to_thread(consumer.drop_select, "slow", prompt, 10.0)
+            step_seconds["value"] = None  # the engine stops stepping
+            with pytest.raises(PrefillFailed, match="made no progress") as stuck:
+                await client.prefill(PrefillCall("stuck", prompt[::-1], SamplingParams(temperature=0.0),
+                                                 consumer.address), idle_timeout=1.0)
+            return result, slow_seconds, entry, stuck.value
+        finally:
+            unstick.set()
+            await client.close()
+            await server.stop(0)
+
+    result, slow_seconds, entry, stuck = run(scenario())
+    assert slow_seconds > 1.5 and result.token_digest == entry.token_digest
+    assert stuck.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for(lambda: "stuck" not in engine.requests and engine.block_manager.num_free_blocks == free,
+             10, "the stuck prefill aborted on the prefill node and its blocks freed")
 
 
 # --- handshake and auth ------------------------------------------------------------------------
@@ -333,12 +384,12 @@ def test_pool_picks_the_node_with_fewest_prefills_in_flight(node: PrefillNode, c
         try:
             await pool.start(timeout=5)
             first = pool.pick()
-            in_flight = asyncio.create_task(first.prefill(prefill_call("pick-1", consumer), timeout=10))
+            in_flight = asyncio.create_task(first.prefill(prefill_call("pick-1", consumer), idle_timeout=10))
             await asyncio.sleep(0)  # the call has started: it counts as outstanding
             assert first.outstanding == 1
             second = pool.pick()
             assert second is not first
-            await asyncio.gather(in_flight, second.prefill(prefill_call("pick-2", consumer), timeout=10))
+            await asyncio.gather(in_flight, second.prefill(prefill_call("pick-2", consumer), idle_timeout=10))
             assert pool.pick() is first  # both idle again: ties go to the first node
             for request_id in ("pick-1", "pick-2"):
                 await asyncio.to_thread(consumer.drop_select, request_id, PROMPT, 10.0)
@@ -367,7 +418,7 @@ def test_pool_avoids_a_dead_node_and_takes_it_back_when_it_returns(node: Prefill
             await wait_until(lambda: not dead.healthy, 5, "marked unhealthy")
             assert "health check failed" in dead.reason
             assert all(pool.pick() is live for _ in range(3))
-            await pool.pick().prefill(prefill_call("while-down", consumer), timeout=10)
+            await pool.pick().prefill(prefill_call("while-down", consumer), idle_timeout=10)
             await asyncio.to_thread(consumer.drop_select, "while-down", PROMPT, 10.0)
 
             flaky = await start_grpc_server(node, "127.0.0.1", int(dead.address.rsplit(":", 1)[1]), TOKEN)
@@ -391,7 +442,7 @@ def test_a_failed_call_marks_the_node_unhealthy_at_once(node: PrefillNode, consu
             client = pool.pick()
             await server.stop(0)
             with pytest.raises(PrefillNodeUnavailable, match=client.address):
-                await client.prefill(prefill_call("to-the-dead", consumer), timeout=5)
+                await client.prefill(prefill_call("to-the-dead", consumer), idle_timeout=5)
             assert not client.healthy
             with pytest.raises(PrefillNodeUnavailable, match="no healthy prefill node: 127.0.0.1:"):
                 pool.pick()

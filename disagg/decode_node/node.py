@@ -36,7 +36,7 @@ class PrefillUnavailable(RuntimeError):
 class DecodeNode:
     def __init__(self, engine: AsyncEngine, model_name: str, consumer: LookupBufferConsumer | None = None,
                  pool: PrefillPool | None = None, kv_advertise: tuple[str, int] | None = None,
-                 prefill_policy: str = "recompute", prefill_timeout: float = 60.0, lookup_timeout: float = 30.0):
+                 prefill_policy: str = "recompute", prefill_timeout: float = 10.0, lookup_timeout: float = 30.0):
         self.engine = engine
         self.model_name = model_name
         self.tokenizer = engine.engine.tokenizer
@@ -90,7 +90,7 @@ class DecodeNode:
         try:
             client = self.pool.pick()
             call = PrefillCall(request_id, prompt_token_ids, params, self.kv_advertise)
-            result = await client.prefill(call, timeout=self.prefill_timeout)
+            result = await client.prefill(call, idle_timeout=self.prefill_timeout)
             source = (client.info.kv_ip, client.info.kv_port)
             # The reply means the KV is queued, not sent: if the node dies now, stop waiting at once.
             watch = asyncio.create_task(self._discard_when_unhealthy(client, request_id))

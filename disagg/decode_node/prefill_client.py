@@ -11,6 +11,7 @@ marks nodes that stop answering and takes them back, after a new handshake, when
 import asyncio
 import contextlib
 import logging
+import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -89,20 +90,38 @@ class PrefillClient:
         self.mark_healthy()
         return peer
 
-    async def prefill(self, call: PrefillCall, timeout: float) -> PrefillResult:
+    async def prefill(self, call: PrefillCall, idle_timeout: float) -> PrefillResult:
+        """The call's result. It may take as long as the node keeps making progress (its engine
+        runs steps, or this prompt gains computed tokens); `idle_timeout` seconds without any
+        ends it with PrefillFailed, and cancelling the call aborts it on the node."""
         self.outstanding += 1
         self.calls += 1
+        stream = self.stub.Prefill(convert.prefill_call_to_proto(call), metadata=self.metadata)
         try:
-            reply = await self.stub.Prefill(convert.prefill_call_to_proto(call), timeout=timeout,
-                                            metadata=self.metadata)
+            last, deadline = None, time.monotonic() + idle_timeout
+            while True:
+                try:
+                    update = await asyncio.wait_for(stream.read(), max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    raise PrefillFailed(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                        f"prefill node {self.address} made no progress on {call.request_id} "
+                                        f"within {idle_timeout:g}s") from None
+                if update is grpc.aio.EOF:
+                    raise PrefillFailed(grpc.StatusCode.INTERNAL,
+                                        f"prefill node {self.address} ended {call.request_id} without a result")
+                if update.HasField("done"):
+                    return convert.prefill_result_from_proto(update.done)
+                progress = convert.progress_from_proto(update.progress)
+                if progress != last:
+                    last, deadline = progress, time.monotonic() + idle_timeout
         except grpc.aio.AioRpcError as e:
-            error = self._error(e, f"Prefill of {call.request_id}", timeout)
+            error = self._error(e, f"Prefill of {call.request_id}", idle_timeout)
             if isinstance(error, PrefillNodeUnavailable):
                 self.mark_unhealthy(str(error))  # don't send it more work until a health check passes
             raise error from None
         finally:
+            stream.cancel()  # no-op once finished; otherwise the node aborts the prefill
             self.outstanding -= 1
-        return convert.prefill_result_from_proto(reply)
 
     async def abort(self, request_id: str) -> bool:
         """Ask the node to drop the request; False when it did not hold it or could not be told."""

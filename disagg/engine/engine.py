@@ -40,6 +40,7 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, _Request] = {}
         self.pending_outputs: list[RequestOutput] = []  # produced outside step(), handed out by it
+        self.num_steps = 0  # batches run: a sign of life that callers elsewhere can watch
 
     # -- requests ------------------------------------------------------------------------
 
@@ -151,6 +152,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        self.num_steps += 1
         try:
             batch, logits = self.runner.run(batch)
         except Exception as e:  # the step's requests fail; the next step runs as usual

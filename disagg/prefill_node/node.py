@@ -11,7 +11,7 @@ import logging
 import time
 
 from disagg import metrics
-from disagg.control_plane import NodeInfo, PrefillCall, PrefillResult
+from disagg.control_plane import NodeInfo, PrefillCall, PrefillProgress, PrefillResult
 from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.sampling_params import SamplingParams
 from disagg.lookup_buffer import LookupBufferProducer, token_digest
@@ -55,6 +55,13 @@ class PrefillNode:
             kv_bytes=kv.nbytes,
             prefill_seconds=seconds,
         )
+
+    def progress(self, request_id: str) -> PrefillProgress:
+        """Read from the event loop while the engine thread runs: a snapshot for a heartbeat,
+        not a synchronized view (both numbers only grow)."""
+        engine = self.engine.engine
+        request = engine.requests.get(request_id)
+        return PrefillProgress(engine.num_steps, request.seq.num_computed_tokens if request else 0)
 
     async def abort(self, request_id: str) -> bool:
         in_engine = await self.engine.abort(request_id)

@@ -3,8 +3,11 @@ service, and the shared-secret check. The servicer only converts messages and ma
 status codes; what a call does is PrefillNode's business.
 """
 
+import asyncio
+import contextlib
 import hmac
 import logging
+from collections.abc import AsyncIterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -16,6 +19,8 @@ from disagg.proto import disagg_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
+# How often a Prefill call reports progress; a decode node's prefill_timeout should be a few times this.
+PROGRESS_INTERVAL_S = 0.5
 AUTH_ERROR = "wrong or missing node auth token (kv_connector_extra_config.auth_token)"
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
 
@@ -27,11 +32,20 @@ class PrefillServicer(disagg_pb2_grpc.PrefillServiceServicer):
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.NodeInfo:
         return convert.node_info_to_proto(self.node.info)
 
-    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillReply:
-        # asyncio.CancelledError (the caller cancelled or its deadline passed) is not an Exception:
-        # it reaches grpc, which reports CANCELLED / DEADLINE_EXCEEDED itself.
+    async def Prefill(self, request: pb.PrefillRequest,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.PrefillUpdate]:
+        """Progress every PROGRESS_INTERVAL_S while the prompt waits or runs, then the result.
+        A caller that cancels (its client went away, or it saw no progress) closes this
+        generator, which cancels the prefill and so aborts it in the engine."""
         try:
-            result = await self.node.prefill(convert.prefill_call_from_proto(request))
+            call = convert.prefill_call_from_proto(request)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prefill of {request.request_id} refused: {e}")
+        task = asyncio.create_task(self.node.prefill(call))
+        try:
+            while not (await asyncio.wait({task}, timeout=PROGRESS_INTERVAL_S))[0]:
+                yield convert.progress_to_proto(self.node.progress(call.request_id))
+            result = task.result()
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prefill of {request.request_id} refused: {e}")
         except BufferFullError as e:
@@ -40,7 +54,12 @@ class PrefillServicer(disagg_pb2_grpc.PrefillServiceServicer):
             logger.exception("prefill of %s failed", request.request_id)
             await context.abort(grpc.StatusCode.INTERNAL,
                                 f"prefill of {request.request_id} failed on the prefill node: {type(e).__name__}: {e}")
-        return convert.prefill_result_to_proto(result)
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        yield pb.PrefillUpdate(done=convert.prefill_result_to_proto(result))
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortReply:
         try:

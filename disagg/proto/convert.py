@@ -6,7 +6,7 @@ everything else passes the dataclasses of disagg/control_plane.py.
 
 from dataclasses import asdict
 
-from disagg.control_plane import NodeInfo, PrefillCall, PrefillResult, sampling_fields
+from disagg.control_plane import NodeInfo, PrefillCall, PrefillProgress, PrefillResult, sampling_fields
 from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.sequence import TokenLogprob
 from disagg.proto import disagg_pb2 as pb
@@ -61,3 +61,12 @@ def prefill_result_from_proto(msg: pb.PrefillReply) -> PrefillResult:
     return PrefillResult(first_token=msg.first_token, first_logprob=logprob, token_digest=msg.token_digest,
                          num_cached_tokens=msg.num_cached_tokens, kv_bytes=msg.kv_bytes,
                          prefill_seconds=msg.prefill_seconds)
+
+
+def progress_to_proto(progress: PrefillProgress) -> pb.PrefillUpdate:
+    return pb.PrefillUpdate(progress=pb.PrefillProgress(engine_steps=progress.engine_steps,
+                                                        num_computed_tokens=progress.num_computed_tokens))
+
+
+def progress_from_proto(msg: pb.PrefillProgress) -> PrefillProgress:
+    return PrefillProgress(engine_steps=msg.engine_steps, num_computed_tokens=msg.num_computed_tokens)

@@ -98,6 +98,22 @@ class PrefillReply(_message.Message):
     prefill_seconds: float
     def __init__(self, first_token: _Optional[int] = ..., first_logprob: _Optional[_Union[Logprob, _Mapping]] = ..., token_digest: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
 
+class PrefillProgress(_message.Message):
+    __slots__ = ("engine_steps", "num_computed_tokens")
+    ENGINE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    engine_steps: int
+    num_computed_tokens: int
+    def __init__(self, engine_steps: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
+
+class PrefillUpdate(_message.Message):
+    __slots__ = ("progress", "done")
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    progress: PrefillProgress
+    done: PrefillReply
+    def __init__(self, progress: _Optional[_Union[PrefillProgress, _Mapping]] = ..., done: _Optional[_Union[PrefillReply, _Mapping]] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

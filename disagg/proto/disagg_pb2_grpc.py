@@ -39,10 +39,10 @@ class PrefillServiceStub:
                 request_serializer=disagg_dot_proto_dot_disagg__pb2.InfoRequest.SerializeToString,
                 response_deserializer=disagg_dot_proto_dot_disagg__pb2.NodeInfo.FromString,
                 _registered_method=True)
-        self.Prefill = channel.unary_unary(
+        self.Prefill = channel.unary_stream(
                 '/disagg.v1.PrefillService/Prefill',
                 request_serializer=disagg_dot_proto_dot_disagg__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=disagg_dot_proto_dot_disagg__pb2.PrefillReply.FromString,
+                response_deserializer=disagg_dot_proto_dot_disagg__pb2.PrefillUpdate.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/disagg.v1.PrefillService/Abort',
@@ -62,7 +62,9 @@ class PrefillServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Prefill(self, request, context):
-        """Compute a prompt's KV, send it to kv_dest, answer with the first sampled token.
+        """Compute a prompt's KV, send it to kv_dest, answer with the first sampled token. Until then
+        the node sends progress every PROGRESS_INTERVAL_S, so a caller can tell a long or queued
+        prompt on a busy node from a stuck node. Cancelling the call aborts the prefill.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -83,10 +85,10 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     request_deserializer=disagg_dot_proto_dot_disagg__pb2.InfoRequest.FromString,
                     response_serializer=disagg_dot_proto_dot_disagg__pb2.NodeInfo.SerializeToString,
             ),
-            'Prefill': grpc.unary_unary_rpc_method_handler(
+            'Prefill': grpc.unary_stream_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=disagg_dot_proto_dot_disagg__pb2.PrefillRequest.FromString,
-                    response_serializer=disagg_dot_proto_dot_disagg__pb2.PrefillReply.SerializeToString,
+                    response_serializer=disagg_dot_proto_dot_disagg__pb2.PrefillUpdate.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -142,12 +144,12 @@ class PrefillService:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/disagg.v1.PrefillService/Prefill',
             disagg_dot_proto_dot_disagg__pb2.PrefillRequest.SerializeToString,
-            disagg_dot_proto_dot_disagg__pb2.PrefillReply.FromString,
+            disagg_dot_proto_dot_disagg__pb2.PrefillUpdate.FromString,
             options,
             channel_credentials,
             insecure,
