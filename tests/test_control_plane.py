@@ -121,7 +121,7 @@ def test_stubs_are_fresh():
 def test_check_notices_a_changed_proto(tmp_path: Path, capsys: pytest.CaptureFixture):
     changed = tmp_path / "disagg.proto"
     shutil.copy(ROOT / "proto" / "disagg.proto", changed)
-    changed.write_text(changed.read_text().replace("message AbortRequest {", "message AbortRequest {\n  string why = 2;"))
+    changed.write_text(changed.read_text().replace("message AbortRequest {", "message AbortRequest {\n  string why = 9;"))
     assert generate.main(["--check", "--proto", str(changed)]) == 1
     message = capsys.readouterr().err
     assert "disagg_pb2.py" in message and "python -m disagg.proto.generate" in message
@@ -194,7 +194,7 @@ def test_prefill_errors_map_to_status_codes(node: PrefillNode, make_node: Callab
                 await client.prefill(bad, idle_timeout=10)
             with pytest.raises(PrefillNodeBusy) as busy:
                 await small_client.prefill(prefill_call("too-big", consumer), idle_timeout=10)
-            assert not await client.abort("never-sent")
+            assert not await client.abort("never-sent", consumer.address)
             return invalid.value, busy.value, [await refusal(client, call) for call in hostile_calls(consumer)]
         finally:
             await client.close()
@@ -244,7 +244,7 @@ def test_a_prefill_the_engine_fails_fails_alone(node: PrefillNode, consumer: Loo
 
 
 @pytest.mark.timeout(60)
-def test_a_slow_prefill_that_progresses_is_waited_for_and_a_stuck_one_is_given_up_and_aborted(
+def test_a_slow_prefill_is_waited_for_a_stuck_one_given_up_and_aborted_by_its_caller_only(
         node: PrefillNode, consumer: LookupBufferConsumer, monkeypatch):
     """prefill_timeout is a limit on silence, not on length: a prompt whose steps take longer
     in all than the timeout finishes; an engine that stops stepping is given up on, and the
@@ -276,17 +276,22 @@ def test_a_slow_prefill_that_progresses_is_waited_for_and_a_stuck_one_is_given_u
             slow_seconds = time.monotonic() - start
             entry = await asyncio.to_thread(consumer.drop_select, "slow", prompt, 10.0)
             step_seconds["value"] = None  # the engine stops stepping
+            stuck_call = PrefillCall("stuck", prompt[::-1], SamplingParams(temperature=0.0), consumer.address)
+            pending = asyncio.create_task(client.prefill(stuck_call, idle_timeout=1.0))
+            await wait_until(lambda: "stuck" in engine.requests, 5, "the stuck prefill in the engine")
+            # Another decode node (another pipe endpoint) cannot abort it.
+            foreign_abort = await client.abort("stuck", ("127.0.0.1", 1))
             with pytest.raises(PrefillFailed, match="made no progress") as stuck:
-                await client.prefill(PrefillCall("stuck", prompt[::-1], SamplingParams(temperature=0.0),
-                                                 consumer.address), idle_timeout=1.0)
-            return result, slow_seconds, entry, stuck.value
+                await pending
+            return result, slow_seconds, entry, stuck.value, foreign_abort
         finally:
             unstick.set()
             await client.close()
             await server.stop(0)
 
-    result, slow_seconds, entry, stuck = run(scenario())
+    result, slow_seconds, entry, stuck, foreign_abort = run(scenario())
     assert slow_seconds > 1.5 and result.token_digest == entry.token_digest
+    assert not foreign_abort
     assert stuck.code == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_for(lambda: "stuck" not in engine.requests and engine.block_manager.num_free_blocks == free,
              10, "the stuck prefill aborted on the prefill node and its blocks freed")

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 
 from disagg import metrics
@@ -47,6 +48,7 @@ class DecodeNode:
         self.prefill_policy = prefill_policy
         self.prefill_timeout = prefill_timeout
         self.lookup_timeout = lookup_timeout
+        self.node_id = f"d{uuid.uuid4().hex[:8]}"  # names this node's requests on every node
 
     @property
     def disaggregated(self) -> bool:
@@ -59,12 +61,17 @@ class DecodeNode:
                                                    f"(the context holds prompt and output), got {params.max_tokens}")
         self.engine.engine.validate_prompt(prompt_token_ids)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    async def generate(self, label: str, prompt_token_ids: list[int], params: SamplingParams,
                        prefill_policy: str | None = None) -> AsyncIterator[RequestOutput]:
+        """`label` (the client's X-Request-Id or the API's id) only names the request in logs and
+        answers: the engines and the prefill node know it by an id this node makes, so clients
+        that reuse ids, or other decode nodes, can never touch each other's requests."""
         policy = prefill_policy or self.prefill_policy
         if policy not in POLICIES:
             raise ValueError(f"prefill_policy must be one of {POLICIES}, got {policy!r}")
         self.validate(prompt_token_ids, params)
+        request_id = f"{self.node_id}-{uuid.uuid4().hex}"
+        logger.debug("%s is %s", label, request_id)
         metrics.PROMPT_TOKENS.inc(len(prompt_token_ids))
         if not self.disaggregated:
             async with contextlib.aclosing(self.engine.generate(request_id, prompt_token_ids, params)) as outputs:
@@ -109,12 +116,12 @@ class DecodeNode:
         except asyncio.CancelledError:
             self.consumer.discard(request_id)
             if client is not None:
-                await client.abort(request_id)
+                await client.abort(request_id, self.kv_advertise)
             raise
         except Exception as e:
             self.consumer.discard(request_id)
             if client is not None:
-                await client.abort(request_id)
+                await client.abort(request_id, self.kv_advertise)
             where = client.address if client is not None else "no prefill node"
             reason = f"remote prefill of {request_id} failed ({where}): {e}"
             if policy == "fail":

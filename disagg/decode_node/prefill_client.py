@@ -123,11 +123,12 @@ class PrefillClient:
             stream.cancel()  # no-op once finished; otherwise the node aborts the prefill
             self.outstanding -= 1
 
-    async def abort(self, request_id: str) -> bool:
-        """Ask the node to drop the request; False when it did not hold it or could not be told."""
+    async def abort(self, request_id: str, kv_dest: tuple[str, int]) -> bool:
+        """Ask the node to drop the request we (pipe endpoint `kv_dest`) sent it; False when it
+        did not hold it for us or could not be told."""
+        request = pb.AbortRequest(request_id=request_id, kv_dest_host=kv_dest[0], kv_dest_port=kv_dest[1])
         try:
-            reply = await self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=ABORT_TIMEOUT_S,
-                                          metadata=self.metadata)
+            reply = await self.stub.Abort(request, timeout=ABORT_TIMEOUT_S, metadata=self.metadata)
         except grpc.aio.AioRpcError as e:
             logger.debug("abort of %s on %s failed: %s", request_id, self.address, e.details())
             return False

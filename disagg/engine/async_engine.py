@@ -47,6 +47,8 @@ class AsyncEngine:
         self.engine = engine
         self.calls: queue.SimpleQueue[tuple[Callable, tuple, dict, concurrent.futures.Future]] = queue.SimpleQueue()
         self.wakeup = threading.Event()
+        # Request id -> where its outputs go. Read and written on the engine thread only, so a
+        # request's outputs can never reach another request's stream, whatever ids callers reuse.
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.stopped = False
         self.thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
@@ -81,32 +83,39 @@ class AsyncEngine:
                 yield out
         finally:
             if not finished:
-                self.streams.pop(request_id, None)
                 # Shielded: a second cancellation (servers cancel repeatedly) must not lose the abort.
-                await asyncio.shield(self._call(self.engine.abort_request, request_id))
+                await asyncio.shield(self._call(self._drop, request_id, None))
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                           export_kv: bool = False, remote_prefill: bool = False) -> asyncio.Queue:
-        if request_id in self.streams:
-            raise ValueError(f"request id {request_id!r} is already in use; send a unique X-Request-Id")
         queue: asyncio.Queue = asyncio.Queue()
-        self.streams[request_id] = (asyncio.get_running_loop(), queue)
-        try:
-            await self._call(self.engine.add_request, request_id, prompt_token_ids, params,
-                             export_kv=export_kv, remote_prefill=remote_prefill)
-        except BaseException:
-            self.streams.pop(request_id, None)
-            raise
+        await self._call(self._add, request_id, prompt_token_ids, params, (asyncio.get_running_loop(), queue),
+                         export_kv=export_kv, remote_prefill=remote_prefill)
         return queue
+
+    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+             stream: tuple[asyncio.AbstractEventLoop, asyncio.Queue], **kwargs) -> None:
+        """On the engine thread: the request and its stream, together."""
+        if request_id in self.streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.engine.add_request(request_id, prompt_token_ids, params, **kwargs)
+        self.streams[request_id] = stream
+
+    def _drop(self, request_id: str, error: Exception | None) -> bool:
+        """On the engine thread: abort the request; its stream gets `error`, or nothing more."""
+        found = self.engine.abort_request(request_id)
+        if error is None:
+            self.streams.pop(request_id, None)
+        else:
+            self._deliver(request_id, error)
+        return found
 
     async def abort(self, request_id: str) -> bool:
         return await self.fail(request_id, RequestAborted(f"request {request_id} was aborted"))
 
     async def fail(self, request_id: str, error: Exception) -> bool:
         """Drop the request from the engine; whoever waits on its outputs gets `error`."""
-        found = await self._call(self.engine.abort_request, request_id)
-        self._deliver(request_id, error)
-        return found
+        return await self._call(self._drop, request_id, error)
 
     async def finish_remote_prefill(self, request_id: str, kv: torch.Tensor, first_token: int,
                                     first_logprob: TokenLogprob | None = None) -> None:

@@ -143,11 +143,12 @@ class LookupBufferProducer:
                 sender.start()
             self._cond.notify_all()
 
-    def abort(self, request_id: str) -> bool:
-        """Drop the request's entry if no byte of it was sent yet; False if unknown or already on the wire."""
+    def abort(self, request_id: str, dest: tuple[str, int] | None = None) -> bool:
+        """Drop the request's entry (if `dest` is given, only one addressed there) if no byte of it
+        was sent yet; False if unknown, addressed elsewhere or already on the wire."""
         with self._cond:
             pending = self._pending.get(request_id)
-            if pending is None:
+            if pending is None or (dest is not None and pending.dest != (str(dest[0]), int(dest[1]))):
                 return False
             if pending.sending:
                 pending.aborted = True

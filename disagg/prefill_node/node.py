@@ -26,6 +26,7 @@ class PrefillNode:
         self.producer = producer
         self.info = info
         self.kv_buffer_device = kv_buffer_device
+        self.callers: dict[str, tuple[str, int]] = {}  # request id -> the kv_dest of the call computing it
 
     async def prefill(self, call: PrefillCall) -> PrefillResult:
         start = time.perf_counter()
@@ -34,8 +35,12 @@ class PrefillNode:
                                 top_k=call.params.top_k, min_p=call.params.min_p, seed=call.params.seed,
                                 logprobs=call.params.logprobs, max_tokens=1, ignore_eos=True)
         final = None
-        async for out in self.engine.generate(call.request_id, call.prompt_token_ids, params, export_kv=True):
-            final = out
+        self.callers[call.request_id] = call.kv_dest
+        try:
+            async for out in self.engine.generate(call.request_id, call.prompt_token_ids, params, export_kv=True):
+                final = out
+        finally:
+            self.callers.pop(call.request_id, None)
         if final is None or final.kv is None:
             raise RuntimeError(f"prefill of {call.request_id} ended without KV ({final and final.finish_reason})")
         kv = final.kv if self.kv_buffer_device == "cuda" else final.kv.cpu()
@@ -63,7 +68,8 @@ class PrefillNode:
         request = engine.requests.get(request_id)
         return PrefillProgress(engine.num_steps, request.seq.num_computed_tokens if request else 0)
 
-    async def abort(self, request_id: str) -> bool:
-        in_engine = await self.engine.abort(request_id)
-        in_buffer = self.producer.abort(request_id)
+    async def abort(self, request_id: str, caller: tuple[str, int]) -> bool:
+        """Drop a request, only for the decode node (by its pipe endpoint) that asked for it."""
+        in_engine = self.callers.get(request_id) == caller and await self.engine.abort(request_id)
+        in_buffer = self.producer.abort(request_id, caller)
         return in_engine or in_buffer

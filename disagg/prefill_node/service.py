@@ -63,7 +63,7 @@ class PrefillServicer(disagg_pb2_grpc.PrefillServiceServicer):
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortReply:
         try:
-            aborted = await self.node.abort(request.request_id)
+            aborted = await self.node.abort(request.request_id, (request.kv_dest_host, request.kv_dest_port))
         except Exception as e:
             logger.exception("abort of %s failed", request.request_id)
             await context.abort(grpc.StatusCode.INTERNAL,

@@ -115,10 +115,14 @@ class PrefillUpdate(_message.Message):
     def __init__(self, progress: _Optional[_Union[PrefillProgress, _Mapping]] = ..., done: _Optional[_Union[PrefillReply, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "kv_dest_host", "kv_dest_port")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_DEST_HOST_FIELD_NUMBER: _ClassVar[int]
+    KV_DEST_PORT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    kv_dest_host: str
+    kv_dest_port: int
+    def __init__(self, request_id: _Optional[str] = ..., kv_dest_host: _Optional[str] = ..., kv_dest_port: _Optional[int] = ...) -> None: ...
 
 class AbortReply(_message.Message):
     __slots__ = ("aborted",)
