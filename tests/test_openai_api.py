@@ -91,6 +91,29 @@ def test_concurrent_greedy_completions_match_offline_engine(server, llm, model_n
         assert body["usage"]["completion_tokens"] == len(want.token_ids)
 
 
+def test_clients_reusing_one_request_id_each_get_their_own_answer(server, llm):
+    """X-Request-Id labels a request; the node's own ids keep two requests that share it apart."""
+    prompts = PROMPTS[:3]
+    expected = [out.text for out in llm.generate(prompts, greedy())]
+
+    async def send_all() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, headers={**AUTH, "X-Request-Id": "same-id"},
+                                     timeout=60) as client:
+            return await asyncio.gather(*[client.post("/v1/completions", json={
+                "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": i % 2 == 0})
+                for i, p in enumerate(prompts)])
+
+    responses = asyncio.run(send_all())
+    texts = []
+    for i, response in enumerate(responses):
+        assert response.status_code == 200, response.text
+        if i % 2 == 0:
+            texts.append("".join(json.loads(e)["choices"][0]["text"] for e in sse_events(response)[:-1]))
+        else:
+            texts.append(response.json()["choices"][0]["text"])
+    assert texts == expected
+
+
 def test_stream_concatenates_to_the_non_stream_text(server, llm):
     body = {"prompt": PROMPTS[4], "max_tokens": MAX_TOKENS, "temperature": 0}
     plain = post(server, "/v1/completions", body).json()["choices"][0]["text"]
