@@ -2,9 +2,12 @@
 and the ASGI middlewares its API and the router's share."""
 
 import asyncio
+import importlib.metadata
 import logging
 import secrets
+import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI
@@ -30,6 +33,40 @@ async def serve_http(app: FastAPI, host: str, port: int, ready_line: str, log_le
         raise SystemExit(f"disagg: error: cannot serve HTTP on {host}:{port}")
     print(ready_line, flush=True)
     await task
+
+
+MAX_REQUEST_ID_CHARS = 128
+
+
+@dataclass
+class HTTPOptions:
+    """What the decode node's API and the router's share: `--api-key`, `--max-request-body-bytes`,
+    `--enable-docs`."""
+
+    api_key: str | None
+    max_request_body_bytes: int
+    enable_docs: bool = False
+
+
+def make_app(title: str, options: HTTPOptions, error_response: Callable[..., Response]) -> FastAPI:
+    """A FastAPI app with the body limit and API key checks. /docs and /openapi.json are off unless
+    asked for: they map the whole API for anyone who can reach the port, key or not."""
+    docs = dict(docs_url="/docs", redoc_url="/redoc", openapi_url="/openapi.json") if options.enable_docs \
+        else dict(docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title=title, version=importlib.metadata.version("disagg"), **docs)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=options.max_request_body_bytes, error_response=error_response)
+    if options.api_key:  # added last, so it runs first: a request without the key is refused before its body is read
+        app.add_middleware(APIKeyMiddleware, api_key=options.api_key, error_response=error_response)
+    return app
+
+
+def request_label(given: str | None, prefix: str) -> str:
+    """The client's X-Request-Id when it makes a sane log label (at most 128 printable ASCII
+    characters), else a fresh `prefix-<hex>`. It only labels logs and answers: nodes make their
+    own request ids."""
+    if given and len(given) <= MAX_REQUEST_ID_CHARS and given.isascii() and given.isprintable():
+        return given
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def node_info(engine: AsyncEngine, model_name: str, kv: KVTransferConfig) -> NodeInfo:

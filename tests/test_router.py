@@ -34,7 +34,7 @@ PROMPTS = [
 ]
 KINDS = ("completion", "completion-stream", "chat", "chat-stream")
 NUM_REQUESTS = 40
-PREFILL_LOG_LINE = re.compile(r"prefill (test-xpyd-|cmpl-|chatcmpl-)")  # a prefill node's line for each prompt
+PREFILL_LOG_LINE = re.compile(r"prefill d[0-9a-f]{8}-[0-9a-f]{32}:")  # a prefill node's line for each prompt (decode node ids)
 
 
 def start_router(tmp_dir: Path, decode_nodes: list[str], extra_args: list[str] = (), wait: bool = True) -> Node:
@@ -196,11 +196,15 @@ def test_xpyd_spreads_load_survives_a_dead_prefill_node_and_matches_colocated(cl
         assert f"KV to 127.0.0.1:{decode.kv_port} " in survivor.log(), f"no KV pushed to decode node {decode.port}"
         assert labelled_metric(decode, "disagg_remote_prefill_total", "outcome").get("ok", 0) >= 1
 
-    # One request followed by its id through the router, a decode node and a prefill node.
+    # One request followed by its id through the router and a decode node, and by the decode
+    # node's own id for it (a client's id is only a label) into a prefill node.
     decode_logs = "".join(d.log() for d in decodes)
     prefill_logs = "".join(p.log() for p in prefills)
-    followed = [rid for rid in ids if f"prefill {rid}:" in prefill_logs]
-    assert followed, "no request id shows up in a prefill node's log"
+    internal = {rid: re.search(rf"{re.escape(rid)} runs as (\S+)", decode_logs) for rid in ids}
+    assert all(internal.values()), "a request's own id is not in the decode nodes' logs"
+    assert len({m.group(1) for m in internal.values()}) == len(ids)
+    followed = [rid for rid, m in internal.items() if f"prefill {m.group(1)}:" in prefill_logs]
+    assert followed, "no request shows up in a prefill node's log"
     rid = followed[0]
     assert re.search(rf"{rid} -> decode node 127\.0\.0\.1:\d+", router.log())
     assert f"{rid} started" in decode_logs and f"{rid} finished" in decode_logs
@@ -225,11 +229,23 @@ def test_router_health_and_models(cluster: Cluster):
 
 
 def test_decode_node_errors_pass_through(cluster: Cluster):
-    """The decode node's 400 for an unusable X-Request-Id comes back as it is, status and body."""
-    r = httpx.post(f"{cluster.router.url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1},
-                   headers={"X-Request-Id": "x" * 200}, timeout=30)
+    """The decode node's 400 for a sampling parameter out of range comes back as it is, status and body."""
+    r = httpx.post(f"{cluster.router.url}/v1/completions", timeout=30,
+                   json={"model": MODEL, "prompt": "Hi", "max_tokens": 1, "temperature": 1e-300})
     assert r.status_code == 400
-    assert "X-Request-Id" in r.json()["error"]["message"]
+    assert "temperature" in r.json()["error"]["message"] and r.headers["x-request-id"].startswith("cmpl-")
+
+
+def test_bad_request_ids_are_replaced_and_docs_are_off(cluster: Cluster):
+    router = cluster.router
+    for bad in (b"x" * 5000, "caf\u00e9-id".encode()):
+        r = httpx.post(f"{router.url}/v1/completions", timeout=120, headers={"X-Request-Id": bad},
+                       json={"model": MODEL, "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == cluster.expected["completion"][1]
+        assert re.fullmatch(r"cmpl-[0-9a-f]{32}", r.headers["x-request-id"]), r.headers["x-request-id"]
+    assert "x" * 200 not in router.log()
+    for path in ("/docs", "/openapi.json"):
+        assert httpx.get(router.url + path, timeout=10).status_code == 404
 
 
 def test_a_huge_body_is_refused_by_the_router_itself(cluster: Cluster):

@@ -71,7 +71,7 @@ class DecodeNode:
             raise ValueError(f"prefill_policy must be one of {POLICIES}, got {policy!r}")
         self.validate(prompt_token_ids, params)
         request_id = f"{self.node_id}-{uuid.uuid4().hex}"
-        logger.debug("%s is %s", label, request_id)
+        logger.info("%s runs as %s", label, request_id)  # follows a request into the prefill node's log
         metrics.PROMPT_TOKENS.inc(len(prompt_token_ids))
         if not self.disaggregated:
             async with contextlib.aclosing(self.engine.generate(request_id, prompt_token_ids, params)) as outputs:

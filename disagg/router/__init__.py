@@ -23,4 +23,6 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
                         help="seconds between health checks of each decode node")
     parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         help="larger request bodies are refused with 413 before they are forwarded")
+    parser.add_argument("--enable-docs", action="store_true",
+                        help="serve /docs and /openapi.json (off: they map the API for anyone who reaches the port)")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")

@@ -16,11 +16,9 @@ the client disconnects, whether the response is streamed or not.
 import argparse
 import asyncio
 import contextlib
-import importlib.metadata
 import json
 import logging
 import time
-import uuid
 
 import anyio
 import httpx
@@ -38,7 +36,7 @@ from disagg.router.router import (
     describe,
     parse_decode_nodes,
 )
-from disagg.serving import APIKeyMiddleware, BodyLimitMiddleware, serve_http
+from disagg.serving import HTTPOptions, make_app, request_label, serve_http
 
 logger = logging.getLogger(__name__)
 
@@ -159,13 +157,9 @@ def proxy_client() -> httpx.AsyncClient:
                                                  keepalive_expiry=KEEPALIVE_EXPIRY_S))
 
 
-def build_app(router: Router, client: httpx.AsyncClient, api_key: str | None, max_request_body_bytes: int) -> FastAPI:
+def build_app(router: Router, client: httpx.AsyncClient, options: HTTPOptions) -> FastAPI:
     """The router's HTTP app; `client` carries the proxied requests to the decode nodes."""
-    version = importlib.metadata.version("disagg")
-    app = FastAPI(title="disagg router", version=version)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes, error_response=error_response)
-    if api_key:  # added last, so it runs first: a request without the key is refused before its body is read
-        app.add_middleware(APIKeyMiddleware, api_key=api_key, error_response=error_response)
+    app = make_app("disagg router", options, error_response)
 
     async def send_upstream(request: Request, node: DecodeNode, request_id: str,
                             body: bytes) -> httpx.Response | None:
@@ -196,7 +190,7 @@ def build_app(router: Router, client: httpx.AsyncClient, api_key: str | None, ma
         return None
 
     async def proxy(request: Request, id_prefix: str) -> Response:
-        request_id = request.headers.get(REQUEST_ID_HEADER) or f"{id_prefix}-{uuid.uuid4().hex}"
+        request_id = request_label(request.headers.get(REQUEST_ID_HEADER), id_prefix)
         body = await request.body()
         start = time.perf_counter()
         tried: set[str] = set()
@@ -260,13 +254,13 @@ def build_app(router: Router, client: httpx.AsyncClient, api_key: str | None, ma
 
     @app.get("/version")
     async def version_info() -> dict:
-        return {"version": version}
+        return {"version": app.version}
 
     return app
 
 
-async def run_router(decode_nodes: list[str], host: str, port: int, api_key: str | None, health_interval: float,
-                     max_request_body_bytes: int, log_level: str) -> None:
+async def run_router(decode_nodes: list[str], host: str, port: int, options: HTTPOptions, health_interval: float,
+                     log_level: str) -> None:
     router = Router(decode_nodes, health_interval)
     client = proxy_client()
     try:
@@ -274,7 +268,7 @@ async def run_router(decode_nodes: list[str], host: str, port: int, api_key: str
         healthy = sum(n.healthy for n in router.nodes)
         if not healthy:
             logger.warning("no decode node is healthy yet (%s); answering 503 until one is", router.unavailable_reason())
-        await serve_http(build_app(router, client, api_key, max_request_body_bytes), host, port,
+        await serve_http(build_app(router, client, options), host, port,
                          f"disagg router ready: http://{host}:{port} decode {','.join(decode_nodes)} "
                          f"({healthy} healthy)", log_level)
     finally:
@@ -290,5 +284,6 @@ def main(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-request-body-bytes must be at least 1, got {args.max_request_body_bytes}")
     # httpx logs every request at INFO: the health checks would drown the router's own lines.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
-    asyncio.run(run_router(parse_decode_nodes(args.decode_nodes), args.host, args.port, args.api_key,
-                           args.health_interval, args.max_request_body_bytes, args.log_level))
+    options = HTTPOptions(args.api_key, args.max_request_body_bytes, args.enable_docs)
+    asyncio.run(run_router(parse_decode_nodes(args.decode_nodes), args.host, args.port, options,
+                           args.health_interval, args.log_level))
