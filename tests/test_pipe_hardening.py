@@ -1,8 +1,9 @@
 """Hostile peers: what they can cost a listener (threads, sockets, log lines, time). Real
 sockets on loopback; the flood comes from tests/pipe_peer.py in its own process, so this
-process's counts are the listener's alone."""
+process's counts are the listener's alone. The wire decoder is fuzzed with hypothesis."""
 
 import json
+import math
 import os
 import select
 import socket
@@ -15,12 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from disagg import pipes
-from disagg.pipes import PipeConfig, PipeError, wire
+from disagg.pipes import PipeConfig, PipeError, ProtocolError, wire
 
 PEER = Path(__file__).parent / "pipe_peer.py"
 TOKEN = "hardening-secret"
+FUZZ = settings(max_examples=200, deadline=None)
 
 
 def open_fds() -> int:
@@ -132,3 +136,62 @@ def test_slow_loris_is_dropped_at_the_handshake_deadline(pipe_name):
         exchange(listener, pipe_name, config, within=5.0)
     finally:
         listener.close()
+
+
+# -- the wire decoder: whatever bytes come in, a decode the receiver can allocate, or ProtocolError --
+
+
+MAX_BYTES = 1 << 20
+
+
+def mostly(valid: st.SearchStrategy, invalid: st.SearchStrategy) -> st.SearchStrategy:
+    """Valid three times in four, so that whole messages decode often enough to test that path too."""
+    return st.integers(0, 3).flatmap(lambda k: invalid if k == 0 else valid)
+
+
+@st.composite
+def meta_blocks(draw: st.DrawFn) -> tuple[bytes, int]:
+    """Metadata blocks near the valid ones: codes, ranks, dims and byte counts at and past their limits."""
+    big_dims = st.sampled_from([1 << 20, 1 << 32, (1 << 63) - 1, 1 << 63, (1 << 64) - 1])
+    entries = []
+    for _ in range(draw(st.integers(0, 4))):
+        code = draw(mostly(st.sampled_from(sorted(wire.CODE_DTYPES)), st.integers(0, 255)))
+        ndim = draw(mostly(st.integers(0, 4), st.integers(0, 255)))
+        dims = draw(st.lists(mostly(st.integers(0, 16), big_dims), min_size=ndim, max_size=ndim))
+        itemsize = wire.CODE_DTYPES[code].itemsize if code in wire.CODE_DTYPES else 1
+        true_nbytes = math.prod(dims) * itemsize % (1 << 64)
+        nbytes = draw(mostly(st.just(true_nbytes), st.sampled_from([0, MAX_BYTES + 1, (1 << 64) - 1])))
+        entries.append(bytes([code, ndim]) + b"".join(d.to_bytes(8, "big") for d in [*dims, nbytes]))
+    block = b"".join(entries)
+    if draw(mostly(st.just(False), st.just(True))):
+        cut = draw(st.integers(0, len(block)))
+        block = block[:cut] + draw(st.binary(max_size=8))
+    return block, draw(mostly(st.just(len(entries)), st.integers(0, 8)))
+
+
+def check_allocatable(metas: list[wire.TensorMeta]) -> None:
+    assert sum(m.nbytes for m in metas) <= MAX_BYTES
+    for m in metas:
+        torch.empty(m.shape, dtype=m.dtype)  # what the receiver does next must not fail
+
+
+@FUZZ
+@given(st.binary(max_size=64))
+def test_fuzz_wire_header(data):
+    try:
+        header = wire.decode_header(data)
+    except ProtocolError:
+        return
+    assert header.count <= wire.MAX_TENSORS
+
+
+@FUZZ
+@given(st.one_of(meta_blocks(), st.tuples(st.binary(max_size=200), st.integers(0, 16))))
+def test_fuzz_wire_metadata(block_and_count):
+    block, count = block_and_count
+    try:
+        metas = wire.decode_meta(block, count, MAX_BYTES)
+    except ProtocolError:
+        return
+    assert len(metas) == count
+    check_allocatable(metas)

@@ -49,6 +49,7 @@ class PipeConfig:
     handshake_timeout: float = 5.0  # seconds for the whole handshake, however slowly the peer trickles it
     max_handshakes: int = 64  # handshakes in progress at once; further connections are closed at once
     max_handshakes_per_host: int = 16  # of those, from one source address
+    max_message_bytes: int = 1 << 34  # tensor bytes a received message may claim; checked before allocating
 
 
 class KVPipe(ABC):
@@ -69,11 +70,14 @@ class KVPipe(ABC):
         if self._broken:
             raise PipeError(f"the pipe is broken and must be reconnected: {self._broken}")
 
-    def _fail(self, error: PipeError) -> PipeError:
+    def _fail(self, error: Exception) -> PipeError:
         """What to raise for an error mid-message: the stream can no longer be trusted, so
-        the pipe is broken for good (or it was closed locally under a blocked call)."""
+        the pipe is broken for good (or it was closed locally under a blocked call). Any
+        exception counts (a tensor we could not allocate leaves its bytes on the wire)."""
         if self._closed:
             return PipeClosed("the pipe was closed locally")
+        if not isinstance(error, PipeError):
+            error = PipeError(f"receiving a message failed: {error!r}")
         self._broken = str(error)
         return error
 

@@ -166,7 +166,9 @@ def recv_header(
     with socket_errors("receiving a message header", config.timeout):
         recv_exact_into(sock, view[got:])
         header = wire.decode_header(bytes(buf))
-        metas = wire.decode_meta(recv_exact(sock, header.meta_nbytes), header.count)
+        metas = wire.decode_meta(
+            recv_exact(sock, header.meta_nbytes), header.count, config.max_message_bytes
+        )
     return header.kind, metas
 
 
@@ -203,7 +205,7 @@ class TcpPipe(KVPipe):
                 return self._recv(out)
             except NoMessage:
                 raise  # nothing was consumed: the pipe stays usable
-            except PipeError as e:
+            except Exception as e:
                 raise self._fail(e) from None
 
     def _recv(self, out: list[torch.Tensor] | None) -> list[torch.Tensor] | None:

@@ -162,13 +162,13 @@ class UcxPipe(KVPipe):
                 )
             except PipeTimeout:
                 raise  # nothing consumed: the header recv stays posted for the next recv()
-            except PipeError as e:
+            except Exception as e:
                 self._pending_header = None
                 raise self._fail(e) from None
             self._pending_header = None
             try:
                 return self._recv(header_bytes, out)
-            except PipeError as e:
+            except Exception as e:
                 raise self._fail(e) from None
 
     def _recv(
@@ -180,7 +180,7 @@ class UcxPipe(KVPipe):
             "receiving a message header",
             self._config.timeout,
         )
-        metas = wire.decode_meta(meta, header.count)
+        metas = wire.decode_meta(meta, header.count, self._config.max_message_bytes)
         if header.kind == wire.Kind.CLOSE:
             raise PipeClosed("the peer closed the pipe")
         if header.kind == wire.Kind.NONE:
