@@ -145,7 +145,8 @@ def handshake_socket(
         ) from None
     except PipeClosed as e:
         raise PipeClosed(
-            f"{e}; the peer may have refused us: check kv_auth_token and versions on both"
+            f"{e}; the peer may have refused us: check kv_auth_token and versions on both, "
+            "or it had too many handshakes in progress (retry)"
         ) from None
     sock.settimeout(config.timeout)
 
