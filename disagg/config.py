@@ -30,7 +30,7 @@ class KVTransferConfig:
     kv_parallel_size: int = 2
     kv_ip: str = "127.0.0.1"
     kv_port: int = 14579
-    kv_buffer_size: float = 1e9  # bytes of KV a prefill node holds before inserts wait
+    kv_buffer_size: float = 1e9  # bytes of KV a prefill node holds unsent (inserts wait), a decode node unclaimed
     kv_buffer_device: str = "cpu"
     kv_connector_extra_config: dict | None = None
 

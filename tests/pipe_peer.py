@@ -8,11 +8,17 @@ Modes:
          one into preallocated tensors on --device), check it equals what we expect, send
          it back.
   big    connect, print "sending", then send one message of --count MiB; the test kills us.
+  flood  open --count raw connections and never speak; after a second print, as one JSON
+         line, how many got the listener's hello and how many it closed, then hold the
+         sockets until stdin closes.
 """
 
 import argparse
+import json
 import random
+import socket
 import sys
+import time
 
 import torch
 
@@ -77,12 +83,27 @@ def same(a: list[torch.Tensor] | None, b: list[torch.Tensor] | None) -> bool:
     )
 
 
+def flood(host: str, port: int, count: int) -> None:
+    socks = [socket.create_connection((host, port), timeout=10) for _ in range(count)]
+    time.sleep(1.0)
+    counts = {"hello": 0, "closed": 0, "pending": 0}
+    for s in socks:
+        try:
+            counts["hello" if s.recv(64, socket.MSG_DONTWAIT) else "closed"] += 1
+        except BlockingIOError:
+            counts["pending"] += 1
+        except ConnectionResetError:
+            counts["closed"] += 1
+    print(json.dumps(counts), flush=True)
+    sys.stdin.read()
+
+
 def main() -> int:
     from disagg.pipes import PipeConfig, connect
 
     p = argparse.ArgumentParser()
     p.add_argument("pipe")
-    p.add_argument("mode", choices=["echo", "big"])
+    p.add_argument("mode", choices=["echo", "big", "flood"])
     p.add_argument("host")
     p.add_argument("port", type=int)
     p.add_argument("--token")
@@ -93,6 +114,9 @@ def main() -> int:
         "--device", default="cpu", help="where preallocated receive tensors live"
     )
     args = p.parse_args()
+    if args.mode == "flood":
+        flood(args.host, args.port, args.count)
+        return 0
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)

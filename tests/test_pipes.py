@@ -308,7 +308,7 @@ def test_unknown_pipe_names_the_known_ones():
 def test_wire_rejects_malformed_headers():
     good = wire.encode(wire.Kind.TENSORS, [wire.TensorMeta(torch.float32, (2, 3))])
     head, meta = good[: wire.HEADER.size], good[wire.HEADER.size :]
-    assert wire.decode_meta(meta, 1) == [wire.TensorMeta(torch.float32, (2, 3))]
+    assert wire.decode_meta(meta, 1, 1 << 20) == [wire.TensorMeta(torch.float32, (2, 3))]
     with pytest.raises(ProtocolError, match="bad magic"):
         wire.decode_header(b"XKV1" + head[4:])
     with pytest.raises(ProtocolError, match="version 7, we speak"):
@@ -316,15 +316,23 @@ def test_wire_rejects_malformed_headers():
     with pytest.raises(ProtocolError, match="unknown message kind"):
         wire.decode_header(head[:6] + bytes([9]) + head[7:])
     with pytest.raises(ProtocolError, match="unknown dtype code"):
-        wire.decode_meta(bytes([99]) + meta[1:], 1)
+        wire.decode_meta(bytes([99]) + meta[1:], 1, 1 << 20)
     with pytest.raises(ProtocolError, match="at most 8"):
-        wire.decode_meta(struct.pack("!BB9QQ", 1, 9, *[1] * 9, 4), 1)
+        wire.decode_meta(struct.pack("!BB9QQ", 1, 9, *[1] * 9, 4), 1, 1 << 20)
     with pytest.raises(ProtocolError, match="does not match shape"):
-        wire.decode_meta(struct.pack("!BB2QQ", 1, 2, 2, 3, 25), 1)
+        wire.decode_meta(struct.pack("!BB2QQ", 1, 2, 2, 3, 25), 1, 1 << 20)
     with pytest.raises(ProtocolError, match="truncated"):
-        wire.decode_meta(meta[:-3], 1)
-    with pytest.raises(ProtocolError, match="larger than"):
-        wire.decode_meta(struct.pack("!BB1QQ", 9, 1, 1 << 41, 1 << 41), 1)
+        wire.decode_meta(meta[:-3], 1, 1 << 20)
+    with pytest.raises(ProtocolError, match="larger than 1048576 bytes"):
+        wire.decode_meta(struct.pack("!BB1QQ", 9, 1, (1 << 20) + 1, (1 << 20) + 1), 1, 1 << 20)
+    with pytest.raises(ProtocolError, match="larger than"):  # 512 GiB claimed by two tensors
+        wire.decode_meta(struct.pack("!BB1QQ", 9, 1, 1 << 38, 1 << 38) * 2, 2, 1 << 38)
+    with pytest.raises(ProtocolError, match="too large to allocate"):  # empty, but torch would overflow
+        wire.decode_meta(struct.pack("!BB2QQ", 1, 2, 1 << 63, 0, 0), 1, 1 << 40)
+    with pytest.raises(ProtocolError, match="does not match shape"):  # the product overflows 64 bits
+        wire.decode_meta(struct.pack("!BB2QQ", 9, 2, 1 << 32, 1 << 32, 0), 1, 1 << 40)
+    with pytest.raises(ProtocolError, match="header is 16 bytes, got 3"):
+        wire.decode_header(head[:3])
     with pytest.raises(ProtocolError, match="cannot send dtype"):
         wire.TensorMeta.of(torch.zeros(1, dtype=torch.complex64))
 

@@ -20,7 +20,8 @@ async def run_decode_node(engine: AsyncEngine, model_name: str, kv: KVTransferCo
     consumer = pool = None
     try:
         if kv.kv_role == "consumer":
-            consumer = LookupBufferConsumer(kv.kv_connector, kv.pipe_config(), ttl=kv.extra("buffer_ttl"))
+            consumer = LookupBufferConsumer(kv.kv_connector, kv.pipe_config(), ttl=kv.extra("buffer_ttl"),
+                                            kv_buffer_size=int(kv.kv_buffer_size))
             pool = PrefillPool(prefill_nodes, kv.extra("auth_token"), node_info(engine, model_name, kv))
             await pool.start(timeout=10.0)
         node = DecodeNode(engine, model_name, consumer, pool, kv_advertise=(kv.kv_ip, consumer.address[1]) if consumer else None,

@@ -5,6 +5,11 @@ as "where to send the KV") and accepts any number of producers. One receiver thr
 per connection stores arriving entries by request id; `drop_select` blocks until the
 entry for exactly its request id is there, checks its token digest and hands it over.
 Entries nobody claims expire after `ttl`.
+
+Memory is bounded by `kv_buffer_size`: a message claiming more is refused before it is
+allocated, and an entry that arrives before any lookup asks for it is dropped if the
+entries already held would then exceed the buffer. A malformed message ends only the
+connection that sent it.
 """
 
 import logging
@@ -16,18 +21,20 @@ import torch
 
 from disagg import pipes
 from disagg.lookup_buffer.errors import (
+    BufferFullError,
     DigestMismatch,
     LookupBufferError,
     LookupDiscarded,
     LookupTimeout,
     ProducerLost,
 )
-from disagg.lookup_buffer.messages import Hello, KVEntry, decode, token_digest
-from disagg.pipes.base import KVPipe, PipeConfig, PipeError, PipeTimeout, ProtocolError
+from disagg.lookup_buffer.messages import MAX_HEADER_BYTES, Hello, KVEntry, decode, token_digest
+from disagg.pipes.base import KVPipe, PipeConfig, PipeError, PipeTimeout, ProtocolError, RateLimitedLog
 
 log = logging.getLogger(__name__)
 
 ACCEPT_POLL_S = 0.2  # how soon the accept thread notices close()
+MAX_REFUSED_IDS = 10_000  # dropped entries remembered so their lookups fail at once
 
 
 @dataclass
@@ -41,6 +48,7 @@ class ConsumerStats:
     timeouts: int = 0
     expiries: int = 0  # entries dropped unclaimed after ttl
     digest_mismatches: int = 0
+    refused: int = 0  # entries dropped on arrival: unclaimed entries already filled kv_buffer_size
     producer_losses: int = 0  # lookups failed because their producer's connection broke
     discards: int = 0
 
@@ -56,9 +64,16 @@ class _Arrived:
 class LookupBufferConsumer:
     """Entries pushed by producers, claimed by request id."""
 
-    def __init__(self, pipe_name: str, config: PipeConfig, ttl: float = 60.0) -> None:
+    def __init__(
+        self, pipe_name: str, config: PipeConfig, ttl: float = 60.0, kv_buffer_size: int = 1 << 30
+    ) -> None:
+        if kv_buffer_size <= 0:
+            raise ValueError(f"kv_buffer_size must be positive, got {kv_buffer_size}")
         self.ttl = ttl
-        self._listener = pipes.listen(pipe_name, config)
+        self.kv_buffer_size = kv_buffer_size
+        # No entry larger than the buffer can be kept: refuse its message before allocating it.
+        max_message_bytes = min(config.max_message_bytes, kv_buffer_size + MAX_HEADER_BYTES)
+        self._listener = pipes.listen(pipe_name, replace(config, max_message_bytes=max_message_bytes))
 
         # One condition guards all state below; every arrival, loss, discard and close
         # notifies all waiters, each of which rechecks its own request.
@@ -66,6 +81,9 @@ class LookupBufferConsumer:
         self._closed = False
         self._entries: dict[str, _Arrived] = {}  # insertion order == deadline order (one ttl)
         self._discarded: dict[str, float] = {}  # request id -> deadline: late arrivals are dropped
+        self._waiting: dict[str, int] = {}  # request id -> lookups waiting: its entry is never refused
+        self._refused: dict[str, float] = {}  # request id -> deadline: its lookups fail at once
+        self._refusals = RateLimitedLog(log)
         self._pipes: set[KVPipe] = set()
         self._receivers: list[threading.Thread] = []
         self._losses: dict[tuple[str, int], int] = {}  # broken connections per producer
@@ -93,34 +111,21 @@ class LookupBufferConsumer:
         """Wait up to `timeout` seconds for the entry of `request_id`, remove it and return it.
 
         Raises LookupTimeout if it does not arrive, DigestMismatch if it was computed for
-        other tokens, LookupDiscarded if `discard` was called for it, and, when `source`
-        names the producer expected to send it (its config's kv_ip, kv_port), ProducerLost
-        as soon as a connection from that producer breaks during the wait.
+        other tokens, LookupDiscarded if `discard` was called for it, BufferFullError if it
+        arrived before this lookup while the buffer was full and was dropped, and, when
+        `source` names the producer expected to send it (its config's kv_ip, kv_port),
+        ProducerLost as soon as a connection from that producer breaks during the wait.
         """
         expected = token_digest(token_ids)
         source = (str(source[0]), int(source[1])) if source is not None else None
-        deadline = time.monotonic() + timeout
         with self._cond:
-            losses_at_start = self._losses.get(source, 0)
-            while request_id not in self._entries:
-                self._check_open()
-                if request_id in self._discarded:
-                    raise LookupDiscarded(f"lookup for request {request_id!r} ended: the request was discarded")
-                if source is not None and self._losses.get(source, 0) != losses_at_start:
-                    self._stats.producer_losses += 1
-                    raise ProducerLost(
-                        f"no KV for request {request_id!r}: the connection from producer {source[0]}:{source[1]} "
-                        f"broke while we waited ({self._loss_reasons[source]}); recompute the prefill or retry "
-                        "on another prefill node"
-                    )
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    self._stats.timeouts += 1
-                    raise LookupTimeout(
-                        f"no KV for request {request_id!r} arrived within {timeout}s; the prefill node may be slow, "
-                        "overloaded or unable to reach this decode node: recompute the prefill or raise the timeout"
-                    )
-                self._cond.wait(remaining)
+            self._waiting[request_id] = self._waiting.get(request_id, 0) + 1
+            try:
+                self._wait_for(request_id, timeout, source)
+            finally:
+                self._waiting[request_id] -= 1
+                if not self._waiting[request_id]:
+                    del self._waiting[request_id]
             arrived = self._remove(request_id)
             if arrived.entry.token_digest != expected:
                 self._stats.digest_mismatches += 1
@@ -131,6 +136,36 @@ class LookupBufferConsumer:
                 )
             self._stats.hits += 1
             return arrived.entry
+
+    def _wait_for(self, request_id: str, timeout: float, source: tuple[str, int] | None) -> None:
+        """drop_select's wait, under the lock: returns once the entry is there, or raises why not."""
+        deadline = time.monotonic() + timeout
+        losses_at_start = self._losses.get(source, 0)
+        while request_id not in self._entries:
+            self._check_open()
+            if request_id in self._discarded:
+                raise LookupDiscarded(f"lookup for request {request_id!r} ended: the request was discarded")
+            if request_id in self._refused:
+                raise BufferFullError(
+                    f"KV for request {request_id!r} arrived before its lookup and was dropped: the decode node's "
+                    f"kv_buffer_size ({self.kv_buffer_size} bytes) was full of unclaimed entries; recompute the "
+                    "prefill, and raise kv_buffer_size if this recurs"
+                )
+            if source is not None and self._losses.get(source, 0) != losses_at_start:
+                self._stats.producer_losses += 1
+                raise ProducerLost(
+                    f"no KV for request {request_id!r}: the connection from producer {source[0]}:{source[1]} "
+                    f"broke while we waited ({self._loss_reasons[source]}); recompute the prefill or retry "
+                    "on another prefill node"
+                )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._stats.timeouts += 1
+                raise LookupTimeout(
+                    f"no KV for request {request_id!r} arrived within {timeout}s; the prefill node may be slow, "
+                    "overloaded or unable to reach this decode node: recompute the prefill or raise the timeout"
+                )
+            self._cond.wait(remaining)
 
     def discard(self, request_id: str) -> bool:
         """The request was aborted: drop its entry, end its lookups, and drop it if it arrives
@@ -208,8 +243,11 @@ class LookupBufferConsumer:
                 if not isinstance(entry, KVEntry):
                     raise ProtocolError("a producer sent a second hello on one connection")
                 self._store(entry, source)
-        except PipeError as e:
+        except PipeError as e:  # a malformed message too: this connection ends, the consumer carries on
             reason = str(e)
+        except Exception as e:  # a bug, not the peer; still only this connection ends
+            log.exception("KV consumer: receiving from producer %s failed", source or "(before its hello)")
+            reason = repr(e)
         finally:
             pipe.close()
             with self._cond:
@@ -239,10 +277,26 @@ class LookupBufferConsumer:
                 return
             if entry.request_id in self._entries:  # a resend after a broken connection: keep the newest
                 self._remove(entry.request_id)
+            if entry.request_id not in self._waiting and self._stats.bytes + nbytes > self.kv_buffer_size:
+                self._refuse(entry.request_id, nbytes, source)
+                return
+            self._refused.pop(entry.request_id, None)
             self._entries[entry.request_id] = _Arrived(entry, nbytes, source, time.monotonic() + self.ttl)
             self._stats.entries += 1
             self._stats.bytes += nbytes
             self._cond.notify_all()
+
+    def _refuse(self, request_id: str, nbytes: int, source: tuple[str, int]) -> None:
+        self._stats.refused += 1
+        self._refused.pop(request_id, None)  # re-insert: the dict stays in deadline order
+        self._refused[request_id] = time.monotonic() + self.ttl
+        if len(self._refused) > MAX_REFUSED_IDS:
+            del self._refused[next(iter(self._refused))]
+        self._refusals.warning(
+            "full",
+            f"dropped KV of request {request_id!r} ({nbytes} bytes) from {source[0]}:{source[1]}: "
+            f"{self._stats.bytes} bytes of unclaimed entries already held, kv_buffer_size is {self.kv_buffer_size}",
+        )
 
     def _expire_loop(self) -> None:
         with self._cond:
@@ -259,12 +313,13 @@ class LookupBufferConsumer:
                         "dropped KV of request %r from %s:%d unclaimed after ttl %.1fs",
                         request_id, *arrived.source, self.ttl,
                     )
-                while self._discarded:
-                    request_id, deadline = next(iter(self._discarded.items()))
-                    if deadline > now:
-                        deadlines.append(deadline)
-                        break
-                    del self._discarded[request_id]
+                for ids in (self._discarded, self._refused):
+                    while ids:
+                        request_id, deadline = next(iter(ids.items()))
+                        if deadline > now:
+                            deadlines.append(deadline)
+                            break
+                        del ids[request_id]
                 self._cond.wait(min(deadlines) - now if deadlines else None)
 
     def _remove(self, request_id: str) -> _Arrived:

@@ -6,7 +6,8 @@ class LookupBufferError(RuntimeError):
 
 
 class BufferFullError(LookupBufferError):
-    """The producer's buffer stayed full for `insert_timeout` (the caller answers RESOURCE_EXHAUSTED)."""
+    """The producer's buffer stayed full for `insert_timeout` (the caller answers RESOURCE_EXHAUSTED),
+    or the entry reached a consumer whose buffer was full of unclaimed entries and was dropped."""
 
 
 class LookupTimeout(LookupBufferError, TimeoutError):

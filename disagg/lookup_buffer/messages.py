@@ -7,11 +7,13 @@ with a 1-d uint8 tensor holding a small JSON header; an entry's KV tensors follo
     entry  = [header {"kind": "entry", "version", "request_id", "token_digest", "extras"}, *kv_tensors]
 
 A producer sends one hello as the first message of each connection, so the consumer
-knows which producer a connection (and its failure) belongs to.
+knows which producer a connection (and its failure) belongs to. `decode` checks every
+field's type and size: whatever a peer sends gives a Hello, a KVEntry or ProtocolError.
 """
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,6 +22,10 @@ import torch
 from disagg.pipes.base import ProtocolError
 
 PROTOCOL_VERSION = 1
+MAX_HEADER_BYTES = 64 << 10  # a header is a few hundred bytes
+MAX_REQUEST_ID_CHARS = 256  # the decode node's API takes X-Request-Id of at most 128
+MAX_HOST_CHARS = 255
+DIGEST = re.compile(r"[0-9a-f]{64}")  # token_digest's hex sha256
 
 Extras = dict[str, int | float | str]
 
@@ -70,6 +76,14 @@ def check_extras(extras: Extras) -> None:
             )
 
 
+def check_request_id(request_id: object) -> None:
+    """Request ids key the consumer's entries and appear in its logs: a str of bounded length."""
+    if not isinstance(request_id, str):
+        raise TypeError(f"request id must be a str, got {type(request_id).__name__}")
+    if not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+        raise ValueError(f"request id must be 1 to {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}")
+
+
 def encode_hello(hello: Hello) -> list[torch.Tensor]:
     return [_header({"kind": "hello", "version": hello.version, "source": list(hello.source)})]
 
@@ -87,28 +101,43 @@ def encode_entry(entry: KVEntry) -> list[torch.Tensor]:
 
 def decode(message: list[torch.Tensor] | None) -> Hello | KVEntry:
     """Parse a received message; ProtocolError names what was wrong with it."""
-    if not message or message[0].dtype != torch.uint8 or message[0].dim() != 1:
-        raise ProtocolError("lookup-buffer message must start with a 1-d uint8 header tensor")
+    if not message or message[0].dtype != torch.uint8 or message[0].dim() != 1 or message[0].is_cuda:
+        raise ProtocolError("lookup-buffer message must start with a 1-d uint8 CPU header tensor")
+    if message[0].numel() > MAX_HEADER_BYTES:
+        raise ProtocolError(f"lookup-buffer header of {message[0].numel()} bytes; at most {MAX_HEADER_BYTES}")
     try:
         header = json.loads(message[0].numpy().tobytes())
+        if not isinstance(header, dict):
+            raise TypeError(f"the header must be a JSON object, got {type(header).__name__}")
         kind, version = header["kind"], header["version"]
         if version != PROTOCOL_VERSION:
             raise ProtocolError(
-                f"peer speaks lookup-buffer protocol version {version}, we speak {PROTOCOL_VERSION}: "
+                f"peer speaks lookup-buffer protocol version {version!r:.20}, we speak {PROTOCOL_VERSION}: "
                 "run the same disagg version on prefill and decode nodes"
             )
         if kind == "hello":
-            host, port = header["source"]
-            return Hello(source=(str(host), int(port)), version=version)
+            return Hello(source=_source(header["source"]), version=version)
         if kind == "entry":
-            extras = header["extras"]
+            request_id, digest, extras = header["request_id"], header["token_digest"], header["extras"]
+            check_request_id(request_id)
+            if not isinstance(digest, str) or not DIGEST.fullmatch(digest):
+                raise ValueError(f"token_digest must be 64 lowercase hex digits, got {digest!r:.80}")
             if not isinstance(extras, dict):
                 raise TypeError(f"extras must be a map, got {type(extras).__name__}")
             check_extras(extras)
-            return KVEntry(header["request_id"], header["token_digest"], list(message[1:]), extras)
-    except (ValueError, KeyError, TypeError) as e:
-        raise ProtocolError(f"malformed lookup-buffer header: {e!r}") from None
-    raise ProtocolError(f"unknown lookup-buffer message kind {kind!r}")
+            return KVEntry(request_id, digest, list(message[1:]), extras)
+    except (ValueError, KeyError, TypeError, RecursionError) as e:  # RecursionError: deeply nested JSON
+        raise ProtocolError(f"malformed lookup-buffer header: {e!r:.300}") from None
+    raise ProtocolError(f"unknown lookup-buffer message kind {kind!r:.40}")
+
+
+def _source(value: object) -> tuple[str, int]:
+    host, port = value  # ValueError or TypeError unless a pair
+    if not isinstance(host, str) or len(host) > MAX_HOST_CHARS:
+        raise ValueError(f"source host must be a str of at most {MAX_HOST_CHARS} characters, got {host!r:.80}")
+    if not isinstance(port, int) or not 0 <= port < 65536:
+        raise ValueError(f"source port must be a port number, got {port!r:.20}")
+    return host, port
 
 
 def _header(obj: dict) -> torch.Tensor:

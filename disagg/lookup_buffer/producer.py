@@ -17,7 +17,16 @@ import torch
 
 from disagg import pipes
 from disagg.lookup_buffer.errors import BufferFullError, LookupBufferError
-from disagg.lookup_buffer.messages import Extras, Hello, KVEntry, check_extras, encode_entry, encode_hello, token_digest
+from disagg.lookup_buffer.messages import (
+    Extras,
+    Hello,
+    KVEntry,
+    check_extras,
+    check_request_id,
+    encode_entry,
+    encode_hello,
+    token_digest,
+)
 from disagg.pipes.base import KVPipe, PipeClosed, PipeConfig, PipeError, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -99,6 +108,7 @@ class LookupBufferProducer:
         must not modify them afterwards. Waits up to `insert_timeout` for space, then
         raises BufferFullError.
         """
+        check_request_id(request_id)  # what the consumer would refuse is refused here, before it is sent
         extras = dict(extras or {})
         check_extras(extras)
         entry = KVEntry(request_id, token_digest(token_ids), list(kv_tensors), extras)

@@ -6,13 +6,17 @@ connection being its own `KVPipe`; the other side connects. This is what lets
 one prefill node feed several decode nodes and the reverse (xPyD).
 """
 
+import logging
 import queue
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 class PipeError(RuntimeError):
@@ -41,6 +45,11 @@ class PipeConfig:
     kv_port: int = 14579
     auth_token: str | None = None  # shared secret checked in the handshake
     timeout: float = 30.0  # seconds a send/recv may stall before PipeTimeout
+    # What a peer that never authenticates, or sends nonsense once it has, can cost a listener.
+    handshake_timeout: float = 5.0  # seconds for the whole handshake, however slowly the peer trickles it
+    max_handshakes: int = 64  # handshakes in progress at once; further connections are closed at once
+    max_handshakes_per_host: int = 16  # of those, from one source address
+    max_message_bytes: int = 1 << 34  # tensor bytes a received message may claim; checked before allocating
 
 
 class KVPipe(ABC):
@@ -61,11 +70,14 @@ class KVPipe(ABC):
         if self._broken:
             raise PipeError(f"the pipe is broken and must be reconnected: {self._broken}")
 
-    def _fail(self, error: PipeError) -> PipeError:
+    def _fail(self, error: Exception) -> PipeError:
         """What to raise for an error mid-message: the stream can no longer be trusted, so
-        the pipe is broken for good (or it was closed locally under a blocked call)."""
+        the pipe is broken for good (or it was closed locally under a blocked call). Any
+        exception counts (a tensor we could not allocate leaves its bytes on the wire)."""
         if self._closed:
             return PipeClosed("the pipe was closed locally")
+        if not isinstance(error, PipeError):
+            error = PipeError(f"receiving a message failed: {error!r}")
         self._broken = str(error)
         return error
 
@@ -94,14 +106,68 @@ class KVPipe(ABC):
         """Close this connection; the peer's pending recv raises PipeClosed."""
 
 
+class RateLimitedLog:
+    """Warnings that at most once per `interval` seconds per reason reach the log, the next
+    one counting those held back: a flood of bad peers must not become a flood of lines."""
+
+    def __init__(self, log: logging.Logger, interval: float = 10.0) -> None:
+        self._log = log
+        self._interval = interval
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}  # reason -> time.monotonic() of its last line
+        self._held: dict[str, int] = {}  # reason -> lines not logged since
+
+    def warning(self, reason: str, message: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(reason)
+            if last is not None and now - last < self._interval:
+                self._held[reason] = self._held.get(reason, 0) + 1
+                return
+            self._last[reason] = now
+            held = self._held.pop(reason, 0)
+        if held:
+            message += f" ({held} more like it in the last {self._interval:.0f}s not logged)"
+        self._log.warning(message)
+
+
 class PipeListener(ABC):
     """A bound endpoint that accepts peers. A transport admits each peer on its own thread
     (the handshake can be slow or hostile) and hands the pipes that passed to `_admitted`;
-    accept() takes them in order."""
+    accept() takes them in order.
 
-    def __init__(self) -> None:
+    Peers that have not authenticated yet are bounded: at most `max_handshakes` at a time
+    (`max_handshakes_per_host` from one address), each for at most `handshake_timeout`, so
+    idle or trickling connections cannot pile up threads and sockets."""
+
+    def __init__(self, config: PipeConfig) -> None:
+        self._config = config
         self._ready: queue.Queue[KVPipe | None] = queue.Queue()  # None: the listener closed
         self._closed = threading.Event()
+        self._handshakes_lock = threading.Lock()
+        self._handshakes: dict[str | None, int] = {}  # source address (None: unknown) -> in progress
+        self._rejections = RateLimitedLog(logger)
+
+    def _start_handshake(self, host: str | None) -> bool:
+        """Take a handshake slot for a new peer from `host` (None where the transport cannot
+        tell), or refuse the peer: False, and the caller closes its connection at once."""
+        with self._handshakes_lock:
+            total, mine = sum(self._handshakes.values()), self._handshakes.get(host, 0)
+            if total >= self._config.max_handshakes:
+                limit, why = "max_handshakes", f"{total} handshakes in progress"
+            elif host is not None and mine >= self._config.max_handshakes_per_host:
+                limit, why = "max_handshakes_per_host", f"{mine} handshakes from it in progress"
+            else:
+                self._handshakes[host] = mine + 1
+                return True
+        self._rejections.warning(limit, f"refused a pipe peer from {host} at once: {why} ({limit})")
+        return False
+
+    def _end_handshake(self, host: str | None) -> None:
+        with self._handshakes_lock:
+            self._handshakes[host] -= 1
+            if not self._handshakes[host]:
+                del self._handshakes[host]
 
     def accept(self, timeout: float | None = None) -> KVPipe:
         """Wait for the next peer that passes the handshake; PipeTimeout if none came."""

@@ -4,12 +4,13 @@ into the destination tensor's memory.
 Timeouts: every socket call waits at most `config.timeout` for progress. A recv
 that times out before the first byte of a message leaves the pipe usable (the
 caller may simply recv again); a timeout or error mid-message breaks the pipe,
-because the byte stream can no longer be trusted.
+because the byte stream can no longer be trusted. The handshake as a whole must
+finish within `config.handshake_timeout`.
 """
 
-import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -23,8 +24,6 @@ from disagg.pipes.base import (
     PipeListener,
     PipeTimeout,
 )
-
-logger = logging.getLogger(__name__)
 
 IOV_MAX = 1024  # sendmsg() takes at most this many buffers per call on Linux
 
@@ -113,18 +112,43 @@ def configure(sock: socket.socket, config: PipeConfig) -> None:
 def handshake_socket(
     sock: socket.socket, config: PipeConfig, is_listener: bool
 ) -> None:
+    """The handshake under one deadline: a peer trickling a byte at a time cannot stretch it."""
+    deadline = time.monotonic() + config.handshake_timeout
+
+    def remaining() -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        return left
+
+    def send(data: bytes) -> None:
+        sock.settimeout(remaining())  # bounds all of sendall, not each chunk
+        sock.sendall(data)
+
+    def recv(nbytes: int) -> bytes:
+        buf = bytearray(nbytes)
+        view, got = memoryview(buf), 0
+        while got < nbytes:
+            sock.settimeout(remaining())
+            n = sock.recv_into(view[got:])
+            if n == 0:
+                raise PipeClosed("the peer closed the connection (or died)")
+            got += n
+        return bytes(buf)
+
     try:
-        with socket_errors("pipe handshake", config.timeout):
-            wire.handshake(
-                sock.sendall,
-                lambda n: recv_exact(sock, n),
-                config.auth_token,
-                is_listener,
-            )
+        with socket_errors("pipe handshake", config.handshake_timeout):
+            wire.handshake(send, recv, config.auth_token, is_listener)
+    except PipeTimeout:
+        raise PipeTimeout(
+            f"pipe handshake not done within {config.handshake_timeout}s (handshake_timeout); is the peer a disagg pipe?"
+        ) from None
     except PipeClosed as e:
         raise PipeClosed(
-            f"{e}; the peer may have refused us: check kv_auth_token and versions on both"
+            f"{e}; the peer may have refused us: check kv_auth_token and versions on both, "
+            "or it had too many handshakes in progress (retry)"
         ) from None
+    sock.settimeout(config.timeout)
 
 
 def recv_header(
@@ -143,7 +167,9 @@ def recv_header(
     with socket_errors("receiving a message header", config.timeout):
         recv_exact_into(sock, view[got:])
         header = wire.decode_header(bytes(buf))
-        metas = wire.decode_meta(recv_exact(sock, header.meta_nbytes), header.count)
+        metas = wire.decode_meta(
+            recv_exact(sock, header.meta_nbytes), header.count, config.max_message_bytes
+        )
     return header.kind, metas
 
 
@@ -180,7 +206,7 @@ class TcpPipe(KVPipe):
                 return self._recv(out)
             except NoMessage:
                 raise  # nothing was consumed: the pipe stays usable
-            except PipeError as e:
+            except Exception as e:
                 raise self._fail(e) from None
 
     def _recv(self, out: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
@@ -233,8 +259,7 @@ class TcpListener(PipeListener):
         config: PipeConfig,
         make_pipe: Callable[[socket.socket, PipeConfig], KVPipe] = TcpPipe,
     ):
-        super().__init__()
-        self._config = config
+        super().__init__(config)
         self._make_pipe = make_pipe
         try:
             self._sock = socket.create_server(
@@ -259,8 +284,16 @@ class TcpListener(PipeListener):
                 sock, peer = self._sock.accept()
             except TimeoutError:
                 continue
-            except OSError:
-                return
+            except OSError as e:
+                if self._closed.is_set():
+                    return
+                # Out of file descriptors or memory, for now: keep listening, slowly.
+                self._rejections.warning("accept", f"pipe listener: accept failed: {e}")
+                time.sleep(0.1)
+                continue
+            if not self._start_handshake(peer[0]):
+                sock.close()
+                continue
             threading.Thread(
                 target=self._admit, args=(sock, peer), name="pipe-admit", daemon=True
             ).start()
@@ -271,9 +304,13 @@ class TcpListener(PipeListener):
             handshake_socket(sock, self._config, is_listener=True)
             pipe = self._make_pipe(sock, self._config)
         except Exception as e:  # noqa: BLE001  a bad peer is logged and dropped, never fatal to the listener
-            logger.warning("rejected pipe peer %s:%s: %s", peer[0], peer[1], e)
+            self._rejections.warning(
+                type(e).__name__, f"rejected pipe peer {peer[0]}:{peer[1]}: {e}"
+            )
             sock.close()
             return
+        finally:
+            self._end_handshake(peer[0])
         self._admitted(pipe)
 
     def _stop_listening(self) -> None:

@@ -61,9 +61,10 @@ class ControlReader:
     sender that runs ahead queues several, so one recv() usually serves many messages:
     at 16 MiB NCCL needs ~60 us a message, and the receiver's CPU must keep up."""
 
-    def __init__(self, sock: socket.socket, timeout: float):
+    def __init__(self, sock: socket.socket, config: PipeConfig):
         self._sock = sock
-        self._timeout = timeout
+        self._timeout = config.timeout
+        self._max_message_bytes = config.max_message_bytes
         self._buf = bytearray(1 << 16)
         self._start = self._end = 0  # unread bytes are _buf[_start:_end]
 
@@ -75,7 +76,7 @@ class ControlReader:
             except PipeTimeout as e:
                 raise tcp.NoMessage(str(e)) from None
         header = wire.decode_header(self._take(wire.HEADER.size))
-        metas = wire.decode_meta(self._take(header.meta_nbytes), header.count)
+        metas = wire.decode_meta(self._take(header.meta_nbytes), header.count, self._max_message_bytes)
         return header.kind, metas, self._take(header.count)
 
     def read_into(self, view: memoryview) -> None:
@@ -116,7 +117,7 @@ class TorchDistPipe(KVPipe):
     ):
         super().__init__()
         self._sock = sock
-        self._reader = ControlReader(sock, config.timeout)
+        self._reader = ControlReader(sock, config)
         self._config = config
         self._store = store  # the listener side hosts it; keep it alive as long as the pipe
         self._gloo = gloo
@@ -162,7 +163,7 @@ class TorchDistPipe(KVPipe):
                 return self._recv(out)
             except tcp.NoMessage:
                 raise  # nothing was consumed: the pipe stays usable
-            except PipeError as e:
+            except Exception as e:
                 raise self._fail(e) from None
 
     def _recv(self, out: list[torch.Tensor] | None) -> list[torch.Tensor] | None:

@@ -6,15 +6,19 @@ process shares one private event-loop thread and the blocking methods below run
 coroutines on it. Each message is tag messages on the endpoint's own tag, in order:
 the fixed header, the metadata block, then one message per non-empty tensor.
 
-The listener binds config.kv_port on all interfaces (ucxx takes no bind address).
+The listener binds config.kv_port on all interfaces: ucxx's listener takes a port and
+no address, so kv_ip only names the endpoint. Peers that connect but never finish the
+handshake are bounded as on the other pipes, except per source address (a ucxx endpoint
+does not tell it).
+
 Timeouts bound each step (the header, the metadata, all of a message's tensor bytes),
 not the progress within it: size config.timeout for the largest message.
 """
 
 import asyncio
-import logging
 import os
 import threading
+import time
 from collections.abc import Coroutine
 from concurrent.futures import Future
 
@@ -41,8 +45,6 @@ except ImportError as e:
     raise ImportError(
         f"the ucx pipe needs ucxx ({e}): pip install ucxx-cu12 (or pip install 'disagg[ucx]')"
     ) from e
-
-logger = logging.getLogger(__name__)
 
 _loop: asyncio.AbstractEventLoop | None = None
 _loop_lock = threading.Lock()
@@ -99,16 +101,22 @@ async def _recv_bytes(ep: "ucxx.Endpoint", nbytes: int) -> bytes:
 
 
 def _handshake(ep: "ucxx.Endpoint", config: PipeConfig, is_listener: bool) -> None:
-    wire.handshake(
-        lambda b: _wait(
-            _submit(_send_all(ep, [np.frombuffer(b, np.uint8)])),
-            "pipe handshake",
-            config.timeout,
-        ),
-        lambda n: _wait(_submit(_recv_bytes(ep, n)), "pipe handshake", config.timeout),
-        config.auth_token,
-        is_listener,
-    )
+    deadline = time.monotonic() + config.handshake_timeout
+
+    def wait(future: Future) -> object:
+        return _wait(future, "pipe handshake", max(0.0, deadline - time.monotonic()))
+
+    try:
+        wire.handshake(
+            lambda b: wait(_submit(_send_all(ep, [np.frombuffer(b, np.uint8)]))),
+            lambda n: wait(_submit(_recv_bytes(ep, n))),
+            config.auth_token,
+            is_listener,
+        )
+    except PipeTimeout:
+        raise PipeTimeout(
+            f"pipe handshake not done within {config.handshake_timeout}s (handshake_timeout); is the peer a disagg pipe?"
+        ) from None
 
 
 class UcxPipe(KVPipe):
@@ -154,13 +162,13 @@ class UcxPipe(KVPipe):
                 )
             except PipeTimeout:
                 raise  # nothing consumed: the header recv stays posted for the next recv()
-            except PipeError as e:
+            except Exception as e:
                 self._pending_header = None
                 raise self._fail(e) from None
             self._pending_header = None
             try:
                 return self._recv(header_bytes, out)
-            except PipeError as e:
+            except Exception as e:
                 raise self._fail(e) from None
 
     def _recv(
@@ -172,7 +180,7 @@ class UcxPipe(KVPipe):
             "receiving a message header",
             self._config.timeout,
         )
-        metas = wire.decode_meta(meta, header.count)
+        metas = wire.decode_meta(meta, header.count, self._config.max_message_bytes)
         if header.kind == wire.Kind.CLOSE:
             raise PipeClosed("the peer closed the pipe")
         if header.kind == wire.Kind.NONE:
@@ -216,8 +224,7 @@ async def _abort(ep: "ucxx.Endpoint") -> None:
 
 class UcxListener(PipeListener):
     def __init__(self, config: PipeConfig):
-        super().__init__()
-        self._config = config
+        super().__init__(config)
         try:
             self._listener = _submit(self._create(config.kv_port)).result(
                 config.timeout
@@ -237,6 +244,9 @@ class UcxListener(PipeListener):
 
     def _on_connect(self, ep: "ucxx.Endpoint") -> None:
         # Runs on the event loop: the blocking handshake must not, so hand it to a thread.
+        if not self._start_handshake(None):
+            ep.abort()
+            return
         threading.Thread(
             target=self._admit, args=(ep,), name="ucx-admit", daemon=True
         ).start()
@@ -245,9 +255,11 @@ class UcxListener(PipeListener):
         try:
             _handshake(ep, self._config, is_listener=True)
         except Exception as e:  # noqa: BLE001  a bad peer is logged and dropped, never fatal to the listener
-            logger.warning("rejected ucx pipe peer: %s", e)
+            self._rejections.warning(type(e).__name__, f"rejected ucx pipe peer: {e}")
             _submit(_abort(ep))
             return
+        finally:
+            self._end_handshake(None)
         self._admitted(UcxPipe(ep, self._config))
 
     def _stop_listening(self) -> None:

@@ -13,6 +13,9 @@ The handshake runs once per connection, both sides at the same time:
 
 Each side checks the peer's hello and proof itself, so both ends learn why a
 connection was refused.
+
+The decoders trust nothing they parse: any bytes in give a header and metadata whose
+tensors can be allocated within the receiver's max_message_bytes, or ProtocolError.
 """
 
 import enum
@@ -33,9 +36,6 @@ PROTOCOL_VERSION = 1
 
 MAX_TENSORS = 1 << 16
 MAX_NDIM = 8
-MAX_MESSAGE_BYTES = (
-    1 << 40
-)  # 1 TiB: anything larger is a corrupt header, not a KV cache
 
 HEADER = struct.Struct("!4sHBxII")
 ENTRY_HEAD = struct.Struct("!BB")
@@ -107,6 +107,8 @@ def encode(kind: Kind, metas: list[TensorMeta] = ()) -> bytes:
 
 
 def decode_header(buf: bytes) -> Header:
+    if len(buf) != HEADER.size:
+        raise ProtocolError(f"a message header is {HEADER.size} bytes, got {len(buf)}")
     magic, version, kind, count, meta_nbytes = HEADER.unpack(buf)
     if magic != MAGIC:
         raise ProtocolError(
@@ -131,7 +133,9 @@ def decode_header(buf: bytes) -> Header:
     return Header(KINDS[kind], count, meta_nbytes)
 
 
-def decode_meta(buf: bytes, count: int) -> list[TensorMeta]:
+def decode_meta(buf: bytes, count: int, max_bytes: int) -> list[TensorMeta]:
+    """The metadata block of `count` tensors, refused unless their bytes fit in `max_bytes`:
+    the receiver allocates what a header claims before any of it arrives."""
     metas, offset, total = [], 0, 0
     try:
         for i in range(count):
@@ -147,9 +151,15 @@ def decode_meta(buf: bytes, count: int) -> list[TensorMeta]:
                 raise ProtocolError(
                     f"tensor {i}: {nbytes} bytes does not match shape {meta.shape} of {meta.dtype}"
                 )
+            # An empty tensor's other dims still reach torch, which computes strides from them.
+            if nbytes == 0 and math.prod(d or 1 for d in shape) * meta.dtype.itemsize > max_bytes:
+                raise ProtocolError(f"tensor {i}: shape {meta.shape} has dims too large to allocate")
             total += nbytes
-            if total > MAX_MESSAGE_BYTES:
-                raise ProtocolError(f"message larger than {MAX_MESSAGE_BYTES} bytes")
+            if total > max_bytes:
+                raise ProtocolError(
+                    f"message larger than {max_bytes} bytes (tensor {i}: {meta.dtype}{list(meta.shape)}), "
+                    "the receiver's max_message_bytes; raise it on the receiving side if such messages are expected"
+                )
             metas.append(meta)
     except struct.error as e:
         raise ProtocolError(f"truncated metadata block: {e}") from None
