@@ -328,7 +328,7 @@ def test_huge_bodies_get_413_and_long_prompts_leave_health_answering(server, llm
         async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=60) as client:
             return await asyncio.gather(client.post("/v1/completions", content=huge),
                                         client.post("/v1/completions", content=chunked(huge)),
-                                        *(client.post("/v1/completions", content=long_prompt) for _ in range(8)))
+                                        *(client.post("/v1/completions", content=long_prompt) for _ in range(24)))
 
     stop, latencies = threading.Event(), []
     poller = threading.Thread(target=poll_health, args=(server.url, stop, latencies))
@@ -342,7 +342,9 @@ def test_huge_bodies_get_413_and_long_prompts_leave_health_answering(server, llm
         assert_openai_error(response, 413, "--max-request-body-bytes")
     for response in long_ones:
         assert_openai_error(response, 400, "max_model_len")
-    assert latencies and max(latencies) < 0.25, latencies
+    # Tokenized on the event loop, the 24 prompts held /health up for seconds; off it, a poll waits
+    # at most for a GIL switch and body parsing (well under a second even on a loaded 2-core CI box).
+    assert latencies and max(latencies) < 1.0, latencies
 
     over = post(server, "/v1/completions", {"prompt": "a" * (char_limit + 1), "max_tokens": 2})
     assert_openai_error(over, 400, f"at most {char_limit}")
