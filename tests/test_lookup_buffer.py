@@ -51,8 +51,10 @@ def make_consumer() -> Iterator[Callable[..., LookupBufferConsumer]]:
 def make_producer() -> Iterator[Callable[..., LookupBufferProducer]]:
     producers = []
 
-    def make(kv_buffer_size: int = 1 << 20, ttl: float = 30.0, insert_timeout: float = 5.0) -> LookupBufferProducer:
-        producers.append(LookupBufferProducer("tcp", PipeConfig(kv_port=0), kv_buffer_size, ttl, insert_timeout))
+    def make(kv_buffer_size: int = 1 << 20, ttl: float = 30.0, insert_timeout: float = 5.0,
+             **kwargs) -> LookupBufferProducer:
+        producers.append(LookupBufferProducer("tcp", PipeConfig(kv_port=0), kv_buffer_size, ttl, insert_timeout,
+                                              **kwargs))
         return producers[-1]
 
     yield make
@@ -178,6 +180,30 @@ def test_producer_ttl_frees_unreachable_entries(make_producer):
     stats = producer.stats()
     assert (stats.bytes, stats.expiries, stats.sent) == (0, 1, 0)
     assert stats.send_errors >= 1
+
+
+def sender_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("kv-producer-send-")]
+
+
+@pytest.mark.timeout(30)
+def test_senders_survive_unresolvable_names_and_idle_ones_go_away(make_consumer, make_producer):
+    """A destination whose name cannot even be encoded (a 70-character label) is retried until its
+    entry expires, like an unreachable one, without hurting other destinations; a sender with
+    nothing to send closes its connection and ends, and the next insert starts a new one."""
+    consumer = make_consumer()
+    producer = make_producer(ttl=1.0, idle_sender_s=0.5)
+    token_ids, kv, extras = make_request(0)
+    producer.insert("req-bad", token_ids, kv, extras, ("a" * 70 + ".example", 9))
+    for i in (1, 2):
+        token_ids, kv, extras = make_request(i)
+        producer.insert(f"req-{i}", token_ids, kv, extras, consumer.address)
+        assert_entry(lookup(consumer, i), i)
+        if i == 1:
+            wait_until(lambda: sender_threads() == [], timeout=10.0)  # both idle once req-bad expired
+            assert producer.stats().expiries == 1 and producer.stats().send_errors >= 1
+    wait_until(lambda: sender_threads() == [], timeout=10.0)
+    assert producer.stats().sent == 2
 
 
 @pytest.mark.timeout(30)

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 # Reconnect backoff: quick after a blip, at most one attempt a second against a dead node.
 RETRY_MIN_S = 0.05
 RETRY_MAX_S = 1.0
+IDLE_SENDER_S = 60.0  # a destination with nothing to send this long loses its thread and connection
 
 
 @dataclass
@@ -70,7 +71,8 @@ class LookupBufferProducer:
     """
 
     def __init__(
-        self, pipe_name: str, config: PipeConfig, kv_buffer_size: int, ttl: float, insert_timeout: float
+        self, pipe_name: str, config: PipeConfig, kv_buffer_size: int, ttl: float, insert_timeout: float,
+        idle_sender_s: float = IDLE_SENDER_S,
     ) -> None:
         if kv_buffer_size <= 0:
             raise ValueError(f"kv_buffer_size must be positive, got {kv_buffer_size}")
@@ -79,6 +81,7 @@ class LookupBufferProducer:
         self.kv_buffer_size = kv_buffer_size
         self.ttl = ttl
         self.insert_timeout = insert_timeout
+        self.idle_sender_s = idle_sender_s
         self.source = (config.kv_ip, config.kv_port)
 
         # One condition guards all state below; every change that may unblock someone
@@ -195,8 +198,13 @@ class LookupBufferProducer:
         retry_s = RETRY_MIN_S
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._closed or queue)
+                self._cond.wait_for(lambda: self._closed or queue, self.idle_sender_s)
                 if self._closed:
+                    break
+                if not queue:  # idle: give back the thread and the connection; insert makes new ones
+                    del self._senders[dest], self._queues[dest]
+                    self._pipes.pop(dest, None)
+                    self._last_error.pop(dest, None)
                     break
             pending: _Pending | None = None
             try:
@@ -208,7 +216,7 @@ class LookupBufferProducer:
                     pending = queue.popleft()
                     pending.sending = True
                 pipe.send(encode_entry(pending.entry))
-            except PipeError as e:
+            except Exception as e:  # noqa: BLE001  any failure (a name that cannot resolve, too) is retried until the entries expire
                 if isinstance(e, ProtocolError) and pending is not None:
                     # The pipe refused to encode this entry (e.g. a dtype it cannot carry): a retry
                     # would fail the same way. Drop it and keep the pipe; if that broke too, the
@@ -253,7 +261,7 @@ class LookupBufferProducer:
                 log.info("reconnected to decode node %s:%d", *dest)
         return pipe
 
-    def _on_send_error(self, dest: tuple[str, int], error: PipeError, connected: bool) -> None:
+    def _on_send_error(self, dest: tuple[str, int], error: Exception, connected: bool) -> None:
         what = "lost the connection to" if connected else "cannot connect to"
         self._stats.send_errors += 1
         if dest not in self._last_error:  # warn once per outage, not once per retry
