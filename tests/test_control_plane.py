@@ -63,8 +63,9 @@ def engine(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterato
 
 
 @pytest.fixture(scope="module")
-def make_node(engine: AsyncEngine) -> Iterator[Callable[..., PrefillNode]]:
-    """make_node(kv_buffer_size=...) -> a PrefillNode on the shared engine, as run_prefill_node builds it."""
+def make_node(engine: AsyncEngine, consumer: LookupBufferConsumer) -> Iterator[Callable[..., PrefillNode]]:
+    """make_node(kv_buffer_size=...) -> a PrefillNode on the shared engine, as run_prefill_node builds
+    it, with the test's decode endpoint (`consumer`) registered as its Info handshake would."""
     producers = []
 
     def make(kv_buffer_size: int = 10**8) -> PrefillNode:
@@ -72,7 +73,9 @@ def make_node(engine: AsyncEngine) -> Iterator[Callable[..., PrefillNode]]:
         producer = LookupBufferProducer(kv.kv_connector, PipeConfig(kv.kv_ip, kv.kv_port, TOKEN, 5.0),
                                         kv_buffer_size, ttl=10.0, insert_timeout=0.5)
         producers.append(producer)
-        return PrefillNode(engine, producer, node_info(engine, "tiny-llama", kv))
+        node = PrefillNode(engine, producer, node_info(engine, "tiny-llama", kv))
+        node.register(consumer.address)
+        return node
 
     yield make
     for producer in producers:
@@ -207,6 +210,29 @@ def test_prefill_errors_map_to_status_codes(node: PrefillNode, make_node: Callab
     assert busy.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "kv_buffer_size" in str(busy)
     for error, words in zip(refusals, ["max_model_len", "temperature", "seed", "top_k"]):
         assert error.code == grpc.StatusCode.INVALID_ARGUMENT and words in str(error), error
+
+
+@pytest.mark.timeout(60)
+def test_kv_goes_only_to_decode_nodes_registered_at_their_handshake(node: PrefillNode,
+                                                                    consumer: LookupBufferConsumer):
+    elsewhere = ("127.0.0.2", consumer.address[1])  # any address a caller might name
+    inserts = node.producer.stats().inserts
+
+    async def scenario():
+        server = await start_grpc_server(node, "127.0.0.1", 0, None)
+        client = PrefillClient(address(server), None)
+        try:
+            call = PrefillCall("elsewhere", PROMPT, SamplingParams(temperature=0.0), elsewhere)
+            refused = await refusal(client, call)
+            await client.connect(node.info, timeout=5, kv_endpoint=elsewhere)
+            return refused, node.is_registered(elsewhere)
+        finally:
+            await client.close()
+            await server.stop(0)
+
+    refused, registered = run(scenario())
+    assert refused.code == grpc.StatusCode.FAILED_PRECONDITION and "not a registered decode node" in str(refused)
+    assert registered and node.producer.stats().inserts == inserts  # nothing was computed or queued for it
 
 
 @pytest.mark.timeout(60)

@@ -74,10 +74,13 @@ class PrefillClient:
         self.outstanding = 0  # Prefill calls in flight
         self.calls = 0  # Prefill calls made, to break ties so light traffic still alternates
 
-    async def connect(self, expected: NodeInfo, timeout: float) -> NodeInfo:
-        """The Info handshake: the node's NodeInfo, checked against `expected` (this node's)."""
+    async def connect(self, expected: NodeInfo, timeout: float, kv_endpoint: tuple[str, int] | None = None) -> NodeInfo:
+        """The Info handshake: the node's NodeInfo, checked against `expected` (this node's).
+        `kv_endpoint`: our pipe endpoint, registered with the node as a place its KV may go."""
+        host, port = kv_endpoint or ("", 0)
         try:
-            msg = await self.stub.Info(pb.InfoRequest(), timeout=timeout, metadata=self.metadata)
+            msg = await self.stub.Info(pb.InfoRequest(kv_host=host, kv_port=port), timeout=timeout,
+                                       metadata=self.metadata)
         except grpc.aio.AioRpcError as e:
             raise self._error(e, "Info", timeout) from None
         peer = convert.node_info_from_proto(msg)
@@ -116,8 +119,10 @@ class PrefillClient:
                     last, deadline = progress, time.monotonic() + idle_timeout
         except grpc.aio.AioRpcError as e:
             error = self._error(e, f"Prefill of {call.request_id}", idle_timeout)
-            if isinstance(error, PrefillNodeUnavailable):
-                self.mark_unhealthy(str(error))  # don't send it more work until a health check passes
+            # Unreachable, or restarted and forgot our registration: no more work until the
+            # health loop has reconnected (and so registered us again).
+            if isinstance(error, PrefillNodeUnavailable) or e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                self.mark_unhealthy(str(error))
             raise error from None
         finally:
             stream.cancel()  # no-op once finished; otherwise the node aborts the prefill
@@ -180,10 +185,12 @@ class PrefillPool:
     """The decode node's prefill nodes: `pick()` the least loaded healthy one."""
 
     def __init__(self, addresses: list[str], auth_token: str | None, expected: NodeInfo,
-                 health_interval: float = 1.0):
+                 kv_endpoint: tuple[str, int] | None = None, health_interval: float = 1.0):
+        """kv_endpoint: this decode node's pipe endpoint, registered with every prefill node."""
         if not addresses:
             raise ValueError("a prefill pool needs at least one prefill node address (host:port)")
         self.expected = expected  # this node's NodeInfo: every prefill node must match it
+        self.kv_endpoint = kv_endpoint
         self.health_interval = health_interval
         self.clients = [PrefillClient(address, auth_token) for address in addresses]
         self.health_task: asyncio.Task | None = None
@@ -191,7 +198,7 @@ class PrefillPool:
     async def start(self, timeout: float) -> None:
         """Handshake with every node, then watch them. Raises PrefillNodeMismatch or
         PrefillAuthError when a node is misconfigured; unreachable nodes only start unhealthy."""
-        results = await asyncio.gather(*(c.connect(self.expected, timeout) for c in self.clients),
+        results = await asyncio.gather(*(c.connect(self.expected, timeout, self.kv_endpoint) for c in self.clients),
                                        return_exceptions=True)
         refused = [r for r in results if isinstance(r, (PrefillNodeMismatch, PrefillAuthError))]
         if refused:
@@ -233,7 +240,7 @@ class PrefillPool:
             return
         # Back after a failure: it may have restarted with another model or pipe port.
         try:
-            await client.connect(self.expected, timeout=HEALTH_TIMEOUT_S)
+            await client.connect(self.expected, timeout=HEALTH_TIMEOUT_S, kv_endpoint=self.kv_endpoint)
         except PrefillClientError as e:
             if str(e) != client.reason:
                 logger.warning("prefill node %s answers but is refused: %s", client.address, e)

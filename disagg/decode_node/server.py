@@ -17,14 +17,15 @@ logger = logging.getLogger(__name__)
 async def run_decode_node(engine: AsyncEngine, model_name: str, kv: KVTransferConfig, prefill_nodes: list[str],
                           host: str, port: int, api_key: str | None, max_request_body_bytes: int,
                           log_level: str) -> None:
-    consumer = pool = None
+    consumer = pool = kv_advertise = None
     try:
         if kv.kv_role == "consumer":
             consumer = LookupBufferConsumer(kv.kv_connector, kv.pipe_config(), ttl=kv.extra("buffer_ttl"),
                                             kv_buffer_size=int(kv.kv_buffer_size))
-            pool = PrefillPool(prefill_nodes, kv.extra("auth_token"), node_info(engine, model_name, kv))
+            kv_advertise = (kv.kv_ip, consumer.address[1])  # the bound port, where kv_port is 0
+            pool = PrefillPool(prefill_nodes, kv.extra("auth_token"), node_info(engine, model_name, kv), kv_advertise)
             await pool.start(timeout=10.0)
-        node = DecodeNode(engine, model_name, consumer, pool, kv_advertise=(kv.kv_ip, consumer.address[1]) if consumer else None,
+        node = DecodeNode(engine, model_name, consumer, pool, kv_advertise=kv_advertise,
                           prefill_policy=kv.extra("prefill_policy"), prefill_timeout=kv.extra("prefill_timeout"),
                           lookup_timeout=kv.extra("lookup_timeout"))
         where = f"kv {kv.kv_connector} {kv.kv_ip}:{consumer.address[1]} prefill {','.join(prefill_nodes)}" if consumer else "colocated"

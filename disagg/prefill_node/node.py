@@ -9,6 +9,7 @@ token. Insert only queues the bytes: the engine never waits on the network.
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 
 from disagg import metrics
 from disagg.control_plane import NodeInfo, PrefillCall, PrefillProgress, PrefillResult
@@ -17,6 +18,8 @@ from disagg.engine.sampling_params import SamplingParams
 from disagg.lookup_buffer import LookupBufferProducer, token_digest
 
 logger = logging.getLogger(__name__)
+
+MAX_REGISTERED_DESTINATIONS = 1024  # decode nodes' pipe endpoints remembered, least recently used dropped
 
 
 class PrefillNode:
@@ -27,6 +30,9 @@ class PrefillNode:
         self.info = info
         self.kv_buffer_device = kv_buffer_device
         self.callers: dict[str, tuple[str, int]] = {}  # request id -> the kv_dest of the call computing it
+        # Pipe endpoints decode nodes registered at their Info handshake: the only places KV goes,
+        # so a caller cannot make this node connect anywhere it likes.
+        self.destinations: OrderedDict[tuple[str, int], None] = OrderedDict()
 
     async def prefill(self, call: PrefillCall) -> PrefillResult:
         start = time.perf_counter()
@@ -60,6 +66,15 @@ class PrefillNode:
             kv_bytes=kv.nbytes,
             prefill_seconds=seconds,
         )
+
+    def register(self, dest: tuple[str, int]) -> None:
+        self.destinations[dest] = None
+        self.destinations.move_to_end(dest)
+        if len(self.destinations) > MAX_REGISTERED_DESTINATIONS:
+            self.destinations.popitem(last=False)
+
+    def is_registered(self, dest: tuple[str, int]) -> bool:
+        return dest in self.destinations
 
     def progress(self, request_id: str) -> PrefillProgress:
         """Read from the event loop while the engine thread runs: a snapshot for a heartbeat,

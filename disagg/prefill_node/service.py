@@ -30,6 +30,8 @@ class PrefillServicer(disagg_pb2_grpc.PrefillServiceServicer):
         self.node = node
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.NodeInfo:
+        if request.kv_host:
+            self.node.register((request.kv_host, request.kv_port))
         return convert.node_info_to_proto(self.node.info)
 
     async def Prefill(self, request: pb.PrefillRequest,
@@ -41,6 +43,10 @@ class PrefillServicer(disagg_pb2_grpc.PrefillServiceServicer):
             call = convert.prefill_call_from_proto(request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prefill of {request.request_id} refused: {e}")
+        if not self.node.is_registered(call.kv_dest):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"prefill of {request.request_id} refused: kv_dest {call.kv_dest[0]}:{call.kv_dest[1]} "
+                                "is not a registered decode node; its Info handshake registers it")
         task = asyncio.create_task(self.node.prefill(call))
         try:
             while not (await asyncio.wait({task}, timeout=PROGRESS_INTERVAL_S))[0]:

@@ -7,8 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class InfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("kv_host", "kv_port")
+    KV_HOST_FIELD_NUMBER: _ClassVar[int]
+    KV_PORT_FIELD_NUMBER: _ClassVar[int]
+    kv_host: str
+    kv_port: int
+    def __init__(self, kv_host: _Optional[str] = ..., kv_port: _Optional[int] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
     __slots__ = ("model_name", "dtype", "num_layers", "num_kv_heads", "head_dim", "block_size", "kv_connector", "kv_ip", "kv_port", "protocol_version")
