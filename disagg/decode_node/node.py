@@ -58,6 +58,7 @@ class DecodeNode:
             raise SamplingParamError("max_tokens", f"max_tokens must be at most max_model_len={self.max_model_len} "
                                                    f"(the context holds prompt and output), got {params.max_tokens}")
         self.engine.engine.validate_prompt(prompt_token_ids)
+        self.engine.engine.validate_token_ids(params)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prefill_policy: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -66,7 +67,8 @@ class DecodeNode:
             raise ValueError(f"prefill_policy must be one of {POLICIES}, got {policy!r}")
         self.validate(prompt_token_ids, params)
         metrics.PROMPT_TOKENS.inc(len(prompt_token_ids))
-        if not self.disaggregated:
+        # Prompt logprobs are not part of the KV handoff: such a request is computed here.
+        if not self.disaggregated or params.prompt_logprobs is not None:
             async with contextlib.aclosing(self.engine.generate(request_id, prompt_token_ids, params)) as outputs:
                 async for out in outputs:
                     yield out

@@ -7,13 +7,13 @@ token. Insert only queues the bytes: the engine never waits on the network.
 """
 
 import asyncio
+import dataclasses
 import logging
 import time
 
 from disagg import metrics
 from disagg.control_plane import NodeInfo, PrefillCall, PrefillResult
 from disagg.engine.async_engine import AsyncEngine
-from disagg.engine.sampling_params import SamplingParams
 from disagg.lookup_buffer import LookupBufferProducer, token_digest
 
 logger = logging.getLogger(__name__)
@@ -30,9 +30,7 @@ class PrefillNode:
     async def prefill(self, call: PrefillCall) -> PrefillResult:
         start = time.perf_counter()
         # Only the first token is sampled here; stop rules and lengths are the decode node's.
-        params = SamplingParams(temperature=call.params.temperature, top_p=call.params.top_p,
-                                top_k=call.params.top_k, min_p=call.params.min_p, seed=call.params.seed,
-                                logprobs=call.params.logprobs, max_tokens=1, ignore_eos=True)
+        params = dataclasses.replace(call.params, max_tokens=1, min_tokens=min(call.params.min_tokens, 1), stop=[])
         final = None
         async for out in self.engine.generate(call.request_id, call.prompt_token_ids, params, export_kv=True):
             final = out
