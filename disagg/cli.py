@@ -13,7 +13,8 @@ from disagg.engine.config import EngineConfig
 from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.engine import LLMEngine
 from disagg.engine.llm import LLM
-from disagg.engine.loader import DEFAULT_MODEL_NAME
+from disagg.engine.builder import resolve_device, resolve_dtype
+from disagg.engine.loader import DEFAULT_MODEL_NAME, resolve_model
 from disagg.engine.sampling_params import SamplingParams
 from disagg.router import DEFAULT_MAX_REQUEST_BODY_BYTES
 
@@ -95,6 +96,30 @@ def transfer_config(args: argparse.Namespace) -> KVTransferConfig:
     return kv
 
 
+def check_engine_args(args: argparse.Namespace) -> None:
+    """Every engine flag, without loading anything: a ValueError names the flag."""
+    try:
+        device = resolve_device(args.device)
+    except ValueError as e:
+        raise ValueError(f"--device: {e}") from None
+    try:
+        resolve_dtype(args.dtype, device)
+    except ValueError as e:
+        raise ValueError(f"--dtype: {e}") from None
+    for flag in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    if args.model is not None and not Path(args.model).expanduser().is_file():
+        try:
+            resolve_model(args.model)  # a directory is checked for what the engine needs; a .gguf only exists
+        except ValueError as e:
+            raise ValueError(f"MODEL: {e}") from None
+    elif args.model is not None and not args.model.endswith(".gguf"):
+        raise ValueError(f"MODEL: {args.model!r} is a file but not a .gguf file; pass a .gguf file or a "
+                         "Hugging Face model directory")
+
+
 def check_serve_args(args: argparse.Namespace, kv: KVTransferConfig) -> list[str]:
     if args.max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be at least 1, got {args.max_request_body_bytes}")
@@ -119,6 +144,7 @@ def served_model_name(args: argparse.Namespace) -> str:
 def serve(args: argparse.Namespace) -> None:
     kv = transfer_config(args)
     prefill_nodes = check_serve_args(args, kv)
+    check_engine_args(args)
     if args.check_config:
         print(f"config ok: role {kv.kv_role}, pipe {kv.kv_connector} {kv.kv_ip}:{kv.kv_port}")
         return

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -64,6 +65,19 @@ def sample_request(url: str, model: str) -> None:
     print(f"\n\n(first token after {first - start:.2f}s, all in {time.perf_counter() - start:.2f}s)")
 
 
+def wait_for_stop(procs: tuple[subprocess.Popen, ...]) -> None:
+    """Until SIGINT or SIGTERM, or until a node exits. Ctrl-C in a terminal signals the whole process
+    group, so the nodes may be stopping already; the caller then stops what is left."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.2):
+        exited = [p for p in procs if p.poll() is not None]
+        if exited:
+            print(f"a node exited with code {exited[0].returncode}; stopping", file=sys.stderr)
+            return
+
+
 def up(args: argparse.Namespace) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     prefill_port, decode_port = args.port + 1, args.port
@@ -81,7 +95,7 @@ def up(args: argparse.Namespace) -> None:
         if args.once:
             return
         print(f"serving {model}: OpenAI API at {url}/v1 (prefill node http://127.0.0.1:{prefill_port}); Ctrl-C stops")
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        wait_for_stop((decode, prefill))
     finally:
         for proc in (decode, prefill):
             proc.terminate()

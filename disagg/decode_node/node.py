@@ -144,6 +144,10 @@ class DecodeNode:
         bm = self.engine.engine.block_manager
         metrics.KV_BLOCKS_TOTAL.set(bm.num_blocks)
         metrics.KV_BLOCKS_USED.set(bm.num_blocks - bm.num_free_blocks)
+        metrics.KV_CACHE_USAGE.set((bm.num_blocks - bm.num_free_blocks) / bm.num_blocks)
+        scheduler = self.engine.engine.scheduler  # lengths only: a stale read by one step is fine
+        metrics.REQUESTS_RUNNING.set(len(scheduler.running))
+        metrics.REQUESTS_WAITING.set(len(scheduler.waiting) + len(scheduler.reserving) + len(scheduler.waiting_for_kv))
         if self.consumer is not None:
             stats = self.consumer.stats()
             metrics.BUFFER_ENTRIES.set(stats.entries)

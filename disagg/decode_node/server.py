@@ -3,6 +3,7 @@ plus, when disaggregated, the LookupBuffer consumer and the pool of prefill node
 
 import logging
 
+from disagg import metrics
 from disagg.config import KVTransferConfig
 from disagg.decode_node.api import build_app
 from disagg.decode_node.node import DecodeNode
@@ -28,6 +29,7 @@ async def run_decode_node(engine: AsyncEngine, model_name: str, kv: KVTransferCo
                           lookup_timeout=kv.extra("lookup_timeout"))
         where = f"kv {kv.kv_connector} {kv.kv_ip}:{consumer.address[1]} prefill {','.join(prefill_nodes)}" if consumer else "colocated"
         role = "decode" if consumer else "colocated"
+        metrics.register_vllm_names(model_name)
         await serve_http(build_app(node, api_key, model_name, max_request_body_bytes), host, port,
                          f"disagg {role} node ready: http://{host}:{port} {where} model {model_name}", log_level)
     finally:
