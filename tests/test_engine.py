@@ -10,7 +10,7 @@ from disagg import LLM, SamplingParams
 from disagg.engine.async_engine import AsyncEngine, RequestFailed
 from disagg.engine.scheduler import ScheduledSeq
 from disagg.engine.sequence import Sequence
-from prompts import PASSAGE, PROMPTS, hf_greedy
+from prompts import PASSAGE, PROMPTS, hf_greedy, penalized_reference
 
 MAX_TOKENS = [64, 32, 24, 32, 16, 24, 24, 8, 24, 24, 32]
 
@@ -334,25 +334,6 @@ def test_async_engine_ends_a_failed_request_alone_and_counts_it(llm, hf_model, m
     assert isinstance(bad, RequestFailed) and "injected sampling failure" in str(bad)
     assert good.token_ids == reference(hf_model, good.prompt_token_ids, 12)
     assert REGISTRY.get_sample_value("disagg_engine_request_errors_total") == before + 1
-
-
-def penalized_reference(hf_model, prompt_ids: list[int], max_tokens: int, repetition: float, presence: float,
-                        frequency: float, bias: dict[int, float]) -> list[int]:
-    """Greedy decoding from transformers' logits with vLLM's definitions written out: logit bias, then
-    repetition over prompt and output, then frequency and presence over the output."""
-    ids = list(prompt_ids)
-    for _ in range(max_tokens):
-        with torch.no_grad():
-            logits = hf_model(torch.tensor([ids])).logits[0, -1].float()
-        for token, value in bias.items():
-            logits[token] += value
-        output = ids[len(prompt_ids):]
-        for token in set(ids):
-            logits[token] = logits[token] / repetition if logits[token] > 0 else logits[token] * repetition
-        for token in set(output):
-            logits[token] -= frequency * output.count(token) + presence
-        ids.append(int(torch.argmax(logits)))
-    return ids[len(prompt_ids):]
 
 
 def test_penalties_and_logit_bias_match_a_reference(llm, hf_model):
