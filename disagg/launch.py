@@ -65,12 +65,17 @@ def sample_request(url: str, model: str) -> None:
     print(f"\n\n(first token after {first - start:.2f}s, all in {time.perf_counter() - start:.2f}s)")
 
 
-def wait_for_stop(procs: tuple[subprocess.Popen, ...]) -> None:
-    """Until SIGINT or SIGTERM, or until a node exits. Ctrl-C in a terminal signals the whole process
-    group, so the nodes may be stopping already; the caller then stops what is left."""
+def stop_on_signals() -> threading.Event:
+    """An event SIGINT and SIGTERM set from now on. Ctrl-C in a terminal signals the whole process
+    group, so the nodes may be stopping already when it is set."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def wait_for_stop(stop: threading.Event, procs: tuple[subprocess.Popen, ...]) -> None:
+    """Until `stop` is set or a node exits; the caller then stops what is left."""
     while not stop.wait(0.2):
         exited = [p for p in procs if p.poll() is not None]
         if exited:
@@ -94,8 +99,9 @@ def up(args: argparse.Namespace) -> None:
         sample_request(url, model)
         if args.once:
             return
+        stop = stop_on_signals()  # before the line that invites Ctrl-C
         print(f"serving {model}: OpenAI API at {url}/v1 (prefill node http://127.0.0.1:{prefill_port}); Ctrl-C stops")
-        wait_for_stop((decode, prefill))
+        wait_for_stop(stop, (decode, prefill))
     finally:
         for proc in (decode, prefill):
             proc.terminate()

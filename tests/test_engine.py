@@ -354,6 +354,10 @@ def test_min_tokens_masks_eos_and_stop_strings(llm):
     eos = min(llm.tokenizer.eos_token_ids)
     out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=8, min_tokens=3, logit_bias={eos: 100.0}))[0]
     assert out.token_ids[3:] == [eos] and eos not in out.token_ids[:3] and out.finish_reason == "stop"
+    # A stop token id outside the vocabulary is allowed (it never comes) and masks nothing.
+    far = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3, min_tokens=2, stop_token_ids=[2**31 - 1],
+                                               ignore_eos=True))[0]
+    assert len(far.token_ids) == 3
     base = llm.generate("1, 2, 3, 4, 5,", greedy(16))[0]
     assert base.text.startswith(" 6") and " 8" in base.text
     ignored, included = llm.generate(["1, 2, 3, 4, 5,"] * 2, [

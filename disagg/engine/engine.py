@@ -61,12 +61,13 @@ class LLMEngine:
             raise ValueError(f"token ids must be integers in [0, {vocab}); got {bad[:5]}")
 
     def validate_token_ids(self, params: SamplingParams) -> None:
-        """The token ids sampling indexes the logits with must be in the vocabulary."""
+        """logit_bias indexes the logits: its token ids must be in the vocabulary (a stop token id
+        outside it is harmless, it never comes)."""
         vocab = self.model_config.vocab_size
-        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise SamplingParamError(name, f"{name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        bad = [t for t in params.logit_bias if t >= vocab]
+        if bad:
+            raise SamplingParamError("logit_bias", f"logit_bias has token ids outside the vocabulary [0, {vocab}): "
+                                                   f"{bad[:5]}")
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     *, export_kv: bool = False, remote_prefill: bool = False) -> Sequence:

@@ -69,7 +69,8 @@ class Sampler:
         rows, tokens = [], []
         for row, seq in enumerate(seqs):
             if seq.num_output_tokens < seq.params.min_tokens:
-                stops = seq.params.stop_token_ids + ([] if seq.params.ignore_eos else self.eos_token_ids)
+                stops = [t for t in seq.params.stop_token_ids if t < vocab]  # others never come anyway
+                stops += [] if seq.params.ignore_eos else self.eos_token_ids
                 rows += [row] * len(stops)
                 tokens += stops
         if rows:
