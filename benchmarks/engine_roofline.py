@@ -22,8 +22,8 @@ import argparse
 import cProfile
 import gc
 import io
-import pstats
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -56,7 +56,6 @@ def median_ms(fn, repeats: int = 20) -> float:
 def hbm_read_bandwidth() -> float:
     x = torch.randn(2**31, dtype=torch.bfloat16, device="cuda")
     ms = median_ms(lambda: x.sum(dtype=torch.float32))
-    del x
     return 2**32 / (ms / 1e3)
 
 

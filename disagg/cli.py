@@ -2,6 +2,7 @@
 
 import argparse
 import asyncio
+import ipaddress
 import json
 import logging
 import os
@@ -9,13 +10,15 @@ import time
 from pathlib import Path
 
 from disagg.config import ROLES, KVTransferConfig
-from disagg.engine.config import EngineConfig
 from disagg.engine.async_engine import AsyncEngine
+from disagg.engine.builder import resolve_device, resolve_dtype
+from disagg.engine.config import EngineConfig
 from disagg.engine.engine import LLMEngine
 from disagg.engine.llm import LLM
-from disagg.engine.loader import DEFAULT_MODEL_NAME
+from disagg.engine.loader import DEFAULT_MODEL_NAME, resolve_model
 from disagg.engine.sampling_params import SamplingParams
 from disagg.router import DEFAULT_MAX_REQUEST_BODY_BYTES
+from disagg.serving import HTTPOptions
 
 SAMPLE_PROMPTS = [
     "What is disaggregated prefill in LLM serving?",
@@ -95,6 +98,30 @@ def transfer_config(args: argparse.Namespace) -> KVTransferConfig:
     return kv
 
 
+def check_engine_args(args: argparse.Namespace) -> None:
+    """Every engine flag, without loading anything: a ValueError names the flag."""
+    try:
+        device = resolve_device(args.device)
+    except ValueError as e:
+        raise ValueError(f"--device: {e}") from None
+    try:
+        resolve_dtype(args.dtype, device)
+    except ValueError as e:
+        raise ValueError(f"--dtype: {e}") from None
+    for flag in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    if args.model is not None and not Path(args.model).expanduser().is_file():
+        try:
+            resolve_model(args.model)  # a directory is checked for what the engine needs; a .gguf only exists
+        except ValueError as e:
+            raise ValueError(f"MODEL: {e}") from None
+    elif args.model is not None and not args.model.endswith(".gguf"):
+        raise ValueError(f"MODEL: {args.model!r} is a file but not a .gguf file; pass a .gguf file or a "
+                         "Hugging Face model directory")
+
+
 def check_serve_args(args: argparse.Namespace, kv: KVTransferConfig) -> list[str]:
     if args.max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be at least 1, got {args.max_request_body_bytes}")
@@ -107,7 +134,30 @@ def check_serve_args(args: argparse.Namespace, kv: KVTransferConfig) -> list[str
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"--prefill-nodes entry {address!r} is not HOST:PORT")
+    exposed = node_ports_off_loopback(args, kv)
+    if exposed and kv.extra("auth_token") is None and not args.insecure:
+        raise ValueError(f"this node serves other nodes on {exposed} with no kv_connector_extra_config.auth_token: "
+                         f"anyone who reaches it could run prefills or send KV; give every node the same token "
+                         f"(or ${KV_AUTH_TOKEN_ENV}), or pass --insecure on a network you trust")
     return prefill_nodes
+
+
+def node_ports_off_loopback(args: argparse.Namespace, kv: KVTransferConfig) -> str | None:
+    """Where a prefill node's gRPC or a decode node's pipe listens beyond this machine, if it does."""
+    if kv.kv_role == "producer" and not is_loopback(args.host):
+        return f"gRPC {args.host}:{args.grpc_port}"
+    if kv.kv_role == "consumer" and (kv.kv_connector == "ucx" or not is_loopback(kv.kv_ip)):
+        return f"the {kv.kv_connector} pipe {'every interface (ucx)' if kv.kv_connector == 'ucx' else kv.kv_ip}"
+    return None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost may resolve anywhere
+        return False
 
 
 def served_model_name(args: argparse.Namespace) -> str:
@@ -119,6 +169,7 @@ def served_model_name(args: argparse.Namespace) -> str:
 def serve(args: argparse.Namespace) -> None:
     kv = transfer_config(args)
     prefill_nodes = check_serve_args(args, kv)
+    check_engine_args(args)
     if args.check_config:
         print(f"config ok: role {kv.kv_role}, pipe {kv.kv_connector} {kv.kv_ip}:{kv.kv_port}")
         return
@@ -131,8 +182,8 @@ def serve(args: argparse.Namespace) -> None:
     else:
         from disagg.decode_node.server import run_decode_node
 
-        asyncio.run(run_decode_node(engine, name, kv, prefill_nodes, args.host, args.port, args.api_key,
-                                    args.max_request_body_bytes, args.log_level))
+        http = HTTPOptions(args.api_key, args.max_request_body_bytes, args.enable_docs)
+        asyncio.run(run_decode_node(engine, name, kv, prefill_nodes, args.host, args.port, http, args.log_level))
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -154,6 +205,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help=f"require 'Authorization: Bearer KEY' on the OpenAI API (default: ${API_KEY_ENV})")
     parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         help="decode/colocated node: larger request bodies are refused with 413")
+    parser.add_argument("--enable-docs", action="store_true",
+                        help="serve /docs and /openapi.json (off: they map the API for anyone who reaches the port)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow node-to-node ports beyond loopback with no auth_token (a trusted network only)")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     parser.add_argument("--check-config", action="store_true", help="validate the flags and exit")
 

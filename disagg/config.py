@@ -1,9 +1,12 @@
 """KVTransferConfig: how a node takes part in disaggregation, with vLLM's field names."""
 
 import json
+import logging
 from dataclasses import dataclass
 
 from disagg.pipes.base import PipeConfig
+
+logger = logging.getLogger(__name__)
 
 ROLES = {"producer": "producer", "kv_producer": "producer", "consumer": "consumer",
          "kv_consumer": "consumer", "both": "both", "kv_both": "both"}
@@ -18,6 +21,23 @@ EXTRA_DEFAULTS: dict[str, object] = {
     "insert_timeout": 5.0,  # seconds a prefill node waits for buffer space
     "prefill_policy": "recompute",  # when the prefill node fails: "recompute" here or "fail" with 503
 }
+EXTRA_NUMBERS = ("pipe_timeout", "lookup_timeout", "prefill_timeout", "buffer_ttl", "insert_timeout")
+# vLLM fields that mean nothing here: accepted, so that vLLM's configs start, with a warning.
+IGNORED = ("engine_id", "kv_connector_module_path")
+
+
+def number(field: str, value: object, kind: type) -> int | float:
+    """vLLM's (pydantic's) conversion: a number given as a string, as vLLM's docs write kv_port, is read
+    as one; anything else that is not a number of that kind is refused, naming the field."""
+    what = "an integer" if kind is int else "a number"
+    if isinstance(value, str):
+        try:
+            value = float(value) if kind is float else int(value.strip())
+        except ValueError:
+            raise ValueError(f"{field} must be {what}, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+        raise ValueError(f"{field} must be {what}, got {value!r}")
+    return kind(value)
 
 
 @dataclass
@@ -33,14 +53,25 @@ class KVTransferConfig:
     kv_buffer_size: float = 1e9  # bytes of KV a prefill node holds unsent (inserts wait), a decode node unclaimed
     kv_buffer_device: str = "cpu"
     kv_connector_extra_config: dict | None = None
+    kv_load_failure_policy: str | None = None  # vLLM's name for kv_connector_extra_config.prefill_policy
+    engine_id: str | None = None  # ignored
+    kv_connector_module_path: str | None = None  # ignored
 
     def __post_init__(self) -> None:
+        for name in IGNORED:
+            if getattr(self, name) is not None:
+                logger.warning("--kv-transfer-config: %s is ignored by disagg", name)
+        if self.kv_rank is not None:
+            self.kv_rank = number("kv_rank", self.kv_rank, int)
+        self.kv_parallel_size = number("kv_parallel_size", self.kv_parallel_size, int)
+        self.kv_port = number("kv_port", self.kv_port, int)
+        self.kv_buffer_size = number("kv_buffer_size", self.kv_buffer_size, float)
         if self.kv_connector not in PIPE_NAMES:
             raise ValueError(f"kv_connector {self.kv_connector!r} is not a known pipe; choose one of {', '.join(PIPE_NAMES)}")
         if self.kv_role not in ROLES:
             raise ValueError(f"kv_role {self.kv_role!r} is not a role; choose producer, consumer or both")
         self.kv_role = ROLES[self.kv_role]
-        if not 0 <= int(self.kv_port) < 65536:
+        if not 0 <= self.kv_port < 65536:
             raise ValueError(f"kv_port {self.kv_port} is not a port number")
         if self.kv_buffer_size <= 0:
             raise ValueError(f"kv_buffer_size must be positive, got {self.kv_buffer_size}")
@@ -51,9 +82,18 @@ class KVTransferConfig:
         if unknown:
             raise ValueError(f"kv_connector_extra_config has unknown field(s) {sorted(unknown)}; "
                              f"known: {sorted(EXTRA_DEFAULTS)}")
+        for name in EXTRA_NUMBERS:
+            if name in extra:
+                extra[name] = number(f"kv_connector_extra_config.{name}", extra[name], float)
+        if self.kv_load_failure_policy is not None:
+            if extra.get("prefill_policy", self.kv_load_failure_policy) != self.kv_load_failure_policy:
+                raise ValueError(f"kv_load_failure_policy {self.kv_load_failure_policy!r} disagrees with "
+                                 f"kv_connector_extra_config.prefill_policy {extra['prefill_policy']!r}; give one")
+            extra["prefill_policy"] = self.kv_load_failure_policy
         self.kv_connector_extra_config = {**EXTRA_DEFAULTS, **extra}
         if self.extra("prefill_policy") not in ("recompute", "fail"):
-            raise ValueError("kv_connector_extra_config.prefill_policy must be 'recompute' or 'fail'")
+            raise ValueError("kv_load_failure_policy (kv_connector_extra_config.prefill_policy) must be "
+                             "'recompute' or 'fail'")
 
     def extra(self, key: str):
         return self.kv_connector_extra_config[key]

@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.sequence import TokenLogprob
 
-PROTOCOL_VERSION = 2  # 2: Prefill streams progress before its result
+PROTOCOL_VERSION = 2  # 2: Prefill streams progress; penalties, logit_bias and min_tokens in SamplingFields
 # Fields two nodes must agree on before KV can move between them.
 COMPATIBILITY_FIELDS = ("protocol_version", "model_name", "dtype", "num_layers", "num_kv_heads",
                         "head_dim", "block_size", "kv_connector")
@@ -63,5 +63,9 @@ class PrefillProgress:
 
 def sampling_fields(params: SamplingParams) -> dict:
     """What a prefill node needs of the sampling params to pick the first token."""
-    return {f.name: getattr(params, f.name) for f in fields(SamplingParams)
-            if f.name in ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs")}
+    return {f.name: getattr(params, f.name) for f in fields(SamplingParams) if f.name in FIRST_TOKEN_FIELDS}
+
+
+FIRST_TOKEN_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "presence_penalty",
+                      "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids",
+                      "ignore_eos")

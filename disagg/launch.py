@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -64,6 +65,24 @@ def sample_request(url: str, model: str) -> None:
     print(f"\n\n(first token after {first - start:.2f}s, all in {time.perf_counter() - start:.2f}s)")
 
 
+def stop_on_signals() -> threading.Event:
+    """An event SIGINT and SIGTERM set from now on. Ctrl-C in a terminal signals the whole process
+    group, so the nodes may be stopping already when it is set."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def wait_for_stop(stop: threading.Event, procs: tuple[subprocess.Popen, ...]) -> None:
+    """Until `stop` is set or a node exits; the caller then stops what is left."""
+    while not stop.wait(0.2):
+        exited = [p for p in procs if p.poll() is not None]
+        if exited:
+            print(f"a node exited with code {exited[0].returncode}; stopping", file=sys.stderr)
+            return
+
+
 def up(args: argparse.Namespace) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     prefill_port, decode_port = args.port + 1, args.port
@@ -80,8 +99,9 @@ def up(args: argparse.Namespace) -> None:
         sample_request(url, model)
         if args.once:
             return
+        stop = stop_on_signals()  # before the line that invites Ctrl-C
         print(f"serving {model}: OpenAI API at {url}/v1 (prefill node http://127.0.0.1:{prefill_port}); Ctrl-C stops")
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        wait_for_stop(stop, (decode, prefill))
     finally:
         for proc in (decode, prefill):
             proc.terminate()

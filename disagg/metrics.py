@@ -1,6 +1,10 @@
 """Prometheus metrics of a node, served at /metrics."""
 
-from prometheus_client import Counter, Gauge, Histogram
+from collections.abc import Iterator
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -22,3 +26,46 @@ KV_BLOCKS_USED = Gauge("disagg_kv_blocks_used", "KV cache blocks in use")
 KV_BLOCKS_TOTAL = Gauge("disagg_kv_blocks_total", "KV cache blocks in all")
 BUFFER_ENTRIES = Gauge("disagg_lookup_buffer_entries", "Entries held in the lookup buffer")
 BUFFER_BYTES = Gauge("disagg_lookup_buffer_bytes", "Bytes held in the lookup buffer")
+REQUESTS_RUNNING = Gauge("disagg_num_requests_running", "Requests in the engine's running batch")
+REQUESTS_WAITING = Gauge("disagg_num_requests_waiting", "Requests waiting for blocks, their turn, or their KV")
+KV_CACHE_USAGE = Gauge("disagg_kv_cache_usage", "Fraction of the KV cache blocks in use (0 to 1)")
+
+# vLLM's names for the same series (counters without _total), so that dashboards, autoscalers and
+# `vllm bench` scrapers built for vLLM read ours; each also gets vLLM's model_name label.
+VLLM_NAMES = {
+    "vllm:num_requests_running": REQUESTS_RUNNING,
+    "vllm:num_requests_waiting": REQUESTS_WAITING,
+    "vllm:kv_cache_usage_perc": KV_CACHE_USAGE,  # a fraction despite the name, as in vLLM
+    "vllm:time_to_first_token_seconds": TTFT,
+    "vllm:inter_token_latency_seconds": ITL,
+    "vllm:e2e_request_latency_seconds": E2E,
+    "vllm:prompt_tokens": PROMPT_TOKENS,
+    "vllm:generation_tokens": GENERATION_TOKENS,
+}
+
+
+class VLLMNames(Collector):
+    """Our metrics again under vLLM's names, read at each scrape: nothing is counted twice."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        for name, source in VLLM_NAMES.items():
+            for family in source.collect():
+                renamed = Metric(name, family.documentation, family.type)
+                for s in family.samples:
+                    renamed.add_sample(name + s.name.removeprefix(family.name), {**s.labels, "model_name": self.model_name},
+                                       s.value, s.timestamp, s.exemplar)
+                yield renamed
+
+
+_vllm_names: VLLMNames | None = None
+
+
+def register_vllm_names(model_name: str) -> None:
+    """Serve the vLLM names too (once per process)."""
+    global _vllm_names
+    if _vllm_names is None:
+        _vllm_names = VLLMNames(model_name)
+        REGISTRY.register(_vllm_names)

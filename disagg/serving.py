@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from disagg.config import KVTransferConfig
@@ -19,6 +19,19 @@ from disagg.control_plane import NodeInfo
 from disagg.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
+
+STATUS_CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the metrics do
+
+
+def openai_error(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error shape, as vLLM answers it; the decode nodes and the router share it."""
+    kind = "authentication_error" if status == 401 else "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def openai_error_response(status: int, message: str, param: str | None = None,
+                          code: str | None = None) -> JSONResponse:
+    return JSONResponse(openai_error(status, message, param, code), status_code=status)
 
 
 async def serve_http(app: FastAPI, host: str, port: int, ready_line: str, log_level: str) -> None:

@@ -49,3 +49,22 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_tokens: int) -> list[int]:
     tokens = out[0, len(prompt_ids):].tolist()
     _greedy_cache[key] = (max_tokens, tokens)
     return tokens
+
+
+def penalized_reference(hf_model, prompt_ids: list[int], max_tokens: int, repetition: float, presence: float,
+                        frequency: float, bias: dict[int, float]) -> list[int]:
+    """Greedy decoding from transformers' logits with vLLM's definitions written out: logit bias, then
+    repetition over prompt and output, then frequency and presence over the output."""
+    ids = list(prompt_ids)
+    for _ in range(max_tokens):
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([ids])).logits[0, -1].float()
+        for token, value in bias.items():
+            logits[token] += value
+        output = ids[len(prompt_ids):]
+        for token in set(ids):
+            logits[token] = logits[token] / repetition if logits[token] > 0 else logits[token] * repetition
+        for token in set(output):
+            logits[token] -= frequency * output.count(token) + presence
+        ids.append(int(torch.argmax(logits)))
+    return ids[len(prompt_ids):]

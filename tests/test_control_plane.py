@@ -15,11 +15,10 @@ from pathlib import Path
 import grpc
 import pytest
 from conftest import write_tiny_llama
-from servers import wait_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from servers import wait_for
 
 from disagg.config import KVTransferConfig
-from disagg.engine.config import EngineConfig
 from disagg.control_plane import COMPATIBILITY_FIELDS, NodeInfo, PrefillCall
 from disagg.decode_node.prefill_client import (
     PrefillAuthError,
@@ -31,8 +30,10 @@ from disagg.decode_node.prefill_client import (
     PrefillPool,
 )
 from disagg.engine.async_engine import AsyncEngine
+from disagg.engine.config import EngineConfig
 from disagg.engine.engine import LLMEngine
 from disagg.engine.sampling_params import SamplingParams
+from disagg.engine.sequence import Sequence
 from disagg.lookup_buffer import (
     LookupBufferConsumer,
     LookupBufferProducer,
@@ -241,10 +242,10 @@ def test_a_prefill_the_engine_fails_fails_alone(node: PrefillNode, consumer: Loo
     free = engine.block_manager.num_free_blocks
     generator_for = engine.sampler.generator_for
 
-    def failing(request_id: str, params: SamplingParams):
-        if request_id == "fails":  # where a seed of 2**70 used to raise
+    def failing(seq: Sequence):
+        if seq.request_id == "fails":  # where a seed of 2**70 used to raise
             raise RuntimeError("injected sampling failure")
-        return generator_for(request_id, params)
+        return generator_for(seq)
 
     monkeypatch.setattr(engine.sampler, "generator_for", failing)
 

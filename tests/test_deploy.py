@@ -124,8 +124,10 @@ def test_every_variable_has_a_value_in_env_example(file: str):
 
 
 @pytest.mark.parametrize("file", COMPOSE_FILES)
-def test_commands_are_accepted_by_the_cli(file: str, capsys: pytest.CaptureFixture):
+def test_commands_are_accepted_by_the_cli(file: str, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch):
     for service in load(file).values():
+        for name, value in service.environment.items():  # the secrets compose hands this service
+            monkeypatch.setenv(name, value)
         argv = service.argv
         assert argv[0] == "disagg", f"{service.name}: the command must start with the disagg executable"
         if service.role == "router":
@@ -139,6 +141,8 @@ def test_commands_are_accepted_by_the_cli(file: str, capsys: pytest.CaptureFixtu
             continue
         cli.main(argv[1:] + ["--check-config"])
         assert "config ok" in capsys.readouterr().out, f"{service.name}: {argv}"
+        for name in service.environment:
+            monkeypatch.delenv(name)
 
 
 @pytest.mark.parametrize("file", COMPOSE_FILES)
@@ -269,6 +273,22 @@ def test_compose_services_answer_through_the_router(tmp_path: Path):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def test_a_node_open_beyond_loopback_needs_a_token_or_insecure(monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture):
+    monkeypatch.delenv("DISAGG_KV_AUTH_TOKEN", raising=False)
+    prefill = ["serve", "--kv-role", "producer", "--host", "0.0.0.0", "--device", "cpu", "--check-config"]
+    decode = ["serve", "--kv-role", "consumer", "--prefill-nodes", "127.0.0.1:50051", "--device", "cpu",
+              "--check-config", "--kv-transfer-config", '{"kv_ip": "10.0.0.5"}']
+    for argv in (prefill, decode):
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+        assert "--insecure" in capsys.readouterr().err
+        cli.main(argv + ["--insecure"])
+        assert "config ok" in capsys.readouterr().out
+    cli.main(["serve", "--kv-role", "producer", "--device", "cpu", "--check-config"])  # loopback: no token needed
+    assert "config ok" in capsys.readouterr().out
 
 
 def test_the_auth_token_comes_from_the_environment_unless_the_config_gives_one(monkeypatch: pytest.MonkeyPatch):

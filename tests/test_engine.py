@@ -5,12 +5,12 @@ import asyncio
 import pytest
 import torch
 from prometheus_client import REGISTRY
+from prompts import PASSAGE, PROMPTS, hf_greedy, penalized_reference
 
 from disagg import LLM, SamplingParams
 from disagg.engine.async_engine import AsyncEngine, RequestFailed
 from disagg.engine.scheduler import ScheduledSeq
 from disagg.engine.sequence import Sequence
-from prompts import PASSAGE, PROMPTS, hf_greedy
 
 MAX_TOKENS = [64, 32, 24, 32, 16, 24, 24, 8, 24, 24, 32]
 
@@ -166,7 +166,13 @@ def test_abort_frees_every_block(llm):
     ("hi", dict(top_p=0.0), "top_p"),
     ("hi", dict(top_p=1.5), "top_p"),
     ("hi", dict(max_tokens=0), "max_tokens"),
-    ("hi", dict(n=2), "n=2"),
+    ("hi", dict(repetition_penalty=0.0), "repetition_penalty"),
+    ("hi", dict(presence_penalty=2.5), "presence_penalty"),
+    ("hi", dict(frequency_penalty=float("inf")), "frequency_penalty"),
+    ("hi", dict(logit_bias={5: 101.0}), "logit_bias"),
+    ("hi", dict(logit_bias={60_000: 1.0}), "vocabulary"),  # the engine knows the vocabulary
+    ("hi", dict(min_tokens=17), "min_tokens"),
+    ("hi", dict(prompt_logprobs=21), "prompt_logprobs"),
     # Each of these used to pass, then make the sampler raise or cost every request a slower step.
     ("hi", dict(temperature=1e-300), "temperature"),
     ("hi", dict(temperature=10**400), "temperature"),
@@ -256,13 +262,13 @@ def fail_sampling(engine, request_id: str, after_tokens: int, monkeypatch) -> No
     generator_for = engine.sampler.generator_for
     calls = 0
 
-    def failing(rid: str, params: SamplingParams):
+    def failing(seq: Sequence):
         nonlocal calls
-        if rid == request_id:
+        if seq.request_id == request_id:
             calls += 1
             if calls > after_tokens:
                 raise RuntimeError("injected sampling failure")
-        return generator_for(rid, params)
+        return generator_for(seq)
 
     monkeypatch.setattr(engine.sampler, "generator_for", failing)
 
@@ -328,3 +334,54 @@ def test_async_engine_ends_a_failed_request_alone_and_counts_it(llm, hf_model, m
     assert isinstance(bad, RequestFailed) and "injected sampling failure" in str(bad)
     assert good.token_ids == reference(hf_model, good.prompt_token_ids, 12)
     assert REGISTRY.get_sample_value("disagg_engine_request_errors_total") == before + 1
+
+
+def test_penalties_and_logit_bias_match_a_reference(llm, hf_model):
+    prompt = "1, 2, 3, 4, 5,"
+    ids = llm.tokenizer.encode(prompt)
+    plain = llm.generate(prompt, greedy(8))[0].token_ids
+    bias = {plain[0]: -100.0, plain[1]: 3.0}
+    params = SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.3, presence_penalty=0.5,
+                            frequency_penalty=0.7, logit_bias=bias, ignore_eos=True)
+    # Batched with a neutral request: the penalties are applied to its row only.
+    penalized, neutral = llm.generate([prompt, PROMPTS[1]], [params, greedy(8)])
+    assert penalized.token_ids == penalized_reference(hf_model, ids, 8, 1.3, 0.5, 0.7, bias)
+    assert penalized.token_ids != plain
+    assert neutral.token_ids == reference(hf_model, neutral.prompt_token_ids, 8)
+
+
+def test_min_tokens_masks_eos_and_stop_strings(llm):
+    eos = min(llm.tokenizer.eos_token_ids)
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=8, min_tokens=3, logit_bias={eos: 100.0}))[0]
+    assert out.token_ids[3:] == [eos] and eos not in out.token_ids[:3] and out.finish_reason == "stop"
+    # A stop token id outside the vocabulary is allowed (it never comes) and masks nothing.
+    far = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3, min_tokens=2, stop_token_ids=[2**31 - 1],
+                                               ignore_eos=True))[0]
+    assert len(far.token_ids) == 3
+    base = llm.generate("1, 2, 3, 4, 5,", greedy(16))[0]
+    assert base.text.startswith(" 6") and " 8" in base.text
+    ignored, included = llm.generate(["1, 2, 3, 4, 5,"] * 2, [
+        SamplingParams(temperature=0, max_tokens=16, stop=[" 6"], min_tokens=4),  # " 6" comes before min_tokens
+        SamplingParams(temperature=0, max_tokens=16, stop=[" 8"], include_stop_str_in_output=True)])
+    assert ignored.text == base.text and ignored.finish_reason == "length"
+    assert included.text == base.text[:base.text.index(" 8") + 2] and included.stop_reason == " 8"
+
+
+def test_prompt_logprobs_match_transformers_chunked_and_cached(model_dir, hf_model):
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", max_num_batched_tokens=64)
+    prompt = PASSAGE + "\nSummarize:"
+    ids = llm.tokenizer.encode(prompt)
+    with torch.no_grad():
+        want = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    llm.generate(prompt, greedy(1))  # its blocks are now in the prefix cache, which prompt logprobs skip
+    batch = llm.generate([prompt, PROMPTS[3]], [SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2),
+                                                 greedy(4)])
+    out = batch[0]
+    assert len(ids) > 64 and out.num_cached_tokens == 0  # computed in two chunks, nothing from the cache
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for i, entry in enumerate(out.prompt_logprobs[1:], start=1):
+        assert entry.token_id == ids[i]
+        assert entry.logprob == pytest.approx(want[i - 1, ids[i]].item(), abs=1e-4)
+        assert [t for t, _ in entry.top] == torch.topk(want[i - 1], 2).indices.tolist()
+    assert out.token_ids == reference(hf_model, ids, 2)
+    assert batch[1].prompt_logprobs is None

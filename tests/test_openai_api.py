@@ -5,11 +5,13 @@ import asyncio
 import json
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from prompts import PROMPTS
+import torch
+from prompts import PROMPTS, hf_greedy, penalized_reference
 from servers import Node, start_node
 
 from disagg import LLM, SamplingParams
@@ -169,14 +171,22 @@ def test_prompt_as_token_ids(server, llm):
     ("/v1/completions", {"prompt": "word " * 9000}, 400, "max_model_len"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
     ("/v1/completions", '{"prompt": "hi",', 400, "not valid JSON"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n=2"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n must be"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "0 only with echo"),
+    ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"a": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
-    ("/v1/completions", {"prompt": ["one", "two"]}, 400, "one prompt per request"),
-    ("/v1/completions", {"prompt": "hi", "max_tokenz": 3}, 400, "unknown field"),
+    ("/v1/completions", {"prompt": ["one", ""]}, 400, "empty"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
      "top_logprobs needs logprobs"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400,
+     "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, 400, "needs content"),
     ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404,
      "does not exist"),
 ])
@@ -184,6 +194,11 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, pat
     assert_openai_error(post(server, path, body), status, words)
     response = post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 2})
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
+
+
+def test_docs_are_off_by_default(server):
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(server.url + path, timeout=10).status_code == 404
 
 
 def test_api_key_is_required_on_the_api_only(server):
@@ -355,3 +370,189 @@ def test_huge_bodies_get_413_and_long_prompts_leave_health_answering(server, llm
     response = post(server, "/v1/completions", {"model": model_name, "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS,
                                                 "temperature": 0})
     assert response.json()["choices"][0]["text"] == llm.generate(PROMPTS[1], greedy())[0].text
+
+
+DATA = Path(__file__).parent / "data"
+ROOT = Path(__file__).parent.parent
+
+
+def sdk(server: Node) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
+
+
+# Every field this change added, at the value that asks for nothing, plus one no server knows.
+NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": {},
+           "min_tokens": 0, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+           "include_stop_str_in_output": False, "n": 1, "response_format": {"type": "text"},
+           "not_a_field_anywhere": 1}
+
+
+def test_new_fields_at_neutral_values_are_token_exact_to_transformers(server, hf_model, hf_tokenizer, model_name):
+    ids = hf_tokenizer(PROMPTS[4]).input_ids
+    want = hf_tokenizer.decode(hf_greedy(hf_model, ids, MAX_TOKENS), skip_special_tokens=True)
+    client = sdk(server)
+    plain = client.completions.create(model=model_name, prompt=PROMPTS[4], max_tokens=MAX_TOKENS, temperature=0,
+                                      extra_body=NEUTRAL)
+    assert plain.choices[0].text == want
+    stream = client.completions.create(model=model_name, prompt=PROMPTS[4], max_tokens=MAX_TOKENS, temperature=0,
+                                       stream=True, stream_options={"include_usage": True}, extra_body=NEUTRAL)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == want
+    # Unknown fields are ignored with one warning per field name, not one per request.
+    assert server.log().count("'not_a_field_anywhere'") == 1
+
+
+def test_n_with_a_seed_gives_reproducible_choices(server, model_name):
+    client = sdk(server)
+    body = dict(model=model_name, prompt="Once upon a time,", max_tokens=8, temperature=1.0, seed=7,
+                extra_body={"ignore_eos": True})
+    first, again = (client.completions.create(n=4, **body) for _ in range(2))
+    assert [c.index for c in first.choices] == [0, 1, 2, 3]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert len({c.text for c in first.choices}) > 1
+    # vLLM's per-choice seeds: choice j samples with seed + j.
+    assert client.completions.create(**{**body, "seed": 9}).choices[0].text == first.choices[2].text
+    assert first.usage.completion_tokens == 32
+    chunks = list(client.chat.completions.create(model=model_name, messages=CHAT, n=2, max_tokens=4, temperature=1.0,
+                                                 seed=3, stream=True))
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
+
+
+def test_a_list_of_prompts_times_n(server, llm):
+    prompts = [PROMPTS[1], PROMPTS[3]]
+    singles = [llm.generate(p, greedy(6))[0].text for p in prompts]
+    body = post(server, "/v1/completions", {"prompt": prompts, "n": 2, "max_tokens": 6, "temperature": 0}).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]  # prompt index * n + choice
+    assert [c["text"] for c in body["choices"]] == [singles[0], singles[0], singles[1], singles[1]]
+    prompt_tokens = len(llm.tokenizer.encode(PROMPTS[1])) + len(llm.tokenizer.encode(PROMPTS[3]))
+    assert body["usage"]["prompt_tokens"] == prompt_tokens and body["usage"]["completion_tokens"] == 24
+
+
+def test_echo_logprobs_are_transformers_prompt_logprobs(server, hf_model, llm):
+    """lm-evaluation-harness's loglikelihood request: echo, logprobs 1, max_tokens 1 (or 0), token ids, a batch."""
+    prompts = [llm.tokenizer.encode(p) for p in (PROMPTS[1], PROMPTS[7], PROMPTS[4], PROMPTS[3])]
+    body = post(server, "/v1/completions", {"prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 1,
+                                            "temperature": 0, "seed": 1234}).json()
+    zero = post(server, "/v1/completions", {"prompt": prompts[0], "echo": True, "logprobs": 1, "max_tokens": 0,
+                                            "temperature": 0}).json()
+    for ids, choice in zip(prompts, body["choices"]):
+        with torch.no_grad():
+            want = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(ids) + 1 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        expected = [want[i - 1, ids[i]].item() for i in range(1, len(ids))] + [want[-1].max().item()]
+        assert lp["token_logprobs"][1:] == pytest.approx(expected, abs=1e-4)
+        for i in range(1, len(ids)):  # the most likely token is in top_logprobs, as lm-eval's is_greedy reads it
+            assert max(lp["top_logprobs"][i].values()) == pytest.approx(want[i - 1].max().item(), abs=1e-4)
+        assert choice["text"].startswith(llm.tokenizer.decode(ids, skip_special_tokens=False))
+        assert lp["text_offset"][0] == 0
+    first = body["choices"][0]["logprobs"]
+    only = zero["choices"][0]
+    assert only["logprobs"]["token_logprobs"][0] is None and len(only["logprobs"]["tokens"]) == len(prompts[0])
+    assert only["logprobs"]["token_logprobs"][1:] == pytest.approx(first["token_logprobs"][1:-1], abs=1e-4)
+    assert only["text"] == llm.tokenizer.decode(prompts[0], skip_special_tokens=False)
+    assert only["finish_reason"] == "length" and zero["usage"]["completion_tokens"] == 0
+    streamed = post(server, "/v1/completions", {"prompt": PROMPTS[1], "echo": True, "logprobs": 0, "max_tokens": 3,
+                                                "temperature": 0, "stream": True})
+    chunks = [json.loads(e) for e in sse_events(streamed)[:-1]]
+    assert chunks[0]["choices"][0]["text"] == PROMPTS[1]
+    assert chunks[0]["choices"][0]["logprobs"]["token_logprobs"][0] is None
+
+
+def test_penalties_and_logit_bias_match_a_reference(server, hf_model, llm, model_name):
+    prompt = "1, 2, 3, 4, 5,"
+    ids = llm.tokenizer.encode(prompt)
+    plain = llm.generate(prompt, greedy(6)).pop().token_ids
+    bias = {plain[0]: -100.0, plain[1]: 3.0}
+    want = penalized_reference(hf_model, ids, 6, 1.3, 0.5, 0.7, bias)
+    out = sdk(server).completions.create(
+        model=model_name, prompt=prompt, max_tokens=6, temperature=0, presence_penalty=0.5, frequency_penalty=0.7,
+        logit_bias={str(t): v for t, v in bias.items()}, logprobs=0,
+        extra_body={"repetition_penalty": 1.3, "ignore_eos": True})
+    assert out.choices[0].logprobs.tokens == [llm.tokenizer.decode([t], skip_special_tokens=False) for t in want]
+
+
+def test_vllm_bench_serve_request_bodies_are_served(server):
+    for name, path in (("vllm_bench_completions.json", "/v1/completions"),
+                       ("vllm_bench_chat.json", "/v1/chat/completions")):
+        body = json.loads((DATA / name).read_text())
+        response = post(server, path, body)
+        assert response.status_code == 200, response.text
+        events = sse_events(response)
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["usage"]["completion_tokens"] == 8  # ignore_eos: every token
+
+
+def test_chat_as_current_clients_send_it(server, hf_tokenizer, model_name):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    messages = [
+        {"role": "developer", "content": "You are a concise assistant."},
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"},
+    ]
+    out = sdk(server).chat.completions.create(model=model_name, messages=messages, tools=tools, tool_choice="auto",
+                                              response_format={"type": "text"}, max_tokens=6, temperature=0)
+    assert out.choices[0].message.content and out.usage.completion_tokens <= 6
+    # /tokenize renders the same prompt: developer as system, the arguments parsed, as transformers renders it.
+    rendered = post(server, "/tokenize", {"messages": messages, "tools": tools}).json()
+    template = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+    template[2] = {**template[2], "content": "", "tool_calls": [{**template[2]["tool_calls"][0], "function": {
+        "name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    want = hf_tokenizer.apply_chat_template(template, tools=tools, add_generation_prompt=True, tokenize=False)
+    assert rendered["tokens"] == hf_tokenizer(want, add_special_tokens=False).input_ids
+    assert out.usage.prompt_tokens == rendered["count"]
+    assert_openai_error(post(server, "/v1/chat/completions", {"messages": messages, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}), 400, "response_format")
+
+
+def test_tokenize_detokenize_ping_load_and_vllm_metrics(server, llm, model_name):
+    tokenized = post(server, "/tokenize", {"model": model_name, "prompt": PROMPTS[1], "return_token_strs": True}).json()
+    assert tokenized["tokens"] == llm.tokenizer.encode(PROMPTS[1]) and tokenized["count"] == len(tokenized["tokens"])
+    assert tokenized["max_model_len"] > 0 and len(tokenized["token_strs"]) == tokenized["count"]
+    assert post(server, "/detokenize", {"tokens": tokenized["tokens"]}).json() == {"prompt": PROMPTS[1]}
+    assert_openai_error(post(server, "/detokenize", {"tokens": [10**9]}), 400, "tokens")
+    assert httpx.get(f"{server.url}/ping").status_code == 200 and httpx.post(f"{server.url}/ping").status_code == 200
+    assert httpx.get(f"{server.url}/load").json() == {"server_load": 0}
+    metrics = httpx.get(f"{server.url}/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total", "vllm:generation_tokens_total"):
+        assert f'{name}{{model_name="{model_name}"}}' in metrics, name
+    assert server.metric("disagg_prompt_tokens_total") == float(
+        metrics.split('vllm:prompt_tokens_total{model_name="' + model_name + '"} ')[1].split()[0])
+
+
+def test_continuous_usage_stats(server):
+    body = {"prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = [json.loads(e) for e in sse_events(post(server, "/v1/completions", body))[:-1]]
+    completion_tokens = [c["usage"]["completion_tokens"] for c in chunks]
+    assert completion_tokens == sorted(completion_tokens) and completion_tokens[-1] == 4
+    assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] for c in chunks)
+
+
+@pytest.mark.timeout(300)
+def test_lm_evaluation_harness_local_completions_runs_to_the_end(server, model_name, model_dir, monkeypatch):
+    """lm-eval's local-completions with batch_size 4: multiple_choice (loglikelihood: echo + logprobs,
+    lists of token-id prompts) and generate_until (stop strings), both local tasks in tests/data."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.chdir(ROOT)  # the task YAMLs name their JSONL relative to the repository root
+    monkeypatch.setenv("OPENAI_API_KEY", API_KEY)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args={"base_url": f"{server.url}/v1/completions", "model": model_name, "tokenizer": str(model_dir),
+                    "tokenizer_backend": "huggingface", "tokenized_requests": True, "num_concurrent": 1,
+                    "max_retries": 1},
+        tasks=["disagg_mc", "disagg_gen"], task_manager=TaskManager(include_path=str(DATA / "lm_eval")),
+        batch_size=4, log_samples=False)
+    mc, gen = results["results"]["disagg_mc"], results["results"]["disagg_gen"]
+    print(f"lm-eval on {model_name}: disagg_mc acc {mc['acc,none']:.3f} (8 questions), "
+          f"disagg_gen exact_match {gen['exact_match,none']:.3f} (4 questions)")
+    assert mc["acc,none"] >= 0.5  # SmolLM2-135M answers most of these; chance is 0.25
+    assert 0.0 <= gen["exact_match,none"] <= 1.0

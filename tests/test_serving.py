@@ -8,7 +8,6 @@ import time
 
 import httpx
 import pytest
-
 from prompts import PROMPTS, hf_greedy
 from servers import free_port, start_node, wait_exit, wait_for
 
@@ -301,3 +300,24 @@ def test_openai_client_streams_from_the_decode_node(pair, reference_texts):
     stream = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPTS_20[4], max_tokens=MAX_TOKENS,
                                        temperature=0, stream=True)
     assert "".join(chunk.choices[0].text for chunk in stream) == reference_texts[4]
+
+
+def test_penalties_reach_the_prefill_node_and_prompt_logprobs_are_computed_on_the_decode_node(
+        pair, colocated, hf_model, hf_tokenizer):
+    prefill, decode, connector = pair
+    if connector != "tcp":
+        pytest.skip("sampling fields travel over gRPC, not the pipe: tested on tcp")
+    ids = hf_tokenizer("1, 2, 3, 4, 5,").input_ids
+    first = hf_greedy(hf_model, ids, 1)[0]
+    # The bias rules out the first greedy token, which the prefill node samples: it must know the bias.
+    body = greedy_body(ids, max_tokens=6, repetition_penalty=1.3, presence_penalty=0.5, min_tokens=2,
+                       logit_bias={str(first): -100}, logprobs=0)
+    remote, local = (httpx.post(f"{url}/v1/completions", json=body, timeout=60).json() for url in (decode.url,
+                                                                                                     colocated.url))
+    assert remote["choices"][0]["text"] == local["choices"][0]["text"]
+    assert remote["choices"][0]["logprobs"]["tokens"][0] != hf_tokenizer.decode([first])
+    echo = greedy_body(ids, max_tokens=1, echo=True, logprobs=1)
+    remote, local = (httpx.post(f"{url}/v1/completions", json=echo, timeout=60).json()["choices"][0]["logprobs"]
+                     for url in (decode.url, colocated.url))
+    assert remote["tokens"] == local["tokens"] and len(remote["tokens"]) == len(ids) + 1
+    assert remote["token_logprobs"][1:] == pytest.approx(local["token_logprobs"][1:], abs=1e-4)

@@ -1,24 +1,27 @@
-"""The OpenAI HTTP API of a decode (or colocated) node: completions, chat, models, health, metrics.
+"""The OpenAI HTTP API of a decode (or colocated) node: completions, chat, models, tokenize,
+health, load and metrics.
 
 Every error answers in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with the
 status vLLM gives it: 400 bad input (validation included, never FastAPI's 422), 401 bad key,
 404 unknown model, 413 a body over --max-request-body-bytes, 500 a request the engine failed,
 503 prefill node unavailable under the "fail" policy.
 
-A streamed request waits for its first output before the response starts, so the errors that
-come before the first token (prefill unavailable, bad input) keep their HTTP status; an error
-after that is sent as an error event, then [DONE].
+Completions and chat share one path: a request becomes one engine request per choice (each
+prompt times n), started together; `Choice` holds one of them and an endpoint's formatter turns
+its outputs into that endpoint's chunks and response. A streamed request waits for every
+choice's first output before the response starts, so the errors that come before the first
+token (prefill unavailable, bad input) keep their HTTP status; an error after that is sent as an
+error event, then [DONE].
 """
 
 import asyncio
-import importlib.metadata
+import dataclasses
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import anyio
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -43,22 +46,25 @@ from disagg.decode_node.protocol import (
     CompletionResponse,
     CompletionStreamResponse,
     DeltaMessage,
-    ErrorInfo,
-    ErrorResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    Prompt,
+    PromptLogprob,
     PromptTokensDetails,
+    SamplingFields,
+    TokenizeRequest,
+    TokenizeResponse,
     UsageInfo,
 )
 from disagg.engine.output import RequestOutput
 from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.sequence import TokenLogprob
 from disagg.engine.tokenizer import Tokenizer
-from disagg.serving import APIKeyMiddleware, BodyLimitMiddleware
+from disagg.serving import STATUS_CLIENT_CLOSED, HTTPOptions, make_app, openai_error, request_label
 
 logger = logging.getLogger(__name__)
-
-STATUS_CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the metrics do
 
 
 class APIError(Exception):
@@ -74,19 +80,9 @@ class ClientDisconnected(Exception):
     """The client closed the connection before the request finished; it was aborted."""
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> ErrorResponse:
-    if status == 401:
-        kind = "authentication_error"
-    elif status < 500:
-        kind = "invalid_request_error"
-    else:
-        kind = "server_error"
-    return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=code))
-
-
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
     metrics.REQUEST_ERRORS.labels(str(status)).inc()
-    return JSONResponse(error_body(status, message, param, code).model_dump(), status_code=status)
+    return JSONResponse(openai_error(status, message, param, code), status_code=status)
 
 
 def api_error_from(error: Exception) -> APIError:
@@ -103,17 +99,15 @@ def api_error_from(error: Exception) -> APIError:
 
 
 class Generation:
-    """One request's run through the node: its outputs, its metrics and its two log lines.
+    """One engine request's run through the node: its outputs, its metrics and its two log lines.
 
     node.generate runs in an asyncio task of its own. Starlette stops a streamed response (the
     client went away) by cancelling an anyio scope, which cancels every await inside it again
     and again and would cut the node's cleanup — the abort on both nodes — short; cancelling
-    this task is one asyncio cancellation, so the node's `finally` runs to its end. A second
-    task waits for the client's disconnect, which nothing else notices for a request that is
-    not streamed."""
+    this task is one asyncio cancellation, so the node's `finally` runs to its end."""
 
     def __init__(self, node: DecodeNode, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 prefill_policy: str | None, raw_request: Request):
+                 prefill_policy: str | None):
         self.request_id = request_id
         self.num_prompt_tokens = len(prompt_token_ids)
         self.start = time.perf_counter()
@@ -126,7 +120,6 @@ class Generation:
         logger.info("%s started: %d prompt tokens, max_tokens %d", request_id, self.num_prompt_tokens,
                     params.max_tokens)
         self.pump = asyncio.create_task(self._pump(node.generate(request_id, prompt_token_ids, params, prefill_policy)))
-        self.watcher = asyncio.create_task(self._watch(raw_request))
 
     async def _pump(self, outputs: AsyncIterator[RequestOutput]) -> None:
         last: RequestOutput | None = None
@@ -141,11 +134,6 @@ class Generation:
             raise
         except Exception as e:  # noqa: BLE001  handed to the reader, which answers with its status
             self.queue.put_nowait(e)
-
-    async def _watch(self, raw_request: Request) -> None:
-        while (await raw_request.receive())["type"] != "http.disconnect":
-            pass
-        self.abort()
 
     def abort(self) -> None:
         """Cancel the node's generator, once: a second cancellation would interrupt its abort."""
@@ -173,15 +161,8 @@ class Generation:
         self.last = item
         return item
 
-    async def final(self) -> RequestOutput:
-        out = await self.next()
-        while not out.finished:
-            out = await self.next()
-        return out
-
     async def close(self) -> None:
         """Abort the request if it is still running (and wait until it is), then log and count how it ended."""
-        self.watcher.cancel()
         if not self.pump.done():
             self.abort()
             with anyio.CancelScope(shield=True):  # this may run inside the response's cancelled scope
@@ -202,28 +183,97 @@ class Generation:
                     outcome, ttft, time.perf_counter() - self.start)
 
 
-MAX_REQUEST_ID_CHARS = 128
+@dataclasses.dataclass
+class Choice:
+    """One choice of a response: its prompt, its engine request, and what was sent of it so far."""
+    index: int  # prompt index * n + choice, as vLLM numbers them
+    prompt: Prompt
+    generation: Generation
+    out: RequestOutput | None = None  # the latest output
+    started: bool = False  # its first chunk went out
+    num_logprobs_sent: int = 0
+    text_offset: int = 0  # completions: where the text sent so far ends
+
+    def new_logprobs(self) -> list[TokenLogprob]:
+        logprobs = self.out.logprobs[self.num_logprobs_sent:]
+        self.num_logprobs_sent = len(self.out.logprobs)
+        return logprobs
+
+
+class Run:
+    """One HTTP request's choices, started together and aborted together.
+
+    A task waits for the client's disconnect, which nothing else notices for a request that is
+    not streamed, and aborts every choice."""
+
+    def __init__(self, node: DecodeNode, request_id: str, prompts: list[Prompt], params: SamplingParams, n: int,
+                 prefill_policy: str | None, raw_request: Request):
+        self.request_id = request_id
+        self.choices: list[Choice] = []
+        self.closed = False
+        for index in range(len(prompts) * n):
+            # vLLM's per-choice seeds: choice j of each prompt samples with seed + j.
+            seed = None if params.seed is None else params.seed + index % n
+            choice_id = request_id if len(prompts) * n == 1 else f"{request_id}-{index}"
+            generation = Generation(node, choice_id, prompts[index // n].token_ids,
+                                    dataclasses.replace(params, seed=seed), prefill_policy)
+            self.choices.append(Choice(index, prompts[index // n], generation))
+        self.watcher = asyncio.create_task(self._watch(raw_request))
+
+    async def _watch(self, raw_request: Request) -> None:
+        while (await raw_request.receive())["type"] != "http.disconnect":
+            pass
+        for choice in self.choices:
+            choice.generation.abort()
+
+    async def start(self) -> None:
+        """Wait for every choice's first output; errors before it keep their status."""
+        try:
+            for choice in self.choices:
+                choice.out = await choice.generation.next()
+        except ClientDisconnected:
+            await self.close()
+            raise
+        except Exception as e:
+            await self.close()
+            raise api_error_from(e) from e
+
+    async def finish(self) -> None:
+        """Wait until every choice has finished."""
+        for choice in self.choices:
+            while not choice.out.finished:
+                choice.out = await choice.generation.next()
+
+    async def outputs(self) -> AsyncIterator[Choice]:
+        """Each choice as it gets an output (its first ones first), until all have finished."""
+        for choice in self.choices:
+            yield choice
+        pending = {asyncio.create_task(c.generation.next()): c for c in self.choices if not c.out.finished}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    choice = pending.pop(task)
+                    choice.out = task.result()  # raises what the node raised
+                    yield choice
+                    if not choice.out.finished:
+                        pending[asyncio.create_task(choice.generation.next())] = choice
+        finally:
+            for task in pending:
+                task.cancel()
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.watcher.cancel()
+        for choice in self.choices:
+            await choice.generation.close()
+
+
 # Real text averages about 4 characters a token; a prompt over max_model_len times this many
 # characters cannot fit, and is refused before it is tokenized.
 MAX_PROMPT_CHARS_PER_TOKEN = 32
-
-
-def request_id_for(raw_request: Request, prefix: str) -> str:
-    """The client's X-Request-Id, or a fresh `prefix-<hex>`. A router sets the header so that one
-    request can be followed through the router's, this node's and the prefill node's logs."""
-    given = raw_request.headers.get("x-request-id")
-    if not given:
-        return f"{prefix}-{uuid.uuid4().hex}"
-    if len(given) > MAX_REQUEST_ID_CHARS or not given.isprintable():
-        raise APIError(400, f"the X-Request-Id header must be at most {MAX_REQUEST_ID_CHARS} printable characters "
-                            f"(got {len(given)}); send a shorter id or none")
-    return given
-
-
-def usage(out: RequestOutput) -> UsageInfo:
-    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
 
 
 def token_text(tokenizer: Tokenizer, token_id: int) -> str:
@@ -231,16 +281,36 @@ def token_text(tokenizer: Tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def completion_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob], offset: int) -> CompletionLogprobs:
-    """Completions' format; `offset` is the text_offset of the first token (where the text sent so far ends)."""
+def completion_logprobs(tokenizer: Tokenizer, entries: list[tuple[int, TokenLogprob | None]],
+                        offset: int) -> CompletionLogprobs:
+    """Completions' format for (token id, its logprob entry or None) pairs; `offset` is the
+    text_offset of the first token (where the text sent so far ends)."""
     result = CompletionLogprobs()
-    for lp in logprobs:
-        token = token_text(tokenizer, lp.token_id)
+    for token_id, lp in entries:
+        token = token_text(tokenizer, token_id)
         result.tokens.append(token)
-        result.token_logprobs.append(lp.logprob)
-        result.top_logprobs.append({token_text(tokenizer, t): logprob for t, logprob in lp.top})
+        result.token_logprobs.append(None if lp is None else lp.logprob)
+        top = None
+        if lp is not None:  # the chosen token is among them, as vLLM sends it
+            top = {token_text(tokenizer, t): logprob for t, logprob in lp.top} | {token: lp.logprob}
+        result.top_logprobs.append(top)
         result.text_offset.append(offset)
         offset += len(token)
+    return result
+
+
+def prompt_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob | None]) -> list[dict[int, PromptLogprob] | None]:
+    """vLLM's prompt_logprobs: per prompt token, its entry and the top ones, by token id."""
+    result = []
+    for lp in entries:
+        if lp is None:
+            result.append(None)
+            continue
+        ranked = {t: PromptLogprob(logprob=v, rank=rank, decoded_token=token_text(tokenizer, t))
+                  for rank, (t, v) in enumerate(lp.top, start=1)}
+        if lp.token_id not in ranked:
+            ranked[lp.token_id] = PromptLogprob(logprob=lp.logprob, decoded_token=token_text(tokenizer, lp.token_id))
+        result.append(ranked)
     return result
 
 
@@ -265,225 +335,325 @@ def stream_error(error: Exception) -> str:
     """The error event of a stream that already started: OpenAI's error shape, as vLLM sends it."""
     api_error = api_error_from(error)
     metrics.REQUEST_ERRORS.labels(str(api_error.status)).inc()
-    return sse(error_body(api_error.status, api_error.message, api_error.param, api_error.code))
+    body = openai_error(api_error.status, api_error.message, api_error.param, api_error.code)
+    return f"data: {JSONResponse(body).body.decode()}\n\n"
 
 
-def build_app(node: DecodeNode, api_key: str | None, served_model_name: str, max_request_body_bytes: int) -> FastAPI:
-    version = importlib.metadata.version("disagg")
-    app = FastAPI(title="disagg", version=version)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes, error_response=error_response)
-    if api_key:  # added last, so it runs first: a request without the key is refused before its body is read
-        app.add_middleware(APIKeyMiddleware, api_key=api_key, error_response=error_response)
+def usage(choices: list[Choice], num_output_tokens: Callable[[Choice], int]) -> UsageInfo:
+    """Each prompt counts once, however many choices it has (vLLM's count)."""
+    prompts = {id(c.prompt): c for c in choices}.values()
+    prompt = sum(len(c.prompt.token_ids) for c in prompts)
+    completion = sum(num_output_tokens(c) for c in choices)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(c.out.num_cached_tokens
+                                                                                 for c in prompts)))
 
-    @app.exception_handler(APIError)
-    async def on_api_error(_: Request, e: APIError) -> JSONResponse:
-        return error_response(e.status, e.message, e.param, e.code)
 
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        # OpenAI and vLLM answer 400 for a malformed request; FastAPI's default would be 422.
-        problems, params = [], []
-        for err in e.errors():
-            loc = [str(part) for part in err["loc"] if part != "body"]
-            if err["type"] == "json_invalid":
-                problems.append(f"the body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
-                continue
-            field = ".".join(loc)
-            if field:
-                params.append(field)
-            msg = "unknown field; this server does not support it" if err["type"] == "extra_forbidden" else err["msg"]
-            problems.append(f"{field}: {msg}" if field else msg)
-        return error_response(400, "; ".join(problems), param=params[0] if len(params) == 1 else None)
+class CompletionFormat:
+    """/v1/completions: text chunks, the legacy logprobs format, echo."""
 
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return error_response(e.status_code, str(e.detail))
+    def __init__(self, request: CompletionRequest, tokenizer: Tokenizer, model: str):
+        self.request = request
+        self.tokenizer = tokenizer
+        self.model = model
+        self.created = int(time.time())
 
-    @app.exception_handler(Exception)
-    async def on_unexpected_error(_: Request, e: Exception) -> JSONResponse:
-        # A bug, not bad input; uvicorn logs the traceback.
-        return error_response(500, f"internal server error: {e!r}")
+    def num_output_tokens(self, choice: Choice) -> int:
+        return 0 if self.request.echo_only else len(choice.out.token_ids)
 
-    def check_model(model: str | None) -> None:
-        if model is not None and model != served_model_name:
-            raise APIError(404, f"The model `{model}` does not exist. This server serves `{served_model_name}` "
+    def _prompt_entries(self, choice: Choice) -> list[tuple[int, TokenLogprob | None]]:
+        return list(zip(choice.prompt.token_ids, choice.out.prompt_logprobs or []))
+
+    def first(self, choice: Choice) -> list[CompletionChoice]:
+        """With echo, the prompt (and its logprobs) goes out before the first output."""
+        if not self.request.echo:
+            return []
+        logprobs = None
+        if self.request.logprobs is not None:
+            logprobs = completion_logprobs(self.tokenizer, self._prompt_entries(choice), 0)
+            choice.text_offset = sum(len(t) for t in logprobs.tokens)
+        return [CompletionChoice(index=choice.index, text=choice.prompt.text, logprobs=logprobs)]
+
+    def delta(self, choice: Choice) -> CompletionChoice | None:
+        out = choice.out
+        if self.request.echo_only:  # the one token generated is not part of the answer
+            return CompletionChoice(index=choice.index, text="", finish_reason="length") if out.finished else None
+        logprobs = None
+        if self.request.logprobs is not None:
+            entries = [(lp.token_id, lp) for lp in choice.new_logprobs()]
+            logprobs = completion_logprobs(self.tokenizer, entries, choice.text_offset)
+            choice.text_offset += sum(len(t) for t in logprobs.tokens)
+        if out.new_text or out.finished or (logprobs and logprobs.tokens):
+            return CompletionChoice(index=choice.index, text=out.new_text, logprobs=logprobs,
+                                    finish_reason=out.finish_reason if out.finished else None,
+                                    stop_reason=out.stop_reason)
+        return None
+
+    def chunk(self, run: Run, parts: list[CompletionChoice], usage_info: UsageInfo | None = None) -> str:
+        return sse(CompletionStreamResponse(id=run.request_id, created=self.created, model=self.model,
+                                            choices=parts, usage=usage_info))
+
+    def response(self, run: Run) -> CompletionResponse:
+        choices = []
+        for choice in run.choices:
+            out, echo = choice.out, self.request.echo
+            entries = self._prompt_entries(choice) if echo else []
+            text = choice.prompt.text if echo else ""
+            finish_reason, stop_reason = "length", None
+            if not self.request.echo_only:
+                entries += [(lp.token_id, lp) for lp in out.logprobs]
+                text += out.text
+                finish_reason, stop_reason = out.finish_reason, out.stop_reason
+            logprobs = None if self.request.logprobs is None else completion_logprobs(self.tokenizer, entries, 0)
+            prompt_lps = None if self.request.prompt_logprobs is None else prompt_logprobs(self.tokenizer,
+                                                                                            out.prompt_logprobs)
+            choices.append(CompletionChoice(index=choice.index, text=text, logprobs=logprobs, finish_reason=finish_reason,
+                                            stop_reason=stop_reason, prompt_logprobs=prompt_lps))
+        return CompletionResponse(id=run.request_id, created=self.created, model=self.model, choices=choices,
+                                  usage=usage(run.choices, self.num_output_tokens))
+
+
+class ChatFormat:
+    """/v1/chat/completions: the assistant's role first, then content deltas."""
+
+    def __init__(self, request: ChatCompletionRequest, tokenizer: Tokenizer, model: str):
+        self.request = request
+        self.tokenizer = tokenizer
+        self.model = model
+        self.created = int(time.time())
+
+    @staticmethod
+    def num_output_tokens(choice: Choice) -> int:
+        return len(choice.out.token_ids)
+
+    def first(self, choice: Choice) -> list[ChatStreamChoice]:
+        return [ChatStreamChoice(index=choice.index, delta=DeltaMessage(role="assistant", content=""))]
+
+    def delta(self, choice: Choice) -> ChatStreamChoice | None:
+        out = choice.out
+        logprobs = None
+        if self.request.logprobs:
+            logprobs = chat_logprobs(self.tokenizer, choice.new_logprobs())
+        if out.new_text or out.finished or (logprobs and logprobs.content):
+            return ChatStreamChoice(index=choice.index, delta=DeltaMessage(content=out.new_text), logprobs=logprobs,
+                                    finish_reason=out.finish_reason if out.finished else None,
+                                    stop_reason=out.stop_reason)
+        return None
+
+    def chunk(self, run: Run, parts: list[ChatStreamChoice], usage_info: UsageInfo | None = None) -> str:
+        return sse(ChatCompletionChunk(id=run.request_id, created=self.created, model=self.model,
+                                       choices=parts, usage=usage_info))
+
+    def response(self, run: Run) -> ChatCompletionResponse:
+        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.out.text),
+                              logprobs=chat_logprobs(self.tokenizer, c.out.logprobs) if self.request.logprobs else None,
+                              finish_reason=c.out.finish_reason, stop_reason=c.out.stop_reason)
+                   for c in run.choices]
+        prompt_lps = None
+        if self.request.prompt_logprobs is not None:
+            prompt_lps = prompt_logprobs(self.tokenizer, run.choices[0].out.prompt_logprobs)
+        return ChatCompletionResponse(id=run.request_id, created=self.created, model=self.model, choices=choices,
+                                      usage=usage(run.choices, self.num_output_tokens), prompt_logprobs=prompt_lps)
+
+
+Format = CompletionFormat | ChatFormat
+
+
+class OpenAIServing:
+    """The endpoints' handlers, over one node and its served model name."""
+
+    def __init__(self, node: DecodeNode, served_model_name: str):
+        self.node = node
+        self.model = served_model_name
+        self.num_requests = 0  # in flight, for /load
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model:
+            raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.model}` "
                                 "(see /v1/models).", param="model", code="model_not_found")
 
-    def check_prompt_chars(prompt: str, param: str) -> None:
-        limit = node.max_model_len * MAX_PROMPT_CHARS_PER_TOKEN
+    def check_prompt_chars(self, prompt: str, param: str) -> None:
+        limit = self.node.max_model_len * MAX_PROMPT_CHARS_PER_TOKEN
         if len(prompt) > limit:
             raise APIError(400, f"the prompt has {len(prompt)} characters; this server takes at most {limit} "
-                                f"({MAX_PROMPT_CHARS_PER_TOKEN} per token of max_model_len={node.max_model_len}), "
+                                f"({MAX_PROMPT_CHARS_PER_TOKEN} per token of max_model_len={self.node.max_model_len}), "
                                 "since a longer prompt cannot fit the context", param=param)
 
     # Tokenizing and templating run in worker threads (the tokenizer lets go of the GIL while it
     # works): a long prompt must not hold up the event loop, which answers /health and streams tokens.
-    async def tokenize_prompt(prompt: str | list[int]) -> list[int]:
+    async def tokenize_prompt(self, prompt: str | list[int]) -> Prompt:
         if isinstance(prompt, list):
-            return prompt
-        check_prompt_chars(prompt, "prompt")
-        return await asyncio.to_thread(node.tokenizer.encode, prompt)
+            return Prompt(prompt, self.node.tokenizer.decode(prompt, skip_special_tokens=False))
+        self.check_prompt_chars(prompt, "prompt")
+        return Prompt(await asyncio.to_thread(self.node.tokenizer.encode, prompt), prompt)
 
-    async def tokenize_chat(messages: list[dict]) -> list[int]:
-        prompt = await asyncio.to_thread(node.tokenizer.apply_chat_template, messages)
-        check_prompt_chars(prompt, "messages")
-        # The rendered template already holds the special tokens (BOS included) it wants.
-        return await asyncio.to_thread(node.tokenizer.encode, prompt, add_special_tokens=False)
-
-    async def start(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prefill_policy: str | None, raw_request: Request) -> tuple[Generation, RequestOutput]:
-        """Validate, start the request, and wait for its first output (errors before it keep their status)."""
+    async def render_chat(self, messages: list[dict], tools: list[dict] | None,
+                          add_generation_prompt: bool = True) -> str:
         try:
-            node.validate(prompt_token_ids, params)
+            text = await asyncio.to_thread(self.node.tokenizer.apply_chat_template, messages, add_generation_prompt,
+                                           tools)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from e
+        self.check_prompt_chars(text, "messages")
+        return text
+
+    async def completions(self, request: CompletionRequest, raw_request: Request) -> Response | BaseModel:
+        self.check_model(request.model)
+        prompts = [await self.tokenize_prompt(p) for p in request.prompts]
+        longest = max(len(p.token_ids) for p in prompts)
+        try:
+            params = request.to_sampling_params(default_max_tokens=max(1, self.node.max_model_len - longest))
         except ValueError as e:
             raise api_error_from(e) from e
-        generation = Generation(node, request_id, prompt_token_ids, params, prefill_policy, raw_request)
+        fmt = CompletionFormat(request, self.node.tokenizer, self.model)
+        return await self.serve(request, raw_request, "cmpl", prompts, params, fmt)
+
+    async def chat(self, request: ChatCompletionRequest, raw_request: Request) -> Response | BaseModel:
+        self.check_model(request.model)
+        text = await self.render_chat([m.to_template() for m in request.messages], request.tools)
+        # The rendered template already holds the special tokens (BOS included) it wants.
+        prompt = Prompt(await asyncio.to_thread(self.node.tokenizer.encode, text, add_special_tokens=False), text)
         try:
-            return generation, await generation.next()
-        except ClientDisconnected:
-            await generation.close()
-            raise
-        except Exception as e:
-            await generation.close()
+            params = request.to_sampling_params(default_max_tokens=max(1, self.node.max_model_len
+                                                                       - len(prompt.token_ids)))
+        except ValueError as e:
             raise api_error_from(e) from e
+        fmt = ChatFormat(request, self.node.tokenizer, self.model)
+        return await self.serve(request, raw_request, "chatcmpl", [prompt], params, fmt)
 
-    v1 = APIRouter(prefix="/v1")
+    async def serve(self, request: SamplingFields, raw_request: Request, prefix: str, prompts: list[Prompt],
+                    params: SamplingParams, fmt: Format) -> Response | BaseModel:
+        """The path completions and chat share: validate, start every choice, stream or answer."""
+        try:
+            for prompt in prompts:
+                self.node.validate(prompt.token_ids, params)
+        except ValueError as e:
+            raise api_error_from(e) from e
+        # A router sets X-Request-Id so that one request can be followed through the router's and
+        # this node's logs (and, by this node's own id for it, the prefill node's).
+        request_id = request_label(raw_request.headers.get("x-request-id"), prefix)
+        run = Run(self.node, request_id, prompts, params, request.n, request.prefill_policy, raw_request)
+        self.num_requests += 1
+        try:
+            await run.start()
+        except ClientDisconnected:
+            self.num_requests -= 1
+            return Response(status_code=STATUS_CLIENT_CLOSED)
+        except APIError:
+            self.num_requests -= 1
+            raise
+        if request.stream:
+            return StreamingResponse(self.events(run, fmt, request), media_type="text/event-stream")
+        try:
+            await run.finish()
+        except ClientDisconnected:
+            return Response(status_code=STATUS_CLIENT_CLOSED)
+        except Exception as e:
+            raise api_error_from(e) from e
+        finally:
+            await run.close()
+            self.num_requests -= 1
+        return fmt.response(run)
 
-    @v1.get("/models")
+    async def events(self, run: Run, fmt: Format, request: SamplingFields) -> AsyncIterator[str]:
+        try:
+            async for choice in run.outputs():
+                parts = [] if choice.started else fmt.first(choice)
+                choice.started = True
+                delta = fmt.delta(choice)
+                for part in parts + ([delta] if delta else []):
+                    # vLLM's continuous usage: this choice's prompt and its output so far.
+                    yield fmt.chunk(run, [part], usage([choice], fmt.num_output_tokens)
+                                    if request.continuous_usage else None)
+            if request.include_usage:
+                yield fmt.chunk(run, [], usage(run.choices, fmt.num_output_tokens))
+        except ClientDisconnected:
+            return
+        except Exception as e:  # noqa: BLE001  the stream started: the error goes to the client as an event
+            yield stream_error(e)
+        finally:
+            await run.close()
+            self.num_requests -= 1
+        yield SSE_DONE
+
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        self.check_model(request.model)
+        if request.messages is not None:
+            text = await self.render_chat([m.to_template() for m in request.messages], request.tools,
+                                          request.add_generation_prompt)
+            add_special_tokens = bool(request.add_special_tokens)  # the template has its own
+        else:
+            self.check_prompt_chars(request.prompt, "prompt")
+            text = request.prompt
+            add_special_tokens = request.add_special_tokens is not False
+        ids = await asyncio.to_thread(self.node.tokenizer.encode, text, add_special_tokens)
+        strs = self.node.tokenizer.token_strings(ids) if request.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.node.max_model_len, tokens=ids, token_strs=strs)
+
+    async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(request.model)
+        vocab = self.node.tokenizer.vocab_size
+        bad = [t for t in request.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens must be token ids in [0, {vocab}), got {bad[:5]}", param="tokens")
+        return DetokenizeResponse(prompt=self.node.tokenizer.decode(request.tokens, skip_special_tokens=False))
+
+
+async def on_api_error(_: Request, e: APIError) -> JSONResponse:
+    return error_response(e.status, e.message, e.param, e.code)
+
+
+async def on_http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    return error_response(e.status_code, str(e.detail))
+
+
+async def on_unexpected_error(_: Request, e: Exception) -> JSONResponse:
+    # A bug, not bad input; uvicorn logs the traceback.
+    return error_response(500, f"internal server error: {e!r}")
+
+
+async def on_validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+    """OpenAI and vLLM answer 400 for a malformed request; FastAPI's default would be 422."""
+    problems, params = [], []
+    for err in e.errors():
+        loc = [str(part) for part in err["loc"] if part != "body"]
+        if err["type"] == "json_invalid":
+            problems.append(f"the body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
+            continue
+        field = ".".join(loc)
+        if field:
+            params.append(field)
+        problems.append(f"{field}: {err['msg']}" if field else err["msg"])
+    return error_response(400, "; ".join(problems), param=params[0] if len(params) == 1 else None)
+
+
+def build_app(node: DecodeNode, options: HTTPOptions, served_model_name: str) -> FastAPI:
+    app = make_app("disagg", options, error_response)
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected_error)
+
+    serving = OpenAIServing(node, served_model_name)
+    app.add_api_route("/v1/completions", serving.completions, methods=["POST"], response_model=None)
+    app.add_api_route("/v1/chat/completions", serving.chat, methods=["POST"], response_model=None)
+    # vLLM serves these at the root, not under /v1.
+    app.add_api_route("/tokenize", serving.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", serving.detokenize, methods=["POST"])
+
+    @app.get("/v1/models")
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=served_model_name, max_model_len=node.max_model_len)])
 
-    @v1.post("/completions", response_model=None)
-    async def completions(request: CompletionRequest, raw_request: Request) -> Response | CompletionResponse:
-        check_model(request.model)
-        prompt_ids = await tokenize_prompt(request.prompt)
-        try:
-            params = request.to_sampling_params(default_max_tokens=max(1, node.max_model_len - len(prompt_ids)))
-        except ValueError as e:
-            raise api_error_from(e) from e
-        request_id = request_id_for(raw_request, "cmpl")
-        try:
-            generation, first = await start(request_id, prompt_ids, params, request.prefill_policy, raw_request)
-        except ClientDisconnected:
-            return Response(status_code=STATUS_CLIENT_CLOSED)
-        if request.stream:
-            return StreamingResponse(completion_events(generation, first, request, params),
-                                     media_type="text/event-stream")
-        try:
-            out = first if first.finished else await generation.final()
-        except ClientDisconnected:
-            return Response(status_code=STATUS_CLIENT_CLOSED)
-        except Exception as e:
-            raise api_error_from(e) from e
-        finally:
-            await generation.close()
-        logprobs = None if params.logprobs is None else completion_logprobs(node.tokenizer, out.logprobs, 0)
-        return CompletionResponse(id=request_id, model=served_model_name, usage=usage(out), choices=[
-            CompletionChoice(text=out.text, logprobs=logprobs, finish_reason=out.finish_reason,
-                             stop_reason=out.stop_reason)])
-
-    async def completion_events(generation: Generation, first: RequestOutput, request: CompletionRequest,
-                                params: SamplingParams) -> AsyncIterator[str]:
-        created = int(time.time())
-        offset = 0  # text_offset of the next token's logprobs
-        num_logprobs_sent = 0
-        try:
-            out = first
-            while True:
-                logprobs = None
-                if params.logprobs is not None:
-                    logprobs = completion_logprobs(node.tokenizer, out.logprobs[num_logprobs_sent:], offset)
-                    num_logprobs_sent = len(out.logprobs)
-                    offset += sum(len(t) for t in logprobs.tokens)
-                if out.new_text or out.finished or (logprobs and logprobs.tokens):
-                    yield sse(CompletionStreamResponse(id=generation.request_id, created=created, model=served_model_name,
-                                                       choices=[CompletionChoice(
-                                                           text=out.new_text, logprobs=logprobs,
-                                                           finish_reason=out.finish_reason if out.finished else None,
-                                                           stop_reason=out.stop_reason)]))
-                if out.finished:
-                    break
-                out = await generation.next()
-            if request.stream_options and request.stream_options.include_usage:
-                yield sse(CompletionStreamResponse(id=generation.request_id, created=created, model=served_model_name,
-                                                   choices=[], usage=usage(out)))
-        except ClientDisconnected:
-            return
-        except Exception as e:  # noqa: BLE001  the stream started: the error goes to the client as an event
-            yield stream_error(e)
-        finally:
-            await generation.close()
-        yield SSE_DONE
-
-    @v1.post("/chat/completions", response_model=None)
-    async def chat_completions(request: ChatCompletionRequest,
-                               raw_request: Request) -> Response | ChatCompletionResponse:
-        check_model(request.model)
-        try:
-            prompt_ids = await tokenize_chat([m.to_template() for m in request.messages])
-            params = request.to_sampling_params(default_max_tokens=max(1, node.max_model_len - len(prompt_ids)))
-        except ValueError as e:
-            raise api_error_from(e) from e
-        request_id = request_id_for(raw_request, "chatcmpl")
-        try:
-            generation, first = await start(request_id, prompt_ids, params, request.prefill_policy, raw_request)
-        except ClientDisconnected:
-            return Response(status_code=STATUS_CLIENT_CLOSED)
-        if request.stream:
-            return StreamingResponse(chat_events(generation, first, request, params), media_type="text/event-stream")
-        try:
-            out = first if first.finished else await generation.final()
-        except ClientDisconnected:
-            return Response(status_code=STATUS_CLIENT_CLOSED)
-        except Exception as e:
-            raise api_error_from(e) from e
-        finally:
-            await generation.close()
-        logprobs = None if params.logprobs is None else chat_logprobs(node.tokenizer, out.logprobs)
-        return ChatCompletionResponse(id=request_id, model=served_model_name, usage=usage(out), choices=[
-            ChatChoice(message=ChatResponseMessage(content=out.text), logprobs=logprobs,
-                       finish_reason=out.finish_reason, stop_reason=out.stop_reason)])
-
-    async def chat_events(generation: Generation, first: RequestOutput, request: ChatCompletionRequest,
-                          params: SamplingParams) -> AsyncIterator[str]:
-        created = int(time.time())
-
-        def chunk(choices: list[ChatStreamChoice], usage_info: UsageInfo | None = None) -> str:
-            return sse(ChatCompletionChunk(id=generation.request_id, created=created, model=served_model_name,
-                                           choices=choices, usage=usage_info))
-
-        num_logprobs_sent = 0
-        try:
-            yield chunk([ChatStreamChoice(delta=DeltaMessage(role="assistant", content=""))])
-            out = first
-            while True:
-                logprobs = None
-                if params.logprobs is not None:
-                    logprobs = chat_logprobs(node.tokenizer, out.logprobs[num_logprobs_sent:])
-                    num_logprobs_sent = len(out.logprobs)
-                if out.new_text or out.finished or (logprobs and logprobs.content):
-                    yield chunk([ChatStreamChoice(delta=DeltaMessage(content=out.new_text), logprobs=logprobs,
-                                                  finish_reason=out.finish_reason if out.finished else None,
-                                                  stop_reason=out.stop_reason)])
-                if out.finished:
-                    break
-                out = await generation.next()
-            if request.stream_options and request.stream_options.include_usage:
-                yield chunk([], usage(out))
-        except ClientDisconnected:
-            return
-        except Exception as e:  # noqa: BLE001  the stream started: the error goes to the client as an event
-            yield stream_error(e)
-        finally:
-            await generation.close()
-        yield SSE_DONE
-
-    app.include_router(v1)
-
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET"])
+    @app.api_route("/ping", methods=["GET", "POST"])  # SageMaker's (and vLLM's) health check
     async def health() -> JSONResponse:
         status = node.health()
         return JSONResponse(status, status_code=200 if status.get("status") == "ok" else 503)
+
+    @app.get("/load")
+    async def load() -> dict:
+        return {"server_load": serving.num_requests}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -492,6 +662,6 @@ def build_app(node: DecodeNode, api_key: str | None, served_model_name: str, max
 
     @app.get("/version")
     async def version_info() -> dict:
-        return {"version": version}
+        return {"version": app.version}
 
     return app

@@ -60,6 +60,7 @@ class DecodeNode:
             raise SamplingParamError("max_tokens", f"max_tokens must be at most max_model_len={self.max_model_len} "
                                                    f"(the context holds prompt and output), got {params.max_tokens}")
         self.engine.engine.validate_prompt(prompt_token_ids)
+        self.engine.engine.validate_token_ids(params)
 
     async def generate(self, label: str, prompt_token_ids: list[int], params: SamplingParams,
                        prefill_policy: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -73,7 +74,8 @@ class DecodeNode:
         request_id = f"{self.node_id}-{uuid.uuid4().hex}"
         logger.info("%s runs as %s", label, request_id)  # follows a request into the prefill node's log
         metrics.PROMPT_TOKENS.inc(len(prompt_token_ids))
-        if not self.disaggregated:
+        # Prompt logprobs are not part of the KV handoff: such a request is computed here.
+        if not self.disaggregated or params.prompt_logprobs is not None:
             async with contextlib.aclosing(self.engine.generate(request_id, prompt_token_ids, params)) as outputs:
                 async for out in outputs:
                     yield out
@@ -149,6 +151,10 @@ class DecodeNode:
         bm = self.engine.engine.block_manager
         metrics.KV_BLOCKS_TOTAL.set(bm.num_blocks)
         metrics.KV_BLOCKS_USED.set(bm.num_blocks - bm.num_free_blocks)
+        metrics.KV_CACHE_USAGE.set((bm.num_blocks - bm.num_free_blocks) / bm.num_blocks)
+        scheduler = self.engine.engine.scheduler  # lengths only: a stale read by one step is fine
+        metrics.REQUESTS_RUNNING.set(len(scheduler.running))
+        metrics.REQUESTS_WAITING.set(len(scheduler.waiting) + len(scheduler.reserving) + len(scheduler.waiting_for_kv))
         if self.consumer is not None:
             stats = self.consumer.stats()
             metrics.BUFFER_ENTRIES.set(stats.entries)

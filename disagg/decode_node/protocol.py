@@ -1,27 +1,68 @@
-"""The OpenAI API as vLLM serves it: request and response models for completions, chat and models.
+"""The OpenAI API as vLLM serves it: request and response models for completions, chat, models
+and tokenize.
 
-Requests refuse fields they do not know (a typo must not be silently ignored, as OpenAI does),
-and the OpenAI fields this server cannot honour are accepted only at their no-op values.
-Sampling fields left out (or null) take SamplingParams' defaults.
+As vLLM does, a field this server does not know is accepted and ignored, with one warning log per
+field name; a field it knows but cannot honour (beam search, structured output, ...) is refused
+with a 400 naming it unless it holds its neutral value. Sampling fields left out (or null) take
+SamplingParams' defaults.
 """
 
+import json
+import logging
 import time
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from disagg.engine.sampling_params import SamplingParams
+from disagg.engine.sampling_params import SamplingParamError, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 PrefillPolicy = Literal["recompute", "fail"]
 FinishReason = Literal["stop", "length", "abort"]
+MAX_CHOICES = 128  # n times the number of prompts, per request
+
+_warned_fields: set[str] = set()
 
 
 class OpenAIRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _warn_unknown_fields(self):
+        for name in self.model_extra or {}:
+            key = f"{type(self).__name__}.{name}"
+            if key not in _warned_fields:  # once per field name, not once per request
+                _warned_fields.add(key)
+                logger.warning("ignoring the field %r of %s, which this server does not know "
+                               "(logged once)", name, type(self).__name__)
+        return self
 
 
 class StreamOptions(OpenAIRequest):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk
+
+
+class ResponseFormat(OpenAIRequest):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+# vLLM fields this server knows but cannot honour, with the values that ask for nothing.
+UNSUPPORTED = {
+    "use_beam_search": (None, False),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,), "prompt_embeds": (None,), "suffix": (None, ""),
+}
+
+
+@dataclass
+class Prompt:
+    """One prompt of a request, tokenized; `text` is what echo sends back."""
+    token_ids: list[int]
+    text: str
 
 
 class SamplingFields(OpenAIRequest):
@@ -40,26 +81,59 @@ class SamplingFields(OpenAIRequest):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as vLLM does
-    # OpenAI fields without an implementation here: only their neutral values are accepted.
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # only slow tokenizers use it; ours are fast, as in vLLM
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None  # vLLM's: logprobs of the prompt tokens
+    response_format: ResponseFormat | None = None
     prefill_policy: PrefillPolicy | None = None  # ours: what to do when the prefill node fails; None: the node's
+    use_beam_search: bool | None = None
+    guided_json: object = None
+    guided_regex: object = None
+    guided_choice: object = None
+    guided_grammar: object = None
+    structured_outputs: object = None
+    allowed_token_ids: object = None
+    bad_words: object = None
+    truncate_prompt_tokens: object = None
 
     @model_validator(mode="after")
-    def _check_unsupported(self):
+    def _check_stream_options(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) not in (None, 0):
-                raise ValueError(f"{name} is not supported by this server; leave it out or send 0")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server; leave it out")
         return self
 
-    def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def check_supported(self) -> None:
+        """Raises SamplingParamError (a 400 naming the field) for what this server cannot honour."""
+        for name, neutral in UNSUPPORTED.items():
+            if getattr(self, name, None) not in neutral:
+                raise SamplingParamError(name, f"{name} is not supported by this server; leave it out")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise SamplingParamError("response_format", f"response_format {self.response_format.type!r} "
+                                     "(structured output) is not supported yet; send {\"type\": \"text\"} or none")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise SamplingParamError("n", f"n must be between 1 and {MAX_CHOICES}, got {self.n}")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats: usage in every chunk (with include_usage, as there)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
+    def _sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         """SamplingParams checks the values; its ValueError is the 400's message."""
-        optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p}
+        self.check_supported()
+        optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+                    "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                    "repetition_penalty": self.repetition_penalty}
         return SamplingParams(
             **{name: value for name, value in optional.items() if value is not None},  # None: the default
             seed=self.seed,
@@ -68,44 +142,68 @@ class SamplingFields(OpenAIRequest):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
-            n=self.n,
+            logit_bias=logit_bias_ids(self.logit_bias),
+            min_tokens=self.min_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
+def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float]:
+    try:
+        return {int(token): value for token, value in (bias or {}).items()}
+    except ValueError:
+        raise SamplingParamError("logit_bias", "logit_bias keys must be token ids, such as \"50256\"") from None
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16  # None: up to the model's context length
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # None: up to the model's context length; 0 only with echo
     logprobs: int | None = None  # the n most likely tokens per position (0..20)
-    echo: bool = False
+    echo: bool = False  # the prompt comes back before the output (with its logprobs, when asked)
     best_of: int | None = None
     suffix: str | None = None
+    prompt_embeds: object = None
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: str | list[int] | list[str] | list[list[int]]):
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise ValueError(f"this server takes one prompt per request, got {len(prompt)}; "
-                                 "send each prompt as a request of its own")
-            prompt = prompt[0]
-        if not prompt:
+    def _not_empty(cls, prompt: str | list[str] | list[int] | list[list[int]]):
+        if not prompt or (isinstance(prompt, list) and not isinstance(prompt[0], int) and not all(prompt)):
             raise ValueError("the prompt is empty")
         return prompt
 
-    @model_validator(mode="after")
-    def _check_completion_unsupported(self):
-        if self.echo:
-            raise ValueError("echo is not supported by this server; leave it out or send false")
-        if self.best_of not in (None, 1):
-            raise ValueError("best_of is not supported by this server; leave it out or send 1")
-        if self.suffix:
-            raise ValueError("suffix is not supported by this server; leave it out")
-        return self
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string or a list of token ids."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
+
+    @property
+    def echo_only(self) -> bool:
+        """lm-eval's loglikelihood: the prompt and its logprobs, nothing generated."""
+        return self.echo and self.max_tokens == 0
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.best_of is not None and self.best_of != self.n:
+            raise SamplingParamError("best_of", f"best_of must equal n here (ranking more candidates than are "
+                                                f"returned is not supported), got best_of={self.best_of}, n={self.n}")
+        if len(self.prompts) * self.n > MAX_CHOICES:
+            raise SamplingParamError("n", f"n times the number of prompts must be at most {MAX_CHOICES}, got "
+                                          f"{self.n} x {len(self.prompts)}")
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """default_max_tokens applies when max_tokens is null: what is left of the context."""
-        max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
-        return self._sampling_params(max_tokens, self.logprobs)
+        if self.max_tokens == 0 and not self.echo:
+            raise SamplingParamError("max_tokens", "max_tokens must be at least 1 (0 only with echo)")
+        # With echo and max_tokens 0 one token is generated and dropped, as vLLM does.
+        max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens or 1
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs = self.logprobs
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
 
 
 class TextPart(OpenAIRequest):
@@ -114,17 +212,44 @@ class TextPart(OpenAIRequest):
 
 
 class ChatMessage(OpenAIRequest):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]  # OpenAI's list of parts: text only here
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # OpenAI's list of parts: text only here
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message answers this call
+
+    @model_validator(mode="after")
+    def _check_content(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (only an assistant message with tool_calls "
+                             "may have none)")
+        return self
 
     def to_template(self) -> dict:
-        """The message as chat templates expect it: content as one string (parts joined as vLLM does)."""
-        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-        message = {"role": self.role, "content": content}
+        """The message as chat templates expect it: content as one string (parts joined as vLLM does),
+        developer as system, tool-call arguments parsed into objects as vLLM passes them."""
+        if isinstance(self.content, list):
+            content = "\n".join(p.text for p in self.content)
+        else:
+            content = self.content or ""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [parsed_tool_call(call) for call in self.tool_calls]
         return message
+
+
+def parsed_tool_call(call: dict) -> dict:
+    function = call.get("function")
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            return {**call, "function": {**function, "arguments": json.loads(function["arguments"])}}
+        except json.JSONDecodeError:
+            pass  # the template gets the string as it came
+    return call
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -133,12 +258,20 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None  # with logprobs: the n most likely tokens per position (0..20)
+    tools: list[dict] | None = None  # passed to the chat template
+    tool_choice: str | dict | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
         return self
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tool_choice not in (None, "none", "auto"):
+            raise SamplingParamError("tool_choice", "tool_choice 'required' or a named function needs structured "
+                                                    "output, which is not supported yet; send 'auto' or 'none'")
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """default_max_tokens applies when neither max_completion_tokens nor max_tokens is set."""
@@ -149,7 +282,29 @@ class ChatCompletionRequest(SamplingFields):
         else:
             max_tokens = default_max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs)
+
+
+class TokenizeRequest(OpenAIRequest):
+    """vLLM's /tokenize: a prompt, or messages rendered with the chat template."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[dict] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(OpenAIRequest):
+    model: str | None = None
+    tokens: list[int]
 
 
 # -- responses ---------------------------------------------------------------------------
@@ -167,12 +322,20 @@ class UsageInfo(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """The legacy completions format: parallel lists, one entry per output token."""
+    """The legacy completions format: parallel lists, one entry per token (with echo the prompt's
+    first, whose first entry has no logprob)."""
 
     text_offset: list[int] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry, one per token id (its JSON key)."""
+    logprob: float
+    rank: int | None = None  # 1: the most likely; None: not among the top ones asked for
+    decoded_token: str
 
 
 class CompletionChoice(BaseModel):
@@ -181,6 +344,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -217,7 +381,7 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
 
 
 class ChatChoice(BaseModel):
@@ -235,6 +399,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None  # vLLM's, of the one prompt
 
 
 class DeltaMessage(BaseModel):
@@ -259,6 +424,17 @@ class ChatCompletionChunk(BaseModel):
     usage: UsageInfo | None = None
 
 
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -270,14 +446,3 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str  # OpenAI's: invalid_request_error, authentication_error, server_error, ...
-    param: str | None = None  # the request field at fault, when one is
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo

@@ -3,19 +3,20 @@ plus, when disaggregated, the LookupBuffer consumer and the pool of prefill node
 
 import logging
 
+from disagg import metrics
 from disagg.config import KVTransferConfig
 from disagg.decode_node.api import build_app
 from disagg.decode_node.node import DecodeNode
 from disagg.decode_node.prefill_client import PrefillPool
 from disagg.engine.async_engine import AsyncEngine
 from disagg.lookup_buffer import LookupBufferConsumer
-from disagg.serving import node_info, serve_http
+from disagg.serving import HTTPOptions, node_info, serve_http
 
 logger = logging.getLogger(__name__)
 
 
 async def run_decode_node(engine: AsyncEngine, model_name: str, kv: KVTransferConfig, prefill_nodes: list[str],
-                          host: str, port: int, api_key: str | None, max_request_body_bytes: int,
+                          host: str, port: int, http: HTTPOptions,
                           log_level: str) -> None:
     consumer = pool = kv_advertise = None
     try:
@@ -30,7 +31,8 @@ async def run_decode_node(engine: AsyncEngine, model_name: str, kv: KVTransferCo
                           lookup_timeout=kv.extra("lookup_timeout"))
         where = f"kv {kv.kv_connector} {kv.kv_ip}:{consumer.address[1]} prefill {','.join(prefill_nodes)}" if consumer else "colocated"
         role = "decode" if consumer else "colocated"
-        await serve_http(build_app(node, api_key, model_name, max_request_body_bytes), host, port,
+        metrics.register_vllm_names(model_name)
+        await serve_http(build_app(node, http, model_name), host, port,
                          f"disagg {role} node ready: http://{host}:{port} {where} model {model_name}", log_level)
     finally:
         if pool is not None:

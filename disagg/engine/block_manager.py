@@ -45,8 +45,9 @@ class BlockManager:
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks matching the sequence's leading full blocks. At least one token is
-        always left to compute, since the last position's logits pick the next token."""
-        if not self.enable_prefix_caching:
+        always left to compute, since the last position's logits pick the next token. A sequence
+        that asks for prompt logprobs gets none: it needs the logits of every prompt position."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         hits, h = [], None
         for i in range((seq.num_tokens - 1) // self.block_size):

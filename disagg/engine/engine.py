@@ -11,7 +11,7 @@ from disagg.engine.config import EngineConfig
 from disagg.engine.loader import load_config, resolve_model
 from disagg.engine.output import RequestOutput, TextState
 from disagg.engine.sampler import Sampler
-from disagg.engine.sampling_params import SamplingParams
+from disagg.engine.sampling_params import SamplingParamError, SamplingParams
 from disagg.engine.scheduler import Scheduler
 from disagg.engine.sequence import RemotePrefill, Sequence, SequenceStatus, TokenLogprob
 from disagg.engine.tokenizer import Tokenizer
@@ -37,7 +37,7 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self.tokenizer.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self.pending_outputs: list[RequestOutput] = []  # produced outside step(), handed out by it
         self.num_steps = 0  # batches run: a sign of life that callers elsewhere can watch
@@ -61,6 +61,15 @@ class LLMEngine:
         if bad:
             raise ValueError(f"token ids must be integers in [0, {vocab}); got {bad[:5]}")
 
+    def validate_token_ids(self, params: SamplingParams) -> None:
+        """logit_bias indexes the logits: its token ids must be in the vocabulary (a stop token id
+        outside it is harmless, it never comes)."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.logit_bias if t >= vocab]
+        if bad:
+            raise SamplingParamError("logit_bias", f"logit_bias has token ids outside the vocabulary [0, {vocab}): "
+                                                   f"{bad[:5]}")
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     *, export_kv: bool = False, remote_prefill: bool = False) -> Sequence:
         """Queue a request. Raises ValueError for bad input; other requests are unaffected.
@@ -70,13 +79,16 @@ class LLMEngine:
         KV and first token, instead of computing the prompt here (a decode node's job)."""
         params = params or SamplingParams()
         params.validate()
+        self.validate_token_ids(params)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
         seq = Sequence(request_id, token_ids, params)
         seq.export_kv = export_kv
-        self.requests[request_id] = _Request(seq, TextState(self.tokenizer, token_ids, params.stop))
+        text = TextState(self.tokenizer, token_ids, params.stop, params.skip_special_tokens,
+                         params.include_stop_str_in_output)
+        self.requests[request_id] = _Request(seq, text)
         if remote_prefill:
             self.scheduler.add_remote(seq)
         else:
@@ -154,12 +166,15 @@ class LLMEngine:
             return []
         self.num_steps += 1
         try:
-            batch, logits = self.runner.run(batch)
+            batch, logits, prompt_logprobs = self.runner.run(batch)
         except Exception as e:  # the step's requests fail; the next step runs as usual
             logger.exception("the model forward failed; failing the %d requests of this step", len(batch))
             return [self._fail(item.seq, f"the model forward failed: {type(e).__name__}: {e}") for item in batch]
+        for item in batch:
+            if item.seq.request_id in prompt_logprobs:
+                add_prompt_logprobs(item.seq, *prompt_logprobs[item.seq.request_id])
         sampled = self.scheduler.postprocess(batch)
-        results = self.sampler(logits, [(seq.request_id, seq.params) for seq in sampled])
+        results = self.sampler(logits, sampled)
         outputs = []
         for seq, result in zip(sampled, results):
             # A failure in one sequence's sampling or post-processing fails that request alone.
@@ -195,6 +210,7 @@ class LLMEngine:
             finished=True,
             finish_reason="error",
             logprobs=list(seq.logprobs),
+            prompt_logprobs=seq.prompt_logprobs,
             num_cached_tokens=seq.num_cached_tokens,
             error=error,
         )
@@ -204,13 +220,14 @@ class LLMEngine:
         seq.append_token(token)
         if logprob is not None:
             seq.logprobs.append(logprob)
-        stop_string = request.text.add(token)
         params = seq.params
+        may_stop = seq.num_output_tokens >= params.min_tokens  # sampling masked stop tokens before
+        stop_string = request.text.add(token, check_stop=may_stop)
         if stop_string is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop_string
-        elif not params.ignore_eos and token in self.tokenizer.eos_token_ids:
+        elif may_stop and not params.ignore_eos and token in self.tokenizer.eos_token_ids:
             seq.finish_reason = "stop"
-        elif token in params.stop_token_ids:
+        elif may_stop and token in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
@@ -234,6 +251,15 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             logprobs=list(seq.logprobs),
+            prompt_logprobs=seq.prompt_logprobs,
             num_cached_tokens=seq.num_cached_tokens,
             kv=kv,
         )
+
+
+def add_prompt_logprobs(seq: Sequence, first: int, entries: list[TokenLogprob]) -> None:
+    """Record a chunk's prompt logprobs, which start at prompt token `first`; a chunk computed again
+    (the sequence was preempted) adds nothing it already has."""
+    have = len(seq.prompt_logprobs)
+    if first <= have:
+        seq.prompt_logprobs.extend(entries[have - first:])

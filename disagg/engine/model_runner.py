@@ -4,7 +4,16 @@ import torch
 
 from disagg.engine.attention import AttentionBackend, StepInputs
 from disagg.engine.models.llama import LlamaForCausalLM
+from disagg.engine.sampler import logprob_entries
 from disagg.engine.scheduler import ScheduledSeq
+from disagg.engine.sequence import Sequence, TokenLogprob
+
+# Prompt logprobs are computed this many positions at a time: [rows, vocab] float32 logits
+# for a whole 2048-token chunk would take 400 MB with a 49k vocabulary.
+PROMPT_LOGITS_ROWS = 256
+
+# request id -> (index of the first prompt token scored, one entry per token from there)
+PromptLogprobs = dict[str, tuple[int, list[TokenLogprob]]]
 
 
 class ModelRunner:
@@ -17,17 +26,38 @@ class ModelRunner:
         self.max_model_len = max_model_len
 
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], torch.Tensor]:
-        """Compute the batch's new tokens. Returns the batch in the order it ran, and float32
-        logits [num_sampled, vocab] on the device for the sequences whose last token was
-        computed, in that order."""
+    def run(self, batch: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], torch.Tensor, PromptLogprobs]:
+        """Compute the batch's new tokens. Returns the batch in the order it ran, float32 logits
+        [num_sampled, vocab] on the device for the sequences whose last token was computed, in
+        that order, and the prompt logprobs of this step's chunks of sequences that ask for them
+        (only then is anything beyond the sampled rows computed)."""
         batch = self.order(batch)
         inputs = self.attention.prepare(batch)
+        scoring = any(scores_prompt(item.seq) for item in batch)
         decode_only = all(item.num_new_tokens == 1 for item in batch)
-        if self.graphs is not None and decode_only and len(batch) <= self.graphs.max_batch:
-            return batch, self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta.token_rows)
+        if self.graphs is not None and decode_only and not scoring and len(batch) <= self.graphs.max_batch:
+            return batch, self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta.token_rows), {}
         hidden = self._forward(inputs)
-        return batch, self.model.compute_logits(hidden[inputs.sample_rows]).float()
+        logits = self.model.compute_logits(hidden[inputs.sample_rows]).float()
+        return batch, logits, self._prompt_logprobs(batch, hidden) if scoring else {}
+
+    def _prompt_logprobs(self, batch: list[ScheduledSeq], hidden: torch.Tensor) -> PromptLogprobs:
+        result = {}
+        row = 0  # the batch's tokens are the hidden rows, in batch order
+        for item in batch:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            # Position p's logits score token p + 1; the last prompt position's pick the first output token.
+            count = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1) - start
+            if seq.prompt_logprobs is not None and count > 0:
+                targets = torch.tensor(seq.token_ids[start + 1:start + 1 + count], device=hidden.device)
+                entries = []
+                for i in range(0, count, PROMPT_LOGITS_ROWS):
+                    logits = self.model.compute_logits(hidden[row + i:row + min(count, i + PROMPT_LOGITS_ROWS)])
+                    entries += logprob_entries(torch.log_softmax(logits.float(), dim=-1),
+                                               targets[i:i + PROMPT_LOGITS_ROWS], seq.params.prompt_logprobs)
+                result[seq.request_id] = (start + 1, entries)
+            row += item.num_new_tokens
+        return result
 
     @torch.inference_mode()
     def all_logits(self, batch: list[ScheduledSeq]) -> torch.Tensor:
@@ -42,3 +72,9 @@ class ModelRunner:
     def order(batch: list[ScheduledSeq]) -> list[ScheduledSeq]:
         """Single-token segments first: the backends attend them together."""
         return [s for s in batch if s.num_new_tokens == 1] + [s for s in batch if s.num_new_tokens > 1]
+
+
+def scores_prompt(seq: Sequence) -> bool:
+    """It asks for prompt logprobs and some of its prompt is still to be computed."""
+    return seq.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens - 1
+

@@ -20,6 +20,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked: first entry None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     kv: torch.Tensor | None = None  # the prompt's KV, for requests that export it
     error: str | None = None  # why the engine failed this request (finish_reason "error")
@@ -28,21 +29,23 @@ class RequestOutput:
 class TextState:
     """Turns a request's tokens into text, holding back what could still become a stop string."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str]):
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str],
+                 skip_special_tokens: bool = True, include_stop_str: bool = False):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
         self.stop = stop
+        self.include_stop_str = include_stop_str
         self.hold_back = max((len(s) for s in stop), default=1) - 1
         self.emitted = 0  # characters already handed out
 
-    def add(self, token_id: int) -> str | None:
-        """Feed one token; return the stop string it completed, if any."""
+    def add(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Feed one token; return the stop string it completed, if any (when check_stop)."""
         before = len(self.detokenizer.text)
         self.detokenizer.add(token_id)
         text = self.detokenizer.text
-        for s in self.stop:
+        for s in self.stop if check_stop else []:
             idx = text.find(s, max(0, before - len(s) + 1))
             if idx != -1:
-                self.detokenizer.text = text[:idx]
+                self.detokenizer.text = text[:idx + len(s) if self.include_stop_str else idx]
                 return s
         return None
 

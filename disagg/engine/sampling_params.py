@@ -18,6 +18,10 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_TOKEN_ID = 2**31 - 1  # no vocabulary comes near 2^31 tokens
 MAX_LOGPROBS = 20
+MAX_PENALTY = 2.0  # presence and frequency penalties, OpenAI's range
+MAX_REPETITION_PENALTY = 1e4  # beyond this every repeated token is already ruled out
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range; vLLM clamps to it
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 class SamplingParamError(ValueError):
@@ -40,7 +44,16 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the chosen token's; n: also the n most likely
-    n: int = 1
+    # vLLM's (and OpenAI's) definitions: presence and frequency over output tokens, repetition
+    # over prompt and output tokens (dividing a positive logit, multiplying a negative one).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    min_tokens: int = 0  # before this many output tokens, EOS and stop tokens are masked and stop strings ignored
+    skip_special_tokens: bool = True  # in the output text
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None  # as logprobs, for every prompt token after the first
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -52,6 +65,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Penalties, logit bias or min_tokens change its logits before sampling."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or bool(self.logit_bias) or self.min_tokens > 0)
 
     def validate(self) -> None:
         t = self.temperature
@@ -71,9 +90,35 @@ class SamplingParams:
             raise SamplingParamError("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise SamplingParamError("logprobs", f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs!r}")
-        if self.n != 1:
-            raise SamplingParamError("n", f"n={self.n} is not supported yet; send n=1 (one completion per request)")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise SamplingParamError("prompt_logprobs", f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, "
+                                                        f"got {self.prompt_logprobs!r}")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise SamplingParamError("min_tokens", f"min_tokens must be an integer between 0 and max_tokens="
+                                                   f"{self.max_tokens}, got {self.min_tokens!r}")
         self._validate_stops()
+        self._validate_penalties()
+
+    def _validate_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise SamplingParamError(name, f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+        r = self.repetition_penalty
+        if not is_number(r) or not 0.0 < r <= MAX_REPETITION_PENALTY:
+            raise SamplingParamError("repetition_penalty", f"repetition_penalty must be > 0 and at most "
+                                                           f"{MAX_REPETITION_PENALTY:g} (1: off), got {r!r}")
+        bias = self.logit_bias
+        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise SamplingParamError("logit_bias", f"logit_bias must map at most {MAX_LOGIT_BIAS_ENTRIES} token ids "
+                                                   "to biases")
+        for token, value in bias.items():
+            if not is_int(token) or not 0 <= token <= MAX_TOKEN_ID:
+                raise SamplingParamError("logit_bias", f"logit_bias keys must be token ids, got {token!r}")
+            if not is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise SamplingParamError("logit_bias", f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, "
+                                                       f"{MAX_LOGIT_BIAS:g}], got {value!r} for token {token}")
 
     def _validate_stops(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:

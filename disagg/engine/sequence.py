@@ -42,6 +42,8 @@ class Sequence:
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache
         self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
         self.logprobs: list[TokenLogprob] = []
+        # When asked: one entry per prompt token, None for the first (nothing before it predicts it).
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None if params.prompt_logprobs is None else [None]
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.arrival_time = time.monotonic()

@@ -38,7 +38,12 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def token_strings(self, ids: list[int]) -> list[str]:
+        """Each id's token as the vocabulary writes it (e.g. "Ġhello"), as transformers' convert_ids_to_tokens."""
+        return [self._tokenizer.id_to_token(i) for i in ids]
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         """Render `messages` with the model's chat template, as transformers' apply_chat_template(tokenize=False)."""
         if self._chat_template is None:
             raise ValueError("this model has no chat template (no chat_template in tokenizer_config.json); "
@@ -51,7 +56,7 @@ class Tokenizer:
                 raise ValueError(f"message {i} must be an object with a string 'role' and a string 'content', "
                                  f"got {message!r}")
         return _compile_template(self._chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self._template_tokens)
+            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **self._template_tokens)
 
     def _token_id(self, token: str | dict | None) -> int | None:
         content = _token_content(token)

@@ -7,6 +7,7 @@ token. Insert only queues the bytes: the engine never waits on the network.
 """
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -14,7 +15,6 @@ from collections import OrderedDict
 from disagg import metrics
 from disagg.control_plane import NodeInfo, PrefillCall, PrefillProgress, PrefillResult
 from disagg.engine.async_engine import AsyncEngine
-from disagg.engine.sampling_params import SamplingParams
 from disagg.lookup_buffer import LookupBufferProducer, token_digest
 
 logger = logging.getLogger(__name__)
@@ -37,9 +37,7 @@ class PrefillNode:
     async def prefill(self, call: PrefillCall) -> PrefillResult:
         start = time.perf_counter()
         # Only the first token is sampled here; stop rules and lengths are the decode node's.
-        params = SamplingParams(temperature=call.params.temperature, top_p=call.params.top_p,
-                                top_k=call.params.top_k, min_p=call.params.min_p, seed=call.params.seed,
-                                logprobs=call.params.logprobs, max_tokens=1, ignore_eos=True)
+        params = dataclasses.replace(call.params, max_tokens=1, min_tokens=min(call.params.min_tokens, 1), stop=[])
         final = None
         self.callers[call.request_id] = call.kv_dest
         try:

@@ -36,7 +36,11 @@ def prefill_call_from_proto(msg: pb.PrefillRequest) -> PrefillCall:
     s = msg.sampling
     params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
                             seed=s.seed if s.HasField("seed") else None,
-                            logprobs=s.logprobs if s.HasField("logprobs") else None)
+                            logprobs=s.logprobs if s.HasField("logprobs") else None,
+                            presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                            repetition_penalty=s.repetition_penalty or 1.0,  # unset: an older sender's 0
+                            logit_bias=dict(s.logit_bias), min_tokens=min(s.min_tokens, 1),
+                            stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, max_tokens=1)
     return PrefillCall(request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids), params=params,
                        kv_dest=(msg.kv_dest_host, msg.kv_dest_port))
 

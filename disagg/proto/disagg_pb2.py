@@ -24,35 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64isagg/proto/disagg.proto\x12\tdisagg.v1\"/\n\x0bInfoRequest\x12\x0f\n\x07kv_host\x18\x01 \x01(\t\x12\x0f\n\x07kv_port\x18\x02 \x01(\x05\"\xcd\x01\n\x08NodeInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x14\n\x0ckv_connector\x18\x07 \x01(\t\x12\r\n\x05kv_ip\x18\x08 \x01(\t\x12\x0f\n\x07kv_port\x18\t \x01(\x05\x12\x18\n\x10protocol_version\x18\n \x01(\x05\"\x92\x01\n\x0eSamplingFields\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x15\n\x08logprobs\x18\x06 \x01(\x05H\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\x97\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.disagg.v1.SamplingFields\x12\x14\n\x0ckv_dest_host\x18\x04 \x01(\t\x12\x14\n\x0ckv_dest_port\x18\x05 \x01(\x05\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"P\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.disagg.v1.TopLogprob\"\xc1\x01\n\x0cPrefillReply\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x03\x12.\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x12.disagg.v1.LogprobH\x00\x88\x01\x01\x12\x14\n\x0ctoken_digest\x18\x03 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x05 \x01(\x03\x12\x17\n\x0fprefill_seconds\x18\x06 \x01(\x01\x42\x10\n\x0e_first_logprob\"D\n\x0fPrefillProgress\x12\x14\n\x0c\x65ngine_steps\x18\x01 \x01(\x03\x12\x1b\n\x13num_computed_tokens\x18\x02 \x01(\x05\"r\n\rPrefillUpdate\x12.\n\x08progress\x18\x01 \x01(\x0b\x32\x1a.disagg.v1.PrefillProgressH\x00\x12\'\n\x04\x64one\x18\x02 \x01(\x0b\x32\x17.disagg.v1.PrefillReplyH\x00\x42\x08\n\x06update\"N\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0ckv_dest_host\x18\x02 \x01(\t\x12\x14\n\x0ckv_dest_port\x18\x03 \x01(\x05\"\x1d\n\nAbortReply\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\x32\xc0\x01\n\x0ePrefillService\x12\x33\n\x04Info\x12\x16.disagg.v1.InfoRequest\x1a\x13.disagg.v1.NodeInfo\x12@\n\x07Prefill\x12\x19.disagg.v1.PrefillRequest\x1a\x18.disagg.v1.PrefillUpdate0\x01\x12\x37\n\x05\x41\x62ort\x12\x17.disagg.v1.AbortRequest\x1a\x15.disagg.v1.AbortReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64isagg/proto/disagg.proto\x12\tdisagg.v1\"/\n\x0bInfoRequest\x12\x0f\n\x07kv_host\x18\x01 \x01(\t\x12\x0f\n\x07kv_port\x18\x02 \x01(\x05\"\xcd\x01\n\x08NodeInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x14\n\x0ckv_connector\x18\x07 \x01(\t\x12\r\n\x05kv_ip\x18\x08 \x01(\t\x12\x0f\n\x07kv_port\x18\t \x01(\x05\x12\x18\n\x10protocol_version\x18\n \x01(\x05\"\x93\x03\n\x0eSamplingFields\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x15\n\x08logprobs\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x01\x12<\n\nlogit_bias\x18\n \x03(\x0b\x32(.disagg.v1.SamplingFields.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x03\x12\x12\n\nignore_eos\x18\r \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\x97\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.disagg.v1.SamplingFields\x12\x14\n\x0ckv_dest_host\x18\x04 \x01(\t\x12\x14\n\x0ckv_dest_port\x18\x05 \x01(\x05\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"P\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.disagg.v1.TopLogprob\"\xc1\x01\n\x0cPrefillReply\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x03\x12.\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x12.disagg.v1.LogprobH\x00\x88\x01\x01\x12\x14\n\x0ctoken_digest\x18\x03 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x05 \x01(\x03\x12\x17\n\x0fprefill_seconds\x18\x06 \x01(\x01\x42\x10\n\x0e_first_logprob\"D\n\x0fPrefillProgress\x12\x14\n\x0c\x65ngine_steps\x18\x01 \x01(\x03\x12\x1b\n\x13num_computed_tokens\x18\x02 \x01(\x05\"r\n\rPrefillUpdate\x12.\n\x08progress\x18\x01 \x01(\x0b\x32\x1a.disagg.v1.PrefillProgressH\x00\x12\'\n\x04\x64one\x18\x02 \x01(\x0b\x32\x17.disagg.v1.PrefillReplyH\x00\x42\x08\n\x06update\"N\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0ckv_dest_host\x18\x02 \x01(\t\x12\x14\n\x0ckv_dest_port\x18\x03 \x01(\x05\"\x1d\n\nAbortReply\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\x32\xc0\x01\n\x0ePrefillService\x12\x33\n\x04Info\x12\x16.disagg.v1.InfoRequest\x1a\x13.disagg.v1.NodeInfo\x12@\n\x07Prefill\x12\x19.disagg.v1.PrefillRequest\x1a\x18.disagg.v1.PrefillUpdate0\x01\x12\x37\n\x05\x41\x62ort\x12\x17.disagg.v1.AbortRequest\x1a\x15.disagg.v1.AbortReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'disagg.proto.disagg_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGFIELDS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGFIELDS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_INFOREQUEST']._serialized_start=40
   _globals['_INFOREQUEST']._serialized_end=87
   _globals['_NODEINFO']._serialized_start=90
   _globals['_NODEINFO']._serialized_end=295
   _globals['_SAMPLINGFIELDS']._serialized_start=298
-  _globals['_SAMPLINGFIELDS']._serialized_end=444
-  _globals['_PREFILLREQUEST']._serialized_start=447
-  _globals['_PREFILLREQUEST']._serialized_end=598
-  _globals['_TOPLOGPROB']._serialized_start=600
-  _globals['_TOPLOGPROB']._serialized_end=647
-  _globals['_LOGPROB']._serialized_start=649
-  _globals['_LOGPROB']._serialized_end=729
-  _globals['_PREFILLREPLY']._serialized_start=732
-  _globals['_PREFILLREPLY']._serialized_end=925
-  _globals['_PREFILLPROGRESS']._serialized_start=927
-  _globals['_PREFILLPROGRESS']._serialized_end=995
-  _globals['_PREFILLUPDATE']._serialized_start=997
-  _globals['_PREFILLUPDATE']._serialized_end=1111
-  _globals['_ABORTREQUEST']._serialized_start=1113
-  _globals['_ABORTREQUEST']._serialized_end=1191
-  _globals['_ABORTREPLY']._serialized_start=1193
-  _globals['_ABORTREPLY']._serialized_end=1222
-  _globals['_PREFILLSERVICE']._serialized_start=1225
-  _globals['_PREFILLSERVICE']._serialized_end=1417
+  _globals['_SAMPLINGFIELDS']._serialized_end=701
+  _globals['_SAMPLINGFIELDS_LOGITBIASENTRY']._serialized_start=631
+  _globals['_SAMPLINGFIELDS_LOGITBIASENTRY']._serialized_end=679
+  _globals['_PREFILLREQUEST']._serialized_start=704
+  _globals['_PREFILLREQUEST']._serialized_end=855
+  _globals['_TOPLOGPROB']._serialized_start=857
+  _globals['_TOPLOGPROB']._serialized_end=904
+  _globals['_LOGPROB']._serialized_start=906
+  _globals['_LOGPROB']._serialized_end=986
+  _globals['_PREFILLREPLY']._serialized_start=989
+  _globals['_PREFILLREPLY']._serialized_end=1182
+  _globals['_PREFILLPROGRESS']._serialized_start=1184
+  _globals['_PREFILLPROGRESS']._serialized_end=1252
+  _globals['_PREFILLUPDATE']._serialized_start=1254
+  _globals['_PREFILLUPDATE']._serialized_end=1368
+  _globals['_ABORTREQUEST']._serialized_start=1370
+  _globals['_ABORTREQUEST']._serialized_end=1448
+  _globals['_ABORTREPLY']._serialized_start=1450
+  _globals['_ABORTREPLY']._serialized_end=1479
+  _globals['_PREFILLSERVICE']._serialized_start=1482
+  _globals['_PREFILLSERVICE']._serialized_end=1674
 # @@protoc_insertion_point(module_scope)

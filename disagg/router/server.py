@@ -36,7 +36,7 @@ from disagg.router.router import (
     describe,
     parse_decode_nodes,
 )
-from disagg.serving import HTTPOptions, make_app, request_label, serve_http
+from disagg.serving import STATUS_CLIENT_CLOSED, HTTPOptions, make_app, openai_error_response, request_label, serve_http
 
 logger = logging.getLogger(__name__)
 
@@ -48,13 +48,7 @@ CONNECT_TIMEOUT_S = 5.0  # a decode node that does not accept within this is tri
 # Below uvicorn's 5 s keep-alive: an idle connection is dropped here before the decode node closes
 # it, so a request is never sent down a connection the node is closing at that very moment.
 KEEPALIVE_EXPIRY_S = 2.0
-STATUS_CLIENT_CLOSED = 499  # nginx's "client closed request", as the decode node answers it
-
-
-def error_response(status: int, message: str, code: str | None = None) -> JSONResponse:
-    """OpenAI's error shape, as the decode nodes answer."""
-    kind = "authentication_error" if status == 401 else "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status_code=status)
+error_response = openai_error_response  # the decode nodes' error shape
 
 
 async def wait_for_disconnect(receive: Receive) -> None:
