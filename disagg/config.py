@@ -1,5 +1,7 @@
 """KVTransferConfig: how a node takes part in disaggregation, with vLLM's field names."""
 
+import hashlib
+import hmac
 import json
 import logging
 from dataclasses import dataclass
@@ -7,6 +9,14 @@ from dataclasses import dataclass
 from disagg.pipes.base import PipeConfig
 
 logger = logging.getLogger(__name__)
+
+def derived_key(secret: str | None, purpose: str) -> str | None:
+    """A key for one use of the shared secret: gRPC metadata travels in the clear, so whoever
+    reads it must not learn the pipe's key (nor the secret)."""
+    if secret is None:
+        return None
+    return hmac.new(secret.encode(), f"disagg {purpose}".encode(), hashlib.sha256).hexdigest()
+
 
 ROLES = {"producer": "producer", "kv_producer": "producer", "consumer": "consumer",
          "kv_consumer": "consumer", "both": "both", "kv_both": "both"}
@@ -99,8 +109,13 @@ class KVTransferConfig:
         return self.kv_connector_extra_config[key]
 
     def pipe_config(self) -> PipeConfig:
-        """This node's own pipe endpoint, with the shared secret and stall timeout."""
-        return PipeConfig(self.kv_ip, self.kv_port, self.extra("auth_token"), self.extra("pipe_timeout"))
+        """This node's own pipe endpoint, with the pipe's key and stall timeout."""
+        return PipeConfig(self.kv_ip, self.kv_port, derived_key(self.extra("auth_token"), "pipe"),
+                          self.extra("pipe_timeout"))
+
+    def grpc_token(self) -> str | None:
+        """What gRPC calls carry in their metadata (in the clear, on a plaintext channel)."""
+        return derived_key(self.extra("auth_token"), "grpc")
 
     @classmethod
     def from_json(cls, text: str) -> "KVTransferConfig":

@@ -24,7 +24,7 @@ async def run_decode_node(engine: AsyncEngine, model_name: str, kv: KVTransferCo
             consumer = LookupBufferConsumer(kv.kv_connector, kv.pipe_config(), ttl=kv.extra("buffer_ttl"),
                                             kv_buffer_size=int(kv.kv_buffer_size))
             kv_advertise = (kv.kv_ip, consumer.address[1])  # the bound port, where kv_port is 0
-            pool = PrefillPool(prefill_nodes, kv.extra("auth_token"), node_info(engine, model_name, kv), kv_advertise)
+            pool = PrefillPool(prefill_nodes, kv.grpc_token(), node_info(engine, model_name, kv), kv_advertise)
             await pool.start(timeout=10.0)
         node = DecodeNode(engine, model_name, consumer, pool, kv_advertise=kv_advertise,
                           prefill_policy=kv.extra("prefill_policy"), prefill_timeout=kv.extra("prefill_timeout"),
