@@ -43,6 +43,7 @@ class PrefillCall:
     prompt_token_ids: list[int]
     params: SamplingParams  # the first token is sampled with these
     kv_dest: tuple[str, int]  # the decode node's pipe endpoint: where the KV goes
+    skip_tokens: int = 0  # leading prompt tokens whose KV the decode node already holds: not sent
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -55,6 +56,12 @@ class Node:
             if line.startswith(name + " "):
                 return float(line.split()[1])
         raise KeyError(f"{name} not in /metrics")
+
+    def labelled(self, name: str, label: str) -> dict[str, float]:
+        """{label value: sample} of one metric with one label in /metrics."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        pattern = re.compile(rf'^{name}\{{{label}="([^"]+)"\}} (\S+)$', re.MULTILINE)
+        return {value: float(sample) for value, sample in pattern.findall(text)}
 
 
 def start_node(role: str, tmp_dir: Path, *, model: str | None = None, connector: str = "tcp",

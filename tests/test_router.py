@@ -51,13 +51,6 @@ def start_router(tmp_dir: Path, decode_nodes: list[str], extra_args: list[str] =
     return node
 
 
-def labelled_metric(node: Node, name: str, label: str) -> dict[str, float]:
-    """{label value: sample} of one labelled metric in the node's /metrics."""
-    text = httpx.get(f"{node.url}/metrics", timeout=10).text
-    pattern = re.compile(rf'^{name}\{{{label}="([^"]+)"\}} (\S+)$', re.MULTILINE)
-    return {value: float(sample) for value, sample in pattern.findall(text)}
-
-
 @dataclass
 class Cluster:
     prefills: list[Node]
@@ -184,7 +177,7 @@ def test_xpyd_spreads_load_survives_a_dead_prefill_node_and_matches_colocated(cl
     assert all(re.fullmatch(r"(chat)?cmpl-[0-9a-f]{32}", rid) for rid in ids[1::2]), ids[1::2]
 
     # Both decode nodes and both prefill nodes got work.
-    routed = labelled_metric(router, "disagg_router_requests_total", "decode_node")
+    routed = router.labelled("disagg_router_requests_total", "decode_node")
     assert sorted(routed) == sorted(f"127.0.0.1:{d.port}" for d in decodes)
     assert all(count >= 5 for count in routed.values()), routed
     assert sum(routed.values()) == NUM_REQUESTS
@@ -194,7 +187,7 @@ def test_xpyd_spreads_load_survives_a_dead_prefill_node_and_matches_colocated(cl
     survivor = prefills[1]
     for decode in decodes:
         assert f"KV to 127.0.0.1:{decode.kv_port} " in survivor.log(), f"no KV pushed to decode node {decode.port}"
-        assert labelled_metric(decode, "disagg_remote_prefill_total", "outcome").get("ok", 0) >= 1
+        assert decode.labelled("disagg_remote_prefill_total", "outcome").get("ok", 0) >= 1
 
     # One request followed by its id through the router and a decode node, and by the decode
     # node's own id for it (a client's id is only a label) into a prefill node.
@@ -333,7 +326,7 @@ def test_unreachable_decode_node_is_skipped(cluster: Cluster, tmp_path: Path):
         text, _ = asyncio.run(_ask_once(router.url, 1))  # ties go to the first node: the dead one
         assert text == cluster.expected["completion"][1]
         assert f"decode node {fake.address} is unreachable" in router.log()
-        errors = labelled_metric(router, "disagg_router_upstream_errors_total", "decode_node")
+        errors = router.labelled("disagg_router_upstream_errors_total", "decode_node")
         assert errors.get(fake.address) == 1
         health = httpx.get(f"{router.url}/health", timeout=10).json()
         assert health["decode_nodes"][fake.address]["healthy"] is False

@@ -291,6 +291,31 @@ def test_load_100_streaming_requests_then_everything_is_free(pair):
     assert decode.metric("disagg_lookup_buffer_entries") == 0
 
 
+def test_a_prefix_the_decode_node_holds_does_not_cross_the_pipe_again(pair, colocated):
+    prefill, decode, connector = pair
+    if connector != "tcp":
+        pytest.skip("the skip is the control plane's, the same on every pipe")
+    system = "You are a careful assistant who answers in one short sentence. " * 6  # several full blocks
+    prompts = [system + "Name a color.", system + "Name a fruit."]
+
+    def received() -> float:
+        return decode.labelled("disagg_kv_transfer_bytes_total", "direction").get("received", 0.0)
+
+    async def one(url: str, prompt: str) -> str:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await complete(client, url, prompt, stream=False)
+
+    sent = []
+    texts = []
+    for prompt in prompts:
+        before = received()
+        texts.append(asyncio.run(one(decode.url, prompt)))
+        sent.append(received() - before)
+    assert texts == [asyncio.run(one(colocated.url, p)) for p in prompts]
+    # The second prompt's shared blocks were in the decode node's prefix cache: only its tail came.
+    assert 0 < sent[1] < 0.5 * sent[0], sent
+
+
 def test_openai_client_streams_from_the_decode_node(pair, reference_texts):
     openai = pytest.importorskip("openai")
     _, decode, connector = pair

@@ -98,7 +98,9 @@ class DecodeNode:
         start = time.perf_counter()
         try:
             client = self.pool.pick()
-            call = PrefillCall(request_id, prompt_token_ids, params, self.kv_advertise)
+            # Our prefix cache's hits are held for this request: only the rest of its KV need come.
+            skip = self.engine.engine.remote_cached_tokens(request_id)
+            call = PrefillCall(request_id, prompt_token_ids, params, self.kv_advertise, skip)
             result = await client.prefill(call, idle_timeout=self.prefill_timeout)
             source = (client.info.kv_ip, client.info.kv_port)
             # The reply means the KV is queued, not sent: if the node dies now, stop waiting at once.
@@ -111,7 +113,7 @@ class DecodeNode:
             if entry.token_digest != result.token_digest:
                 raise RuntimeError(f"KV digest {entry.token_digest} differs from the prefill node's {result.token_digest}")
             await self.engine.finish_remote_prefill(request_id, entry.kv_tensors[0], result.first_token,
-                                                    result.first_logprob)
+                                                    result.first_logprob, kv_start=skip)
             metrics.KV_BYTES.labels("received").inc(entry.nbytes)
             metrics.KV_TRANSFER.observe(time.perf_counter() - start)
             metrics.REMOTE_PREFILL.labels("ok").inc()

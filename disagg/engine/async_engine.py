@@ -118,8 +118,8 @@ class AsyncEngine:
         return await self._call(self._drop, request_id, error)
 
     async def finish_remote_prefill(self, request_id: str, kv: torch.Tensor, first_token: int,
-                                    first_logprob: TokenLogprob | None = None) -> None:
-        await self._call(self.engine.finish_remote_prefill, request_id, kv, first_token, first_logprob)
+                                    first_logprob: TokenLogprob | None = None, kv_start: int = 0) -> None:
+        await self._call(self.engine.finish_remote_prefill, request_id, kv, first_token, first_logprob, kv_start)
 
     async def prefill_locally(self, request_id: str) -> None:
         await self._call(self.engine.prefill_locally, request_id)

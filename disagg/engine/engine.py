@@ -95,17 +95,27 @@ class LLMEngine:
             self.scheduler.add(seq)
         return seq
 
+    def remote_cached_tokens(self, request_id: str) -> int:
+        """Leading prompt tokens of a remote request whose KV its reserved blocks already hold (its
+        prefix-cache hits); 0 until it has blocks. Once add_request has returned this does not change
+        until the KV is loaded (the blocks are held), so it may be read from another thread."""
+        return self._remote_seq(request_id).num_cached_tokens
+
     def finish_remote_prefill(self, request_id: str, kv: torch.Tensor, first_token: int,
-                              first_logprob: TokenLogprob | None = None) -> None:
-        """Hand over the KV and first token of a remote-prefilled request; it decodes from the next step."""
+                              first_logprob: TokenLogprob | None = None, kv_start: int = 0) -> None:
+        """Hand over the KV (of prompt tokens kv_start on) and first token of a remote-prefilled
+        request; it decodes from the next step."""
         seq = self._remote_seq(request_id)
         mc = self.model_config
-        expected = (mc.num_hidden_layers, 2, seq.num_prompt_tokens, mc.num_key_value_heads, mc.head_dim)
+        expected = (mc.num_hidden_layers, 2, seq.num_prompt_tokens - kv_start, mc.num_key_value_heads, mc.head_dim)
         if tuple(kv.shape) != expected:
             raise ValueError(f"KV for {request_id} has shape {tuple(kv.shape)}, expected {expected}")
+        if kv_start > seq.num_cached_tokens:
+            raise ValueError(f"KV for {request_id} starts at token {kv_start}, but only {seq.num_cached_tokens} "
+                             "are in this engine's cache")
         if not 0 <= first_token < mc.vocab_size:
             raise ValueError(f"first token {first_token} of {request_id} is outside the vocabulary")
-        seq.remote_prefill = RemotePrefill(kv, first_token, first_logprob)
+        seq.remote_prefill = RemotePrefill(kv, first_token, first_logprob, kv_start)
         if seq.request_id in self.scheduler.waiting_for_kv:
             self._load_remote(seq)
 
@@ -126,7 +136,7 @@ class LLMEngine:
         remote = seq.remote_prefill
         # Leading blocks hit in our own prefix cache already hold this KV.
         start = seq.num_cached_tokens
-        self.kv_cache.scatter(seq.block_table, remote.kv[:, :, start:], start)
+        self.kv_cache.scatter(seq.block_table, remote.kv[:, :, start - remote.kv_start:], start)
         seq.num_computed_tokens = seq.num_prompt_tokens
         self.block_manager.commit(seq)
         seq.remote_prefill = None

@@ -28,11 +28,12 @@ def prefill_call_to_proto(call: PrefillCall) -> pb.PrefillRequest:
     # Fields left None stay unset: the receiver reads them back as None.
     sampling = {k: v for k, v in sampling_fields(call.params).items() if v is not None}
     return pb.PrefillRequest(request_id=call.request_id, prompt_token_ids=call.prompt_token_ids,
-                             sampling=pb.SamplingFields(**sampling), kv_dest_host=host, kv_dest_port=port)
+                             sampling=pb.SamplingFields(**sampling), kv_dest_host=host, kv_dest_port=port,
+                             skip_tokens=call.skip_tokens)
 
 
 def prefill_call_from_proto(msg: pb.PrefillRequest) -> PrefillCall:
-    """Raises ValueError when the sampling fields are out of range (SamplingParams checks them)."""
+    """Raises ValueError when the sampling fields (SamplingParams checks them) or skip_tokens are out of range."""
     s = msg.sampling
     params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
                             seed=s.seed if s.HasField("seed") else None,
@@ -41,8 +42,10 @@ def prefill_call_from_proto(msg: pb.PrefillRequest) -> PrefillCall:
                             repetition_penalty=s.repetition_penalty or 1.0,  # unset: an older sender's 0
                             logit_bias=dict(s.logit_bias), min_tokens=min(s.min_tokens, 1),
                             stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, max_tokens=1)
+    if not 0 <= msg.skip_tokens < len(msg.prompt_token_ids):
+        raise ValueError(f"skip_tokens must be in [0, prompt length {len(msg.prompt_token_ids)}), got {msg.skip_tokens}")
     return PrefillCall(request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids), params=params,
-                       kv_dest=(msg.kv_dest_host, msg.kv_dest_port))
+                       kv_dest=(msg.kv_dest_host, msg.kv_dest_port), skip_tokens=msg.skip_tokens)
 
 
 def prefill_result_to_proto(result: PrefillResult) -> pb.PrefillReply:
