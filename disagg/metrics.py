@@ -20,6 +20,20 @@ GENERATION_TOKENS = Counter("disagg_generation_tokens_total", "Tokens generated"
 KV_BYTES = Counter("disagg_kv_transfer_bytes_total", "KV bytes moved between nodes", ["direction"])
 KV_TRANSFER = Histogram("disagg_kv_transfer_seconds", "Prefill call to KV loaded, on the decode node",
                         buckets=LATENCY_BUCKETS)
+# The KV handoff, step by step, so that the split of a disaggregated TTFT comes from /metrics alone.
+# Decode node:
+REMOTE_PREFILL_CALL = Histogram("disagg_remote_prefill_call_seconds", "Prefill call, sent to answered",
+                                buckets=LATENCY_BUCKETS)
+KV_LOOKUP_WAIT = Histogram("disagg_kv_lookup_wait_seconds", "Prefill answered to its KV off the pipe",
+                           buckets=LATENCY_BUCKETS)
+KV_LOAD = Histogram("disagg_kv_load_seconds", "Received KV into the engine's blocks", buckets=LATENCY_BUCKETS)
+FIRST_TOKEN_DELAY = Histogram("disagg_first_token_delay_seconds", "KV loaded to the first token handed out",
+                              buckets=LATENCY_BUCKETS)
+# Prefill node:
+PREFILL_COMPUTE = Histogram("disagg_prefill_compute_seconds", "A Prefill call's engine time, its queue included",
+                            buckets=LATENCY_BUCKETS)
+KV_BUFFER_INSERT = Histogram("disagg_kv_buffer_insert_seconds", "A prompt's KV out of the engine (to the host "
+                             "unless kept on the GPU) and into the lookup buffer, waiting for space included", buckets=LATENCY_BUCKETS)
 REMOTE_PREFILL = Counter("disagg_remote_prefill_total", "Remote prefills, by outcome",
                          ["outcome"])  # ok, recomputed, failed
 KV_BLOCKS_USED = Gauge("disagg_kv_blocks_used", "KV cache blocks in use")

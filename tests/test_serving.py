@@ -314,6 +314,11 @@ def test_a_prefix_the_decode_node_holds_does_not_cross_the_pipe_again(pair, colo
     assert texts == [asyncio.run(one(colocated.url, p)) for p in prompts]
     # The second prompt's shared blocks were in the decode node's prefix cache: only its tail came.
     assert 0 < sent[1] < 0.5 * sent[0], sent
+    # Each step of the handoff is timed on the node that does it.
+    for node, names in ((decode, ["remote_prefill_call", "kv_lookup_wait", "kv_load", "first_token_delay"]),
+                        (prefill, ["prefill_compute", "kv_buffer_insert"])):
+        for name in names:
+            assert node.metric(f"disagg_{name}_seconds_count") >= 2, name
 
 
 def test_openai_client_streams_from_the_decode_node(pair, reference_texts):

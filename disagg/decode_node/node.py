@@ -49,6 +49,7 @@ class DecodeNode:
         self.prefill_timeout = prefill_timeout
         self.lookup_timeout = lookup_timeout
         self.node_id = f"d{uuid.uuid4().hex[:8]}"  # names this node's requests on every node
+        self.kv_loaded_at: dict[str, float] = {}  # request id -> when its remote KV was loaded
 
     @property
     def disaggregated(self) -> bool:
@@ -85,8 +86,12 @@ class DecodeNode:
         try:
             async with contextlib.aclosing(self.engine.stream(request_id, queue)) as outputs:
                 async for out in outputs:
+                    loaded = self.kv_loaded_at.pop(request_id, None)
+                    if loaded is not None:  # the first token, which came with the KV
+                        metrics.FIRST_TOKEN_DELAY.observe(time.perf_counter() - loaded)
                     yield out
         finally:
+            self.kv_loaded_at.pop(request_id, None)
             if not fetch.done():  # the client went away before the KV came: stop the prefill too
                 fetch.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -102,6 +107,8 @@ class DecodeNode:
             skip = self.engine.engine.remote_cached_tokens(request_id)
             call = PrefillCall(request_id, prompt_token_ids, params, self.kv_advertise, skip)
             result = await client.prefill(call, idle_timeout=self.prefill_timeout)
+            answered = time.perf_counter()
+            metrics.REMOTE_PREFILL_CALL.observe(answered - start)
             source = (client.info.kv_ip, client.info.kv_port)
             # The reply means the KV is queued, not sent: if the node dies now, stop waiting at once.
             watch = asyncio.create_task(self._discard_when_unhealthy(client, request_id))
@@ -110,10 +117,14 @@ class DecodeNode:
                                                 self.lookup_timeout, source)
             finally:
                 watch.cancel()
+            received = time.perf_counter()
+            metrics.KV_LOOKUP_WAIT.observe(received - answered)
             if entry.token_digest != result.token_digest:
                 raise RuntimeError(f"KV digest {entry.token_digest} differs from the prefill node's {result.token_digest}")
             await self.engine.finish_remote_prefill(request_id, entry.kv_tensors[0], result.first_token,
                                                     result.first_logprob, kv_start=skip)
+            self.kv_loaded_at[request_id] = loaded = time.perf_counter()
+            metrics.KV_LOAD.observe(loaded - received)
             metrics.KV_BYTES.labels("received").inc(entry.nbytes)
             metrics.KV_TRANSFER.observe(time.perf_counter() - start)
             metrics.REMOTE_PREFILL.labels("ok").inc()

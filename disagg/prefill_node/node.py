@@ -45,6 +45,8 @@ class PrefillNode:
                 final = out
         finally:
             self.callers.pop(call.request_id, None)
+        computed = time.perf_counter()
+        metrics.PREFILL_COMPUTE.observe(computed - start)
         if final is None or final.kv is None:
             raise RuntimeError(f"prefill of {call.request_id} ended without KV ({final and final.finish_reason})")
         kv = final.kv[:, :, call.skip_tokens:]  # the decode node holds the rest
@@ -52,6 +54,7 @@ class PrefillNode:
         # Insert may wait (bounded) for buffer space: keep that off the event loop.
         await asyncio.to_thread(self.producer.insert, call.request_id, call.prompt_token_ids, [kv],
                                 None, call.kv_dest)
+        metrics.KV_BUFFER_INSERT.observe(time.perf_counter() - computed)
         seconds = time.perf_counter() - start
         metrics.KV_BYTES.labels("sent").inc(kv.nbytes)
         logger.info("prefill %s: %d prompt tokens (%d cached), %.1f KiB KV to %s:%d in %.3fs",
