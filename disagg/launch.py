@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -31,14 +32,17 @@ def serve_command(args: argparse.Namespace, role: str, port: int, kv_port: int) 
     return command
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
-    """Until GET {url}/health answers 200; RuntimeError if `proc` exits first or time runs out."""
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300.0,
+                 until: Callable[[dict], bool] = lambda health: True) -> None:
+    """Until GET {url}/health answers 200 with a body `until` accepts; RuntimeError if `proc`
+    exits first or time runs out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the node behind {url} exited with code {proc.returncode}")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            response = httpx.get(f"{url}/health", timeout=2)
+            if response.status_code == 200 and until(response.json()):
                 return
         except httpx.HTTPError:
             pass
@@ -92,7 +96,8 @@ def up(args: argparse.Namespace) -> None:
     try:
         try:
             wait_healthy(f"http://127.0.0.1:{prefill_port}", prefill)
-            wait_healthy(url, decode)
+            # Until it has connected to its prefill node too (which may have come up after it).
+            wait_healthy(url, decode, until=lambda health: all(health.get("prefill_nodes", {}).values()))
         except RuntimeError as e:
             raise RuntimeError(f"{e}; its output is above") from None
         model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]

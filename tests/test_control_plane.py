@@ -322,6 +322,9 @@ def test_a_slow_prefill_is_waited_for_a_stuck_one_given_up_and_aborted_by_its_ca
     assert stuck.code == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_for(lambda: "stuck" not in engine.requests and engine.block_manager.num_free_blocks == free,
              10, "the stuck prefill aborted on the prefill node and its blocks freed")
+    # Its last output came after the caller's event loop had closed: the engine thread lives on.
+    time.sleep(0.5)
+    assert node.engine.thread.is_alive()
 
 
 # --- handshake and auth ------------------------------------------------------------------------

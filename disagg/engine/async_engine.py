@@ -182,4 +182,7 @@ class AsyncEngine:
         if isinstance(item, Exception) or item.finished:
             self.streams.pop(request_id, None)
         loop, queue = stream
-        loop.call_soon_threadsafe(queue.put_nowait, item)
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # its event loop is closed: nobody is left to read it, and its abort is queued
+            self.streams.pop(request_id, None)
