@@ -179,6 +179,9 @@ def test_prompt_as_token_ids(server, llm):
     ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"prompt": ["one", ""]}, 400, "empty"),
+    # Found by schemathesis: token ids outside the vocabulary were decoded before validation (500).
+    ("/v1/completions", {"prompt": [1, 2**70]}, 400, "token ids must be"),
+    ("/v1/completions", {"prompt": [[5, -3], [7]]}, 400, "token ids must be"),
     ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
@@ -556,3 +559,11 @@ def test_lm_evaluation_harness_local_completions_runs_to_the_end(server, model_n
           f"disagg_gen exact_match {gen['exact_match,none']:.3f} (4 questions)")
     assert mc["acc,none"] >= 0.5  # SmolLM2-135M answers most of these; chance is 0.25
     assert 0.0 <= gen["exact_match,none"] <= 1.0
+
+
+def test_unknown_field_names_logged_once_are_bounded():
+    """Field names come from clients: remembering every one logged would grow without end."""
+    from disagg.decode_node import protocol
+    for i in range(protocol.MAX_WARNED_FIELDS + 50):
+        protocol.CompletionRequest.model_validate({"prompt": "hi", f"unknown-{i}": 1})
+    assert len(protocol._warned_fields) == protocol.MAX_WARNED_FIELDS

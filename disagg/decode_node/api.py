@@ -483,6 +483,10 @@ class OpenAIServing:
     # works): a long prompt must not hold up the event loop, which answers /health and streams tokens.
     async def tokenize_prompt(self, prompt: str | list[int]) -> Prompt:
         if isinstance(prompt, list):
+            try:  # ids outside the vocabulary are bad input, and the tokenizer cannot decode them
+                self.node.engine.engine.validate_prompt(prompt)
+            except ValueError as e:
+                raise APIError(400, str(e), param="prompt") from e
             return Prompt(prompt, self.node.tokenizer.decode(prompt, skip_special_tokens=False))
         self.check_prompt_chars(prompt, "prompt")
         return Prompt(await asyncio.to_thread(self.node.tokenizer.encode, prompt), prompt)

@@ -23,6 +23,8 @@ PrefillPolicy = Literal["recompute", "fail"]
 FinishReason = Literal["stop", "length", "abort"]
 MAX_CHOICES = 128  # n times the number of prompts, per request
 
+# Field names are the client's: the set of those already logged stops growing at this size.
+MAX_WARNED_FIELDS = 256
 _warned_fields: set[str] = set()
 
 
@@ -33,10 +35,12 @@ class OpenAIRequest(BaseModel):
     def _warn_unknown_fields(self):
         for name in self.model_extra or {}:
             key = f"{type(self).__name__}.{name}"
-            if key not in _warned_fields:  # once per field name, not once per request
+            if key not in _warned_fields and len(_warned_fields) < MAX_WARNED_FIELDS:  # once per field name
                 _warned_fields.add(key)
                 logger.warning("ignoring the field %r of %s, which this server does not know "
-                               "(logged once)", name, type(self).__name__)
+                               "(logged once%s)", name, type(self).__name__,
+                               "; no further unknown fields are logged" if len(_warned_fields) == MAX_WARNED_FIELDS
+                               else "")
         return self
 
 
