@@ -93,6 +93,22 @@ def start_node(role: str, tmp_dir: Path, *, model: str | None = None, connector:
     return node
 
 
+async def read_sse_text(response: httpx.Response) -> str:
+    """The text of a streamed completion or chat answer (every choice's text or delta content),
+    checked to carry no error event and to end with [DONE]."""
+    text, done = "", False
+    async for line in response.aiter_lines():
+        if line == "data: [DONE]":
+            done = True
+        elif line.startswith("data: "):
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            for choice in event["choices"]:
+                text += choice["text"] if "text" in choice else (choice["delta"].get("content") or "")
+    assert done, "the stream ended without [DONE]"
+    return text
+
+
 def wait_ready(node: Node, timeout: float = 120.0) -> None:
     try:
         wait_healthy(node.url, node.proc, timeout)

@@ -13,7 +13,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.generation import GenerationMode
-from servers import Node, start_node, wait_for
+from servers import Node, read_sse_text, start_node, wait_for
 
 from disagg import LLM, SamplingParams
 
@@ -155,18 +155,9 @@ def threads_and_fds(node: Node) -> tuple[int, int]:
 
 
 async def stream_text(client: httpx.AsyncClient, url: str, body: dict) -> str:
-    text, done = "", False
     async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
         assert r.status_code == 200, (await r.aread()).decode()
-        async for line in r.aiter_lines():
-            if line == "data: [DONE]":
-                done = True
-            elif line.startswith("data: "):
-                event = json.loads(line[6:])
-                assert "error" not in event, event
-                text += event["choices"][0]["text"]
-    assert done
-    return text
+        return await read_sse_text(r)
 
 
 async def disconnect_mid_stream(client: httpx.AsyncClient, url: str) -> None:

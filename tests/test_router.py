@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from servers import Node, free_port, start_node, wait_for, wait_ready
+from servers import Node, free_port, read_sse_text, start_node, wait_for, wait_ready
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -131,19 +131,9 @@ async def ask(client: httpx.AsyncClient, url: str, i: int, request_id: str | Non
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
         return (choice["message"]["content"] if kind == "chat" else choice["text"]), r.headers["x-request-id"]
-    text, done = "", False
     async with client.stream("POST", url + path, json=body, headers=headers) as r:
         assert r.status_code == 200
-        async for line in r.aiter_lines():
-            if line == "data: [DONE]":
-                done = True
-            elif line.startswith("data: "):
-                event = json.loads(line[6:])
-                assert "error" not in event, event
-                for choice in event["choices"]:
-                    text += (choice["delta"].get("content") or "") if kind == "chat-stream" else choice["text"]
-        assert done, f"request {i}: the stream ended without [DONE]"
-        return text, r.headers["x-request-id"]
+        return await read_sse_text(r), r.headers["x-request-id"]
 
 
 def test_xpyd_spreads_load_survives_a_dead_prefill_node_and_matches_colocated(cluster: Cluster):

@@ -2,14 +2,13 @@
 compared token for token with the colocated server and with transformers."""
 
 import asyncio
-import json
 import re
 import time
 
 import httpx
 import pytest
 from prompts import PROMPTS, hf_greedy
-from servers import free_port, start_node, wait_exit, wait_for
+from servers import free_port, read_sse_text, start_node, wait_exit, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -36,18 +35,9 @@ async def complete(client: httpx.AsyncClient, url: str, prompt, stream: bool, **
         r = await client.post(f"{url}/v1/completions", json=body)
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["text"]
-    text, done = "", False
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         assert r.status_code == 200
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                done = True
-                break
-            text += json.loads(line[6:])["choices"][0]["text"]
-    assert done
-    return text
+        return await read_sse_text(r)
 
 
 async def chat_all(url: str, conversations: list) -> list[str]:

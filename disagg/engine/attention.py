@@ -1,6 +1,6 @@
 """Attention backends: how a step's batch becomes attention metadata, and how a layer stores
 its new K/V and attends over the paged cache. One is chosen at engine start
-(docs/ARCHITECTURE.md, "The GPU path"): `SdpaAttention` on the CPU, the reference;
+(docs/ARCHITECTURE.md, "Engine (as built)"): `SdpaAttention` on the CPU, the reference;
 `TritonAttention` (triton_attention.py) on CUDA.
 
 Tokens of a batch are flat: first the single-token segments (decodes), then the multi-token

@@ -4,7 +4,7 @@ A sequence keeps its row while it runs, so a step sends only what changed: the e
 blocks it gained (every block_size tokens of a decode), or a whole row for a sequence that is
 new or whose blocks were rebuilt (preemption, a new allocation). Kernels read
 table[row, position // block_size]; the batch passes only each token's row
-(docs/ARCHITECTURE.md, "The GPU path").
+(docs/ARCHITECTURE.md, "Engine (as built)").
 """
 
 from dataclasses import dataclass

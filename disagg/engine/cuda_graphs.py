@@ -3,7 +3,7 @@
 A decode step of a large model launches hundreds of small kernels; replaying a graph launches
 them as one. Buckets are 1, 2, 4, 8, 16, 32, then every 32 up to max_num_seqs; a batch is
 padded to the next bucket with tokens at position -1, which the kernels skip. Captured from the
-largest bucket down into one memory pool. Prefill runs eagerly (docs/ARCHITECTURE.md, "The GPU path").
+largest bucket down into one memory pool. Prefill runs eagerly (docs/ARCHITECTURE.md, "Engine (as built)").
 """
 
 import logging

@@ -3,7 +3,7 @@
 The cache layout is KVCache's: per layer, K and V are [slots, kv_heads, head_dim] with slot
 = block * block_size + offset. Kernels find a token's slot through a block table that lives on
 the device ([rows, max_blocks] int32, one row per running sequence, docs/ARCHITECTURE.md,
-"The GPU path"), so no slot mapping or gathered K/V is ever built per step.
+"Engine (as built)"), so no slot mapping or gathered K/V is ever built per step.
 
 Every query row of a program is one (query token, query head) pair of one KV head's group,
 so the heads that share a KV head (GQA) read each K/V tile once. The kernels also run under

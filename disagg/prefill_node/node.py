@@ -50,7 +50,7 @@ class PrefillNode:
         if final is None or final.kv is None:
             raise RuntimeError(f"prefill of {call.request_id} ended without KV ({final and final.finish_reason})")
         kv = final.kv[:, :, call.skip_tokens:]  # the decode node holds the rest
-        kv = kv.contiguous() if self.kv_buffer_device == "cuda" else kv.cpu()
+        kv = (kv if self.kv_buffer_device == "cuda" else kv.cpu()).contiguous()
         # Insert may wait (bounded) for buffer space: keep that off the event loop.
         await asyncio.to_thread(self.producer.insert, call.request_id, call.prompt_token_ids, [kv],
                                 None, call.kv_dest)
