@@ -13,6 +13,8 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are defined, so before the import
 triton_kernels = pytest.importorskip("disagg.engine.triton_kernels")
+from disagg.engine import fused_ops  # noqa: E402
+from disagg.engine.models.llama import MLP, LlamaConfig, RMSNorm, RotaryEmbedding  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK_SIZE = 16
@@ -109,6 +111,41 @@ def test_decode_matches_sdpa(num_kv_heads, group, head_dim, num_splits):
     out = out.cpu()
     torch.testing.assert_close(out[:len(lengths)], case.to("cpu").reference(), atol=2e-5, rtol=1e-4)
     assert torch.all(out[len(lengths):] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_ops_match_the_torch_layers(dtype):
+    """Residual add + RMSNorm, rotary and SiLU-mul against the modules' own torch path."""
+    g = torch.Generator().manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=96, intermediate_size=80, num_hidden_layers=1,
+                         num_attention_heads=6, num_key_value_heads=2, head_dim=16)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+    x, residual = (torch.randn(5, 96, generator=g).to(dtype) for _ in range(2))
+    norm = RMSNorm(96, 1e-5).to(dtype)
+    norm.weight.data = torch.randn(96, generator=g).to(dtype)
+    ref_out, ref_sum = norm(x, residual.clone())
+    fused_sum = residual.clone().to(DEVICE)
+    norm.to(DEVICE).fused_ops = fused_ops
+    out, fused_sum = norm(x.to(DEVICE), fused_sum)
+    torch.testing.assert_close(fused_sum.cpu(), ref_sum, **tol)
+    torch.testing.assert_close(out.cpu(), ref_out, **tol)
+    torch.testing.assert_close(norm(x.to(DEVICE)).cpu(), RMSNorm._norm(norm.cpu(), x), **tol)
+
+    rotary = RotaryEmbedding(config, max_positions=64)
+    qkv = torch.randn(5, 10, 16, generator=g).to(dtype)  # q, k, v heads of one fused projection
+    positions = torch.tensor([0, 3, 17, 63, 5])
+    ref_q, ref_k = rotary(positions, qkv[:, :6], qkv[:, 6:8])
+    qkv = qkv.to(DEVICE)
+    rotary.to(DEVICE).fused_ops = fused_ops
+    rotary(positions.to(DEVICE, torch.int32), qkv[:, :6], qkv[:, 6:8])
+    torch.testing.assert_close(qkv[:, :6].cpu(), ref_q, **tol)
+    torch.testing.assert_close(qkv[:, 6:8].cpu(), ref_k, **tol)
+
+    mlp = MLP(config).to(dtype)
+    h = torch.randn(5, 96, generator=g).to(dtype)
+    ref = mlp(h)
+    mlp.to(DEVICE).fuse(fused_ops)
+    torch.testing.assert_close(mlp(h.to(DEVICE)).cpu(), ref, **tol)
 
 
 def test_store_kv_writes_each_token_at_its_slot_and_skips_padding():

@@ -112,5 +112,5 @@ def make_attention(config: EngineConfig, model: LlamaForCausalLM, kv_cache: KVCa
         raise ValueError(f"attention_backend must be 'sdpa', or 'triton' on CUDA; got {backend!r} on {device}")
     from disagg.engine.triton_attention import TritonAttention
 
-    model.fuse_projections()
+    model.fuse()
     return TritonAttention(kv_cache, model.config.num_attention_heads, config.max_num_seqs, max_model_len)

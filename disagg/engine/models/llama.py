@@ -2,12 +2,16 @@
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from disagg.engine.attention import AttentionBackend
+
+if TYPE_CHECKING:  # Triton is only needed on the GPU path
+    from disagg.engine import fused_ops
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -75,8 +79,19 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused_ops: "fused_ops | None" = None  # set by LlamaForCausalLM.fuse()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x), or (norm(x + residual), x + residual) when a residual is given."""
+        if self.fused_ops is not None:
+            out = self.fused_ops.rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in float32 like the reference implementation, so float16/bfloat16 match it.
         dtype = x.dtype
         x = x.float()
@@ -109,8 +124,12 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self.fused_ops: "fused_ops | None" = None  # set by LlamaForCausalLM.fuse()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused_ops is not None:
+            self.fused_ops.rotary(q, k, self.cos, self.sin, positions)
+            return q, k
         cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
@@ -163,16 +182,17 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.gate_up_proj: nn.Linear | None = None  # made by fuse()
+        self.fused_ops: "fused_ops | None" = None
 
-    def fuse(self) -> None:
+    def fuse(self, ops: "fused_ops") -> None:
         self.gate_up_proj = fuse_linears(self.gate_proj, self.up_proj)
         del self.gate_proj, self.up_proj
+        self.fused_ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is None:
+        if self.fused_ops is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.fused_ops.silu_mul(self.gate_up_proj(x)))
 
 
 def fuse_linears(*linears: nn.Linear) -> nn.Linear:
@@ -194,10 +214,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, positions: torch.Tensor,
-                attention: AttentionBackend, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, positions, attention, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding,
+                positions: torch.Tensor, attention: AttentionBackend, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the next norm adds them,
+        so each add is fused with a norm on the GPU path."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, rotary, positions, attention, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -223,17 +250,22 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attention: AttentionBackend, meta) -> torch.Tensor:
         """Flat tokens of the whole batch [T] -> final hidden states [T, hidden]."""
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x = layer(x, self.model.rotary, positions, attention, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, self.model.rotary, positions, attention, meta)
+        return self.model.norm(x, residual)[0]
 
-    def fuse_projections(self) -> None:
-        """The GPU path, after loading: q/k/v and gate/up each one matrix product. Not on the
-        CPU's SDPA path, whose outputs must equal transformers' unfused float32 products bit for bit."""
+    def fuse(self) -> None:
+        """The GPU path, after loading: q/k/v and gate/up each one product, and the Triton
+        kernels for norms, rotary and SiLU. Not on the CPU, where outputs must equal
+        transformers' float32 bit for bit."""
+        from disagg.engine import fused_ops
+
+        self.model.rotary.fused_ops = self.model.norm.fused_ops = fused_ops
         for layer in self.model.layers:
             layer.self_attn.fuse()
-            layer.mlp.fuse()
+            layer.mlp.fuse(fused_ops)
+            layer.input_layernorm.fused_ops = layer.post_attention_layernorm.fused_ops = fused_ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
