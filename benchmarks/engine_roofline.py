@@ -93,8 +93,40 @@ def graph_replay_s(bench: DisaggBench, batch: int, context: int) -> float:
     graphs.positions[:batch] = context
     graphs.rows[:batch] = torch.arange(batch, dtype=torch.int32)
     graphs.input_ids[:batch] = torch.randint(10, 1000, (batch,), dtype=torch.int32)
-    b = next(size for size in graphs.buckets if size >= batch)
-    return median_ms(graphs.graphs[b].replay, 50) / 1e3
+    return median_ms(lambda: replay_graph(bench, batch), 50) / 1e3
+
+
+def matmul_floor_s(model: torch.nn.Module, batch: int) -> float:
+    """Every linear layer of a decode step (layers + lm_head) at `batch` rows, captured in one
+    CUDA graph: the step's time if everything but the matmuls were free."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {n: torch.randn(batch, n, dtype=torch.bfloat16, device="cuda") for n in {m.in_features for m in linears}}
+    for m in linears:  # warm cuBLAS outside the capture
+        m(inputs[m.in_features])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for m in linears:
+            m(inputs[m.in_features])
+    return median_ms(graph.replay, 50) / 1e3
+
+
+def kernel_profile(bench: DisaggBench, batch: int, context: int, path: Path) -> str:
+    """The GPU time of one decode-graph replay by kernel (CUPTI sees the graph's kernels)."""
+    graph_replay_s(bench, batch, context)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            replay_graph(bench, batch)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+    with path.open("a") as f:
+        f.write(f"decode graph replay, batch {batch}, context {context}, 10 replays\n{table}\n")
+    return table
+
+
+def replay_graph(bench: DisaggBench, batch: int) -> None:
+    graphs = bench.engine.runner.graphs
+    graphs.graphs[next(size for size in graphs.buckets if size >= batch)].replay()
 
 
 def host_profile(bench: DisaggBench, batch: list[list[int]], steps: int, path: Path | None) -> str:
@@ -124,6 +156,7 @@ def main() -> int:
     ap.add_argument("--engines", default="disagg,sdpa,transformers")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default=None, help="write a host profile of a batch-128 decode loop here")
+    ap.add_argument("--kernel-profile", default=None, help="write the decode graph's kernel times here")
     args = ap.parse_args()
     engines = args.engines.split(",")
     model_dir = str(write_model(args.shape, Path(args.model_dir), Path(args.tokenizer_dir), "cuda"))
@@ -169,13 +202,19 @@ def main() -> int:
 
     replay = {str(b): graph_replay_s(benches["disagg"], b, n + args.decode_steps // 2)
               for b, n in (DECODE_CASES["b1"], DECODE_CASES["b32"], DECODE_CASES["b128"])}
+    model = benches["disagg"].engine.runner.model
+    floor = {str(b): matmul_floor_s(model, b) for b in (1, 32, 128)}
+    if args.kernel_profile:
+        Path(args.kernel_profile).write_text("")
+        for b, n in (DECODE_CASES["b1"], DECODE_CASES["b32"]):
+            print(kernel_profile(benches["disagg"], b, n + args.decode_steps // 2, Path(args.kernel_profile)))
     if args.profile:
         host_profile(benches["disagg"], prompts(vocab, 128, 512, gen), args.decode_steps, Path(args.profile))
 
     result = {"machine": machine_info(torch.device("cuda")), "shape": args.shape, "weight_bytes": shape.weight_bytes,
               "hbm_read_bytes_per_s": bandwidth, "matmul_flops_per_s": peak, "engine_start_s": start_s,
               "decode_step_s": {}, "prefill_s": {}, "decode_roofline_ratio": {}, "prefill_mfu": {},
-              "decode_graph_replay_s": replay}
+              "decode_graph_replay_s": replay, "decode_matmul_floor_s": floor}
     for name in benches:
         result["decode_step_s"][name] = {c: statistics.median(v) for c, v in step_s[name].items()}
         result["prefill_s"][name] = {c: statistics.median(v) for c, v in prefill_s[name].items()}
@@ -196,6 +235,8 @@ def main() -> int:
         if case in ("b1", "b32", "b128"):
             t = replay[str(b)]
             print(f"{case:8s} {'graph alone':12s} {t * 1e3:8.2f}ms {roof * 1e3:8.2f}ms {t / roof:9.2f}x")
+            t = floor[str(b)]
+            print(f"{case:8s} {'matmuls only':12s} {t * 1e3:8.2f}ms {roof * 1e3:8.2f}ms {t / roof:9.2f}x")
     for case, (b, n) in PREFILL_CASES.items():
         for name in benches:
             t = result["prefill_s"][name].get(case)
