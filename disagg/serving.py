@@ -61,12 +61,19 @@ class HTTPOptions:
     enable_docs: bool = False
 
 
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("disagg")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree on PYTHONPATH, not installed
+        return "0+source"
+
+
 def make_app(title: str, options: HTTPOptions, error_response: Callable[..., Response]) -> FastAPI:
     """A FastAPI app with the body limit and API key checks. /docs and /openapi.json are off unless
     asked for: they map the whole API for anyone who can reach the port, key or not."""
     docs = dict(docs_url="/docs", redoc_url="/redoc", openapi_url="/openapi.json") if options.enable_docs \
         else dict(docs_url=None, redoc_url=None, openapi_url=None)
-    app = FastAPI(title=title, version=importlib.metadata.version("disagg"), **docs)
+    app = FastAPI(title=title, version=package_version(), **docs)
     app.add_middleware(BodyLimitMiddleware, max_bytes=options.max_request_body_bytes, error_response=error_response)
     if options.api_key:  # added last, so it runs first: a request without the key is refused before its body is read
         app.add_middleware(APIKeyMiddleware, api_key=options.api_key, error_response=error_response)

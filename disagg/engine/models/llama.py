@@ -2,16 +2,13 @@
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from disagg.engine.attention import AttentionBackend
-
-if TYPE_CHECKING:  # Triton is only needed on the GPU path
-    from disagg.engine import fused_ops
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -79,7 +76,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.fused_ops: "fused_ops | None" = None  # set by LlamaForCausalLM.fuse()
+        self.fused_ops: ModuleType | None = None  # set by LlamaForCausalLM.fuse()
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x), or (norm(x + residual), x + residual) when a residual is given."""
@@ -124,7 +121,7 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
-        self.fused_ops: "fused_ops | None" = None  # set by LlamaForCausalLM.fuse()
+        self.fused_ops: ModuleType | None = None  # set by LlamaForCausalLM.fuse()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fused_ops is not None:
@@ -182,9 +179,9 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.gate_up_proj: nn.Linear | None = None  # made by fuse()
-        self.fused_ops: "fused_ops | None" = None
+        self.fused_ops: ModuleType | None = None
 
-    def fuse(self, ops: "fused_ops") -> None:
+    def fuse(self, ops: ModuleType) -> None:
         self.gate_up_proj = fuse_linears(self.gate_proj, self.up_proj)
         del self.gate_proj, self.up_proj
         self.fused_ops = ops
