@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from servers import PAIR_MAX_MODEL_LEN, Node, start_node
 
 from disagg.engine.loader import resolve_model
 
@@ -19,6 +20,20 @@ torch.set_num_threads(1)
 def model_dir() -> Path:
     """The embedded SmolLM2-135M-Instruct as a Hugging Face directory ($DISAGG_CACHE or ~/.cache/disagg)."""
     return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def pair_1p1d(tmp_path_factory: pytest.TempPathFactory) -> tuple[Node, Node]:
+    """One CPU 1P1D pair (prefill node, decode node) shared by the modules that test through it."""
+    tmp = tmp_path_factory.mktemp("pair-1p1d")
+    args = ["--max-model-len", str(PAIR_MAX_MODEL_LEN)]
+    prefill = start_node("producer", tmp, extra_args=args)
+    # "fail": a request the prefill node does not serve is an error, not a silent recompute.
+    decode = start_node("consumer", tmp, prefill_nodes=[prefill.grpc_address], extra_args=args,
+                        kv_extra={"prefill_policy": "fail", "prefill_timeout": 120.0, "lookup_timeout": 60.0})
+    yield prefill, decode
+    decode.kill()
+    prefill.kill()
 
 
 @pytest.fixture(scope="session")

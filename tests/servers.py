@@ -16,6 +16,8 @@ import httpx
 
 from disagg.launch import wait_healthy
 
+PAIR_MAX_MODEL_LEN = 512  # conftest's shared CPU 1P1D pair
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -13,13 +13,13 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.generation import GenerationMode
-from servers import Node, read_sse_text, start_node, wait_for
+from servers import PAIR_MAX_MODEL_LEN, Node, read_sse_text, start_node, wait_for
 
 from disagg import LLM, SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
 
-MAX_MODEL_LEN = 512
+MAX_MODEL_LEN = PAIR_MAX_MODEL_LEN  # the fuzzed node is configured as the shared pair is
 NODE_ARGS = ["--max-model-len", str(MAX_MODEL_LEN)]
 PROMPT_CHAR_LIMIT = MAX_MODEL_LEN * 32  # the API's MAX_PROMPT_CHARS_PER_TOKEN
 FUZZ_MAX_TOKENS = 4
@@ -128,18 +128,6 @@ def test_node_serves_correctly_after_fuzzing(fuzz_node, reference):
 
 # --- hostile load on 1P1D -----------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory) -> tuple[Node, Node]:
-    tmp = tmp_path_factory.mktemp("hostile-pair")
-    prefill = start_node("producer", tmp, extra_args=NODE_ARGS)
-    # "fail": a request the prefill node does not serve is an error, not a silent recompute.
-    decode = start_node("consumer", tmp, prefill_nodes=[prefill.grpc_address], extra_args=NODE_ARGS,
-                        kv_extra={"prefill_policy": "fail", "prefill_timeout": 120.0, "lookup_timeout": 60.0})
-    yield prefill, decode
-    decode.kill()
-    prefill.kill()
-
-
 def remote_prefills(decode: Node) -> float:
     """Prompts the decode node got from the prefill node (disagg_remote_prefill_total{outcome="ok"})."""
     text = httpx.get(f"{decode.url}/metrics", timeout=10).text
@@ -223,8 +211,8 @@ async def hostile_load(url: str) -> tuple[list[str], list[tuple[str, int | None,
             asyncio.gather(*(send_hostile(hostile, url, *kinds[i % len(kinds)]) for i in range(NUM_HOSTILE))))
 
 
-def test_hostile_load_on_1p1d(pair, reference):
-    prefill, decode = pair
+def test_hostile_load_on_1p1d(pair_1p1d, reference):
+    prefill, decode = pair = pair_1p1d
     # Warm-up: a burst like the load's fills the pools (tokenizer threads, connections) that then stay.
     warm_prompts = [PROMPTS[i % len(PROMPTS)] for i in range(32)]
 

@@ -538,18 +538,22 @@ def test_continuous_usage_stats(server):
 
 
 @pytest.mark.timeout(300)
-def test_lm_evaluation_harness_local_completions_runs_to_the_end(server, model_name, model_dir, monkeypatch):
-    """lm-eval's local-completions with batch_size 4: multiple_choice (loglikelihood: echo + logprobs,
-    lists of token-id prompts) and generate_until (stop strings), both local tasks in tests/data."""
+def test_lm_evaluation_harness_local_completions_runs_to_the_end(pair_1p1d, model_dir, monkeypatch):
+    """lm-eval's local-completions with batch_size 4 against the decode node of a 1P1D pair:
+    multiple_choice (loglikelihood: echo + logprobs, lists of token-id prompts; scored on the decode
+    node) and generate_until (stop strings; prefilled by the prefill node), local tasks in tests/data."""
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager
 
     monkeypatch.chdir(ROOT)  # the task YAMLs name their JSONL relative to the repository root
-    monkeypatch.setenv("OPENAI_API_KEY", API_KEY)
+    monkeypatch.setenv("OPENAI_API_KEY", "unused")  # the client wants one; the pair takes no key
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    decode = pair_1p1d[1]
+    model_name = httpx.get(f"{decode.url}/v1/models").json()["data"][0]["id"]
+    prefills_before = decode.labelled("disagg_remote_prefill_total", "outcome").get("ok", 0.0)
     results = lm_eval.simple_evaluate(
         model="local-completions",
-        model_args={"base_url": f"{server.url}/v1/completions", "model": model_name, "tokenizer": str(model_dir),
+        model_args={"base_url": f"{decode.url}/v1/completions", "model": model_name, "tokenizer": str(model_dir),
                     "tokenizer_backend": "huggingface", "tokenized_requests": True, "num_concurrent": 1,
                     "max_retries": 1},
         tasks=["disagg_mc", "disagg_gen"], task_manager=TaskManager(include_path=str(DATA / "lm_eval")),
@@ -559,6 +563,8 @@ def test_lm_evaluation_harness_local_completions_runs_to_the_end(server, model_n
           f"disagg_gen exact_match {gen['exact_match,none']:.3f} (4 questions)")
     assert mc["acc,none"] >= 0.5  # SmolLM2-135M answers most of these; chance is 0.25
     assert 0.0 <= gen["exact_match,none"] <= 1.0
+    # Each generate_until question's KV came from the prefill node.
+    assert decode.labelled("disagg_remote_prefill_total", "outcome").get("ok", 0.0) - prefills_before >= 4
 
 
 def test_unknown_field_names_logged_once_are_bounded():
