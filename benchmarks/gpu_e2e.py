@@ -49,7 +49,7 @@ def write_model(shape: str, out: Path, tokenizer_dir: Path, device: str) -> Path
     out.mkdir(parents=True, exist_ok=True)
     s = SHAPES[shape]
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **s, "rms_norm_eps": 1e-5,
-              "rope_theta": 500000.0, "max_position_embeddings": 8192, "hidden_act": "silu",
+              "rope_theta": 500000.0, "max_position_embeddings": 131072, "hidden_act": "silu",
               "attention_bias": False, "mlp_bias": False, "bos_token_id": 1, "eos_token_id": 2,
               "torch_dtype": "bfloat16"}
     (out / "config.json").write_text(json.dumps(config, indent=1))

@@ -1,0 +1,169 @@
+"""The KV handoff on two GPUs: what disaggregation costs one request, and what it buys under load.
+
+    python benchmarks/handoff_h200x2.py --tokenizer-dir DIR --phase ttft --json ttft.json
+    python benchmarks/handoff_h200x2.py --tokenizer-dir DIR --phase goodput --json goodput.json
+    python benchmarks/handoff_h200x2.py --merge ttft.json goodput.json --json benchmarks/results/handoff_h200x2.json
+
+The random-weight 8B shape of gpu_e2e.py's write_model, bfloat16, KV over torch_dist (NCCL) with
+the KV buffer on the GPU. Each phase fits one 10-minute call of the GPU machine.
+
+- ttft: a colocated node on GPU 0 and a 1P1D pair (prefill node on GPU 0, decode node on GPU 1),
+  one request at a time, prompts of --lens tokens, alternating which system goes first, medians of
+  --repeats. `ttft_ratio` = TTFT 1P1D / TTFT colocated per length; the exposed handoff at 8k =
+  TTFT 1P1D - TTFT colocated (the prefill node's compute equals the colocated node's, same GPU
+  kind, same engine, same prompt), for each --kv-modes value (`whole`, and `layerwise` once the
+  prefill node sends layer by layer: kv_connector_extra_config.layerwise).
+- goodput: 1P1D against two colocated nodes (one a GPU) behind `disagg router`, all four nodes up
+  at once; first the unloaded colocated TTFT and TPOT of one --input-len/--output-len request,
+  which set the SLO (TTFT <= 2x, TPOT <= 1.5x); then Poisson arrivals at each --rates value on
+  both systems. A system's goodput rate is the highest rate whose requests meet the SLO 90% of the
+  time; `goodput_ratio` = 1P1D's over the colocated pair's.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from e2e_disagg_vs_colocated import REPO, NodeSpec, System, bench_args, free_port, systems, warm_up
+from gpu_e2e import SHAPES, write_model
+from kv_handoff import measure
+
+from disagg.bench.serve import run_benchmark
+from disagg.launch import wait_healthy
+
+ATTAINMENT = 0.9
+
+
+def node_kwargs(args: argparse.Namespace, model: Path, mode: str) -> dict:
+    extra = ["--kv-cache-memory", args.kv_cache_memory, "--max-model-len", str(args.max_model_len)]
+    return dict(model=str(model), dtype=args.dtype, connector=args.connector, extra=extra,
+                kv_buffer_device="cuda" if args.device == "cuda" else None,
+                kv_extra={"layerwise": mode == "layerwise"} if mode != "whole" else None)
+
+
+def specs(args: argparse.Namespace) -> tuple[NodeSpec, NodeSpec]:
+    if args.device == "cpu":
+        return NodeSpec(threads=1), NodeSpec(threads=1)
+    return (NodeSpec(device="cuda", threads=4, env={"CUDA_VISIBLE_DEVICES": "0"}),
+            NodeSpec(device="cuda", threads=4, env={"CUDA_VISIBLE_DEVICES": "1"}))
+
+
+def ttft_phase(args: argparse.Namespace, model: Path) -> dict:
+    gpu0, gpu1 = specs(args)
+    lens = [int(n) for n in args.lens.split(",")]
+    out = {}
+    for mode in args.kv_modes.split(","):
+        with systems(Path(args.work) / f"logs-ttft-{mode}", gpu0, gpu0, gpu1,
+                     **node_kwargs(args, model, mode)) as sys_by_name:
+            measure(sys_by_name, [64, 512], 1, args.vocab, seed=999)  # warm-up: kernels for both paths
+            rows = measure(sys_by_name, lens, args.repeats, args.vocab)
+        out[mode] = {n: {"ttft_colocated_ms": r["ttft_colocated"] * 1e3, "ttft_disagg_ms": r["ttft_disagg"] * 1e3,
+                         "prefill_ms": r["prefill"] * 1e3, "exposed_ms": r["overhead"] * 1e3,
+                         "ttft_ratio": r["ttft_disagg"] / r["ttft_colocated"], "kv_mib": r["kv_mib"]}
+                     for n, r in rows.items()}
+        print(f"[{mode}] " + "; ".join(f"{n}: ratio {r['ttft_ratio']:.3f}, exposed {r['exposed_ms']:+.1f} ms"
+                                       for n, r in out[mode].items()), flush=True)
+    first = next(iter(out.values()))
+    return {"ttft": out, "ttft_ratio": {str(n): r["ttft_ratio"] for n, r in first.items()},
+            "exposed_handoff_ms_8k": {mode: rows[8192]["exposed_ms"] for mode, rows in out.items() if 8192 in rows}}
+
+
+def start_router(log_dir: Path, fronts: list[System]) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    nodes = ",".join(f"127.0.0.1:{s.front.port}" for s in fronts)
+    argv = [sys.executable, "-m", "disagg.cli", "router", "--decode-nodes", nodes, "--port", str(port)]
+    proc = subprocess.Popen(argv, stdout=(log_dir / f"router-{port}.log").open("w"), stderr=subprocess.STDOUT,
+                            cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc, 60)
+    return proc, url
+
+
+def serve_once(url: str, args: argparse.Namespace, rate: str, num_requests: int, seed: int, slo: list[str]) -> dict:
+    bench = bench_args(url, qps=rate, num_requests=num_requests, input_len=args.input_len,
+                       output_len=args.output_len, prompt_kind="token-ids", vocab_size=args.vocab, seed=seed,
+                       goodput=slo)
+    run = run_benchmark(bench)["runs"][0]
+    run.pop("requests")
+    return run
+
+
+def goodput_phase(args: argparse.Namespace, model: Path) -> dict:
+    gpu0, gpu1 = specs(args)
+    log_dir = Path(args.work) / "logs-goodput"
+    kwargs = node_kwargs(args, model, args.kv_modes.split(",")[-1])
+    with systems(log_dir, gpu0, gpu0, gpu1, **kwargs) as pair_and_first, \
+            systems(log_dir, gpu1, None, None, **kwargs) as second:
+        router, router_url = start_router(log_dir, [pair_and_first["colocated"], second["colocated"]])
+        try:
+            urls = {"colocated_x2": router_url, "disagg_1p1d": pair_and_first["disagg"].front.url}
+            for system in (pair_and_first["colocated"], second["colocated"], pair_and_first["disagg"]):
+                warm_up(system, args.vocab)
+            unloaded = [serve_once(pair_and_first["colocated"].front.url, args, "inf", 1, 100 + i, [])
+                        for i in range(3)]
+            ttft = statistics.median(r["median_ttft_ms"] for r in unloaded)
+            tpot = statistics.median(r["median_tpot_ms"] for r in unloaded)
+            slo = [f"ttft:{2 * ttft:.0f}", f"tpot:{1.5 * tpot:.1f}"]
+            print(f"unloaded colocated: TTFT {ttft:.0f} ms, TPOT {tpot:.1f} ms -> SLO {slo}", flush=True)
+            runs = {name: {} for name in urls}
+            for i, rate in enumerate(args.rates.split(",")):
+                for name in (list(urls) if i % 2 == 0 else list(urls)[::-1]):
+                    runs[name][rate] = serve_once(urls[name], args, rate, args.num_requests, 7 + i, slo)
+                    r = runs[name][rate]
+                    print(f"  {name:13s} rate {rate:>5s}: {100 * r['goodput_fraction']:.0f}% within SLO, "
+                          f"TTFT p50 {r['median_ttft_ms']:.0f} ms, TPOT p50 {r['median_tpot_ms']:.1f} ms", flush=True)
+        finally:
+            router.terminate()
+            router.wait(timeout=20)
+    best = {name: max([float(rate) for rate, r in by_rate.items() if r["goodput_fraction"] >= ATTAINMENT],
+                      default=0.0) for name, by_rate in runs.items()}
+    ratio = best["disagg_1p1d"] / best["colocated_x2"] if best["colocated_x2"] else None
+    return {"slo": {"ttft_ms": 2 * ttft, "tpot_ms": 1.5 * tpot, "unloaded_ttft_ms": ttft, "unloaded_tpot_ms": tpot},
+            "goodput_runs": runs, "goodput_rate": best, "goodput_ratio": ratio}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokenizer-dir")
+    ap.add_argument("--phase", choices=["ttft", "goodput"])
+    ap.add_argument("--merge", nargs="+", help="phase JSON files to join into one result")
+    ap.add_argument("--shape", default="8b")
+    ap.add_argument("--device", default="cuda", help="cpu (with --shape tiny) tries the script without GPUs")
+    ap.add_argument("--connector", default="torch_dist")
+    ap.add_argument("--work", default="/tmp/handoff_h200x2")
+    ap.add_argument("--lens", default="512,2048,8192,16384")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--kv-modes", default="whole", help="whole and/or layerwise, comma-separated")
+    ap.add_argument("--rates", default="0.5,1,2,3,4")
+    ap.add_argument("--num-requests", type=int, default=48)
+    ap.add_argument("--input-len", type=int, default=4096)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--kv-cache-memory", default="24GiB")
+    ap.add_argument("--max-model-len", type=int, default=16384 + 64)
+    ap.add_argument("--json", required=True)
+    args = ap.parse_args()
+    if args.merge:
+        result = {}
+        for path in args.merge:
+            result.update(json.loads(Path(path).read_text()))
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        return 0
+    args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    args.vocab = SHAPES[args.shape]["vocab_size"]
+    start = time.time()
+    model = write_model(args.shape, Path(args.work) / f"llama-{args.shape}", Path(args.tokenizer_dir),
+                        "cuda" if args.device == "cuda" else "cpu")
+    result = {f"{args.phase}_args": {k: v for k, v in vars(args).items() if k != "merge"}}
+    result |= ttft_phase(args, model) if args.phase == "ttft" else goodput_phase(args, model)
+    Path(args.json).write_text(json.dumps(result, indent=1))
+    print(f"{args.phase} done in {time.time() - start:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
