@@ -77,11 +77,14 @@ class Scheduler:
                 budget -= n
                 i += 1
         # Admitting new work right after a preemption would only evict it again.
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if preempted or budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if seq.tier_loads:  # its prefix is being loaded from a lower KV tier: the others go on
+                continue
             if not self.block_manager.can_allocate(seq):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -50,6 +50,8 @@ class Sequence:
         self.arrival_time = time.monotonic()
         self.export_kv = False  # prefill node: hand the prompt's KV out when done
         self.remote_prefill: RemotePrefill | None = None  # decode node: KV and first token from a prefill node
+        # KV tiers: loads of its prefix into the device pool still in flight (not scheduled until 0).
+        self.tier_loads = 0
 
     @property
     def num_tokens(self) -> int:

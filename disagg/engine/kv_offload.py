@@ -1,0 +1,340 @@
+"""KVOffload: the host and disk tiers under the device block pool, and the copies between them
+(docs/ARCHITECTURE.md, "Engine (as built)").
+
+Stores: a full block is copied device -> host when it is cached (`eager`) or when the device pool
+evicts it (`lazy`); a host block is then written to disk in the background. Loads: a waiting
+request's prefix is looked up device -> host -> disk, stopping at the first miss; the lower-tier
+hits are copied (disk -> host first) into fresh device blocks, which join the prefix cache when
+all have arrived; the request is not scheduled before that and then finds them as prefix hits.
+On CUDA the copies run on their own stream and are polled through events, so neither stores nor
+loads wait inside a step; on the CPU a copy is a plain synchronous copy.
+"""
+
+import hashlib
+import itertools
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from disagg.engine.block_manager import BlockKey, BlockManager
+from disagg.engine.config import EngineConfig
+from disagg.engine.disk_tier import DiskResult, DiskTier
+from disagg.engine.host_tier import HostBlock, HostTier
+from disagg.engine.kv_cache import KVCache
+from disagg.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+OFFLOADING_MODES = ("eager", "lazy")
+
+
+def check_kv_tiers(config: EngineConfig) -> None:
+    """Refuse KV tier settings that cannot work, naming the setting."""
+    if config.kv_offloading_backend not in (None, "native"):
+        raise ValueError(f"kv_offloading_backend must be 'native', got {config.kv_offloading_backend!r}")
+    if config.kv_offloading_mode not in OFFLOADING_MODES:
+        raise ValueError(f"kv_offloading_mode must be 'eager' or 'lazy', got {config.kv_offloading_mode!r}")
+    if not config.kv_offloading_size >= 0:
+        raise ValueError(f"kv_offloading_size is GiB of host memory, 0 for none; got {config.kv_offloading_size}")
+    if config.kv_offloading_size and not config.enable_prefix_caching:
+        raise ValueError("kv_offloading_size needs the prefix cache: KV tiers find blocks by its hashes")
+    if config.kv_disk_path is not None and not config.kv_offloading_size:
+        raise ValueError("kv_disk_path needs a host tier (kv_offloading_size > 0): disk blocks are written from it")
+    if config.kv_disk_path is not None and not (config.kv_disk_size or 0) > 0:
+        raise ValueError(f"kv_disk_path needs kv_disk_size, the GiB the directory may hold; got {config.kv_disk_size}")
+    if config.kv_disk_path is None and config.kv_disk_size is not None:
+        raise ValueError("kv_disk_size is set but kv_disk_path is not")
+
+
+def kv_identity(model_dir, config_json: bytes, dtype: torch.dtype, block_shape: tuple[int, ...]) -> bytes:
+    """What makes two engines' blocks interchangeable: model, dtype and KV layout."""
+    text = f"{model_dir}|{dtype}|{block_shape}|".encode() + config_json
+    return hashlib.sha256(text).digest()
+
+
+class Copy:
+    """One block copy: on the copy stream with events (CUDA), or done at once (CPU)."""
+
+    def __init__(self, stream: torch.cuda.Stream | None, dst: torch.Tensor, src: torch.Tensor):
+        self.end = None
+        if stream is None:
+            start = time.perf_counter()
+            dst.copy_(src)
+            self.seconds = time.perf_counter() - start
+            return
+        self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        stream.wait_stream(torch.cuda.current_stream())  # after every write the step queued before
+        with torch.cuda.stream(stream):
+            self.start.record()
+            dst.copy_(src, non_blocking=True)
+            self.end.record()
+
+    def done(self) -> bool:
+        if self.end is None:
+            return True
+        if not self.end.query():
+            return False
+        self.seconds = self.start.elapsed_time(self.end) / 1000
+        return True
+
+
+@dataclass
+class Store:
+    """A device -> host copy in flight."""
+    h: int
+    host: HostBlock
+    copy: Copy
+    device_block: int | None  # held in the device pool until copied (eager); lazy: stream order protects it
+
+
+@dataclass
+class LoadItem:
+    key: BlockKey
+    host: HostBlock  # pinned until the block is on the device
+    device_block: int  # held by the load until it ends
+    state: str  # "reading" (disk -> host), "copying" (host -> device), "done", "failed"
+    copy: Copy | None = None
+
+
+@dataclass
+class PrefixLoad:
+    items: list[LoadItem]
+    waiters: list[Sequence] = field(default_factory=list)
+
+
+class KVOffload:
+    def __init__(self, config: EngineConfig, kv_cache: KVCache, block_manager: BlockManager, identity: bytes):
+        check_kv_tiers(config)
+        self.kv_cache = kv_cache
+        self.block_manager = block_manager
+        self.mode = config.kv_offloading_mode
+        cuda = kv_cache.kv.device.type == "cuda"
+        self.stream = torch.cuda.Stream(kv_cache.kv.device) if cuda else None
+        block_shape = kv_cache.block(0).shape
+        block_bytes = kv_cache.block(0).nbytes
+        num_host = int(config.kv_offloading_size * 2**30) // block_bytes
+        if num_host < 1:
+            raise ValueError(f"kv_offloading_size {config.kv_offloading_size} GiB holds no KV block of "
+                             f"{block_bytes} bytes; give it more")
+        self.host = HostTier(num_host, block_shape, kv_cache.kv.dtype, pin_memory=cuda)
+        self.disk = None
+        if config.kv_disk_path is not None:
+            self.disk = DiskTier(config.kv_disk_path, int(config.kv_disk_size * 2**30), identity, block_bytes,
+                                 kv_cache.block_size)
+        if self.mode == "eager":
+            block_manager.newly_cached = []
+        else:
+            block_manager.evicted = []
+        self.stores: list[Store] = []
+        self.loads: list[PrefixLoad] = []
+        self.loading: dict[int, PrefixLoad] = {}  # hash -> the load bringing it to the device
+        self.max_pending_writes = max(1, num_host // 2)  # pinned host blocks waiting for the disk
+        logger.info("KV tiers: host %d blocks (%.1f MiB%s), %s offload%s", num_host, num_host * block_bytes / 2**20,
+                    ", pinned" if cuda else "", self.mode,
+                    f", disk {self.disk.path} ({self.disk.max_files} blocks)" if self.disk else "")
+
+    @property
+    def busy(self) -> bool:
+        """Copies or disk jobs are in flight."""
+        return bool(self.stores or self.loads or (self.disk and self.disk.num_in_flight))
+
+    # -- stores: device -> host -> disk ---------------------------------------------------
+
+    def store_new(self) -> None:
+        """Start copying the blocks the device pool listed since the last call. Called after each
+        step's postprocess (eager) and before anything writes device blocks (lazy: an evicted
+        block's KV is still in place until then)."""
+        bm = self.block_manager
+        if bm.newly_cached:
+            for block_id in bm.newly_cached:
+                block = bm.blocks[block_id]
+                if block.hash is not None:  # still cached: its KV is what the key says
+                    self._store(block_id, (block.hash, block.token_ids), hold=True)
+            bm.newly_cached.clear()
+        if bm.evicted:
+            for block_id, key in bm.evicted:
+                self._store(block_id, key, hold=False)
+            bm.evicted.clear()
+
+    def _store(self, block_id: int, key: BlockKey, hold: bool) -> None:
+        h, tokens = key
+        if h in self.host:  # never copied twice
+            return
+        host = self.host.allocate(h, tokens)
+        if host is None:  # every host block is pinned: this one is not kept
+            return
+        copy = Copy(self.stream, self.host.kv[host.slot], self.kv_cache.block(block_id))
+        if hold:
+            self.block_manager.hold(block_id)
+        elif self.stream is not None:  # the block is reused by the next step: which waits for the copy
+            torch.cuda.current_stream().wait_event(copy.end)
+        self.stores.append(Store(h, host, copy, block_id if hold else None))
+
+    def _finish_store(self, store: Store) -> None:
+        host = store.host
+        host.ready = True
+        self.host.stats.offloaded_bytes += self.host.block_bytes
+        self.host.stats.offload_latency.observe(store.copy.seconds)
+        if store.device_block is not None:
+            self.block_manager.release(store.device_block)
+        if self.disk and self.disk.num_in_flight < self.max_pending_writes and \
+                self.disk.write(store.h, host.token_ids, self.host.kv[host.slot], host):
+            return  # stays pinned until written
+        self.host.unpin(host)
+
+    # -- loads: disk -> host -> device ----------------------------------------------------
+
+    def start_loads(self, waiting: Iterable[Sequence], max_seqs: int) -> None:
+        """Look up, in the lower tiers, the prefixes of the waiting requests that the scheduler could
+        admit next (at most max_seqs, while their blocks fit the free ones), and start loading the
+        hits. Loads for requests further back would only be evicted again before they run; a request
+        whose loaded blocks were evicted anyway is looked up again."""
+        bm = self.block_manager
+        room = bm.num_free_blocks
+        for seq in itertools.islice(waiting, max_seqs):
+            if seq.tier_loads:
+                continue
+            keys = bm.block_keys(seq)
+            hits = bm.cached_blocks(keys)
+            # As can_allocate counts: cached blocks nobody holds are free blocks it will take.
+            needed = bm.blocks_for(seq.num_tokens) - sum(1 for b in hits if bm.blocks[b].ref_count > 0)
+            if needed > room:
+                return
+            room -= needed
+            self._start_load(seq, keys[len(hits):])
+
+    def _start_load(self, seq: Sequence, keys: list[BlockKey]) -> None:
+        bm = self.block_manager
+        room = bm.num_free_blocks
+        items: list[LoadItem] = []
+        for key in keys:
+            h, tokens = key
+            if h in self.loading:  # another request's load brings it: wait for that one too
+                if seq not in self.loading[h].waiters:
+                    self.loading[h].waiters.append(seq)
+                    seq.tier_loads += 1
+                continue
+            if len(items) == room:
+                break
+            item = self._find_below(key)
+            if item is None:
+                break
+            items.append(item)
+        if not items:
+            return
+        for item in items:
+            item.device_block = bm.take_free()
+        self.store_new()  # lazy: blocks just evicted are copied out before the loads overwrite them
+        load = PrefixLoad(items, [seq])
+        seq.tier_loads += 1
+        for item in items:
+            self.loading[item.key[0]] = load
+            if item.state == "copying":
+                self._copy_in(item)
+            else:
+                self.disk.read(item.key[0], item.key[1], self.host.kv[item.host.slot], item)
+        self.loads.append(load)
+
+    def _find_below(self, key: BlockKey) -> LoadItem | None:
+        """The block from the host tier (pinned), or a host block that the disk tier will fill."""
+        h, tokens = key
+        self.host.stats.lookups += 1
+        host = self.host.lookup(h, tokens)
+        if host is not None:
+            self.host.stats.hits += 1
+            self.host.pin(host)
+            return LoadItem(key, host, -1, "copying")
+        if self.disk is None:
+            return None
+        self.disk.stats.lookups += 1
+        if h in self.host or not self.disk.lookup(h):
+            return None
+        host = self.host.allocate(h, tokens)
+        if host is None:
+            return None
+        self.disk.stats.hits += 1
+        return LoadItem(key, host, -1, "reading")
+
+    def _copy_in(self, item: LoadItem) -> None:
+        item.state = "copying"
+        item.copy = Copy(self.stream, self.kv_cache.block(item.device_block), self.host.kv[item.host.slot])
+
+    def _finish_load(self, load: PrefixLoad) -> None:
+        """Every block arrived or failed: the leading ones that arrived join the prefix cache."""
+        registering = True
+        for item in load.items:
+            h, tokens = item.key
+            registering = registering and item.state == "done"
+            if registering:
+                self.block_manager.cache_block(item.device_block, h, tokens)
+            self.block_manager.release(item.device_block)
+            if item.state == "done":
+                self.host.unpin(item.host)
+            del self.loading[h]
+        for seq in load.waiters:
+            seq.tier_loads -= 1
+
+    # -- polling ------------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Take in finished copies and disk jobs (on the engine thread, once a step)."""
+        still = []
+        for store in self.stores:
+            if store.copy.done():
+                self._finish_store(store)
+            else:
+                still.append(store)
+        self.stores = still
+        if self.disk is not None:
+            for result in self.disk.results():
+                self._disk_done(result)
+        for load in self.loads:
+            for item in load.items:
+                if item.state == "copying" and item.copy.done():
+                    item.state = "done"
+                    self.host.stats.loaded_bytes += self.host.block_bytes
+                    self.host.stats.load_latency.observe(item.copy.seconds)
+        finished = [load for load in self.loads if all(i.state in ("done", "failed") for i in load.items)]
+        for load in finished:
+            self.loads.remove(load)
+            self._finish_load(load)
+
+    def _disk_done(self, result: DiskResult) -> None:
+        job = result.job
+        if job.kind == "write":
+            self.host.unpin(job.tag)
+            return
+        item: LoadItem = job.tag
+        if result.ok:
+            item.host.ready = True  # promoted to the host tier
+            self._copy_in(item)
+        else:
+            item.state = "failed"
+            self.host.drop(item.key[0])
+
+    def drain(self) -> None:
+        """Wait until every copy and disk job has finished (tests, shutdown)."""
+        while self.busy:
+            self.poll()
+            time.sleep(0.001)
+
+    def close(self) -> None:
+        self.drain()
+        if self.disk is not None:
+            self.disk.close()
+
+    def summary(self) -> str:
+        host, disk, device = self.host.stats, self.disk.stats if self.disk else None, self.block_manager.stats
+        bm = self.block_manager
+        line = (f"KV tiers: device {bm.num_blocks - bm.num_free_blocks}/{bm.num_blocks} blocks used, "
+                f"hits {device.hits}/{device.lookups}; host {self.host.num_used}/{self.host.num_blocks}, "
+                f"hits {host.hits}/{host.lookups}, offloaded {host.offloaded_bytes / 2**30:.2f} GiB, "
+                f"loaded {host.loaded_bytes / 2**30:.2f} GiB")
+        if disk is not None:
+            line += (f"; disk {len(self.disk.files)}/{self.disk.max_files}, hits {disk.hits}/{disk.lookups}, "
+                     f"written {disk.offloaded_bytes / 2**30:.2f} GiB, read {disk.loaded_bytes / 2**30:.2f} GiB"
+                     f"{', writes stopped' if self.disk.writes_stopped else ''}")
+        return line + f"; in flight {len(self.stores)} stores, {len(self.loads)} loads"
