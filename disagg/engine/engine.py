@@ -44,7 +44,7 @@ class LLMEngine:
         if config.kv_offloading_size:
             identity = kv_identity(self.model_dir.resolve(), repr(self.model_config).encode(), self.dtype,
                                    tuple(self.kv_cache.block(0).shape))
-            self.offload = KVOffload(config, self.kv_cache, self.block_manager, identity)
+            self.offload = KVOffload(config, self.kv_cache, self.scheduler, identity)
         self.sampler = Sampler(config.seed, self.tokenizer.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self.pending_outputs: list[RequestOutput] = []  # produced outside step(), handed out by it
@@ -186,7 +186,7 @@ class LLMEngine:
         """Run one batch; return an output for every request that got a token."""
         if self.offload is not None:
             self.offload.poll()
-            self.offload.start_loads(self.scheduler.waiting, self.config.max_num_seqs - len(self.scheduler.running))
+            self.offload.start_loads()
         self._admit_remote()
         if self.pending_outputs:  # first tokens that came with remote KV: out now, not after a batch
             outputs, self.pending_outputs = self.pending_outputs, []

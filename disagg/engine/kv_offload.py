@@ -3,27 +3,28 @@
 
 Stores: a full block is copied device -> host when it is cached (`eager`) or when the device pool
 evicts it (`lazy`); a host block is then written to disk in the background. Loads: a waiting
-request's prefix is looked up device -> host -> disk, stopping at the first miss; the lower-tier
-hits are copied (disk -> host first) into fresh device blocks, which join the prefix cache when
-all have arrived; the request is not scheduled before that and then finds them as prefix hits.
-On CUDA the copies run on their own stream and are polled through events, so neither stores nor
+request's prefix is looked up device -> host -> disk, stopping at the first miss; a request with
+lower-tier hits gets its blocks at once (Scheduler.start_loading) and the hits are copied into
+them (disk -> host first, a promotion to the host tier); when all have arrived they count as
+computed and join the prefix cache, and the request runs (Scheduler.finish_loading). Every other
+request keeps running meanwhile. On CUDA the copies run on their own stream and are polled through events, so neither stores nor
 loads wait inside a step; on the CPU a copy is a plain synchronous copy.
 """
 
 import hashlib
-import itertools
 import logging
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
 
 import torch
 
-from disagg.engine.block_manager import BlockKey, BlockManager
+from disagg.engine.block_manager import BlockKey
 from disagg.engine.config import EngineConfig
 from disagg.engine.disk_tier import DiskResult, DiskTier
 from disagg.engine.host_tier import HostBlock, HostTier
 from disagg.engine.kv_cache import KVCache
+from disagg.engine.scheduler import Scheduler
 from disagg.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -94,22 +95,24 @@ class Store:
 class LoadItem:
     key: BlockKey
     host: HostBlock  # pinned until the block is on the device
-    device_block: int  # held by the load until it ends
     state: str  # "reading" (disk -> host), "copying" (host -> device), "done", "failed"
+    device_block: int = -1  # the sequence's block it goes to, held by the load until it ends
     copy: Copy | None = None
 
 
 @dataclass
 class PrefixLoad:
+    seq: Sequence
+    first: int  # index of the sequence's first block loaded (the ones before were device hits)
     items: list[LoadItem]
-    waiters: list[Sequence] = field(default_factory=list)
 
 
 class KVOffload:
-    def __init__(self, config: EngineConfig, kv_cache: KVCache, block_manager: BlockManager, identity: bytes):
+    def __init__(self, config: EngineConfig, kv_cache: KVCache, scheduler: Scheduler, identity: bytes):
         check_kv_tiers(config)
         self.kv_cache = kv_cache
-        self.block_manager = block_manager
+        self.scheduler = scheduler
+        self.block_manager = block_manager = scheduler.block_manager
         self.mode = config.kv_offloading_mode
         cuda = kv_cache.kv.device.type == "cuda"
         self.stream = torch.cuda.Stream(kv_cache.kv.device) if cuda else None
@@ -131,7 +134,8 @@ class KVOffload:
         self.stores: list[Store] = []
         self.loads: list[PrefixLoad] = []
         self.loading: dict[int, PrefixLoad] = {}  # hash -> the load bringing it to the device
-        self.max_pending_writes = max(1, num_host // 2)  # pinned host blocks waiting for the disk
+        self.max_pending_writes = max(1, num_host // 2)  # host blocks pinned by disk writes at most
+        self.unwritten: deque[int] = deque()  # host blocks to write to disk once writes are fewer
         logger.info("KV tiers: host %d blocks (%.1f MiB%s), %s offload%s", num_host, num_host * block_bytes / 2**20,
                     ", pinned" if cuda else "", self.mode,
                     f", disk {self.disk.path} ({self.disk.max_files} blocks)" if self.disk else "")
@@ -139,7 +143,11 @@ class KVOffload:
     @property
     def busy(self) -> bool:
         """Copies or disk jobs are in flight."""
-        return bool(self.stores or self.loads or (self.disk and self.disk.num_in_flight))
+        return bool(self.stores or self.loads or self.unwritten or (self.disk and self.disk.num_in_flight))
+
+    def blocks_in_flight(self) -> int:
+        """Blocks being copied between the device pool and the host tier (or read from disk for it)."""
+        return len(self.stores) + sum(len(load.items) for load in self.loads)
 
     # -- stores: device -> host -> disk ---------------------------------------------------
 
@@ -171,7 +179,11 @@ class KVOffload:
             self.block_manager.hold(block_id)
         elif self.stream is not None:  # the block is reused by the next step: which waits for the copy
             torch.cuda.current_stream().wait_event(copy.end)
-        self.stores.append(Store(h, host, copy, block_id if hold else None))
+        store = Store(h, host, copy, block_id if hold else None)
+        if self.stream is None:  # the CPU copied it already: nothing to keep pinned
+            self._finish_store(store)
+        else:
+            self.stores.append(store)
 
     def _finish_store(self, store: Store) -> None:
         host = store.host
@@ -180,23 +192,29 @@ class KVOffload:
         self.host.stats.offload_latency.observe(store.copy.seconds)
         if store.device_block is not None:
             self.block_manager.release(store.device_block)
-        if self.disk and self.disk.num_in_flight < self.max_pending_writes and \
-                self.disk.write(store.h, host.token_ids, self.host.kv[host.slot], host):
-            return  # stays pinned until written
         self.host.unpin(host)
+        if self.disk is not None:
+            self.unwritten.append(store.h)
+
+    def _write_to_disk(self) -> None:
+        """Queue disk writes of new host blocks while few are pending (each pins its host block);
+        a block the host tier evicts before its turn is not written."""
+        while self.unwritten and self.disk.num_in_flight < self.max_pending_writes:
+            h = self.unwritten.popleft()
+            host = self.host.blocks.get(h)
+            if host is not None and host.ready and self.disk.write(h, host.token_ids, self.host.kv[host.slot], host):
+                self.host.pin(host)
 
     # -- loads: disk -> host -> device ----------------------------------------------------
 
-    def start_loads(self, waiting: Iterable[Sequence], max_seqs: int) -> None:
+    def start_loads(self) -> None:
         """Look up, in the lower tiers, the prefixes of the waiting requests that the scheduler could
-        admit next (at most max_seqs, while their blocks fit the free ones), and start loading the
-        hits. Loads for requests further back would only be evicted again before they run; a request
-        whose loaded blocks were evicted anyway is looked up again."""
-        bm = self.block_manager
+        admit next (in queue order, while their blocks fit the free ones and max_num_seqs allows),
+        and give those with hits their blocks now, the hits loading into them."""
+        bm, scheduler = self.block_manager, self.scheduler
         room = bm.num_free_blocks
-        for seq in itertools.islice(waiting, max_seqs):
-            if seq.tier_loads:
-                continue
+        slots = scheduler.max_num_seqs - len(scheduler.running) - len(scheduler.loading)
+        for seq in list(scheduler.waiting)[:max(slots, 0)]:
             keys = bm.block_keys(seq)
             hits = bm.cached_blocks(keys)
             # As can_allocate counts: cached blocks nobody holds are free blocks it will take.
@@ -204,33 +222,44 @@ class KVOffload:
             if needed > room:
                 return
             room -= needed
-            self._start_load(seq, keys[len(hits):])
+            misses = keys[len(hits):]
+            seq.tier_blocked = bool(misses) and misses[0][0] in self.loading
+            items = [] if seq.tier_blocked else self._find_below(misses)
+            if items:
+                scheduler.start_loading(seq)
+                self._start_load(seq, len(hits), items)
 
-    def _start_load(self, seq: Sequence, keys: list[BlockKey]) -> None:
-        bm = self.block_manager
-        room = bm.num_free_blocks
-        items: list[LoadItem] = []
-        for key in keys:
-            h, tokens = key
-            if h in self.loading:  # another request's load brings it: wait for that one too
-                if seq not in self.loading[h].waiters:
-                    self.loading[h].waiters.append(seq)
-                    seq.tier_loads += 1
+    def _find_below(self, keys: list[BlockKey]) -> list["LoadItem"]:
+        """The leading keys found in the host tier (pinned) or on disk (each given a host block for
+        the disk to fill), up to the first miss."""
+        items = []
+        for h, tokens in keys:
+            if h in self.loading:
+                break
+            self.host.stats.lookups += 1
+            host = self.host.lookup(h, tokens)
+            if host is not None:
+                self.host.stats.hits += 1
+                self.host.pin(host)
+                items.append(LoadItem((h, tokens), host, "copying"))
                 continue
-            if len(items) == room:
+            if self.disk is None:
                 break
-            item = self._find_below(key)
-            if item is None:
+            self.disk.stats.lookups += 1
+            if h in self.host or not self.disk.lookup(h) or (host := self.host.allocate(h, tokens)) is None:
                 break
-            items.append(item)
-        if not items:
-            return
-        for item in items:
-            item.device_block = bm.take_free()
-        self.store_new()  # lazy: blocks just evicted are copied out before the loads overwrite them
-        load = PrefixLoad(items, [seq])
-        seq.tier_loads += 1
-        for item in items:
+            self.disk.stats.hits += 1
+            items.append(LoadItem((h, tokens), host, "reading"))
+        return items
+
+    def _start_load(self, seq: Sequence, first: int, items: list["LoadItem"]) -> None:
+        """Load into the sequence's blocks from block `first` on; each is held by the load, so an
+        abort meanwhile does not free it under a copy."""
+        self.store_new()  # lazy: blocks its allocation evicted are copied out before the loads overwrite them
+        load = PrefixLoad(seq, first, items)
+        for i, item in enumerate(items):
+            item.device_block = seq.block_table[first + i]
+            self.block_manager.hold(item.device_block)
             self.loading[item.key[0]] = load
             if item.state == "copying":
                 self._copy_in(item)
@@ -238,44 +267,26 @@ class KVOffload:
                 self.disk.read(item.key[0], item.key[1], self.host.kv[item.host.slot], item)
         self.loads.append(load)
 
-    def _find_below(self, key: BlockKey) -> LoadItem | None:
-        """The block from the host tier (pinned), or a host block that the disk tier will fill."""
-        h, tokens = key
-        self.host.stats.lookups += 1
-        host = self.host.lookup(h, tokens)
-        if host is not None:
-            self.host.stats.hits += 1
-            self.host.pin(host)
-            return LoadItem(key, host, -1, "copying")
-        if self.disk is None:
-            return None
-        self.disk.stats.lookups += 1
-        if h in self.host or not self.disk.lookup(h):
-            return None
-        host = self.host.allocate(h, tokens)
-        if host is None:
-            return None
-        self.disk.stats.hits += 1
-        return LoadItem(key, host, -1, "reading")
-
-    def _copy_in(self, item: LoadItem) -> None:
+    def _copy_in(self, item: "LoadItem") -> None:
         item.state = "copying"
         item.copy = Copy(self.stream, self.kv_cache.block(item.device_block), self.host.kv[item.host.slot])
 
-    def _finish_load(self, load: PrefixLoad) -> None:
-        """Every block arrived or failed: the leading ones that arrived join the prefix cache."""
-        registering = True
+    def _finish_load(self, load: "PrefixLoad") -> None:
+        """Every block arrived or failed: the leading ones that arrived count as computed (and join
+        the prefix cache); the sequence computes the rest."""
+        arrived = 0
+        while arrived < len(load.items) and load.items[arrived].state == "done":
+            arrived += 1
         for item in load.items:
-            h, tokens = item.key
-            registering = registering and item.state == "done"
-            if registering:
-                self.block_manager.cache_block(item.device_block, h, tokens)
             self.block_manager.release(item.device_block)
             if item.state == "done":
                 self.host.unpin(item.host)
-            del self.loading[h]
-        for seq in load.waiters:
-            seq.tier_loads -= 1
+            del self.loading[item.key[0]]
+        seq = load.seq
+        if seq.request_id in self.scheduler.loading:  # not aborted meanwhile
+            seq.num_computed_tokens = seq.num_cached_tokens = (load.first + arrived) * self.block_manager.block_size
+            self.block_manager.commit(seq)
+            self.scheduler.finish_loading(seq)
 
     # -- polling ------------------------------------------------------------------------
 
@@ -291,6 +302,7 @@ class KVOffload:
         if self.disk is not None:
             for result in self.disk.results():
                 self._disk_done(result)
+            self._write_to_disk()
         for load in self.loads:
             for item in load.items:
                 if item.state == "copying" and item.copy.done():

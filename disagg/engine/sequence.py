@@ -50,8 +50,9 @@ class Sequence:
         self.arrival_time = time.monotonic()
         self.export_kv = False  # prefill node: hand the prompt's KV out when done
         self.remote_prefill: RemotePrefill | None = None  # decode node: KV and first token from a prefill node
-        # KV tiers: loads of its prefix into the device pool still in flight (not scheduled until 0).
-        self.tier_loads = 0
+        # KV tiers: its prefix goes on in blocks another request is loading from a lower tier; it is
+        # not scheduled before they arrive (it would compute them again).
+        self.tier_blocked = False
 
     @property
     def num_tokens(self) -> int:
