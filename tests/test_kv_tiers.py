@@ -5,14 +5,17 @@ whichever tier a prefix comes back from."""
 import logging
 import shutil
 
+import httpx
 import pytest
 import torch
 from prompts import PASSAGE, hf_greedy
+from servers import start_node
 
 from disagg import LLM, SamplingParams
 from disagg.engine.block_manager import BlockManager
-from disagg.engine.disk_tier import DiskTier, u64
+from disagg.engine.disk_tier import HEADER, DiskTier, u64
 from disagg.engine.host_tier import HostTier
+from disagg.engine.loader import DEFAULT_MODEL_NAME
 from disagg.engine.sequence import Sequence
 
 BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4  # one 16-token block of the embedded model, float32
@@ -157,10 +160,11 @@ def test_prefixes_from_the_host_tier_match_transformers(model_dir, hf_model):
     first = generate_exact(llm, hf_model, prompts)
     assert all(o.num_cached_tokens == 0 for o in first)
     evict_device_cache(llm)
-    second = generate_exact(llm, hf_model, prompts)
-    assert [o.num_cached_tokens for o in second] == [PREFIX_TOKENS] * 4
+    # The first prompt twice: the second copy waits for the first one's load, then hits the device.
+    second = generate_exact(llm, hf_model, prompts + prompts[:1])
+    assert [o.num_cached_tokens for o in second] == [PREFIX_TOKENS] * 5
     host = llm.engine.offload.host.stats
-    assert host.hits == 4 * 12 and host.loaded_bytes == 4 * 12 * BLOCK_BYTES
+    assert host.hits == 4 * 12 and host.loaded_bytes == 4 * 12 * BLOCK_BYTES  # no block loaded twice
     assert_nothing_held(llm)
 
 
@@ -242,3 +246,18 @@ def test_disk_write_error_stops_disk_offload_with_one_warning(model_dir, hf_mode
 def test_bad_tier_settings_are_refused(kwargs, error):
     with pytest.raises(ValueError, match=error):
         LLM(device="cpu", **kwargs)
+
+
+def test_a_node_serves_with_tiers_and_exports_their_metrics(tmp_path):
+    node = start_node("both", tmp_path, extra_args=["--kv-offloading-size", "0.05", "--kv-offloading-mode", "eager",
+                                                    "--kv-disk-path", str(tmp_path / "kv"), "--kv-disk-size", "0.1"])
+    try:
+        body = {"model": DEFAULT_MODEL_NAME, "prompt": CONVERSATIONS[0], "max_tokens": 4, "temperature": 0}
+        assert httpx.post(f"{node.url}/v1/completions", json=body, timeout=60).status_code == 200
+        assert node.labelled("disagg_kv_tier_blocks_total", "tier") == {
+            "device": node.metric("disagg_kv_blocks_total"), "host": 0.05 * 2**30 // BLOCK_BYTES,
+            "disk": 0.1 * 2**30 // (BLOCK_BYTES + HEADER.size + 8 * 16)}
+        assert node.labelled("disagg_kv_tier_offloaded_bytes_total", "tier")["host"] == 12 * BLOCK_BYTES
+        assert node.metric("disagg_kv_block_allocation_seconds_count") == 1
+    finally:
+        node.kill()

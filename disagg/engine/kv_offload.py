@@ -7,8 +7,9 @@ request's prefix is looked up device -> host -> disk, stopping at the first miss
 lower-tier hits gets its blocks at once (Scheduler.start_loading) and the hits are copied into
 them (disk -> host first, a promotion to the host tier); when all have arrived they count as
 computed and join the prefix cache, and the request runs (Scheduler.finish_loading). Every other
-request keeps running meanwhile. On CUDA the copies run on their own stream and are polled through events, so neither stores nor
-loads wait inside a step; on the CPU a copy is a plain synchronous copy.
+request keeps running meanwhile. On CUDA the copies run on their own stream and are polled
+through events, so neither stores nor loads wait inside a step; on the CPU a copy is a plain
+synchronous copy.
 """
 
 import hashlib
@@ -134,6 +135,7 @@ class KVOffload:
         self.stores: list[Store] = []
         self.loads: list[PrefixLoad] = []
         self.loading: dict[int, PrefixLoad] = {}  # hash -> the load bringing it to the device
+        self.blocked: list[Sequence] = []  # waiting for blocks another request's load brings
         self.max_pending_writes = max(1, num_host // 2)  # host blocks pinned by disk writes at most
         self.unwritten: deque[int] = deque()  # host blocks to write to disk once writes are fewer
         logger.info("KV tiers: host %d blocks (%.1f MiB%s), %s offload%s", num_host, num_host * block_bytes / 2**20,
@@ -212,6 +214,9 @@ class KVOffload:
         admit next (in queue order, while their blocks fit the free ones and max_num_seqs allows),
         and give those with hits their blocks now, the hits loading into them."""
         bm, scheduler = self.block_manager, self.scheduler
+        for seq in self.blocked:
+            seq.tier_blocked = False
+        self.blocked.clear()
         room = bm.num_free_blocks
         slots = scheduler.max_num_seqs - len(scheduler.running) - len(scheduler.loading)
         for seq in list(scheduler.waiting)[:max(slots, 0)]:
@@ -223,8 +228,11 @@ class KVOffload:
                 return
             room -= needed
             misses = keys[len(hits):]
-            seq.tier_blocked = bool(misses) and misses[0][0] in self.loading
-            items = [] if seq.tier_blocked else self._find_below(misses)
+            if misses and misses[0][0] in self.loading:
+                seq.tier_blocked = True
+                self.blocked.append(seq)
+                continue
+            items = self._find_below(misses)
             if items:
                 scheduler.start_loading(seq)
                 self._start_load(seq, len(hits), items)

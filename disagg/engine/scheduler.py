@@ -92,7 +92,7 @@ class Scheduler:
                 i += 1
         # Admitting new work right after a preemption would only evict it again.
         for seq in list(self.waiting):
-            if preempted or budget <= 0 or len(self.running) >= self.max_num_seqs:
+            if preempted or budget <= 0 or len(self.running) + len(self.loading) >= self.max_num_seqs:
                 break
             if seq.tier_blocked:  # its prefix is being loaded for another request: the others go on
                 continue
