@@ -123,9 +123,11 @@ class KVTiers(Collector):
                                              labels=["tier"]),
             "rejected": CounterMetricFamily("disagg_kv_tier_rejected_files", "Disk files found corrupt, truncated "
                                             "or foreign when read, and not loaded", labels=["tier"]),
-            "offload_seconds": HistogramMetricFamily("disagg_kv_tier_offload_seconds", "One block copied into a "
-                                                     "tier", labels=["tier"]),
-            "load_seconds": HistogramMetricFamily("disagg_kv_tier_load_seconds", "One block copied out of a tier",
+            "offload_seconds": HistogramMetricFamily("disagg_kv_tier_offload_seconds", "Blocks copied into a tier "
+                                                     "together (host: one batch of copies; disk: one file)",
+                                                     labels=["tier"]),
+            "load_seconds": HistogramMetricFamily("disagg_kv_tier_load_seconds", "Blocks copied out of a tier "
+                                                  "together (host: one batch of copies; disk: one file)",
                                                   labels=["tier"]),
         }
         for tier, (stats, total, used, flying) in tiers.items():

@@ -58,20 +58,24 @@ def kv_identity(model_dir, config_json: bytes, dtype: torch.dtype, block_shape: 
 
 
 class Copy:
-    """One block copy: on the copy stream with events (CUDA), or done at once (CPU)."""
+    """Block copies issued together (dst, src pairs): on the copy stream between two events
+    (CUDA), or done at once (CPU). One wait and one pair of events for the lot, not per block."""
 
-    def __init__(self, stream: torch.cuda.Stream | None, dst: torch.Tensor, src: torch.Tensor):
+    def __init__(self, stream: torch.cuda.Stream | None, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
         self.end = None
+        self.counted = False  # its time went into a latency histogram
         if stream is None:
             start = time.perf_counter()
-            dst.copy_(src)
+            for dst, src in pairs:
+                dst.copy_(src)
             self.seconds = time.perf_counter() - start
             return
         self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         stream.wait_stream(torch.cuda.current_stream())  # after every write the step queued before
         with torch.cuda.stream(stream):
             self.start.record()
-            dst.copy_(src, non_blocking=True)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
             self.end.record()
 
     def done(self) -> bool:
@@ -85,11 +89,17 @@ class Copy:
 
 @dataclass
 class Store:
-    """A device -> host copy in flight."""
+    """A device -> host block copy in flight."""
     h: int
     host: HostBlock
+    device_block: int
+    held: bool  # eager: held in the device pool until copied; lazy: stream order protects it
+
+
+@dataclass
+class StoreBatch:
+    stores: list[Store]
     copy: Copy
-    device_block: int | None  # held in the device pool until copied (eager); lazy: stream order protects it
 
 
 @dataclass
@@ -132,7 +142,7 @@ class KVOffload:
             block_manager.newly_cached = []
         else:
             block_manager.evicted = []
-        self.stores: list[Store] = []
+        self.stores: list[StoreBatch] = []
         self.loads: list[PrefixLoad] = []
         self.loading: dict[int, PrefixLoad] = {}  # hash -> the load bringing it to the device
         self.blocked: list[Sequence] = []  # waiting for blocks another request's load brings
@@ -149,7 +159,7 @@ class KVOffload:
 
     def blocks_in_flight(self) -> int:
         """Blocks being copied between the device pool and the host tier (or read from disk for it)."""
-        return len(self.stores) + sum(len(load.items) for load in self.loads)
+        return sum(len(batch.stores) for batch in self.stores) + sum(len(load.items) for load in self.loads)
 
     # -- stores: device -> host -> disk ---------------------------------------------------
 
@@ -158,45 +168,49 @@ class KVOffload:
         step's postprocess (eager) and before anything writes device blocks (lazy: an evicted
         block's KV is still in place until then)."""
         bm = self.block_manager
+        stores = []
         if bm.newly_cached:
             for block_id in bm.newly_cached:
                 block = bm.blocks[block_id]
                 if block.hash is not None:  # still cached: its KV is what the key says
-                    self._store(block_id, (block.hash, block.token_ids), hold=True)
+                    stores += self._new_store(block_id, (block.hash, block.token_ids), held=True)
             bm.newly_cached.clear()
         if bm.evicted:
             for block_id, key in bm.evicted:
-                self._store(block_id, key, hold=False)
+                stores += self._new_store(block_id, key, held=False)
             bm.evicted.clear()
+        if not stores:
+            return
+        batch = StoreBatch(stores, Copy(self.stream, [(self.host.kv[s.host.slot], self.kv_cache.block(s.device_block))
+                                                      for s in stores]))
+        if self.stream is None:  # the CPU copied them already: nothing to keep pinned
+            self._finish_stores(batch)
+            return
+        if not all(s.held for s in stores):  # lazy: the next step reuses the blocks, after the copy
+            torch.cuda.current_stream().wait_event(batch.copy.end)
+        self.stores.append(batch)
 
-    def _store(self, block_id: int, key: BlockKey, hold: bool) -> None:
+    def _new_store(self, block_id: int, key: BlockKey, held: bool) -> list[Store]:
         h, tokens = key
         if h in self.host:  # never copied twice
-            return
+            return []
         host = self.host.allocate(h, tokens)
         if host is None:  # every host block is pinned: this one is not kept
-            return
-        copy = Copy(self.stream, self.host.kv[host.slot], self.kv_cache.block(block_id))
-        if hold:
+            return []
+        if held:
             self.block_manager.hold(block_id)
-        elif self.stream is not None:  # the block is reused by the next step: which waits for the copy
-            torch.cuda.current_stream().wait_event(copy.end)
-        store = Store(h, host, copy, block_id if hold else None)
-        if self.stream is None:  # the CPU copied it already: nothing to keep pinned
-            self._finish_store(store)
-        else:
-            self.stores.append(store)
+        return [Store(h, host, block_id, held)]
 
-    def _finish_store(self, store: Store) -> None:
-        host = store.host
-        host.ready = True
-        self.host.stats.offloaded_bytes += self.host.block_bytes
-        self.host.stats.offload_latency.observe(store.copy.seconds)
-        if store.device_block is not None:
-            self.block_manager.release(store.device_block)
-        self.host.unpin(host)
-        if self.disk is not None:
-            self.unwritten.append(store.h)
+    def _finish_stores(self, batch: StoreBatch) -> None:
+        self.host.stats.offload_latency.observe(batch.copy.seconds)
+        for store in batch.stores:
+            store.host.ready = True
+            self.host.stats.offloaded_bytes += self.host.block_bytes
+            if store.held:
+                self.block_manager.release(store.device_block)
+            self.host.unpin(store.host)
+            if self.disk is not None:
+                self.unwritten.append(store.h)
 
     def _write_to_disk(self) -> None:
         """Queue disk writes of new host blocks while few are pending (each pins its host block);
@@ -237,7 +251,7 @@ class KVOffload:
                 scheduler.start_loading(seq)
                 self._start_load(seq, len(hits), items)
 
-    def _find_below(self, keys: list[BlockKey]) -> list["LoadItem"]:
+    def _find_below(self, keys: list[BlockKey]) -> list[LoadItem]:
         """The leading keys found in the host tier (pinned) or on disk (each given a host block for
         the disk to fill), up to the first miss."""
         items = []
@@ -260,7 +274,7 @@ class KVOffload:
             items.append(LoadItem((h, tokens), host, "reading"))
         return items
 
-    def _start_load(self, seq: Sequence, first: int, items: list["LoadItem"]) -> None:
+    def _start_load(self, seq: Sequence, first: int, items: list[LoadItem]) -> None:
         """Load into the sequence's blocks from block `first` on; each is held by the load, so an
         abort meanwhile does not free it under a copy."""
         self.store_new()  # lazy: blocks its allocation evicted are copied out before the loads overwrite them
@@ -269,17 +283,19 @@ class KVOffload:
             item.device_block = seq.block_table[first + i]
             self.block_manager.hold(item.device_block)
             self.loading[item.key[0]] = load
-            if item.state == "copying":
-                self._copy_in(item)
-            else:
+            if item.state == "reading":
                 self.disk.read(item.key[0], item.key[1], self.host.kv[item.host.slot], item)
+        self._copy_in([item for item in items if item.state == "copying"])
         self.loads.append(load)
 
-    def _copy_in(self, item: "LoadItem") -> None:
-        item.state = "copying"
-        item.copy = Copy(self.stream, self.kv_cache.block(item.device_block), self.host.kv[item.host.slot])
+    def _copy_in(self, items: list[LoadItem]) -> None:
+        if not items:
+            return
+        copy = Copy(self.stream, [(self.kv_cache.block(i.device_block), self.host.kv[i.host.slot]) for i in items])
+        for item in items:
+            item.state, item.copy = "copying", copy
 
-    def _finish_load(self, load: "PrefixLoad") -> None:
+    def _finish_load(self, load: PrefixLoad) -> None:
         """Every block arrived or failed: the leading ones that arrived count as computed (and join
         the prefix cache); the sequence computes the rest."""
         arrived = 0
@@ -301,39 +317,41 @@ class KVOffload:
     def poll(self) -> None:
         """Take in finished copies and disk jobs (on the engine thread, once a step)."""
         still = []
-        for store in self.stores:
-            if store.copy.done():
-                self._finish_store(store)
+        for batch in self.stores:
+            if batch.copy.done():
+                self._finish_stores(batch)
             else:
-                still.append(store)
+                still.append(batch)
         self.stores = still
         if self.disk is not None:
-            for result in self.disk.results():
-                self._disk_done(result)
+            self._copy_in([item for result in self.disk.results() if (item := self._disk_done(result))])
             self._write_to_disk()
         for load in self.loads:
             for item in load.items:
                 if item.state == "copying" and item.copy.done():
                     item.state = "done"
                     self.host.stats.loaded_bytes += self.host.block_bytes
-                    self.host.stats.load_latency.observe(item.copy.seconds)
+                    if not item.copy.counted:
+                        item.copy.counted = True
+                        self.host.stats.load_latency.observe(item.copy.seconds)
         finished = [load for load in self.loads if all(i.state in ("done", "failed") for i in load.items)]
         for load in finished:
             self.loads.remove(load)
             self._finish_load(load)
 
-    def _disk_done(self, result: DiskResult) -> None:
+    def _disk_done(self, result: DiskResult) -> LoadItem | None:
+        """A finished disk job; a block read that is now to be copied to the device."""
         job = result.job
         if job.kind == "write":
             self.host.unpin(job.tag)
-            return
+            return None
         item: LoadItem = job.tag
-        if result.ok:
-            item.host.ready = True  # promoted to the host tier
-            self._copy_in(item)
-        else:
+        if not result.ok:
             item.state = "failed"
             self.host.drop(item.key[0])
+            return None
+        item.host.ready = True  # promoted to the host tier
+        return item
 
     def drain(self) -> None:
         """Wait until every copy and disk job has finished (tests, shutdown)."""
@@ -357,4 +375,4 @@ class KVOffload:
             line += (f"; disk {len(self.disk.files)}/{self.disk.max_files}, hits {disk.hits}/{disk.lookups}, "
                      f"written {disk.offloaded_bytes / 2**30:.2f} GiB, read {disk.loaded_bytes / 2**30:.2f} GiB"
                      f"{', writes stopped' if self.disk.writes_stopped else ''}")
-        return line + f"; in flight {len(self.stores)} stores, {len(self.loads)} loads"
+        return line + f"; in flight {self.blocks_in_flight()} blocks, {len(self.loads)} loads"
