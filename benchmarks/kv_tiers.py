@@ -1,7 +1,7 @@
 """KV tiers on a GPU: returning multi-turn conversations with tiers on vs off, in one run.
 
     python benchmarks/kv_tiers.py --shape 8b --device cuda --device-pool-gib 12 --host-gib 56 \\
-        --disk-gib 16 --out benchmarks/results/kv_tiers_h200.json
+        --disk-gib 20 --tokenizer-dir DIR --out benchmarks/results/kv_tiers_h200.json
     python benchmarks/kv_tiers.py --shape tiny --device cpu --out /tmp/kv_tiers.json   # tries it
 
 The model is gpu_e2e.py's: the 8B (or tiny) Llama shape with random weights, bfloat16 on CUDA.
@@ -163,6 +163,7 @@ def main() -> None:
         ap.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None,
                         help=f"default {value} (8b), {PRESETS['tiny'][name]} (tiny)")
     ap.add_argument("--model-dir", default=None, help="where the random-weight model is written (kept)")
+    ap.add_argument("--tokenizer-dir", default=None, help="a directory with tokenizer.json (default: the embedded model's)")
     ap.add_argument("--disk-path", default=None, help="disk tier directory (default: a temporary one)")
     ap.add_argument("--out", required=True, help="JSON results")
     args = ap.parse_args()
@@ -170,7 +171,8 @@ def main() -> None:
         if getattr(args, name) is None:
             setattr(args, name, value)
     model_dir = Path(args.model_dir or Path(tempfile.gettempdir()) / f"disagg-kv-tiers-{args.shape}")
-    write_model(args.shape, model_dir, resolve_model(None), args.device)
+    tokenizer_dir = Path(args.tokenizer_dir) if args.tokenizer_dir else resolve_model(None)
+    write_model(args.shape, model_dir, tokenizer_dir, args.device)
     rng = random.Random(0)
     prefixes = [random_ids(rng, args.prefix_tokens) for _ in range(args.conversations)]
     returning = [p + random_ids(rng, 32) for p in prefixes[:args.returning]]

@@ -71,7 +71,7 @@ class Copy:
             self.seconds = time.perf_counter() - start
             return
         self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        stream.wait_stream(torch.cuda.current_stream())  # after every write the step queued before
+        stream.wait_stream(torch.cuda.current_stream(stream.device))  # after every write the step queued
         with torch.cuda.stream(stream):
             self.start.record()
             for dst, src in pairs:
@@ -187,7 +187,7 @@ class KVOffload:
             self._finish_stores(batch)
             return
         if not all(s.held for s in stores):  # lazy: the next step reuses the blocks, after the copy
-            torch.cuda.current_stream().wait_event(batch.copy.end)
+            torch.cuda.current_stream(self.stream.device).wait_event(batch.copy.end)
         self.stores.append(batch)
 
     def _new_store(self, block_id: int, key: BlockKey, held: bool) -> list[Store]:
