@@ -67,7 +67,10 @@ def test_disk_tier_round_trip_restart_and_size_bound(tmp_path):
     assert not disk.lookup(-5) and disk.lookup(6) and disk.lookup(7)  # two files fit: the oldest went
     assert sorted(p.name for p in tmp_path.glob("*.kv")) == sorted(disk.file_path(u64(h)).name for h in (6, 7))
     disk.close()
-    again = DiskTier(tmp_path, 10**6, identity, 48, 4)  # a restart finds them
+    stale = disk.file_path(8).with_suffix(".tmp")
+    stale.write_bytes(b"half a block")  # a write cut short by a crash
+    again = DiskTier(tmp_path, 10**6, identity, 48, 4)  # a restart finds them, and deletes the stale one
+    assert not stale.exists()
     into = torch.empty(12)
     again.read(7, (7, 0, 0, 0), into, None)
     [result] = finish(again)

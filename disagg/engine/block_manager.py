@@ -66,12 +66,13 @@ class BlockManager:
         that asks for prompt logprobs gets none: it needs the logits of every prompt position."""
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
-        keys, h = [], None
-        for i in range((seq.num_tokens - 1) // self.block_size):
+        # Kept on the sequence: a full block's tokens never change, and waiting sequences are
+        # looked up every step.
+        keys, count = seq.block_keys, (seq.num_tokens - 1) // self.block_size
+        for i in range(len(keys), count):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            h = chain_hash(h, tokens)
-            keys.append((h, tokens))
-        return keys
+            keys.append((chain_hash(keys[-1][0] if keys else None, tokens), tokens))
+        return keys[:count]
 
     def cached_blocks(self, keys: list[BlockKey]) -> list[int]:
         """The cached blocks of the leading keys, up to the first miss."""

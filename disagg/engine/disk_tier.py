@@ -13,6 +13,7 @@ finished jobs by polling `results()`. The total size is bounded: the least recen
 deleted. A failed write (disk full, directory gone) stops writing, with one warning; reads go on.
 """
 
+import contextlib
 import logging
 import os
 import queue
@@ -94,7 +95,9 @@ class DiskTier:
         found = []
         for entry in os.scandir(self.path):
             name = entry.name
-            if name.startswith(self.prefix + "-") and name.endswith(".kv") and entry.is_file():
+            if name.startswith(self.prefix + "-") and name.endswith(".tmp"):  # a write cut short by a crash
+                os.unlink(entry.path)
+            elif name.startswith(self.prefix + "-") and name.endswith(".kv") and entry.is_file():
                 try:
                     found.append((entry.stat().st_mtime, int(name[len(self.prefix) + 1:-3], 16)))
                 except ValueError:
@@ -209,10 +212,15 @@ class DiskTier:
         payload = memoryview(job.data.view(torch.uint8).numpy()).cast("B")
         final = self.file_path(job.h)
         tmp = final.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(self._header(job, payload))
-            f.write(payload)
-        os.replace(tmp, final)  # a reader never sees half a file under the final name
+        try:
+            with open(tmp, "wb") as f:
+                f.write(self._header(job, payload))
+                f.write(payload)
+            os.replace(tmp, final)  # a reader never sees half a file under the final name
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink()  # a full disk keeps no half-written file
+            raise
 
     def _read(self, job: DiskJob) -> None:
         into = memoryview(job.data.view(torch.uint8).numpy()).cast("B")

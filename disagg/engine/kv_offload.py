@@ -13,6 +13,7 @@ synchronous copy.
 """
 
 import hashlib
+import itertools
 import logging
 import time
 from collections import deque
@@ -233,7 +234,7 @@ class KVOffload:
         self.blocked.clear()
         room = bm.num_free_blocks
         slots = scheduler.max_num_seqs - len(scheduler.running) - len(scheduler.loading)
-        for seq in list(scheduler.waiting)[:max(slots, 0)]:
+        for seq in list(itertools.islice(scheduler.waiting, max(slots, 0))):
             keys = bm.block_keys(seq)
             hits = bm.cached_blocks(keys)
             # As can_allocate counts: cached blocks nobody holds are free blocks it will take.

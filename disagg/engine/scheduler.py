@@ -91,14 +91,16 @@ class Scheduler:
                 budget -= n
                 i += 1
         # Admitting new work right after a preemption would only evict it again.
-        for seq in list(self.waiting):
-            if preempted or budget <= 0 or len(self.running) + len(self.loading) >= self.max_num_seqs:
-                break
+        i = 0
+        while (i < len(self.waiting) and not preempted and budget > 0
+               and len(self.running) + len(self.loading) < self.max_num_seqs):
+            seq = self.waiting[i]
             if seq.tier_blocked:  # its prefix is being loaded for another request: the others go on
+                i += 1
                 continue
             if not self.block_manager.can_allocate(seq):
                 break
-            self.waiting.remove(seq)
+            del self.waiting[i]
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
