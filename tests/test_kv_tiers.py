@@ -206,11 +206,16 @@ def test_restart_serves_disk_prefixes_and_corrupt_files_are_recomputed(model_dir
 
     llm = start()
     engine = llm.engine
-    # Abort z while its blocks are being loaded: every block in every tier comes back.
+    # z's blocks are read from disk while another request runs; then z is aborted mid-load: every
+    # block in every tier comes back.
     engine.add_request("z", z, greedy())
+    engine.add_request("w", "Hello", greedy())
     engine.step()
     assert engine.offload.loads and "z" in engine.scheduler.loading
+    assert [seq.request_id for seq in engine.scheduler.running] == ["w"]
     assert engine.abort_request("z")
+    while "w" in engine.requests:
+        engine.step()
     assert_nothing_held(llm)
 
     outs = generate_exact(llm, hf_model, [x, y])
