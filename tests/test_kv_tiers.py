@@ -164,11 +164,13 @@ def test_prefixes_from_the_host_tier_match_transformers(model_dir, hf_model):
     first = generate_exact(llm, hf_model, prompts)
     assert all(o.num_cached_tokens == 0 for o in first)
     evict_device_cache(llm)
-    # The first prompt twice: the second copy waits for the first one's load, then hits the device.
-    second = generate_exact(llm, hf_model, prompts + prompts[:1])
+    # The first prompt twice in a row: the second copy waits for the first one's load, then hits
+    # the device (it neither loads the blocks again nor computes them).
+    second = generate_exact(llm, hf_model, prompts[:1] + prompts)
     assert [o.num_cached_tokens for o in second] == [PREFIX_TOKENS] * 5
     host = llm.engine.offload.host.stats
     assert host.hits == 4 * 12 and host.loaded_bytes == 4 * 12 * BLOCK_BYTES  # no block loaded twice
+    assert host.lookups == 4 + 4 * 12  # each request looked up once a wait: a miss at first, then 12 hits
     assert_nothing_held(llm)
 
 

@@ -13,7 +13,6 @@ synchronous copy.
 """
 
 import hashlib
-import itertools
 import logging
 import time
 from collections import deque
@@ -234,23 +233,29 @@ class KVOffload:
         self.blocked.clear()
         room = bm.num_free_blocks
         slots = scheduler.max_num_seqs - len(scheduler.running) - len(scheduler.loading)
-        for seq in list(itertools.islice(scheduler.waiting, max(slots, 0))):
+        i = 0
+        while i < len(scheduler.waiting) and slots > 0:
+            seq = scheduler.waiting[i]
             keys = bm.block_keys(seq)
             hits = bm.cached_blocks(keys)
+            misses = keys[len(hits):]
+            if misses and misses[0][0] in self.loading:  # it will hit those blocks once they arrive
+                seq.tier_blocked = True
+                self.blocked.append(seq)
+                i += 1
+                continue
             # As can_allocate counts: cached blocks nobody holds are free blocks it will take.
             needed = bm.blocks_for(seq.num_tokens) - sum(1 for b in hits if bm.blocks[b].ref_count > 0)
             if needed > room:
                 return
-            room -= needed
-            misses = keys[len(hits):]
-            if misses and misses[0][0] in self.loading:
-                seq.tier_blocked = True
-                self.blocked.append(seq)
-                continue
-            items = self._find_below(misses)
+            room, slots = room - needed, slots - 1
+            items = [] if seq.tier_looked_up else self._find_below(misses)
+            seq.tier_looked_up = True  # once a wait: a lookup is counted in the tier's hit rate
             if items:
-                scheduler.start_loading(seq)
+                scheduler.start_loading(seq)  # out of the waiting queue
                 self._start_load(seq, len(hits), items)
+            else:
+                i += 1  # the scheduler admits it as usual
 
     def _find_below(self, keys: list[BlockKey]) -> list[LoadItem]:
         """The leading keys found in the host tier (pinned) or on disk (each given a host block for

@@ -124,6 +124,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
+        seq.tier_looked_up = False  # its blocks may be in a lower KV tier by now
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 

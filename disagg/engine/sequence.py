@@ -53,6 +53,7 @@ class Sequence:
         # KV tiers: its prefix goes on in blocks another request is loading from a lower tier; it is
         # not scheduled before they arrive (it would compute them again).
         self.tier_blocked = False
+        self.tier_looked_up = False  # since it last started waiting (a preemption looks it up again)
         self.block_keys: list[tuple[int, tuple[int, ...]]] = []  # BlockManager.block_keys, kept as they are made
 
     @property
