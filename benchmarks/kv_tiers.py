@@ -170,6 +170,8 @@ def main() -> None:
     for name, value in PRESETS[args.shape].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # tiny shapes: threads only wait on each other (and on other processes)
     model_dir = Path(args.model_dir or Path(tempfile.gettempdir()) / f"disagg-kv-tiers-{args.shape}")
     tokenizer_dir = Path(args.tokenizer_dir) if args.tokenizer_dir else resolve_model(None)
     write_model(args.shape, model_dir, tokenizer_dir, args.device)
