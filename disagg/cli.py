@@ -6,6 +6,7 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.builder import resolve_device, resolve_dtype
 from disagg.engine.config import EngineConfig
 from disagg.engine.engine import LLMEngine
+from disagg.engine.kv_offload import OFFLOADING_MODES, check_kv_tiers
 from disagg.engine.llm import LLM
 from disagg.engine.loader import DEFAULT_MODEL_NAME, resolve_model
 from disagg.engine.sampling_params import SamplingParams
@@ -43,6 +45,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode without CUDA graphs")
     parser.add_argument("--attention-backend", choices=["sdpa", "triton"], default=None,
                         help="default: triton on CUDA, sdpa on the CPU")
+    parser.add_argument("--kv-offloading-size", type=float, default=0.0,
+                        help="GiB of host memory (pinned on CUDA) for a KV tier under the device cache; 0: none")
+    parser.add_argument("--kv-offloading-backend", default="native", help="KV offloading backend: native (the only one)")
+    parser.add_argument("--kv-offloading-mode", choices=OFFLOADING_MODES, default="eager",
+                        help="copy a KV block to the host tier when it is full (eager) or when the device evicts it (lazy)")
+    parser.add_argument("--kv-disk-path", default=None,
+                        help="directory of a disk KV tier under the host tier (kept across restarts)")
+    parser.add_argument("--kv-disk-size", type=float, default=None, help="GiB the disk KV tier may hold")
 
 
 def parse_memory(text: str) -> int | float:
@@ -60,7 +70,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
                 enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
-                enforce_eager=args.enforce_eager, attention_backend=args.attention_backend)
+                enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
+                kv_offloading_size=args.kv_offloading_size, kv_offloading_backend=args.kv_offloading_backend,
+                kv_offloading_mode=args.kv_offloading_mode, kv_disk_path=args.kv_disk_path,
+                kv_disk_size=args.kv_disk_size)
 
 
 def generate(args: argparse.Namespace) -> None:
@@ -112,6 +125,10 @@ def check_engine_args(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    try:
+        check_kv_tiers(EngineConfig(**engine_kwargs(args)))
+    except ValueError as e:  # named as the flags are
+        raise ValueError(re.sub(r"\bkv_[a-z_]+", lambda m: "--" + m.group().replace("_", "-"), str(e))) from None
     if args.model is not None and not Path(args.model).expanduser().is_file():
         try:
             resolve_model(args.model)  # a directory is checked for what the engine needs; a .gguf only exists

@@ -3,8 +3,11 @@
 from collections.abc import Iterator
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from disagg.engine.engine import LLMEngine
+from disagg.engine.kv_stats import Latencies, TierStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -83,3 +86,84 @@ def register_vllm_names(model_name: str) -> None:
     if _vllm_names is None:
         _vllm_names = VLLMNames(model_name)
         REGISTRY.register(_vllm_names)
+
+
+class KVTiers(Collector):
+    """The engine's KV tiers (device pool, host, disk: docs/ARCHITECTURE.md, "Engine (as built)"),
+    read from its counters at each scrape. The engine thread keeps them; a scrape reads numbers and
+    list lengths only, so it never waits for a step."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        bm, offload = self.engine.block_manager, self.engine.offload
+        in_flight = offload.blocks_in_flight() if offload else 0
+        tiers: dict[str, tuple[TierStats, int, int, int]] = {  # stats, blocks total, used, in flight
+            "device": (bm.stats, bm.num_blocks, bm.num_blocks - bm.num_free_blocks, in_flight)}
+        if offload is not None:
+            tiers["host"] = (offload.host.stats, offload.host.num_blocks, offload.host.num_used, in_flight)
+            if offload.disk is not None:
+                disk = offload.disk
+                tiers["disk"] = (disk.stats, disk.max_files, len(disk.files), disk.num_in_flight)
+        families = {
+            "blocks_total": GaugeMetricFamily("disagg_kv_tier_blocks_total", "KV blocks a tier holds at most",
+                                              labels=["tier"]),
+            "blocks_used": GaugeMetricFamily("disagg_kv_tier_blocks_used", "KV blocks held in a tier", labels=["tier"]),
+            "in_flight": GaugeMetricFamily("disagg_kv_tier_blocks_in_flight", "KV blocks being copied into or out "
+                                           "of a tier (disk: files being written, read or deleted)", labels=["tier"]),
+            "lookups": CounterMetricFamily("disagg_kv_tier_lookups", "Blocks looked up in a tier (the hits and "
+                                           "the miss that ends a prefix)", labels=["tier"]),
+            "hits": CounterMetricFamily("disagg_kv_tier_hits", "Blocks found in a tier", labels=["tier"]),
+            "offloaded": CounterMetricFamily("disagg_kv_tier_offloaded_bytes", "KV bytes copied into a tier",
+                                             labels=["tier"]),
+            "loaded": CounterMetricFamily("disagg_kv_tier_loaded_bytes", "KV bytes copied out of a tier toward "
+                                          "the device", labels=["tier"]),
+            "evictions": CounterMetricFamily("disagg_kv_tier_evictions", "Blocks a tier dropped for room",
+                                             labels=["tier"]),
+            "rejected": CounterMetricFamily("disagg_kv_tier_rejected_files", "Disk files found corrupt, truncated "
+                                            "or foreign when read, and not loaded", labels=["tier"]),
+            "offload_seconds": HistogramMetricFamily("disagg_kv_tier_offload_seconds", "Blocks copied into a tier "
+                                                     "together (host: one batch of copies; disk: one file)",
+                                                     labels=["tier"]),
+            "load_seconds": HistogramMetricFamily("disagg_kv_tier_load_seconds", "Blocks copied out of a tier "
+                                                  "together (host: one batch of copies; disk: one file)",
+                                                  labels=["tier"]),
+        }
+        for tier, (stats, total, used, flying) in tiers.items():
+            families["blocks_total"].add_metric([tier], total)
+            families["blocks_used"].add_metric([tier], used)
+            families["in_flight"].add_metric([tier], flying)
+            for name in ("lookups", "hits", "evictions", "rejected"):
+                families[name].add_metric([tier], getattr(stats, name))
+            families["offloaded"].add_metric([tier], stats.offloaded_bytes)
+            families["loaded"].add_metric([tier], stats.loaded_bytes)
+            if tier != "device":
+                families["offload_seconds"].add_metric([tier], *histogram(stats.offload_latency))
+                families["load_seconds"].add_metric([tier], *histogram(stats.load_latency))
+        yield from families.values()
+        allocation = HistogramMetricFamily("disagg_kv_block_allocation_seconds",
+                                           "Blocks for one admitted request taken from the device pool")
+        allocation.add_metric([], *histogram(bm.allocation_latency))
+        yield allocation
+
+
+def histogram(latencies: Latencies) -> tuple[list[tuple[str, float]], float]:
+    """Prometheus buckets (cumulative, ending with +Inf) and the sum."""
+    counts, total = list(latencies.counts), 0
+    buckets = []
+    for le, count in zip((*map(str, latencies.buckets), "+Inf"), counts):
+        total += count
+        buckets.append((le, total))
+    return buckets, latencies.total
+
+
+_kv_tiers: KVTiers | None = None
+
+
+def register_kv_tiers(engine: LLMEngine) -> None:
+    """Serve the engine's KV tier metrics (once per process: one engine per node)."""
+    global _kv_tiers
+    if _kv_tiers is None:
+        _kv_tiers = KVTiers(engine)
+        REGISTRY.register(_kv_tiers)

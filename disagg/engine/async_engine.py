@@ -17,6 +17,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 
 import torch
@@ -28,6 +29,8 @@ from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.sequence import TokenLogprob
 
 logger = logging.getLogger(__name__)
+
+TIERS_LOG_INTERVAL = 5.0  # seconds between KV tier summaries in the log, while busy
 
 
 class EngineDeadError(RuntimeError):
@@ -58,6 +61,8 @@ class AsyncEngine:
         self.stopped = True
         self.wakeup.set()
         self.thread.join(timeout=10)
+        if not self.thread.is_alive():
+            self.engine.close()  # disk writes in flight finish, so a restart finds them
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        export_kv: bool = False, remote_prefill: bool = False) -> AsyncIterator[RequestOutput]:
@@ -149,9 +154,13 @@ class AsyncEngine:
                 future.set_exception(e)
 
     def _loop(self) -> None:
+        logged = time.monotonic()
         while not self.stopped:
             self._run_calls()
             busy = self.engine.has_work()
+            if busy and self.engine.offload is not None and time.monotonic() - logged >= TIERS_LOG_INTERVAL:
+                logged = time.monotonic()
+                logger.info("%s", self.engine.offload.summary())
             try:
                 outputs = self.engine.step() if busy else []
             except Exception as e:

@@ -4,15 +4,26 @@ A full block is known by a chained hash that covers every token before it too, s
 requests share a block only when their whole prefix up to it is equal. A block whose last
 user finished stays in the cache while free; free blocks are reused least recently used
 first, and a cached block hit again is taken back out of the free list.
+
+With KV tiers (docs/ARCHITECTURE.md, "Engine (as built)") the manager also lists the blocks the
+tiers must copy: newly cached ones (`eager`) or evicted ones (`lazy`), and lends blocks to them.
 """
 
+import time
 from collections import OrderedDict
 
+from disagg.engine.kv_stats import Latencies, TierStats
 from disagg.engine.sequence import Sequence
+
+# A block key: its chained hash and its own tokens.
+BlockKey = tuple[int, tuple[int, ...]]
 
 
 def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
-    return hash((prev_hash, *token_ids))
+    # 0, not None, before the first block: hash(None) differs between processes on Python 3.11,
+    # and the disk tier finds blocks by these hashes after a restart. Tuples of ints hash the same
+    # in every process.
+    return hash((0 if prev_hash is None else prev_hash, *token_ids))
 
 
 class Block:
@@ -31,6 +42,12 @@ class BlockManager:
         self.free_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
         self.block_hashes: dict[str, list[int]] = {}  # request id -> chained hashes of its full blocks
+        # Filled only when KV tiers ask (KVOffload): block ids newly cached ("eager"), or blocks
+        # evicted from the cache, with their key, before anything overwrites them ("lazy").
+        self.newly_cached: list[int] | None = None
+        self.evicted: list[tuple[int, BlockKey]] | None = None
+        self.stats = TierStats()  # lookups and hits of admitted sequences
+        self.allocation_latency = Latencies()
 
     @property
     def num_blocks(self) -> int:
@@ -43,21 +60,32 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
 
-    def _prefix_hits(self, seq: Sequence) -> list[int]:
-        """Cached blocks matching the sequence's leading full blocks. At least one token is
+    def block_keys(self, seq: Sequence) -> list[BlockKey]:
+        """Keys of the sequence's leading full blocks that a cache may serve. At least one token is
         always left to compute, since the last position's logits pick the next token. A sequence
         that asks for prompt logprobs gets none: it needs the logits of every prompt position."""
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
-        hits, h = [], None
-        for i in range((seq.num_tokens - 1) // self.block_size):
-            tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
-            h = chain_hash(h, tokens)
+        # Kept on the sequence: a full block's tokens never change, and waiting sequences are
+        # looked up every step.
+        keys, count = seq.block_keys, (seq.num_tokens - 1) // self.block_size
+        for i in range(len(keys), count):
+            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            keys.append((chain_hash(keys[-1][0] if keys else None, tokens), tokens))
+        return keys[:count]
+
+    def cached_blocks(self, keys: list[BlockKey]) -> list[int]:
+        """The cached blocks of the leading keys, up to the first miss."""
+        hits = []
+        for h, tokens in keys:
             block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
             hits.append(block_id)
         return hits
+
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        return self.cached_blocks(self.block_keys(seq))
 
     def can_allocate(self, seq: Sequence) -> bool:
         hits = self._prefix_hits(seq)
@@ -67,13 +95,18 @@ class BlockManager:
     def allocate(self, seq: Sequence) -> None:
         """Give the sequence blocks for all its tokens, reusing prefix-cache hits."""
         assert not seq.block_table
-        hits = self._prefix_hits(seq)
+        start = time.perf_counter()
+        keys = self.block_keys(seq)
+        hits = self.cached_blocks(keys)
+        self.stats.lookups += len(hits) + (len(hits) < len(keys))
+        self.stats.hits += len(hits)
         for block_id in hits:
             self._take(block_id)
-        seq.block_table = hits + [self._take_free() for _ in range(self.blocks_for(seq.num_tokens) - len(hits))]
+        seq.block_table = hits + [self.take_free() for _ in range(self.blocks_for(seq.num_tokens) - len(hits))]
         seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_hashed_blocks = len(hits)
         self.block_hashes[seq.request_id] = [self.blocks[b].hash for b in hits]
+        self.allocation_latency.observe(time.perf_counter() - start)
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
@@ -81,7 +114,7 @@ class BlockManager:
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        seq.block_table.extend(self._take_free() for _ in range(needed))
+        seq.block_table.extend(self.take_free() for _ in range(needed))
 
     def commit(self, seq: Sequence) -> None:
         """Register the sequence's newly computed full blocks in the prefix cache."""
@@ -94,23 +127,39 @@ class BlockManager:
             hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             # Another request may have computed the same block first: keep that one cached.
-            if h not in self.hash_to_block:
-                block.hash, block.token_ids = h, tuple(tokens)
-                self.hash_to_block[h] = block.block_id
+            if self.cache_block(block.block_id, h, tuple(tokens)) and self.newly_cached is not None:
+                self.newly_cached.append(block.block_id)
         seq.num_hashed_blocks = seq.num_computed_tokens // self.block_size
+
+    def cache_block(self, block_id: int, h: int, token_ids: tuple[int, ...]) -> bool:
+        """Register a block whose KV is in place under its key; False if another block has it."""
+        if h in self.hash_to_block:
+            return False
+        block = self.blocks[block_id]
+        block.hash, block.token_ids = h, token_ids
+        self.hash_to_block[h] = block_id
+        return True
 
     def free(self, seq: Sequence) -> None:
         # Tail first, so the end of a sequence is evicted before the prefix others may share.
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_ids[block_id] = None
-                if block.hash is None:
-                    self.free_ids.move_to_end(block_id, last=False)  # nothing to keep: reuse first
+            self.release(block_id)
         seq.block_table = []
         seq.num_computed_tokens = seq.num_hashed_blocks = 0
         self.block_hashes.pop(seq.request_id, None)
+
+    def release(self, block_id: int) -> None:
+        """Drop one reference; a block nobody holds goes back to the free list."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_ids[block_id] = None
+            if block.hash is None:
+                self.free_ids.move_to_end(block_id, last=False)  # nothing to keep: reuse first
+
+    def hold(self, block_id: int) -> None:
+        """One more reference (a copy out of the block is in flight): it is not reused meanwhile."""
+        self._take(block_id)
 
     def _take(self, block_id: int) -> int:
         block = self.blocks[block_id]
@@ -119,10 +168,13 @@ class BlockManager:
         block.ref_count += 1
         return block_id
 
-    def _take_free(self) -> int:
+    def take_free(self) -> int:
+        """The least recently used free block, evicted from the prefix cache, with one reference."""
         block_id, _ = self.free_ids.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None:  # evict it from the prefix cache
+            if self.evicted is not None:
+                self.evicted.append((block_id, (block.hash, block.token_ids)))
             del self.hash_to_block[block.hash]
             block.hash, block.token_ids = None, ()
         block.ref_count = 1

@@ -19,3 +19,9 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # CUDA: no decode graphs
     attention_backend: str | None = None  # "sdpa" or "triton"; None: triton on CUDA, sdpa on the CPU
+    # KV tiers under the device pool (vLLM's names): GiB of host memory, 0 for none.
+    kv_offloading_size: float = 0.0
+    kv_offloading_backend: str | None = "native"  # the only one
+    kv_offloading_mode: str = "eager"  # copy a block to the host when cached ("eager") or when evicted ("lazy")
+    kv_disk_path: str | None = None  # a directory for the disk tier under the host tier
+    kv_disk_size: float | None = None  # GiB the disk tier may hold

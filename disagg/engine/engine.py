@@ -1,6 +1,7 @@
 """LLMEngine: add_request / step / abort_request, the core every entrypoint drives."""
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -8,6 +9,7 @@ import torch
 from disagg.engine.block_manager import BlockManager
 from disagg.engine.builder import build_runner, resolve_device, resolve_dtype
 from disagg.engine.config import EngineConfig
+from disagg.engine.kv_offload import KVOffload, check_kv_tiers, kv_identity
 from disagg.engine.loader import load_config, resolve_model
 from disagg.engine.output import RequestOutput, TextState
 from disagg.engine.sampler import Sampler
@@ -26,6 +28,7 @@ class _Request:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        check_kv_tiers(config)
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -37,6 +40,11 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.offload: KVOffload | None = None  # the host and disk KV tiers, when asked for
+        if config.kv_offloading_size:
+            identity = kv_identity(self.model_dir.resolve(), repr(self.model_config).encode(), self.dtype,
+                                   tuple(self.kv_cache.block(0).shape))
+            self.offload = KVOffload(config, self.kv_cache, self.scheduler, identity)
         self.sampler = Sampler(config.seed, self.tokenizer.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self.pending_outputs: list[RequestOutput] = []  # produced outside step(), handed out by it
@@ -97,7 +105,8 @@ class LLMEngine:
 
     def remote_cached_tokens(self, request_id: str) -> int:
         """Leading prompt tokens of a remote request whose KV its reserved blocks already hold (its
-        prefix-cache hits); 0 until it has blocks. Once add_request has returned this does not change
+        prefix-cache hits in the device pool: a remote request loads nothing from the KV tiers);
+        0 until it has blocks. Once add_request has returned this does not change
         until the KV is loaded (the blocks are held), so it may be read from another thread."""
         return self._remote_seq(request_id).num_cached_tokens
 
@@ -136,6 +145,8 @@ class LLMEngine:
         remote = seq.remote_prefill
         # Leading blocks hit in our own prefix cache already hold this KV.
         start = seq.num_cached_tokens
+        if self.offload is not None:
+            self.offload.store_new()  # lazy: blocks evicted by the reservation are copied out first
         self.kv_cache.scatter(seq.block_table, remote.kv[:, :, start - remote.kv_start:], start)
         seq.num_computed_tokens = seq.num_prompt_tokens
         self.block_manager.commit(seq)
@@ -153,6 +164,11 @@ class LLMEngine:
         self.sampler.release(request_id)
         return True
 
+    def close(self) -> None:
+        """Let copies and disk writes in flight finish (so a restart finds them), then stop the tiers."""
+        if self.offload is not None:
+            self.offload.close()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -160,6 +176,7 @@ class LLMEngine:
         """Something for step() to do now (requests waiting for remote KV need no steps)."""
         reserving = self.scheduler.reserving
         return (self.scheduler.has_work() or bool(self.pending_outputs)
+                or (self.offload is not None and self.offload.busy)
                 or any(seq.remote_prefill is not None for seq in self.scheduler.waiting_for_kv.values())
                 or bool(reserving and self.block_manager.can_allocate(reserving[0])))
 
@@ -167,13 +184,20 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; return an output for every request that got a token."""
+        if self.offload is not None:
+            self.offload.poll()
+            self.offload.start_loads()
         self._admit_remote()
         if self.pending_outputs:  # first tokens that came with remote KV: out now, not after a batch
             outputs, self.pending_outputs = self.pending_outputs, []
             return outputs
         batch = self.scheduler.schedule()
         if not batch:
+            if self.offload is not None and self.offload.busy:
+                time.sleep(0.001)  # only copies or disk reads are under way: wait for them without spinning
             return []
+        if self.offload is not None:
+            self.offload.store_new()  # lazy: blocks the schedule evicted are copied out before the forward
         self.num_steps += 1
         try:
             batch, logits, prompt_logprobs = self.runner.run(batch)
@@ -184,6 +208,8 @@ class LLMEngine:
             if item.seq.request_id in prompt_logprobs:
                 add_prompt_logprobs(item.seq, *prompt_logprobs[item.seq.request_id])
         sampled = self.scheduler.postprocess(batch)
+        if self.offload is not None:
+            self.offload.store_new()  # eager: the blocks this step filled go to the host tier
         results = self.sampler(logits, sampled)
         outputs = []
         for seq, result in zip(sampled, results):

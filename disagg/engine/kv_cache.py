@@ -32,6 +32,10 @@ class KVCache:
         self.kv[layer, 0].index_copy_(0, slot_mapping, k)
         self.kv[layer, 1].index_copy_(0, slot_mapping, v)
 
+    def block(self, block_id: int) -> torch.Tensor:
+        """One block's KV, [layers, 2, block_size, kv_heads, head_dim] (a strided view)."""
+        return self.kv[:, :, block_id * self.block_size:(block_id + 1) * self.block_size]
+
     def slots(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
         blocks = torch.tensor(block_ids, dtype=torch.int64, device=self.kv.device)
         offsets = torch.arange(self.block_size, device=self.kv.device)

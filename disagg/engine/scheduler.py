@@ -30,6 +30,8 @@ class Scheduler:
         # Sequences whose KV is computed elsewhere: first they wait for blocks, then for the KV.
         self.reserving: deque[Sequence] = deque()
         self.waiting_for_kv: dict[str, Sequence] = {}
+        # Sequences with blocks whose prefix is being loaded from a lower KV tier (KVOffload).
+        self.loading: dict[str, Sequence] = {}
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -51,6 +53,18 @@ class Scheduler:
     def start_remote(self, seq: Sequence) -> None:
         """Its KV has been loaded into its blocks: decode it from now on."""
         del self.waiting_for_kv[seq.request_id]
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def start_loading(self, seq: Sequence) -> None:
+        """Give a waiting sequence its blocks now: a lower KV tier fills its prefix, then it runs."""
+        self.waiting.remove(seq)
+        self.block_manager.allocate(seq)
+        self.loading[seq.request_id] = seq
+
+    def finish_loading(self, seq: Sequence) -> None:
+        """Its prefix is loaded: it computes the rest from the next step, as a running sequence."""
+        del self.loading[seq.request_id]
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
@@ -77,11 +91,16 @@ class Scheduler:
                 budget -= n
                 i += 1
         # Admitting new work right after a preemption would only evict it again.
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        i = 0
+        while (i < len(self.waiting) and not preempted and budget > 0
+               and len(self.running) + len(self.loading) < self.max_num_seqs):
+            seq = self.waiting[i]
+            if seq.tier_blocked:  # its prefix is being loaded for another request: the others go on
+                i += 1
+                continue
             if not self.block_manager.can_allocate(seq):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -105,6 +124,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
+        seq.tier_looked_up = False  # its blocks may be in a lower KV tier by now
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
@@ -117,5 +137,6 @@ class Scheduler:
         elif seq in self.reserving:
             self.reserving.remove(seq)
         self.waiting_for_kv.pop(seq.request_id, None)
+        self.loading.pop(seq.request_id, None)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED

@@ -50,6 +50,11 @@ class Sequence:
         self.arrival_time = time.monotonic()
         self.export_kv = False  # prefill node: hand the prompt's KV out when done
         self.remote_prefill: RemotePrefill | None = None  # decode node: KV and first token from a prefill node
+        # KV tiers: its prefix goes on in blocks another request is loading from a lower tier; it is
+        # not scheduled before they arrive (it would compute them again).
+        self.tier_blocked = False
+        self.tier_looked_up = False  # since it last started waiting (a preemption looks it up again)
+        self.block_keys: list[tuple[int, tuple[int, ...]]] = []  # BlockManager.block_keys, kept as they are made
 
     @property
     def num_tokens(self) -> int:

@@ -45,6 +45,7 @@ async def run_prefill_node(engine: AsyncEngine, model_name: str, kv: KVTransferC
                                     kv.extra("buffer_ttl"), kv.extra("insert_timeout"))
     node = PrefillNode(engine, producer, node_info(engine, model_name, kv), kv.kv_buffer_device)
     grpc_server = await start_grpc_server(node, host, grpc_port, kv.grpc_token())
+    metrics.register_kv_tiers(engine.engine)
     try:
         await serve_http(build_health_app(node), host, port,
                          f"disagg prefill node ready: http://{host}:{port} grpc {host}:{grpc_port} "

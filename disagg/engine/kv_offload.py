@@ -1,0 +1,384 @@
+"""KVOffload: the host and disk tiers under the device block pool, and the copies between them
+(docs/ARCHITECTURE.md, "Engine (as built)").
+
+Stores: a full block is copied device -> host when it is cached (`eager`) or when the device pool
+evicts it (`lazy`); a host block is then written to disk in the background. Loads: a waiting
+request's prefix is looked up device -> host -> disk, stopping at the first miss; a request with
+lower-tier hits gets its blocks at once (Scheduler.start_loading) and the hits are copied into
+them (disk -> host first, a promotion to the host tier); when all have arrived they count as
+computed and join the prefix cache, and the request runs (Scheduler.finish_loading). Every other
+request keeps running meanwhile. On CUDA the copies run on their own stream and are polled
+through events, so neither stores nor loads wait inside a step; on the CPU a copy is a plain
+synchronous copy.
+"""
+
+import hashlib
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from disagg.engine.block_manager import BlockKey
+from disagg.engine.config import EngineConfig
+from disagg.engine.disk_tier import DiskResult, DiskTier
+from disagg.engine.host_tier import HostBlock, HostTier
+from disagg.engine.kv_cache import KVCache
+from disagg.engine.scheduler import Scheduler
+from disagg.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+OFFLOADING_MODES = ("eager", "lazy")
+
+
+def check_kv_tiers(config: EngineConfig) -> None:
+    """Refuse KV tier settings that cannot work, naming the setting."""
+    if config.kv_offloading_backend not in (None, "native"):
+        raise ValueError(f"kv_offloading_backend must be 'native', got {config.kv_offloading_backend!r}")
+    if config.kv_offloading_mode not in OFFLOADING_MODES:
+        raise ValueError(f"kv_offloading_mode must be 'eager' or 'lazy', got {config.kv_offloading_mode!r}")
+    if not config.kv_offloading_size >= 0:
+        raise ValueError(f"kv_offloading_size is GiB of host memory, 0 for none; got {config.kv_offloading_size}")
+    if config.kv_offloading_size and not config.enable_prefix_caching:
+        raise ValueError("kv_offloading_size needs the prefix cache: KV tiers find blocks by its hashes")
+    if config.kv_disk_path is not None and not config.kv_offloading_size:
+        raise ValueError("kv_disk_path needs a host tier (kv_offloading_size > 0): disk blocks are written from it")
+    if config.kv_disk_path is not None and not (config.kv_disk_size or 0) > 0:
+        raise ValueError(f"kv_disk_path needs kv_disk_size, the GiB the directory may hold; got {config.kv_disk_size}")
+    if config.kv_disk_path is None and config.kv_disk_size is not None:
+        raise ValueError("kv_disk_size is set but kv_disk_path is not")
+
+
+def kv_identity(model_dir, config_json: bytes, dtype: torch.dtype, block_shape: tuple[int, ...]) -> bytes:
+    """What makes two engines' blocks interchangeable: model, dtype and KV layout."""
+    text = f"{model_dir}|{dtype}|{block_shape}|".encode() + config_json
+    return hashlib.sha256(text).digest()
+
+
+class Copy:
+    """Block copies issued together (dst, src pairs): on the copy stream between two events
+    (CUDA), or done at once (CPU). One wait and one pair of events for the lot, not per block."""
+
+    def __init__(self, stream: torch.cuda.Stream | None, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.end = None
+        self.counted = False  # its time went into a latency histogram
+        if stream is None:
+            start = time.perf_counter()
+            for dst, src in pairs:
+                dst.copy_(src)
+            self.seconds = time.perf_counter() - start
+            return
+        self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        stream.wait_stream(torch.cuda.current_stream(stream.device))  # after every write the step queued
+        with torch.cuda.stream(stream):
+            self.start.record()
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            self.end.record()
+
+    def done(self) -> bool:
+        if self.end is None:
+            return True
+        if not self.end.query():
+            return False
+        self.seconds = self.start.elapsed_time(self.end) / 1000
+        return True
+
+
+@dataclass
+class Store:
+    """A device -> host block copy in flight."""
+    h: int
+    host: HostBlock
+    device_block: int
+    held: bool  # eager: held in the device pool until copied; lazy: stream order protects it
+
+
+@dataclass
+class StoreBatch:
+    stores: list[Store]
+    copy: Copy
+
+
+@dataclass
+class LoadItem:
+    key: BlockKey
+    host: HostBlock  # pinned until the block is on the device
+    state: str  # "reading" (disk -> host), "copying" (host -> device), "done", "failed"
+    device_block: int = -1  # the sequence's block it goes to, held by the load until it ends
+    copy: Copy | None = None
+
+
+@dataclass
+class PrefixLoad:
+    seq: Sequence
+    first: int  # index of the sequence's first block loaded (the ones before were device hits)
+    items: list[LoadItem]
+
+
+class KVOffload:
+    def __init__(self, config: EngineConfig, kv_cache: KVCache, scheduler: Scheduler, identity: bytes):
+        check_kv_tiers(config)
+        self.kv_cache = kv_cache
+        self.scheduler = scheduler
+        self.block_manager = block_manager = scheduler.block_manager
+        self.mode = config.kv_offloading_mode
+        cuda = kv_cache.kv.device.type == "cuda"
+        self.stream = torch.cuda.Stream(kv_cache.kv.device) if cuda else None
+        block_shape = kv_cache.block(0).shape
+        block_bytes = kv_cache.block(0).nbytes
+        num_host = int(config.kv_offloading_size * 2**30) // block_bytes
+        if num_host < 1:
+            raise ValueError(f"kv_offloading_size {config.kv_offloading_size} GiB holds no KV block of "
+                             f"{block_bytes} bytes; give it more")
+        self.host = HostTier(num_host, block_shape, kv_cache.kv.dtype, pin_memory=cuda)
+        self.disk = None
+        if config.kv_disk_path is not None:
+            self.disk = DiskTier(config.kv_disk_path, int(config.kv_disk_size * 2**30), identity, block_bytes,
+                                 kv_cache.block_size)
+        if self.mode == "eager":
+            block_manager.newly_cached = []
+        else:
+            block_manager.evicted = []
+        self.stores: list[StoreBatch] = []
+        self.loads: list[PrefixLoad] = []
+        self.loading: dict[int, PrefixLoad] = {}  # hash -> the load bringing it to the device
+        self.blocked: list[Sequence] = []  # waiting for blocks another request's load brings
+        self.max_pending_writes = max(1, num_host // 2)  # host blocks pinned by disk writes at most
+        self.unwritten: deque[int] = deque()  # host blocks to write to disk once writes are fewer
+        logger.info("KV tiers: host %d blocks (%.1f MiB%s), %s offload%s", num_host, num_host * block_bytes / 2**20,
+                    ", pinned" if cuda else "", self.mode,
+                    f", disk {self.disk.path} ({self.disk.max_files} blocks)" if self.disk else "")
+
+    @property
+    def busy(self) -> bool:
+        """Copies or disk jobs are in flight."""
+        return bool(self.stores or self.loads or self.unwritten or (self.disk and self.disk.num_in_flight))
+
+    def blocks_in_flight(self) -> int:
+        """Blocks being copied between the device pool and the host tier (or read from disk for it)."""
+        return sum(len(batch.stores) for batch in self.stores) + sum(len(load.items) for load in self.loads)
+
+    # -- stores: device -> host -> disk ---------------------------------------------------
+
+    def store_new(self) -> None:
+        """Start copying the blocks the device pool listed since the last call. Called after each
+        step's postprocess (eager) and before anything writes device blocks (lazy: an evicted
+        block's KV is still in place until then)."""
+        bm = self.block_manager
+        stores = []
+        if bm.newly_cached:
+            for block_id in bm.newly_cached:
+                block = bm.blocks[block_id]
+                if block.hash is not None:  # still cached: its KV is what the key says
+                    stores += self._new_store(block_id, (block.hash, block.token_ids), held=True)
+            bm.newly_cached.clear()
+        if bm.evicted:
+            for block_id, key in bm.evicted:
+                stores += self._new_store(block_id, key, held=False)
+            bm.evicted.clear()
+        if not stores:
+            return
+        batch = StoreBatch(stores, Copy(self.stream, [(self.host.kv[s.host.slot], self.kv_cache.block(s.device_block))
+                                                      for s in stores]))
+        if self.stream is None:  # the CPU copied them already: nothing to keep pinned
+            self._finish_stores(batch)
+            return
+        if not all(s.held for s in stores):  # lazy: the next step reuses the blocks, after the copy
+            torch.cuda.current_stream(self.stream.device).wait_event(batch.copy.end)
+        self.stores.append(batch)
+
+    def _new_store(self, block_id: int, key: BlockKey, held: bool) -> list[Store]:
+        h, tokens = key
+        if h in self.host:  # never copied twice
+            return []
+        host = self.host.allocate(h, tokens)
+        if host is None:  # every host block is pinned: this one is not kept
+            return []
+        if held:
+            self.block_manager.hold(block_id)
+        return [Store(h, host, block_id, held)]
+
+    def _finish_stores(self, batch: StoreBatch) -> None:
+        self.host.stats.offload_latency.observe(batch.copy.seconds)
+        for store in batch.stores:
+            store.host.ready = True
+            self.host.stats.offloaded_bytes += self.host.block_bytes
+            if store.held:
+                self.block_manager.release(store.device_block)
+            self.host.unpin(store.host)
+            if self.disk is not None:
+                self.unwritten.append(store.h)
+
+    def _write_to_disk(self) -> None:
+        """Queue disk writes of new host blocks while few are pending (each pins its host block);
+        a block the host tier evicts before its turn is not written."""
+        while self.unwritten and self.disk.num_in_flight < self.max_pending_writes:
+            h = self.unwritten.popleft()
+            host = self.host.blocks.get(h)
+            if host is not None and host.ready and self.disk.write(h, host.token_ids, self.host.kv[host.slot], host):
+                self.host.pin(host)
+
+    # -- loads: disk -> host -> device ----------------------------------------------------
+
+    def start_loads(self) -> None:
+        """Look up, in the lower tiers, the prefixes of the waiting requests that the scheduler could
+        admit next (in queue order, while their blocks fit the free ones and max_num_seqs allows),
+        and give those with hits their blocks now, the hits loading into them."""
+        bm, scheduler = self.block_manager, self.scheduler
+        for seq in self.blocked:
+            seq.tier_blocked = False
+        self.blocked.clear()
+        room = bm.num_free_blocks
+        slots = scheduler.max_num_seqs - len(scheduler.running) - len(scheduler.loading)
+        i = 0
+        while i < len(scheduler.waiting) and slots > 0:
+            seq = scheduler.waiting[i]
+            keys = bm.block_keys(seq)
+            hits = bm.cached_blocks(keys)
+            misses = keys[len(hits):]
+            if misses and misses[0][0] in self.loading:  # it will hit those blocks once they arrive
+                seq.tier_blocked = True
+                self.blocked.append(seq)
+                i += 1
+                continue
+            # As can_allocate counts: cached blocks nobody holds are free blocks it will take.
+            needed = bm.blocks_for(seq.num_tokens) - sum(1 for b in hits if bm.blocks[b].ref_count > 0)
+            if needed > room:
+                return
+            room, slots = room - needed, slots - 1
+            items = [] if seq.tier_looked_up else self._find_below(misses)
+            seq.tier_looked_up = True  # once a wait: a lookup is counted in the tier's hit rate
+            if items:
+                scheduler.start_loading(seq)  # out of the waiting queue
+                self._start_load(seq, len(hits), items)
+            else:
+                i += 1  # the scheduler admits it as usual
+
+    def _find_below(self, keys: list[BlockKey]) -> list[LoadItem]:
+        """The leading keys found in the host tier (pinned) or on disk (each given a host block for
+        the disk to fill), up to the first miss."""
+        items = []
+        for h, tokens in keys:
+            if h in self.loading:
+                break
+            self.host.stats.lookups += 1
+            host = self.host.lookup(h, tokens)
+            if host is not None:
+                self.host.stats.hits += 1
+                self.host.pin(host)
+                items.append(LoadItem((h, tokens), host, "copying"))
+                continue
+            if self.disk is None:
+                break
+            self.disk.stats.lookups += 1
+            if h in self.host or not self.disk.lookup(h) or (host := self.host.allocate(h, tokens)) is None:
+                break
+            self.disk.stats.hits += 1
+            items.append(LoadItem((h, tokens), host, "reading"))
+        return items
+
+    def _start_load(self, seq: Sequence, first: int, items: list[LoadItem]) -> None:
+        """Load into the sequence's blocks from block `first` on; each is held by the load, so an
+        abort meanwhile does not free it under a copy."""
+        self.store_new()  # lazy: blocks its allocation evicted are copied out before the loads overwrite them
+        load = PrefixLoad(seq, first, items)
+        for i, item in enumerate(items):
+            item.device_block = seq.block_table[first + i]
+            self.block_manager.hold(item.device_block)
+            self.loading[item.key[0]] = load
+            if item.state == "reading":
+                self.disk.read(item.key[0], item.key[1], self.host.kv[item.host.slot], item)
+        self._copy_in([item for item in items if item.state == "copying"])
+        self.loads.append(load)
+
+    def _copy_in(self, items: list[LoadItem]) -> None:
+        if not items:
+            return
+        copy = Copy(self.stream, [(self.kv_cache.block(i.device_block), self.host.kv[i.host.slot]) for i in items])
+        for item in items:
+            item.state, item.copy = "copying", copy
+
+    def _finish_load(self, load: PrefixLoad) -> None:
+        """Every block arrived or failed: the leading ones that arrived count as computed (and join
+        the prefix cache); the sequence computes the rest."""
+        arrived = 0
+        while arrived < len(load.items) and load.items[arrived].state == "done":
+            arrived += 1
+        for item in load.items:
+            self.block_manager.release(item.device_block)
+            if item.state == "done":
+                self.host.unpin(item.host)
+            del self.loading[item.key[0]]
+        seq = load.seq
+        if seq.request_id in self.scheduler.loading:  # not aborted meanwhile
+            seq.num_computed_tokens = seq.num_cached_tokens = (load.first + arrived) * self.block_manager.block_size
+            self.block_manager.commit(seq)
+            self.scheduler.finish_loading(seq)
+
+    # -- polling ------------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Take in finished copies and disk jobs (on the engine thread, once a step)."""
+        still = []
+        for batch in self.stores:
+            if batch.copy.done():
+                self._finish_stores(batch)
+            else:
+                still.append(batch)
+        self.stores = still
+        if self.disk is not None:
+            self._copy_in([item for result in self.disk.results() if (item := self._disk_done(result))])
+            self._write_to_disk()
+        for load in self.loads:
+            for item in load.items:
+                if item.state == "copying" and item.copy.done():
+                    item.state = "done"
+                    self.host.stats.loaded_bytes += self.host.block_bytes
+                    if not item.copy.counted:
+                        item.copy.counted = True
+                        self.host.stats.load_latency.observe(item.copy.seconds)
+        finished = [load for load in self.loads if all(i.state in ("done", "failed") for i in load.items)]
+        for load in finished:
+            self.loads.remove(load)
+            self._finish_load(load)
+
+    def _disk_done(self, result: DiskResult) -> LoadItem | None:
+        """A finished disk job; a block read that is now to be copied to the device."""
+        job = result.job
+        if job.kind == "write":
+            self.host.unpin(job.tag)
+            return None
+        item: LoadItem = job.tag
+        if not result.ok:
+            item.state = "failed"
+            self.host.drop(item.key[0])
+            return None
+        item.host.ready = True  # promoted to the host tier
+        return item
+
+    def drain(self) -> None:
+        """Wait until every copy and disk job has finished (tests, shutdown)."""
+        while self.busy:
+            self.poll()
+            time.sleep(0.001)
+
+    def close(self) -> None:
+        self.drain()
+        if self.disk is not None:
+            self.disk.close()
+
+    def summary(self) -> str:
+        host, disk, device = self.host.stats, self.disk.stats if self.disk else None, self.block_manager.stats
+        bm = self.block_manager
+        line = (f"KV tiers: device {bm.num_blocks - bm.num_free_blocks}/{bm.num_blocks} blocks used, "
+                f"hits {device.hits}/{device.lookups}; host {self.host.num_used}/{self.host.num_blocks}, "
+                f"hits {host.hits}/{host.lookups}, offloaded {host.offloaded_bytes / 2**30:.2f} GiB, "
+                f"loaded {host.loaded_bytes / 2**30:.2f} GiB")
+        if disk is not None:
+            line += (f"; disk {len(self.disk.files)}/{self.disk.max_files}, hits {disk.hits}/{disk.lookups}, "
+                     f"written {disk.offloaded_bytes / 2**30:.2f} GiB, read {disk.loaded_bytes / 2**30:.2f} GiB"
+                     f"{', writes stopped' if self.disk.writes_stopped else ''}")
+        return line + f"; in flight {self.blocks_in_flight()} blocks, {len(self.loads)} loads"

@@ -1,0 +1,328 @@
+"""KV tiers under the device pool: the host and disk tiers on their own (no model), then the
+engine with the embedded model, whose outputs must equal transformers' float32 greedy ones
+whichever tier a prefix comes back from."""
+
+import logging
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from prompts import PASSAGE, hf_greedy
+from servers import start_node
+
+from disagg import LLM, SamplingParams
+from disagg.engine.block_manager import BlockManager
+from disagg.engine.disk_tier import HEADER, DiskTier, u64
+from disagg.engine.host_tier import HostTier
+from disagg.engine.loader import DEFAULT_MODEL_NAME
+from disagg.engine.sequence import Sequence
+
+BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4  # one 16-token block of the embedded model, float32
+MAX_TOKENS = 8
+# 195 tokens each: 12 full blocks, distinct from the first block on.
+CONVERSATIONS = [f"Conversation {i}. " + PASSAGE * 3 + "Summarize." for i in range(6)]
+PREFIX_TOKENS = 12 * 16
+
+
+def gib(num_blocks: int) -> float:
+    return num_blocks * BLOCK_BYTES / 2**30
+
+
+# -- the tiers alone --------------------------------------------------------------------------
+
+
+def test_host_tier_evicts_the_least_recently_used_unpinned_block():
+    tier = HostTier(2, (3,), torch.float32, pin_memory=False)
+    a, b = tier.allocate(1, (1,)), tier.allocate(2, (2,))
+    for block in (a, b):
+        block.ready = True
+        tier.unpin(block)
+    assert tier.lookup(1, (1,)) is a  # a is now the most recently used
+    assert tier.lookup(2, (9,)) is None  # the same hash over other tokens is a miss
+    c = tier.allocate(3, (3,))
+    assert 2 not in tier and 1 in tier and c.slot == b.slot and tier.stats.evictions == 1
+    tier.pin(a)  # a and c pinned: nothing can be evicted
+    assert tier.allocate(4, (4,)) is None
+    assert tier.lookup(3, (3,)) is None  # not ready: a copy is still filling it
+    tier.drop(3)  # its fill failed
+    assert 3 not in tier and tier.allocate(4, (4,)) is not None
+
+
+def finish(disk: DiskTier) -> list:
+    results = []
+    while disk.num_in_flight:
+        results += disk.results()
+    return results
+
+
+def test_disk_tier_round_trip_restart_and_size_bound(tmp_path):
+    identity = bytes(32)
+    block = torch.arange(12, dtype=torch.float32)
+    disk = DiskTier(tmp_path, 2 * (DiskTier(tmp_path / "probe", 1, identity, 48, 4).file_bytes), identity, 48, 4)
+    for h in (-5, 6, 7):  # a negative hash names its file by its unsigned value
+        assert disk.write(h, (h, 0, 0, 0), block + h, None)
+    assert all(r.ok for r in finish(disk))
+    assert not disk.lookup(-5) and disk.lookup(6) and disk.lookup(7)  # two files fit: the oldest went
+    assert sorted(p.name for p in tmp_path.glob("*.kv")) == sorted(disk.file_path(u64(h)).name for h in (6, 7))
+    disk.close()
+    stale = disk.file_path(8).with_suffix(".tmp")
+    stale.write_bytes(b"half a block")  # a write cut short by a crash
+    again = DiskTier(tmp_path, 10**6, identity, 48, 4)  # a restart finds them, and deletes the stale one
+    assert not stale.exists()
+    into = torch.empty(12)
+    again.read(7, (7, 0, 0, 0), into, None)
+    [result] = finish(again)
+    assert result.ok and torch.equal(into, block + 7) and again.stats.loaded_bytes == 48
+    again.close()
+    tiny = DiskTier(tmp_path / "tiny", 10, identity, 48, 4)  # holds no block: writes nothing, serves on
+    assert tiny.writes_stopped and not tiny.write(1, (1, 0, 0, 0), block, None)
+    tiny.close()
+
+
+def test_disk_tier_rejects_corrupt_truncated_and_foreign_files(tmp_path):
+    ours, theirs = bytes(32), bytes([1]) * 32
+    block = torch.ones(12)
+    foreign = DiskTier(tmp_path, 10**6, theirs, 48, 4)
+    foreign.write(9, (9, 0, 0, 0), block, None)
+    finish(foreign)
+    disk = DiskTier(tmp_path, 10**6, ours, 48, 4)
+    assert not disk.lookup(9)  # another model's file is not indexed
+    for h in (1, 2, 3):
+        disk.write(h, (h, 0, 0, 0), block, None)
+    finish(disk)
+    path = disk.file_path(1)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # one flipped payload byte
+    path.write_bytes(data)
+    disk.file_path(2).write_bytes(disk.file_path(2).read_bytes()[:-4])  # truncated
+    shutil.copy(foreign.file_path(9), disk.file_path(3))  # a foreign file under our name
+    for h in (1, 2, 3):
+        into = torch.zeros(12)
+        disk.read(h, (h, 0, 0, 0), into, None)
+        [result] = finish(disk)
+        assert not result.ok and result.corrupt
+        assert not disk.lookup(h) and not disk.file_path(h).exists()  # forgotten and deleted
+    assert disk.stats.rejected == 3
+    disk.close()
+    foreign.close()
+
+
+def test_block_manager_lists_blocks_for_the_tiers_and_lends_them():
+    manager = BlockManager(4, 4)
+    manager.newly_cached, manager.evicted = [], []
+    a = Sequence("a", list(range(9)), SamplingParams(temperature=0.0))
+    manager.allocate(a)
+    a.num_computed_tokens = 9
+    manager.commit(a)
+    table = list(a.block_table)
+    assert manager.newly_cached == table[:2]
+    manager.hold(table[0])  # a copy out of it is in flight: freeing the sequence does not free it
+    manager.free(a)
+    assert manager.num_free_blocks == 3 and manager.blocks[table[0]].ref_count == 1
+    manager.release(table[0])
+    for _ in range(4):
+        manager.take_free()  # the uncached blocks first, then the cached ones, the tail first
+    assert [(block_id, key[1]) for block_id, key in manager.evicted] == [(table[1], (4, 5, 6, 7)),
+                                                                        (table[0], (0, 1, 2, 3))]
+
+
+# -- the engine ---------------------------------------------------------------------------------
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+
+def generate_exact(llm: LLM, hf_model, prompts: list[str]) -> list:
+    outs = llm.generate(prompts, greedy())
+    for out in outs:
+        assert out.token_ids == hf_greedy(hf_model, out.prompt_token_ids, MAX_TOKENS)
+    return outs
+
+
+def evict_device_cache(llm: LLM) -> None:
+    """Take every free block and give it back: the device pool's prefix cache is emptied."""
+    bm = llm.engine.block_manager
+    for block_id in [bm.take_free() for _ in range(bm.num_free_blocks)]:
+        bm.release(block_id)
+
+
+def assert_nothing_held(llm: LLM) -> None:
+    offload = llm.engine.offload
+    offload.drain()
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert offload.host.num_pinned == 0 and offload.blocks_in_flight() == 0
+    assert offload.disk is None or offload.disk.num_in_flight == 0
+
+
+def test_prefixes_from_the_host_tier_match_transformers(model_dir, hf_model):
+    llm = LLM(str(model_dir), device="cpu", kv_cache_memory=48 * BLOCK_BYTES, kv_offloading_size=gib(160))
+    prompts = CONVERSATIONS[:4]
+    first = generate_exact(llm, hf_model, prompts)
+    assert all(o.num_cached_tokens == 0 for o in first)
+    evict_device_cache(llm)
+    # The first prompt twice in a row: the second copy waits for the first one's load, then hits
+    # the device (it neither loads the blocks again nor computes them).
+    second = generate_exact(llm, hf_model, prompts[:1] + prompts)
+    assert [o.num_cached_tokens for o in second] == [PREFIX_TOKENS] * 5
+    host = llm.engine.offload.host.stats
+    assert host.hits == 4 * 12 and host.loaded_bytes == 4 * 12 * BLOCK_BYTES  # no block loaded twice
+    assert host.lookups == 4 + 4 * 12  # each request looked up once a wait: a miss at first, then 12 hits
+    assert_nothing_held(llm)
+
+
+def test_lazy_offload_cycles_blocks_through_every_tier(model_dir, hf_model, tmp_path):
+    # 40 device blocks and 36 host blocks for 6 x 13 blocks: blocks go device -> host -> disk
+    # while the batch runs, and come back from all three.
+    llm = LLM(str(model_dir), device="cpu", kv_cache_memory=40 * BLOCK_BYTES, kv_offloading_size=gib(36),
+              kv_offloading_mode="lazy", kv_disk_path=str(tmp_path), kv_disk_size=gib(200))
+    generate_exact(llm, hf_model, CONVERSATIONS)
+    offload = llm.engine.offload
+    offload.drain()
+    assert offload.host.stats.offloaded_bytes > 0 and offload.disk.stats.offloaded_bytes > 0
+    outs = generate_exact(llm, hf_model, CONVERSATIONS)
+    # The first three come back whole (from host and disk); the tiers are too small to keep all six.
+    assert [o.num_cached_tokens for o in outs[:3]] == [PREFIX_TOKENS] * 3
+    assert offload.host.stats.hits > 0 and offload.disk.stats.hits > 0 and offload.host.stats.evictions > 0
+    assert_nothing_held(llm)
+
+
+def test_restart_serves_disk_prefixes_and_corrupt_files_are_recomputed(model_dir, hf_model, tmp_path):
+    def start() -> LLM:
+        return LLM(str(model_dir), device="cpu", kv_cache_memory=48 * BLOCK_BYTES, kv_offloading_size=gib(64),
+                   kv_disk_path=str(tmp_path), kv_disk_size=gib(100))
+
+    first = start()
+    x, y, z = CONVERSATIONS[:3]
+    generate_exact(first, hf_model, [x, y, z])
+    first.engine.close()
+    # Block 5 of y gets a flipped byte: y's blocks 0-4 come from disk, the rest is computed.
+    keys = first.engine.block_manager.block_keys(Sequence("y", first.tokenizer.encode(y), greedy()))
+    path = first.engine.offload.disk.file_path(u64(keys[5][0]))
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x01
+    path.write_bytes(data)
+
+    llm = start()
+    engine = llm.engine
+    # z's blocks are read from disk while another request runs; then z is aborted mid-load: every
+    # block in every tier comes back.
+    engine.add_request("z", z, greedy())
+    engine.add_request("w", "Hello", greedy())
+    engine.step()
+    assert engine.offload.loads and "z" in engine.scheduler.loading
+    assert [seq.request_id for seq in engine.scheduler.running] == ["w"]
+    assert engine.abort_request("z")
+    while "w" in engine.requests:
+        engine.step()
+    assert_nothing_held(llm)
+
+    outs = generate_exact(llm, hf_model, [x, y])
+    assert [o.num_cached_tokens for o in outs] == [PREFIX_TOKENS, 5 * 16]
+    assert engine.offload.disk.stats.rejected == 1
+    engine.offload.drain()
+    assert path.read_bytes() != data  # deleted, then written again from y's recomputed block
+    assert engine.offload.host.stats.hits == 0  # the host tier started empty: x came from disk
+    assert_nothing_held(llm)
+
+
+def test_disk_write_error_stops_disk_offload_with_one_warning(model_dir, hf_model, tmp_path, caplog):
+    disk_dir = tmp_path / "kv"
+    llm = LLM(str(model_dir), device="cpu", kv_cache_memory=48 * BLOCK_BYTES, kv_offloading_size=gib(64),
+              kv_disk_path=str(disk_dir), kv_disk_size=gib(100))
+    shutil.rmtree(disk_dir)
+    disk_dir.write_text("not a directory")  # every write fails from now on
+    with caplog.at_level(logging.WARNING, logger="disagg.engine.disk_tier"):
+        generate_exact(llm, hf_model, CONVERSATIONS[:2])
+        llm.engine.offload.drain()
+        evict_device_cache(llm)
+        outs = generate_exact(llm, hf_model, CONVERSATIONS[:2])  # the host tier serves on
+    assert [o.num_cached_tokens for o in outs] == [PREFIX_TOKENS] * 2
+    assert llm.engine.offload.disk.writes_stopped
+    assert sum("offloading to disk stops" in r.getMessage() for r in caplog.records) == 1
+    assert_nothing_held(llm)
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    ({"kv_offloading_size": 1, "kv_offloading_backend": "lmcache"}, "must be 'native'"),
+    ({"kv_offloading_size": 1, "kv_offloading_mode": "sometimes"}, "'eager' or 'lazy'"),
+    ({"kv_offloading_size": -1}, "0 for none"),
+    ({"kv_disk_path": "/tmp/kv"}, "needs a host tier"),
+    ({"kv_offloading_size": 1, "kv_disk_path": "/tmp/kv"}, "needs kv_disk_size"),
+    ({"kv_offloading_size": 1, "enable_prefix_caching": False}, "needs the prefix cache"),
+])
+def test_bad_tier_settings_are_refused(kwargs, error):
+    with pytest.raises(ValueError, match=error):
+        LLM(device="cpu", **kwargs)
+
+
+def test_a_node_serves_with_tiers_and_exports_their_metrics(tmp_path):
+    node = start_node("both", tmp_path, extra_args=["--kv-offloading-size", "0.05", "--kv-offloading-mode", "eager",
+                                                    "--kv-disk-path", str(tmp_path / "kv"), "--kv-disk-size", "0.1"])
+    try:
+        body = {"model": DEFAULT_MODEL_NAME, "prompt": CONVERSATIONS[0], "max_tokens": 4, "temperature": 0}
+        assert httpx.post(f"{node.url}/v1/completions", json=body, timeout=60).status_code == 200
+        assert node.labelled("disagg_kv_tier_blocks_total", "tier") == {
+            "device": node.metric("disagg_kv_blocks_total"), "host": 0.05 * 2**30 // BLOCK_BYTES,
+            "disk": 0.1 * 2**30 // (BLOCK_BYTES + HEADER.size + 8 * 16)}
+        assert node.labelled("disagg_kv_tier_offloaded_bytes_total", "tier")["host"] == 12 * BLOCK_BYTES
+        assert node.metric("disagg_kv_block_allocation_seconds_count") == 1
+    finally:
+        node.kill()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_cuda_tiers_bring_back_the_same_kv_bytes(tmp_path, mode):
+    """On CUDA (copy stream, events, pinned host tier): every block loaded from the host tier, and
+    from disk after a restart, holds the bytes it was computed with, and the answers equal those of
+    plain device-cache hits."""
+    import os
+
+    from conftest import write_tiny_llama
+
+    from disagg.engine.loader import resolve_model
+
+    tokenizer_dir = os.environ.get("DISAGG_TEST_TOKENIZER_DIR") or resolve_model(None)
+    model = write_tiny_llama(tmp_path / "model", Path(tokenizer_dir), num_layers=4, hidden_size=256,
+                             num_heads=4, num_kv_heads=2, intermediate_size=512)
+
+    def start() -> LLM:
+        return LLM(str(model), device="cuda", dtype="bfloat16", kv_cache_memory=256 * 2**20,
+                   kv_offloading_size=0.25, kv_offloading_mode=mode, kv_disk_path=str(tmp_path / "kv"),
+                   kv_disk_size=1.0)
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 40000, (n,), generator=g).tolist() for n in (300, 333, 517, 1000)]
+    llm = start()
+    llm.generate(prompts, greedy())
+    bm, kv = llm.engine.block_manager, llm.engine.kv_cache
+    computed = {h: kv.block(b).clone() for h, b in bm.hash_to_block.items()}
+    hits = llm.generate(prompts, greedy())  # from the device cache
+
+    def assert_same_bytes() -> None:
+        torch.cuda.synchronize()
+        for h, b in bm.hash_to_block.items():
+            if h in computed:
+                assert torch.equal(kv.block(b), computed[h])
+
+    evict_device_cache(llm)
+    loaded = llm.generate(prompts, greedy())
+    assert [o.num_cached_tokens for o in loaded] == [(len(p) - 1) // 16 * 16 for p in prompts]
+    assert [o.token_ids for o in loaded] == [o.token_ids for o in hits]
+    assert llm.engine.offload.host.stats.hits == sum((len(p) - 1) // 16 for p in prompts)
+    assert_same_bytes()
+    assert_nothing_held(llm)
+    llm.engine.close()
+    del llm
+
+    llm = start()
+    bm, kv = llm.engine.block_manager, llm.engine.kv_cache
+    restarted = llm.generate(prompts, greedy())
+    assert [o.num_cached_tokens for o in restarted] == [o.num_cached_tokens for o in loaded]
+    assert [o.token_ids for o in restarted] == [o.token_ids for o in hits]
+    assert_same_bytes()
+    assert_nothing_held(llm)
