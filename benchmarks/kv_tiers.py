@@ -180,6 +180,7 @@ def main() -> None:
     returning = [p + random_ids(rng, 32) for p in prefixes[:args.returning]]
     disk_turns = [p + random_ids(rng, 32) for p in prefixes[-args.disk_conversations:]]
     fresh = [random_ids(rng, args.prefix_tokens) for _ in range(4)]
+    fresh_warm = [random_ids(rng, args.prefix_tokens) for _ in range(4)]  # the mixed steps' kernels compiled
     warm = [random_ids(rng, args.prefix_tokens)]
     results = {"args": vars(args)}
 
@@ -187,6 +188,7 @@ def main() -> None:
     prefill_all(off, warm, "warm")  # kernels compiled before anything is timed
     prefill_all(off, prefixes, "t1")
     off_ttft = returning_ttfts(off, returning, "ret", args.device)
+    decode_tps(off, rng, args.decode_batch, fresh_warm, "off-warm")
     off_tps = decode_tps(off, rng, args.decode_batch, fresh, "off")
     del off
     if args.device.startswith("cuda"):
@@ -201,6 +203,7 @@ def main() -> None:
     host_ttft = returning_ttfts(on, returning, "ret", args.device)
     tier_bw, nbytes = tier_load_bandwidth(on, prefixes[0] + [1], args.device)
     plain_bw = plain_copy_bandwidth(nbytes, args.device)
+    decode_tps(on, rng, args.decode_batch, fresh_warm, "on-warm")
     on_tps = decode_tps(on, rng, args.decode_batch, fresh, "on")
     on.close()
     del on

@@ -16,6 +16,7 @@ from disagg import LLM, SamplingParams
 from disagg.engine.block_manager import BlockManager
 from disagg.engine.disk_tier import HEADER, DiskTier, u64
 from disagg.engine.host_tier import HostTier
+from disagg.engine.kv_offload import slot_runs
 from disagg.engine.loader import DEFAULT_MODEL_NAME
 from disagg.engine.sequence import Sequence
 
@@ -55,6 +56,11 @@ def finish(disk: DiskTier) -> list:
     while disk.num_in_flight:
         results += disk.results()
     return results
+
+
+def test_host_slots_are_copied_in_runs_of_consecutive_slots():
+    assert slot_runs([3, 4, 5, 9, 10, 2]) == [(0, 3, 3), (3, 5, 9), (5, 6, 2)]
+    assert slot_runs([7]) == [(0, 1, 7)] and slot_runs([]) == []
 
 
 def test_disk_tier_round_trip_restart_and_size_bound(tmp_path):

@@ -49,10 +49,11 @@ class HostTier:
     def __contains__(self, h: int) -> bool:
         return h in self.blocks
 
-    def lookup(self, h: int, token_ids: tuple[int, ...]) -> HostBlock | None:
-        """A ready block for this hash and these tokens, made most recently used; None if absent."""
+    def lookup(self, h: int, token_ids: tuple[int, ...], filling_ok: bool = False) -> HostBlock | None:
+        """A ready block for this hash and these tokens, made most recently used; None if absent.
+        filling_ok: a block still being filled will do (the caller orders its read after the fill)."""
         block = self.blocks.get(h)
-        if block is None or not block.ready or block.token_ids != token_ids:
+        if block is None or not (block.ready or filling_ok) or block.token_ids != token_ids:
             return None
         self.blocks.move_to_end(h)
         return block

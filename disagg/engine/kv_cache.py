@@ -32,6 +32,11 @@ class KVCache:
         self.kv[layer, 0].index_copy_(0, slot_mapping, k)
         self.kv[layer, 1].index_copy_(0, slot_mapping, v)
 
+    def blocks_view(self) -> torch.Tensor:
+        """The cache as [layers, 2, num_blocks, block_size, kv_heads, head_dim] (a view)."""
+        layers, two, rows, heads, dim = self.kv.shape
+        return self.kv.view(layers, two, rows // self.block_size, self.block_size, heads, dim)
+
     def block(self, block_id: int) -> torch.Tensor:
         """One block's KV, [layers, 2, block_size, kv_heads, head_dim] (a strided view)."""
         return self.kv[:, :, block_id * self.block_size:(block_id + 1) * self.block_size]

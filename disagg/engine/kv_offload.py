@@ -57,25 +57,33 @@ def kv_identity(model_dir, config_json: bytes, dtype: torch.dtype, block_shape: 
     return hashlib.sha256(text).digest()
 
 
-class Copy:
-    """Block copies issued together (dst, src pairs): on the copy stream between two events
-    (CUDA), or done at once (CPU). One wait and one pair of events for the lot, not per block."""
+# Blocks staged at once in one contiguous device buffer (a copy's memory in flight, at most).
+STAGING_BYTES = 256 * 2**20
 
-    def __init__(self, stream: torch.cuda.Stream | None, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
+
+class Copy:
+    """Block copies between the device pool and the host tier issued together: on the copy stream
+    between two events (CUDA), or done at once (CPU). One wait and one pair of events for the lot.
+
+    A device block is a strided view (a slice of every layer), a host block is contiguous: copying
+    one pair at a time costs a staging buffer and a kernel per block, which halves the bandwidth.
+    So blocks go through one contiguous staging buffer per batch: one gather or scatter kernel on
+    the device side, and one host copy per run of consecutive host slots."""
+
+    def __init__(self, stream: torch.cuda.Stream | None, kv_cache: KVCache, host: HostTier,
+                 device_blocks: list[int], host_slots: list[int], to_host: bool):
         self.end = None
         self.counted = False  # its time went into a latency histogram
         if stream is None:
             start = time.perf_counter()
-            for dst, src in pairs:
-                dst.copy_(src)
+            copy_blocks(kv_cache, host, device_blocks, host_slots, to_host)
             self.seconds = time.perf_counter() - start
             return
         self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         stream.wait_stream(torch.cuda.current_stream(stream.device))  # after every write the step queued
         with torch.cuda.stream(stream):
             self.start.record()
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
+            copy_blocks(kv_cache, host, device_blocks, host_slots, to_host)
             self.end.record()
 
     def done(self) -> bool:
@@ -85,6 +93,37 @@ class Copy:
             return False
         self.seconds = self.start.elapsed_time(self.end) / 1000
         return True
+
+
+def copy_blocks(kv_cache: KVCache, host: HostTier, device_blocks: list[int], host_slots: list[int],
+                to_host: bool) -> None:
+    """Device blocks -> host slots (to_host) or back, pair by pair, through a staging buffer. On CUDA
+    it runs on the current stream, so a staging buffer is reused only after its copies."""
+    blocks = kv_cache.blocks_view()  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+    per_batch = max(1, STAGING_BYTES // host.block_bytes)
+    non_blocking = blocks.device.type == "cuda"
+    for first in range(0, len(device_blocks), per_batch):
+        slots = host_slots[first:first + per_batch]
+        index = torch.tensor(device_blocks[first:first + per_batch], device=blocks.device)
+        if to_host:
+            staging = blocks.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
+            for i, j, slot in slot_runs(slots):
+                host.kv[slot:slot + j - i].copy_(staging[i:j], non_blocking=non_blocking)
+        else:
+            staging = torch.empty((len(slots), *host.kv.shape[1:]), dtype=host.kv.dtype, device=blocks.device)
+            for i, j, slot in slot_runs(slots):
+                staging[i:j].copy_(host.kv[slot:slot + j - i], non_blocking=non_blocking)
+            blocks.index_copy_(2, index, staging.permute(1, 2, 0, 3, 4, 5))
+
+
+def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """(i, j, first slot) for each stretch slots[i:j] of consecutive host slots."""
+    runs, i = [], 0
+    for j in range(1, len(slots) + 1):
+        if j == len(slots) or slots[j] != slots[j - 1] + 1:
+            runs.append((i, j, slots[i]))
+            i = j
+    return runs
 
 
 @dataclass
@@ -143,6 +182,7 @@ class KVOffload:
         else:
             block_manager.evicted = []
         self.stores: list[StoreBatch] = []
+        self.storing: set[int] = set()  # hashes on their way device -> host
         self.loads: list[PrefixLoad] = []
         self.loading: dict[int, PrefixLoad] = {}  # hash -> the load bringing it to the device
         self.blocked: list[Sequence] = []  # waiting for blocks another request's load brings
@@ -181,8 +221,9 @@ class KVOffload:
             bm.evicted.clear()
         if not stores:
             return
-        batch = StoreBatch(stores, Copy(self.stream, [(self.host.kv[s.host.slot], self.kv_cache.block(s.device_block))
-                                                      for s in stores]))
+        self.storing.update(s.h for s in stores)
+        batch = StoreBatch(stores, Copy(self.stream, self.kv_cache, self.host, [s.device_block for s in stores],
+                                        [s.host.slot for s in stores], to_host=True))
         if self.stream is None:  # the CPU copied them already: nothing to keep pinned
             self._finish_stores(batch)
             return
@@ -204,6 +245,7 @@ class KVOffload:
     def _finish_stores(self, batch: StoreBatch) -> None:
         self.host.stats.offload_latency.observe(batch.copy.seconds)
         for store in batch.stores:
+            self.storing.discard(store.h)
             store.host.ready = True
             self.host.stats.offloaded_bytes += self.host.block_bytes
             if store.held:
@@ -228,6 +270,7 @@ class KVOffload:
         admit next (in queue order, while their blocks fit the free ones and max_num_seqs allows),
         and give those with hits their blocks now, the hits loading into them."""
         bm, scheduler = self.block_manager, self.scheduler
+        self.store_new()  # lazy: blocks evicted since the last step are in the host tier before any lookup
         for seq in self.blocked:
             seq.tier_blocked = False
         self.blocked.clear()
@@ -265,7 +308,9 @@ class KVOffload:
             if h in self.loading:
                 break
             self.host.stats.lookups += 1
-            host = self.host.lookup(h, tokens)
+            # A block still on its way from the device will do: its load is queued after that copy
+            # on the same stream (on the CPU the copy is done already).
+            host = self.host.lookup(h, tokens, filling_ok=h in self.storing)
             if host is not None:
                 self.host.stats.hits += 1
                 self.host.pin(host)
@@ -297,7 +342,8 @@ class KVOffload:
     def _copy_in(self, items: list[LoadItem]) -> None:
         if not items:
             return
-        copy = Copy(self.stream, [(self.kv_cache.block(i.device_block), self.host.kv[i.host.slot]) for i in items])
+        copy = Copy(self.stream, self.kv_cache, self.host, [i.device_block for i in items],
+                    [i.host.slot for i in items], to_host=False)
         for item in items:
             item.state, item.copy = "copying", copy
 
