@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from disagg.config import ROLES, KVTransferConfig
+from disagg.decode_node.tool_calls import TOOL_CALL_PARSERS, ToolOptions
 from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.builder import resolve_device, resolve_dtype
 from disagg.engine.config import EngineConfig
@@ -123,6 +124,8 @@ def check_engine_args(args: argparse.Namespace) -> None:
 
 
 def check_serve_args(args: argparse.Namespace, kv: KVTransferConfig) -> list[str]:
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
     if args.max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be at least 1, got {args.max_request_body_bytes}")
     prefill_nodes = [a.strip() for a in (args.prefill_nodes or "").split(",") if a.strip()]
@@ -183,7 +186,9 @@ def serve(args: argparse.Namespace) -> None:
         from disagg.decode_node.server import run_decode_node
 
         http = HTTPOptions(args.api_key, args.max_request_body_bytes, args.enable_docs)
-        asyncio.run(run_decode_node(engine, name, kv, prefill_nodes, args.host, args.port, http, args.log_level))
+        tools = ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser)
+        asyncio.run(run_decode_node(engine, name, kv, prefill_nodes, args.host, args.port, http, tools,
+                                    args.log_level))
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -209,6 +214,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="serve /docs and /openapi.json (off: they map the API for anyone who reaches the port)")
     parser.add_argument("--insecure", action="store_true",
                         help="allow node-to-node ports beyond loopback with no auth_token (a trusted network only)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='chat: answer tool_choice "auto" (the default with tools), reading tool calls out of '
+                             "the model's text with --tool-call-parser (vLLM's flag)")
+    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                        help="the format of the model's tool calls: hermes (<tool_call>{...}</tool_call>, Hermes "
+                             "and Qwen)")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     parser.add_argument("--check-config", action="store_true", help="validate the flags and exit")
 

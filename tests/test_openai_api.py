@@ -3,11 +3,13 @@ offline engine: same greedy tokens, streamed or not, plus errors, the API key an
 
 import asyncio
 import json
+import re
 import threading
 import time
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
@@ -15,6 +17,7 @@ from prompts import PROMPTS, hf_greedy, penalized_reference
 from servers import Node, start_node
 
 from disagg import LLM, SamplingParams
+from disagg.engine.sampling_params import SamplingParamError, StructuredOutputSpec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,7 +31,8 @@ CHAT = [{"role": "system", "content": "You are a concise assistant."},
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Node:
     """One colocated node for the module, started with an API key that every request sends."""
-    node = start_node("both", tmp_path_factory.mktemp("openai-api"), extra_args=["--api-key", API_KEY])
+    node = start_node("both", tmp_path_factory.mktemp("openai-api"), extra_args=[
+        "--api-key", API_KEY, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
     yield node
     node.kill()
 
@@ -182,7 +186,7 @@ def test_prompt_as_token_ids(server, llm):
     # Found by schemathesis: token ids outside the vocabulary were decoded before validation (500).
     ("/v1/completions", {"prompt": [1, 2**70]}, 400, "token ids must be"),
     ("/v1/completions", {"prompt": [[5, -3], [7]]}, 400, "token ids must be"),
-    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema"}}, 400, "json_schema"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
      "top_logprobs needs logprobs"),
@@ -507,8 +511,7 @@ def test_chat_as_current_clients_send_it(server, hf_tokenizer, model_name):
     want = hf_tokenizer.apply_chat_template(template, tools=tools, add_generation_prompt=True, tokenize=False)
     assert rendered["tokens"] == hf_tokenizer(want, add_special_tokens=False).input_ids
     assert out.usage.prompt_tokens == rendered["count"]
-    assert_openai_error(post(server, "/v1/chat/completions", {"messages": messages, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}), 400, "response_format")
+    assert out.choices[0].finish_reason in ("stop", "length") and out.choices[0].message.tool_calls == []
 
 
 def test_tokenize_detokenize_ping_load_and_vllm_metrics(server, llm, model_name):
@@ -567,3 +570,89 @@ def test_unknown_field_names_logged_once_are_bounded():
     for i in range(protocol.MAX_WARNED_FIELDS + 50):
         protocol.CompletionRequest.model_validate({"prompt": "hi", f"unknown-{i}": 1})
     assert len(protocol._warned_fields) == protocol.MAX_WARNED_FIELDS
+
+
+CITY = {"type": "object", "additionalProperties": False, "required": ["city", "population"], "properties": {
+    "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
+    "population": {"type": "integer", "minimum": 0, "maximum": 99999999}}}
+CITY_CHAT = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
+
+
+def test_grammar_rows_leave_a_plain_request_in_their_batch_token_exact(llm):
+    plain = greedy()
+    solo = llm.generate(PROMPTS[2], plain)[0]
+    specs = [StructuredOutputSpec("choice", json.dumps(["red", "green", "blue"])),
+             StructuredOutputSpec("regex", "[0-9]{3}"), StructuredOutputSpec("json", json.dumps(CITY))]
+    outs = llm.generate([PROMPTS[2]] + [PROMPTS[0]] * 3, [plain] + [greedy(30, structured=s) for s in specs])
+    assert outs[0].token_ids == solo.token_ids
+    assert outs[1].text in ("red", "green", "blue") and re.fullmatch("[0-9]{3}", outs[2].text)
+    jsonschema.validate(json.loads(outs[3].text), CITY)
+    assert [o.finish_reason for o in outs[1:]] == ["stop"] * 3  # EOS once the grammar accepts
+    with pytest.raises(SamplingParamError, match="does not compile"):
+        llm.generate(PROMPTS[0], greedy(structured=StructuredOutputSpec("regex", "[0-9")))
+
+
+def test_structured_output_through_the_openai_sdk(server, model_name):
+    client = sdk(server)
+    schema_format = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    out = client.chat.completions.create(model=model_name, messages=CITY_CHAT, response_format=schema_format,
+                                         max_tokens=40, temperature=0)
+    jsonschema.validate(json.loads(out.choices[0].message.content), CITY)
+    stream = client.chat.completions.create(model=model_name, messages=CITY_CHAT, response_format=schema_format,
+                                            max_tokens=40, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == out.choices[0].message.content
+    sampled = client.chat.completions.create(model=model_name, messages=CITY_CHAT, response_format=schema_format,
+                                             max_tokens=40, temperature=0.8, seed=1, n=3)
+    for choice in sampled.choices:  # each choice has its own matcher
+        jsonschema.validate(json.loads(choice.message.content), CITY)
+    out = client.completions.create(model=model_name, prompt="A three-digit number:", max_tokens=5, temperature=0,
+                                    extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})
+    assert re.fullmatch("[0-9]{3}", out.choices[0].text) and out.choices[0].finish_reason == "stop"
+    out = client.completions.create(model=model_name, prompt="Is the sky blue?", max_tokens=5, temperature=0,
+                                    extra_body={"guided_choice": ["yes", "no"]})
+    assert out.choices[0].text in ("yes", "no")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+     "response_format"),
+    ({"structured_outputs": {"regex": "[0-9"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"guided_json": {"type": "object"}, "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_a_bad_grammar_is_a_400_naming_its_field(server, body, param):
+    response = post(server, "/v1/chat/completions", {"messages": CITY_CHAT, "max_tokens": 2, **body})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "required": ["city"],
+                                                           "additionalProperties": False, "properties": {
+                                                               "city": {"type": "string", "maxLength": 20}}}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False}}}
+WEATHER_CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_named_and_required_tool_choice_return_calls_that_match_the_schema(server, model_name):
+    client = sdk(server)
+    out = client.chat.completions.create(model=model_name, messages=WEATHER_CHAT, tools=[CLOCK, WEATHER],
+                                         tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                         max_tokens=30, temperature=0)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    stream = client.chat.completions.create(model=model_name, messages=WEATHER_CHAT, tools=[WEATHER, CLOCK],
+                                            tool_choice="required", parallel_tool_calls=False, max_tokens=40,
+                                            temperature=0, stream=True)
+    chunks = [c for c in stream if c.choices]
+    calls = [call for c in chunks for call in c.choices[0].delta.tool_calls or []]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    assert calls[0].function.name in ("get_weather", "get_time")
+    json.loads(calls[0].function.arguments)
+    # "none": the template gets no tools and the answer is plain content.
+    out = client.chat.completions.create(model=model_name, messages=WEATHER_CHAT, tools=[WEATHER], tool_choice="none",
+                                         max_tokens=4, temperature=0)
+    assert out.choices[0].message.tool_calls == [] and out.choices[0].message.content

@@ -46,8 +46,10 @@ from disagg.decode_node.protocol import (
     CompletionResponse,
     CompletionStreamResponse,
     DeltaMessage,
+    DeltaToolCall,
     DetokenizeRequest,
     DetokenizeResponse,
+    FunctionCall,
     ModelCard,
     ModelList,
     Prompt,
@@ -56,8 +58,10 @@ from disagg.decode_node.protocol import (
     SamplingFields,
     TokenizeRequest,
     TokenizeResponse,
+    ToolCallOut,
     UsageInfo,
 )
+from disagg.decode_node.tool_calls import ToolCall, ToolOptions, forced_calls, parse_hermes
 from disagg.engine.output import RequestOutput
 from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.sequence import TokenLogprob
@@ -96,6 +100,14 @@ def api_error_from(error: Exception) -> APIError:
                              "compute the prompt itself")
     logger.error("request failed", exc_info=error)
     return APIError(500, f"the server failed while generating: {error}")
+
+
+def request_error(request: SamplingFields, error: ValueError) -> APIError:
+    """api_error_from, with a grammar's error naming the request field that sent the grammar."""
+    api_error = api_error_from(error)
+    if api_error.param == "structured":
+        api_error.param = request.structured()[0]
+    return api_error
 
 
 class Generation:
@@ -414,7 +426,8 @@ class CompletionFormat:
 
 
 class ChatFormat:
-    """/v1/chat/completions: the assistant's role first, then content deltas."""
+    """/v1/chat/completions: the assistant's role first, then content deltas. When tool calls may
+    come out, a streamed choice's text is held back and sent at its end, with the calls read from it."""
 
     def __init__(self, request: ChatCompletionRequest, tokenizer: Tokenizer, model: str):
         self.request = request
@@ -434,21 +447,47 @@ class ChatFormat:
         logprobs = None
         if self.request.logprobs:
             logprobs = chat_logprobs(self.tokenizer, choice.new_logprobs())
-        if out.new_text or out.finished or (logprobs and logprobs.content):
-            return ChatStreamChoice(index=choice.index, delta=DeltaMessage(content=out.new_text), logprobs=logprobs,
-                                    finish_reason=out.finish_reason if out.finished else None,
+        delta = DeltaMessage(content=out.new_text)
+        finish_reason = out.finish_reason if out.finished else None
+        if self.request.tool_mode != "none":
+            delta = DeltaMessage(content="")
+            if out.finished:
+                content, calls = self.tool_calls(out.text)
+                delta = DeltaMessage(content=content, tool_calls=[
+                    DeltaToolCall(index=i, id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+                    for i, c in enumerate(calls)] or None)
+                finish_reason = tool_finish_reason(out.finish_reason, calls)
+        if delta.content or delta.tool_calls or out.finished or (logprobs and logprobs.content):
+            return ChatStreamChoice(index=choice.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
                                     stop_reason=out.stop_reason)
         return None
+
+    def tool_calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """A finished choice's content and the tool calls in its text."""
+        if self.request.tool_mode == "auto":
+            return parse_hermes(text)
+        if self.request.tool_mode == "forced":
+            calls = forced_calls(text, self.request.tool_choice)
+            return (None if calls else text), calls
+        return text, []
+
+    def message(self, out: RequestOutput) -> tuple[ChatResponseMessage, str]:
+        """A finished choice's message and finish reason."""
+        content, calls = self.tool_calls(out.text)
+        tool_calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
+        return ChatResponseMessage(content=content, tool_calls=tool_calls), tool_finish_reason(out.finish_reason, calls)
 
     def chunk(self, run: Run, parts: list[ChatStreamChoice], usage_info: UsageInfo | None = None) -> str:
         return sse(ChatCompletionChunk(id=run.request_id, created=self.created, model=self.model,
                                        choices=parts, usage=usage_info))
 
     def response(self, run: Run) -> ChatCompletionResponse:
-        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.out.text),
-                              logprobs=chat_logprobs(self.tokenizer, c.out.logprobs) if self.request.logprobs else None,
-                              finish_reason=c.out.finish_reason, stop_reason=c.out.stop_reason)
-                   for c in run.choices]
+        choices = []
+        for c in run.choices:
+            message, finish_reason = self.message(c.out)
+            choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason,
+                                      logprobs=chat_logprobs(self.tokenizer, c.out.logprobs) if self.request.logprobs
+                                      else None, stop_reason=c.out.stop_reason))
         prompt_lps = None
         if self.request.prompt_logprobs is not None:
             prompt_lps = prompt_logprobs(self.tokenizer, run.choices[0].out.prompt_logprobs)
@@ -459,12 +498,18 @@ class ChatFormat:
 Format = CompletionFormat | ChatFormat
 
 
+def tool_finish_reason(finish_reason: str, calls: list[ToolCall]) -> str:
+    """"tool_calls" for an answer that ended on its own with calls, as vLLM and OpenAI say it."""
+    return "tool_calls" if calls and finish_reason == "stop" else finish_reason
+
+
 class OpenAIServing:
     """The endpoints' handlers, over one node and its served model name."""
 
-    def __init__(self, node: DecodeNode, served_model_name: str):
+    def __init__(self, node: DecodeNode, served_model_name: str, tool_options: ToolOptions):
         self.node = node
         self.model = served_model_name
+        self.tool_options = tool_options
         self.num_requests = 0  # in flight, for /load
 
     def check_model(self, model: str | None) -> None:
@@ -508,20 +553,25 @@ class OpenAIServing:
         try:
             params = request.to_sampling_params(default_max_tokens=max(1, self.node.max_model_len - longest))
         except ValueError as e:
-            raise api_error_from(e) from e
+            raise request_error(request, e) from e
         fmt = CompletionFormat(request, self.node.tokenizer, self.model)
         return await self.serve(request, raw_request, "cmpl", prompts, params, fmt)
 
     async def chat(self, request: ChatCompletionRequest, raw_request: Request) -> Response | BaseModel:
         self.check_model(request.model)
-        text = await self.render_chat([m.to_template() for m in request.messages], request.tools)
+        if request.tool_mode == "auto":
+            try:
+                self.tool_options.check_auto()
+            except ValueError as e:
+                raise APIError(400, str(e), param="tool_choice") from e
+        text = await self.render_chat([m.to_template() for m in request.messages], request.template_tools)
         # The rendered template already holds the special tokens (BOS included) it wants.
         prompt = Prompt(await asyncio.to_thread(self.node.tokenizer.encode, text, add_special_tokens=False), text)
         try:
             params = request.to_sampling_params(default_max_tokens=max(1, self.node.max_model_len
                                                                        - len(prompt.token_ids)))
         except ValueError as e:
-            raise api_error_from(e) from e
+            raise request_error(request, e) from e
         fmt = ChatFormat(request, self.node.tokenizer, self.model)
         return await self.serve(request, raw_request, "chatcmpl", [prompt], params, fmt)
 
@@ -529,10 +579,10 @@ class OpenAIServing:
                     params: SamplingParams, fmt: Format) -> Response | BaseModel:
         """The path completions and chat share: validate, start every choice, stream or answer."""
         try:
-            for prompt in prompts:
+            for prompt in prompts:  # a grammar is compiled here (once per distinct one): a bad one is a 400
                 self.node.validate(prompt.token_ids, params)
         except ValueError as e:
-            raise api_error_from(e) from e
+            raise request_error(request, e) from e
         # A router sets X-Request-Id so that one request can be followed through the router's and
         # this node's logs (and, by this node's own id for it, the prefill node's).
         request_id = request_label(raw_request.headers.get("x-request-id"), prefix)
@@ -631,14 +681,15 @@ async def on_validation_error(_: Request, e: RequestValidationError) -> JSONResp
     return error_response(400, "; ".join(problems), param=params[0] if len(params) == 1 else None)
 
 
-def build_app(node: DecodeNode, options: HTTPOptions, served_model_name: str) -> FastAPI:
+def build_app(node: DecodeNode, options: HTTPOptions, served_model_name: str,
+              tool_options: ToolOptions = ToolOptions()) -> FastAPI:
     app = make_app("disagg", options, error_response)
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(Exception, on_unexpected_error)
 
-    serving = OpenAIServing(node, served_model_name)
+    serving = OpenAIServing(node, served_model_name, tool_options)
     app.add_api_route("/v1/completions", serving.completions, methods=["POST"], response_model=None)
     app.add_api_route("/v1/chat/completions", serving.chat, methods=["POST"], response_model=None)
     # vLLM serves these at the root, not under /v1.

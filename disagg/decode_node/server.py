@@ -8,6 +8,7 @@ from disagg.config import KVTransferConfig
 from disagg.decode_node.api import build_app
 from disagg.decode_node.node import DecodeNode
 from disagg.decode_node.prefill_client import PrefillPool
+from disagg.decode_node.tool_calls import ToolOptions
 from disagg.engine.async_engine import AsyncEngine
 from disagg.lookup_buffer import LookupBufferConsumer
 from disagg.serving import HTTPOptions, node_info, serve_http
@@ -16,7 +17,7 @@ logger = logging.getLogger(__name__)
 
 
 async def run_decode_node(engine: AsyncEngine, model_name: str, kv: KVTransferConfig, prefill_nodes: list[str],
-                          host: str, port: int, http: HTTPOptions,
+                          host: str, port: int, http: HTTPOptions, tools: ToolOptions,
                           log_level: str) -> None:
     consumer = pool = kv_advertise = None
     try:
@@ -32,7 +33,7 @@ async def run_decode_node(engine: AsyncEngine, model_name: str, kv: KVTransferCo
         where = f"kv {kv.kv_connector} {kv.kv_ip}:{consumer.address[1]} prefill {','.join(prefill_nodes)}" if consumer else "colocated"
         role = "decode" if consumer else "colocated"
         metrics.register_vllm_names(model_name)
-        await serve_http(build_app(node, http, model_name), host, port,
+        await serve_http(build_app(node, http, model_name, tools), host, port,
                          f"disagg {role} node ready: http://{host}:{port} {where} model {model_name}", log_level)
     finally:
         if pool is not None:

@@ -14,6 +14,7 @@ from disagg.engine.sampler import Sampler
 from disagg.engine.sampling_params import SamplingParamError, SamplingParams
 from disagg.engine.scheduler import Scheduler
 from disagg.engine.sequence import RemotePrefill, Sequence, SequenceStatus, TokenLogprob
+from disagg.engine.structured_output import GrammarCompiler, StructuredOutput
 from disagg.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,9 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.sampler = Sampler(config.seed, self.tokenizer.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer.json_path, self.model_config.vocab_size,
+                                        sorted(self.tokenizer.eos_token_ids))
+        self.sampler = Sampler(config.seed, self.tokenizer.eos_token_ids, StructuredOutput(self.grammars))
         self.requests: dict[str, _Request] = {}
         self.pending_outputs: list[RequestOutput] = []  # produced outside step(), handed out by it
         self.num_steps = 0  # batches run: a sign of life that callers elsewhere can watch
@@ -63,12 +66,14 @@ class LLMEngine:
 
     def validate_token_ids(self, params: SamplingParams) -> None:
         """logit_bias indexes the logits: its token ids must be in the vocabulary (a stop token id
-        outside it is harmless, it never comes)."""
+        outside it is harmless, it never comes). A grammar must compile for this tokenizer."""
         vocab = self.model_config.vocab_size
         bad = [t for t in params.logit_bias if t >= vocab]
         if bad:
             raise SamplingParamError("logit_bias", f"logit_bias has token ids outside the vocabulary [0, {vocab}): "
                                                    f"{bad[:5]}")
+        if params.structured is not None:
+            self.grammars.compile(params.structured)  # cached: add_request's matcher copies it
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     *, export_kv: bool = False, remote_prefill: bool = False) -> Sequence:
@@ -86,6 +91,8 @@ class LLMEngine:
         self.validate_prompt(token_ids)
         seq = Sequence(request_id, token_ids, params)
         seq.export_kv = export_kv
+        if params.structured is not None:
+            self.sampler.structured.add(request_id, params.structured)
         text = TextState(self.tokenizer, token_ids, params.stop, params.skip_special_tokens,
                          params.include_stop_str_in_output)
         self.requests[request_id] = _Request(seq, text)
@@ -141,7 +148,10 @@ class LLMEngine:
         self.block_manager.commit(seq)
         seq.remote_prefill = None
         self.scheduler.start_remote(seq)
-        self.pending_outputs.append(self._append(seq, remote.first_token, remote.first_logprob))
+        try:  # a first token that breaks the grammar (a prefill node that did not apply it) fails the request
+            self.pending_outputs.append(self._append(seq, remote.first_token, remote.first_logprob))
+        except ValueError as e:
+            self.pending_outputs.append(self._fail(seq, str(e)))
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request and free its blocks; False if it is unknown or already finished."""
@@ -227,6 +237,7 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, token: int, logprob) -> RequestOutput:
         request = self.requests[seq.request_id]
+        self.sampler.structured.accept(seq.request_id, token)
         seq.append_token(token)
         if logprob is not None:
             seq.logprobs.append(logprob)

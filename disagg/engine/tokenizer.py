@@ -12,7 +12,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 class Tokenizer:
     def __init__(self, model_dir: Path) -> None:
         model_dir = Path(model_dir)
-        self._tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.json_path = model_dir / "tokenizer.json"
+        self._tokenizer = tokenizers.Tokenizer.from_file(str(self.json_path))
         config = _read_json(model_dir / "tokenizer_config.json")
         self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self.bos_token_id: int | None = self._token_id(config.get("bos_token"))
