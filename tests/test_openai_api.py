@@ -176,7 +176,7 @@ def test_prompt_as_token_ids(server, llm):
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
     ("/v1/completions", '{"prompt": "hi",', 400, "not valid JSON"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n must be"),
-    ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "n": 3, "best_of": 2}, 400, "best_of"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "0 only with echo"),
     ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"a": 1}}, 400, "logit_bias"),
@@ -656,3 +656,16 @@ def test_named_and_required_tool_choice_return_calls_that_match_the_schema(serve
     out = client.chat.completions.create(model=model_name, messages=WEATHER_CHAT, tools=[WEATHER], tool_choice="none",
                                          max_tokens=4, temperature=0)
     assert out.choices[0].message.tool_calls == [] and out.choices[0].message.content
+
+
+def test_best_of_returns_the_n_most_likely_of_its_candidates(server):
+    body = {"prompt": PROMPTS[1], "max_tokens": 6, "temperature": 1.0, "seed": 7, "n": 2, "best_of": 4}
+    best = post(server, "/v1/completions", body).json()
+    # The same 4 candidates (choice j samples with seed + j), all returned, with their logprobs.
+    candidates = post(server, "/v1/completions", {**body, "n": 4, "logprobs": 0}).json()
+    ranked = sorted(candidates["choices"], key=lambda c: sum(c["logprobs"]["token_logprobs"]), reverse=True)
+    assert [(c["index"], c["text"]) for c in best["choices"]] == [(0, ranked[0]["text"]), (1, ranked[1]["text"])]
+    assert all(c["logprobs"] is None for c in best["choices"])  # ranked by them, shown only when asked
+    assert best["usage"]["completion_tokens"] == candidates["usage"]["completion_tokens"]  # every candidate counts
+    assert_openai_error(post(server, "/v1/completions", {**body, "best_of": 1}), 400, "best_of must be at least n")
+    assert_openai_error(post(server, "/v1/completions", {**body, "stream": True}), 400, "cannot be streamed")

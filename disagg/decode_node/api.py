@@ -221,7 +221,7 @@ class Run:
     def __init__(self, node: DecodeNode, request_id: str, prompts: list[Prompt], params: SamplingParams, n: int,
                  prefill_policy: str | None, raw_request: Request):
         self.request_id = request_id
-        self.choices: list[Choice] = []
+        self.choices: list[Choice] = []  # those answered: every candidate, until keep_best
         self.closed = False
         for index in range(len(prompts) * n):
             # vLLM's per-choice seeds: choice j of each prompt samples with seed + j.
@@ -230,12 +230,13 @@ class Run:
             generation = Generation(node, choice_id, prompts[index // n].token_ids,
                                     dataclasses.replace(params, seed=seed), prefill_policy)
             self.choices.append(Choice(index, prompts[index // n], generation))
+        self.candidates = list(self.choices)  # every engine request, answered or not
         self.watcher = asyncio.create_task(self._watch(raw_request))
 
     async def _watch(self, raw_request: Request) -> None:
         while (await raw_request.receive())["type"] != "http.disconnect":
             pass
-        for choice in self.choices:
+        for choice in self.candidates:
             choice.generation.abort()
 
     async def start(self) -> None:
@@ -255,6 +256,19 @@ class Run:
         for choice in self.choices:
             while not choice.out.finished:
                 choice.out = await choice.generation.next()
+
+    def keep_best(self, num_prompts: int, n: int) -> None:
+        """best_of: of each prompt's candidates, keep the n with the highest cumulative logprob
+        (vLLM's ranking), numbered again prompt index * n + rank. Usage still counts every candidate."""
+        per_prompt = len(self.choices) // num_prompts
+        if per_prompt == n:
+            return
+        kept = []
+        for p in range(num_prompts):
+            candidates = self.choices[p * per_prompt:(p + 1) * per_prompt]
+            candidates.sort(key=lambda c: sum(lp.logprob for lp in c.out.logprobs), reverse=True)
+            kept += [dataclasses.replace(c, index=p * n + rank) for rank, c in enumerate(candidates[:n])]
+        self.choices = kept
 
     async def outputs(self) -> AsyncIterator[Choice]:
         """Each choice as it gets an output (its first ones first), until all have finished."""
@@ -279,7 +293,7 @@ class Run:
             return
         self.closed = True
         self.watcher.cancel()
-        for choice in self.choices:
+        for choice in self.candidates:
             await choice.generation.close()
 
 
@@ -422,7 +436,7 @@ class CompletionFormat:
             choices.append(CompletionChoice(index=choice.index, text=text, logprobs=logprobs, finish_reason=finish_reason,
                                             stop_reason=stop_reason, prompt_logprobs=prompt_lps))
         return CompletionResponse(id=run.request_id, created=self.created, model=self.model, choices=choices,
-                                  usage=usage(run.choices, self.num_output_tokens))
+                                  usage=usage(run.candidates, self.num_output_tokens))
 
 
 class ChatFormat:
@@ -586,7 +600,7 @@ class OpenAIServing:
         # A router sets X-Request-Id so that one request can be followed through the router's and
         # this node's logs (and, by this node's own id for it, the prefill node's).
         request_id = request_label(raw_request.headers.get("x-request-id"), prefix)
-        run = Run(self.node, request_id, prompts, params, request.n, request.prefill_policy, raw_request)
+        run = Run(self.node, request_id, prompts, params, request.num_candidates, request.prefill_policy, raw_request)
         self.num_requests += 1
         try:
             await run.start()
@@ -600,6 +614,7 @@ class OpenAIServing:
             return StreamingResponse(self.events(run, fmt, request), media_type="text/event-stream")
         try:
             await run.finish()
+            run.keep_best(len(prompts), request.n)
         except ClientDisconnected:
             return Response(status_code=STATUS_CLIENT_CLOSED)
         except Exception as e:

@@ -180,6 +180,11 @@ class SamplingFields(OpenAIRequest):
         return next(iter(specs.items()), (None, None))
 
     @property
+    def num_candidates(self) -> int:
+        """Choices generated per prompt (completions' best_of may make it more than n)."""
+        return self.n
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -247,14 +252,22 @@ class CompletionRequest(SamplingFields):
         """lm-eval's loglikelihood: the prompt and its logprobs, nothing generated."""
         return self.echo and self.max_tokens == 0
 
+    @property
+    def num_candidates(self) -> int:
+        """Choices generated per prompt: best_of, of which the n most likely are returned."""
+        return self.best_of or self.n
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.best_of is not None and self.best_of != self.n:
-            raise SamplingParamError("best_of", f"best_of must equal n here (ranking more candidates than are "
-                                                f"returned is not supported), got best_of={self.best_of}, n={self.n}")
-        if len(self.prompts) * self.n > MAX_CHOICES:
-            raise SamplingParamError("n", f"n times the number of prompts must be at most {MAX_CHOICES}, got "
-                                          f"{self.n} x {len(self.prompts)}")
+        if self.best_of is not None and self.best_of < self.n:
+            raise SamplingParamError("best_of", f"best_of must be at least n, got best_of={self.best_of}, n={self.n}")
+        if self.stream and self.num_candidates > self.n:
+            raise SamplingParamError("best_of", "best_of > n cannot be streamed: the best choices are known only at "
+                                                "the end")
+        if len(self.prompts) * self.num_candidates > MAX_CHOICES:
+            raise SamplingParamError("best_of" if self.best_of else "n", f"best_of (or n) times the number of "
+                                     f"prompts must be at most {MAX_CHOICES}, got {self.num_candidates} x "
+                                     f"{len(self.prompts)}")
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """default_max_tokens applies when max_tokens is null: what is left of the context."""
@@ -265,7 +278,10 @@ class CompletionRequest(SamplingFields):
         prompt_logprobs = self.prompt_logprobs
         if prompt_logprobs is None and self.echo:
             prompt_logprobs = self.logprobs
-        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+        logprobs = self.logprobs
+        if logprobs is None and self.num_candidates > self.n:
+            logprobs = 0  # best_of ranks by them; the answer shows them only when asked
+        return self._sampling_params(max_tokens, logprobs, prompt_logprobs)
 
 
 class TextPart(OpenAIRequest):

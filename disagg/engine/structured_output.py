@@ -64,17 +64,23 @@ class StructuredOutput:
     def __init__(self, compiler: GrammarCompiler):
         self.compiler = compiler
         self.matchers: dict[str, llguidance.LLMatcher] = {}
+        self.failed: dict[str, str] = {}  # request id -> why its mask could not be computed
 
     def add(self, request_id: str, spec: StructuredOutputSpec) -> None:
         self.matchers[request_id] = self.compiler.matcher(spec)
 
     def release(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
+        self.failed.pop(request_id, None)
 
     def accept(self, request_id: str, token: int) -> None:
         """Raises ValueError if the token breaks the request's grammar (the engine fails that request)."""
+        if request_id in self.failed:
+            raise ValueError(self.failed[request_id])
         matcher = self.matchers.get(request_id)
-        if matcher is not None and not matcher.consume_token(token):
+        if matcher is None or matcher.is_stopped():  # done (with ignore_eos only EOS comes after): nothing to check
+            return
+        if not matcher.consume_token(token):
             raise ValueError(f"token {token} does not follow the request's grammar: {matcher.get_error()}")
 
     def mask(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -86,7 +92,11 @@ class StructuredOutput:
         bitmask = torch.full((len(rows), (self.compiler.vocab_size + 31) // 32), -1, dtype=torch.int32)
         row_bytes = bitmask.shape[1] * bitmask.element_size()
         for i, row in enumerate(rows):  # llguidance writes row i of the (contiguous, CPU) bitmask in place
-            self.matchers[seqs[row].request_id].unsafe_compute_mask_ptr(bitmask[i].data_ptr(), row_bytes)
+            request_id = seqs[row].request_id
+            try:
+                self.matchers[request_id].unsafe_compute_mask_ptr(bitmask[i].data_ptr(), row_bytes)
+            except Exception as e:  # noqa: BLE001  that request alone fails, when its token is accepted
+                self.failed[request_id] = f"computing the grammar's token mask failed: {e}"
         index = torch.tensor(rows, device=logits.device)
         logits = logits.clone()
         logits[index] = apply_token_bitmask(logits[index], bitmask.to(logits.device))
