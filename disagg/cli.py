@@ -18,6 +18,7 @@ from disagg.engine.engine import LLMEngine
 from disagg.engine.llm import LLM
 from disagg.engine.loader import DEFAULT_MODEL_NAME, resolve_model
 from disagg.engine.sampling_params import SamplingParams
+from disagg.engine.tokenizer import load_chat_template
 from disagg.router import DEFAULT_MAX_REQUEST_BODY_BYTES
 from disagg.serving import HTTPOptions
 
@@ -44,6 +45,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode without CUDA graphs")
     parser.add_argument("--attention-backend", choices=["sdpa", "triton"], default=None,
                         help="default: triton on CUDA, sdpa on the CPU")
+    parser.add_argument("--tokenizer", default=None,
+                        help="directory with tokenizer.json (and tokenizer_config.json) to use instead of the model's")
+    parser.add_argument("--chat-template", default=None,
+                        help="chat template to use instead of the tokenizer's: a file, or the jinja template itself")
 
 
 def parse_memory(text: str) -> int | float:
@@ -61,7 +66,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
                 enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
-                enforce_eager=args.enforce_eager, attention_backend=args.attention_backend)
+                enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
+                tokenizer=args.tokenizer, chat_template=args.chat_template)
 
 
 def generate(args: argparse.Namespace) -> None:
@@ -121,9 +127,17 @@ def check_engine_args(args: argparse.Namespace) -> None:
     elif args.model is not None and not args.model.endswith(".gguf"):
         raise ValueError(f"MODEL: {args.model!r} is a file but not a .gguf file; pass a .gguf file or a "
                          "Hugging Face model directory")
+    if args.tokenizer is not None and not (Path(args.tokenizer).expanduser() / "tokenizer.json").is_file():
+        raise ValueError(f"--tokenizer: {args.tokenizer!r} is not a directory with a tokenizer.json")
+    if args.chat_template is not None:
+        load_chat_template(args.chat_template)  # its ValueError names the flag
 
 
 def check_serve_args(args: argparse.Namespace, kv: KVTransferConfig) -> list[str]:
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be at least 0 seconds, got {args.shutdown_timeout}")
+    if args.tool_call_parser not in (None, *TOOL_CALL_PARSERS):  # a --config file's value is not checked by argparse
+        raise ValueError(f"--tool-call-parser must be one of {TOOL_CALL_PARSERS}, got {args.tool_call_parser!r}")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
     if args.max_request_body_bytes < 1:
@@ -188,7 +202,7 @@ def serve(args: argparse.Namespace) -> None:
         http = HTTPOptions(args.api_key, args.max_request_body_bytes, args.enable_docs)
         tools = ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser)
         asyncio.run(run_decode_node(engine, name, kv, prefill_nodes, args.host, args.port, http, tools,
-                                    args.log_level))
+                                    args.log_requests, args.shutdown_timeout, args.log_level))
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -220,8 +234,38 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                         help="the format of the model's tool calls: hermes (<tool_call>{...}</tool_call>, Hermes "
                              "and Qwen)")
+    parser.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=True,
+                        help="log a line when each request starts and when it ends")
+    parser.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
+                        help="do not log each request (vLLM's flag)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM or Ctrl-C, seconds that requests in flight get to finish while new "
+                             "connections are refused")
+    parser.add_argument("--config", default=None,
+                        help="YAML file of flags (keys are flag names without --, as in vLLM); flags given on "
+                             "the command line win")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     parser.add_argument("--check-config", action="store_true", help="validate the flags and exit")
+
+
+def config_file_defaults(parser: argparse.ArgumentParser, path: str) -> dict:
+    """vLLM's --config: a YAML mapping of flag names (without --; dashes or underscores) to values,
+    turned into the parser's defaults. A mapping for --kv-transfer-config is taken as its JSON."""
+    import yaml
+
+    values = yaml.safe_load(Path(path).expanduser().read_text())
+    if not isinstance(values, dict):
+        raise ValueError(f"{path} must be a YAML mapping of flag names to values")
+    dests = {action.dest for action in parser._actions} - {"help", "config"}
+    defaults = {}
+    for key, value in values.items():
+        dest = str(key).removeprefix("--").replace("-", "_")
+        if dest == "enable_log_requests" or dest == "disable_log_requests":
+            dest, value = "log_requests", bool(value) == (dest == "enable_log_requests")
+        if dest not in dests:
+            raise ValueError(f"{path}: {key!r} is not a flag of disagg serve")
+        defaults[dest] = json.dumps(value) if dest == "kv_transfer_config" and isinstance(value, dict) else value
+    return defaults
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -254,6 +298,12 @@ def main(argv: list[str] | None = None) -> None:
 
     add_router_parser(sub)
     args = parser.parse_args(argv)
+    if getattr(args, "config", None):
+        try:
+            srv.set_defaults(**config_file_defaults(srv, args.config))
+        except (OSError, ValueError) as e:
+            parser.exit(2, f"disagg: error: --config: {e}\n")
+        args = parser.parse_args(argv)  # the command line wins over the file
     if getattr(args, "api_key", "") is None:  # serve and router: the key may come from the environment
         args.api_key = os.environ.get(API_KEY_ENV) or None
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

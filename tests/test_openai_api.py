@@ -30,9 +30,12 @@ CHAT = [{"role": "system", "content": "You are a concise assistant."},
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Node:
-    """One colocated node for the module, started with an API key that every request sends."""
-    node = start_node("both", tmp_path_factory.mktemp("openai-api"), extra_args=[
-        "--api-key", API_KEY, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    """One colocated node for the module, started with an API key that every request sends. Some
+    flags come from a --config YAML file, as vLLM takes them."""
+    tmp = tmp_path_factory.mktemp("openai-api")
+    (tmp / "config.yaml").write_text("enable-auto-tool-choice: true\ntool-call-parser: hermes\n"
+                                     "disable-log-requests: true\n")
+    node = start_node("both", tmp, extra_args=["--api-key", API_KEY, "--config", str(tmp / "config.yaml")])
     yield node
     node.kill()
 
@@ -143,7 +146,7 @@ def test_chat_matches_offline_chat(server, llm, model_name):
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
-    assert body["choices"][0]["message"] == {"role": "assistant", "content": want.text}
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": want.text, "tool_calls": []}  # as vLLM
     assert body["choices"][0]["finish_reason"] == want.finish_reason
     assert body["usage"]["completion_tokens"] == len(want.token_ids)
 
@@ -669,3 +672,10 @@ def test_best_of_returns_the_n_most_likely_of_its_candidates(server):
     assert best["usage"]["completion_tokens"] == candidates["usage"]["completion_tokens"]  # every candidate counts
     assert_openai_error(post(server, "/v1/completions", {**body, "best_of": 1}), 400, "best_of must be at least n")
     assert_openai_error(post(server, "/v1/completions", {**body, "stream": True}), 400, "cannot be streamed")
+
+
+def test_flags_from_the_config_file_reach_the_server(server):
+    """--config's enable-auto-tool-choice and tool-call-parser: tools with tool_choice "auto" are
+    answered (test_chat_as_current_clients_send_it); disable-log-requests: no request lines."""
+    assert post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 2}).status_code == 200
+    assert " started: " not in server.log() and " finished: " not in server.log()

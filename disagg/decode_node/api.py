@@ -119,8 +119,9 @@ class Generation:
     this task is one asyncio cancellation, so the node's `finally` runs to its end."""
 
     def __init__(self, node: DecodeNode, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 prefill_policy: str | None):
+                 prefill_policy: str | None, log_requests: bool):
         self.request_id = request_id
+        self.log_requests = log_requests
         self.num_prompt_tokens = len(prompt_token_ids)
         self.start = time.perf_counter()
         self.first_token_at: float | None = None
@@ -129,8 +130,9 @@ class Generation:
         self.error: Exception | None = None
         self.queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         self.aborting = False
-        logger.info("%s started: %d prompt tokens, max_tokens %d", request_id, self.num_prompt_tokens,
-                    params.max_tokens)
+        if log_requests:
+            logger.info("%s started: %d prompt tokens, max_tokens %d", request_id, self.num_prompt_tokens,
+                        params.max_tokens)
         self.pump = asyncio.create_task(self._pump(node.generate(request_id, prompt_token_ids, params, prefill_policy)))
 
     async def _pump(self, outputs: AsyncIterator[RequestOutput]) -> None:
@@ -189,6 +191,8 @@ class Generation:
         if finished or outcome == "abort":
             metrics.REQUESTS.labels(outcome).inc()
             metrics.E2E.observe(time.perf_counter() - self.start)
+        if not self.log_requests:
+            return
         ttft = "-" if self.first_token_at is None else f"{self.first_token_at - self.start:.3f}s"
         logger.info("%s finished: %d prompt tokens, %d output tokens, finish reason %s, TTFT %s, E2E %.3fs",
                     self.request_id, self.num_prompt_tokens, len(self.last.token_ids) if self.last else 0,
@@ -219,7 +223,7 @@ class Run:
     not streamed, and aborts every choice."""
 
     def __init__(self, node: DecodeNode, request_id: str, prompts: list[Prompt], params: SamplingParams, n: int,
-                 prefill_policy: str | None, raw_request: Request):
+                 prefill_policy: str | None, raw_request: Request, log_requests: bool):
         self.request_id = request_id
         self.choices: list[Choice] = []  # those answered: every candidate, until keep_best
         self.closed = False
@@ -228,7 +232,7 @@ class Run:
             seed = None if params.seed is None else params.seed + index % n
             choice_id = request_id if len(prompts) * n == 1 else f"{request_id}-{index}"
             generation = Generation(node, choice_id, prompts[index // n].token_ids,
-                                    dataclasses.replace(params, seed=seed), prefill_policy)
+                                    dataclasses.replace(params, seed=seed), prefill_policy, log_requests)
             self.choices.append(Choice(index, prompts[index // n], generation))
         self.candidates = list(self.choices)  # every engine request, answered or not
         self.watcher = asyncio.create_task(self._watch(raw_request))
@@ -520,10 +524,11 @@ def tool_finish_reason(finish_reason: str, calls: list[ToolCall]) -> str:
 class OpenAIServing:
     """The endpoints' handlers, over one node and its served model name."""
 
-    def __init__(self, node: DecodeNode, served_model_name: str, tool_options: ToolOptions):
+    def __init__(self, node: DecodeNode, served_model_name: str, tool_options: ToolOptions, log_requests: bool):
         self.node = node
         self.model = served_model_name
         self.tool_options = tool_options
+        self.log_requests = log_requests  # a line as each request starts and ends
         self.num_requests = 0  # in flight, for /load
 
     def check_model(self, model: str | None) -> None:
@@ -600,7 +605,8 @@ class OpenAIServing:
         # A router sets X-Request-Id so that one request can be followed through the router's and
         # this node's logs (and, by this node's own id for it, the prefill node's).
         request_id = request_label(raw_request.headers.get("x-request-id"), prefix)
-        run = Run(self.node, request_id, prompts, params, request.num_candidates, request.prefill_policy, raw_request)
+        run = Run(self.node, request_id, prompts, params, request.num_candidates, request.prefill_policy, raw_request,
+                  self.log_requests)
         self.num_requests += 1
         try:
             await run.start()
@@ -697,14 +703,14 @@ async def on_validation_error(_: Request, e: RequestValidationError) -> JSONResp
 
 
 def build_app(node: DecodeNode, options: HTTPOptions, served_model_name: str,
-              tool_options: ToolOptions = ToolOptions()) -> FastAPI:
+              tool_options: ToolOptions = ToolOptions(), log_requests: bool = True) -> FastAPI:
     app = make_app("disagg", options, error_response)
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(Exception, on_unexpected_error)
 
-    serving = OpenAIServing(node, served_model_name, tool_options)
+    serving = OpenAIServing(node, served_model_name, tool_options, log_requests)
     app.add_api_route("/v1/completions", serving.completions, methods=["POST"], response_model=None)
     app.add_api_route("/v1/chat/completions", serving.chat, methods=["POST"], response_model=None)
     # vLLM serves these at the root, not under /v1.

@@ -17,8 +17,8 @@ logger = logging.getLogger(__name__)
 
 
 async def run_decode_node(engine: AsyncEngine, model_name: str, kv: KVTransferConfig, prefill_nodes: list[str],
-                          host: str, port: int, http: HTTPOptions, tools: ToolOptions,
-                          log_level: str) -> None:
+                          host: str, port: int, http: HTTPOptions, tools: ToolOptions, log_requests: bool,
+                          shutdown_timeout: float, log_level: str) -> None:
     consumer = pool = kv_advertise = None
     try:
         if kv.kv_role == "consumer":
@@ -33,8 +33,9 @@ async def run_decode_node(engine: AsyncEngine, model_name: str, kv: KVTransferCo
         where = f"kv {kv.kv_connector} {kv.kv_ip}:{consumer.address[1]} prefill {','.join(prefill_nodes)}" if consumer else "colocated"
         role = "decode" if consumer else "colocated"
         metrics.register_vllm_names(model_name)
-        await serve_http(build_app(node, http, model_name, tools), host, port,
-                         f"disagg {role} node ready: http://{host}:{port} {where} model {model_name}", log_level)
+        await serve_http(build_app(node, http, model_name, tools, log_requests), host, port,
+                         f"disagg {role} node ready: http://{host}:{port} {where} model {model_name}", log_level,
+                         shutdown_timeout)
     finally:
         if pool is not None:
             await pool.close()

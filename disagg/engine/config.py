@@ -19,3 +19,5 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # CUDA: no decode graphs
     attention_backend: str | None = None  # "sdpa" or "triton"; None: triton on CUDA, sdpa on the CPU
+    tokenizer: str | None = None  # a directory with tokenizer.json; None: the model's
+    chat_template: str | None = None  # a jinja template or a file holding one; None: the tokenizer's

@@ -15,7 +15,7 @@ from disagg.engine.sampling_params import SamplingParamError, SamplingParams
 from disagg.engine.scheduler import Scheduler
 from disagg.engine.sequence import RemotePrefill, Sequence, SequenceStatus, TokenLogprob
 from disagg.engine.structured_output import GrammarCompiler, StructuredOutput
-from disagg.engine.tokenizer import Tokenizer
+from disagg.engine.tokenizer import Tokenizer, load_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,8 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_dir = resolve_model(config.model)
         self.model_config = load_config(self.model_dir)
-        self.tokenizer = Tokenizer(self.model_dir)
+        chat_template = None if config.chat_template is None else load_chat_template(config.chat_template)
+        self.tokenizer = Tokenizer(self.model_dir, config.tokenizer, chat_template)
         self.runner = build_runner(config, self.model_dir, self.model_config, self.device, self.dtype)
         self.kv_cache = self.runner.kv_cache
         self.max_model_len = self.runner.max_model_len

@@ -17,12 +17,14 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, kv_cache_memory: int | float | None = None,
                  enable_prefix_caching: bool = True, seed: int = 0, enforce_eager: bool = False,
-                 attention_backend: str | None = None):
+                 attention_backend: str | None = None, tokenizer: str | None = None,
+                 chat_template: str | None = None):
         self.engine = LLMEngine(EngineConfig(
             model=model, device=device, dtype=dtype, block_size=block_size, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching, seed=seed,
-            enforce_eager=enforce_eager, attention_backend=attention_backend))
+            enforce_eager=enforce_eager, attention_backend=attention_backend, tokenizer=tokenizer,
+            chat_template=chat_template))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

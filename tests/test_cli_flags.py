@@ -1,0 +1,68 @@
+"""vLLM's model and server flags through the real CLI (`disagg serve ... --check-config`, which loads
+no model) and the tokenizer they configure: --tokenizer, --chat-template, --config, --shutdown-timeout,
+--enable-auto-tool-choice / --tool-call-parser."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from disagg import cli
+from disagg.engine.tokenizer import Tokenizer
+
+SERVE = ["serve", "--device", "cpu", "--check-config"]
+CHAT = [{"role": "user", "content": "Hi"}]
+
+
+def check(argv: list[str], capsys: pytest.CaptureFixture) -> str:
+    """'config ok ...', or the error it exits with."""
+    try:
+        cli.main(SERVE + argv)
+    except SystemExit:
+        return capsys.readouterr().err
+    return capsys.readouterr().out
+
+
+def test_tokenizer_and_chat_template_flags(tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture):
+    assert "config ok" in check(["--tokenizer", str(model_dir), "--chat-template", "{{ messages[0].content }}"], capsys)
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}")
+    assert "config ok" in check(["--chat-template", str(tmp_path / "t.jinja")], capsys)
+    assert "--tokenizer" in check(["--tokenizer", str(tmp_path)], capsys)  # no tokenizer.json there
+    assert "neither a file nor a jinja template" in check(["--chat-template", str(tmp_path / "none.jinja")], capsys)
+    assert "does not compile" in check(["--chat-template", "{% for %}"], capsys)
+    tokenizer = Tokenizer(model_dir, chat_template=(tmp_path / "t.jinja").read_text())
+    assert tokenizer.apply_chat_template(CHAT, add_generation_prompt=False) == "[user] Hi"
+
+
+def test_chat_template_beside_the_tokenizer_and_named_templates(tmp_path: Path, model_dir: Path):
+    """A tokenizer directory (--tokenizer) whose template is chat_template.jinja, as transformers now
+    writes it, or a list of named templates ("tool_use" taken when tools are sent)."""
+    shutil.copy(model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "chat_template.jinja").write_text("<{{ messages[0].content }}>")
+    assert Tokenizer(model_dir, tmp_path).apply_chat_template(CHAT) == "<Hi>"
+    config["chat_template"] = [{"name": "default", "template": "plain"}, {"name": "tool_use", "template": "tools"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = Tokenizer(model_dir, tmp_path)
+    assert tokenizer.apply_chat_template(CHAT) == "plain"
+    assert tokenizer.apply_chat_template(CHAT, tools=[{"type": "function", "function": {"name": "f"}}]) == "tools"
+
+
+def test_config_file_gives_defaults_that_the_command_line_overrides(tmp_path: Path, capsys: pytest.CaptureFixture):
+    config = tmp_path / "config.yaml"
+    config.write_text("kv-role: consumer\nprefill_nodes: 127.0.0.1:50051\n"
+                      "kv-transfer-config: {kv_connector: tcp, kv_port: '21001'}\nshutdown-timeout: 2\n")
+    assert "config ok: role consumer, pipe tcp 127.0.0.1:21001" in check(["--config", str(config)], capsys)
+    out = check(["--config", str(config), "--kv-role", "both", "--prefill-nodes", ""], capsys)
+    assert "config ok: role both" in out
+    config.write_text("enable-auto-tool-choice: true\n")
+    assert "needs --tool-call-parser" in check(["--config", str(config)], capsys)
+    assert "config ok" in check(["--config", str(config), "--tool-call-parser", "hermes"], capsys)
+    config.write_text("tool-call-parser: bogus\n")
+    assert "--tool-call-parser must be one of" in check(["--config", str(config)], capsys)
+    config.write_text("no-such-flag: 1\n")
+    assert "'no-such-flag' is not a flag of disagg serve" in check(["--config", str(config)], capsys)
+    assert "--shutdown-timeout must be at least 0" in check(["--shutdown-timeout", "-1"], capsys)
