@@ -4,9 +4,13 @@ no model) and the tokenizer they configure: --tokenizer, --chat-template, --conf
 
 import json
 import shutil
+import signal
+import time
 from pathlib import Path
 
+import httpx
 import pytest
+from servers import start_node, wait_for
 
 from disagg import cli
 from disagg.engine.tokenizer import Tokenizer
@@ -66,3 +70,36 @@ def test_config_file_gives_defaults_that_the_command_line_overrides(tmp_path: Pa
     config.write_text("no-such-flag: 1\n")
     assert "'no-such-flag' is not a flag of disagg serve" in check(["--config", str(config)], capsys)
     assert "--shutdown-timeout must be at least 0" in check(["--shutdown-timeout", "-1"], capsys)
+
+
+def test_sigterm_lets_a_request_in_flight_finish_within_the_shutdown_timeout(tmp_path: Path):
+    """--shutdown-timeout: on SIGTERM new connections are refused at once and a stream in flight runs
+    to its end (longer than the 5 s grace there was before the flag) before the node exits."""
+    node = start_node("both", tmp_path, extra_args=["--shutdown-timeout", "60"])
+    body = {"prompt": "Once upon a time", "max_tokens": MAX_TOKENS_DRAINED, "ignore_eos": True, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    try:
+        with httpx.stream("POST", f"{node.url}/v1/completions", json=body, timeout=120) as response:
+            events = (line[6:] for line in response.iter_lines() if line.startswith("data: "))
+            next(events)
+            node.proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            wait_for(lambda: refuses_connections(node.url), 10, "the node to refuse new connections")
+            rest = list(events)
+        drained = time.monotonic() - signalled
+        assert rest[-1] == "[DONE]" and json.loads(rest[-2])["usage"]["completion_tokens"] == MAX_TOKENS_DRAINED
+        assert drained > 5, f"the stream ended {drained:.1f}s after SIGTERM: too short to tell the flag worked"
+        node.proc.wait(timeout=30)
+    finally:
+        node.kill()
+
+
+MAX_TOKENS_DRAINED = 200
+
+
+def refuses_connections(url: str) -> bool:
+    try:
+        httpx.get(f"{url}/health", timeout=1)
+    except httpx.ConnectError:
+        return True
+    return False
