@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 from prompts import PROMPTS, hf_greedy, penalized_reference
-from servers import Node, start_node
+from servers import Node, read_sse_text, start_node
 
 from disagg import LLM, SamplingParams
 from disagg.engine.sampling_params import SamplingParamError, StructuredOutputSpec
@@ -197,6 +197,11 @@ def test_prompt_as_token_ids(server, llm):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400,
      "tool_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, 400, "needs content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{}],
+                              "tool_choice": "required"}, 400, "each tool must be"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [
+        {"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {
+            "name": "g"}}}, 400, "not among the tools"),
     ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404,
      "does not exist"),
 ])
@@ -679,3 +684,26 @@ def test_flags_from_the_config_file_reach_the_server(server):
     answered (test_chat_as_current_clients_send_it); disable-log-requests: no request lines."""
     assert post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 2}).status_code == 200
     assert " started: " not in server.log() and " finished: " not in server.log()
+
+
+def test_json_schema_answers_for_20_prompts_parse_and_validate_streamed_and_not(server):
+    cities = ["Paris", "London", "Tokyo", "Rome", "Cairo"]
+    prompts = [f"Name a large city ({cities[i % 5]}, say) and its population, as JSON. Request {i}." for i in range(20)]
+
+    async def ask(client: httpx.AsyncClient, i: int) -> str:
+        body = {"messages": [{"role": "user", "content": prompts[i]}], "max_tokens": 30, "temperature": 0,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": CITY}}}
+        if i % 2:
+            response = await client.post("/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]["message"]["content"]
+        async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+            assert response.status_code == 200
+            return await read_sse_text(response)
+
+    async def ask_all() -> list[str]:
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120) as client:
+            return await asyncio.gather(*[ask(client, i) for i in range(20)])
+
+    for text in asyncio.run(ask_all()):
+        jsonschema.validate(json.loads(text), CITY)

@@ -361,6 +361,9 @@ class ChatCompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if any(not isinstance(name, str) or not name for name in function_names(self.tools or [])):
+            raise SamplingParamError("tools", 'each tool must be {"type": "function", "function": {"name": ..., '
+                                              '"parameters": {...}}} with a name')
         choice = self.tool_choice
         if not (choice in (None, "none", "auto", "required") or named_function(choice) is not None):
             raise SamplingParamError("tool_choice", "tool_choice must be \"none\", \"auto\", \"required\" or "

@@ -109,4 +109,6 @@ def forced_calls(text: str, tool_choice: str | dict) -> list[ToolCall]:
     name = named_function(tool_choice)
     if name is not None:
         return [ToolCall(name, json.dumps(value, ensure_ascii=False))]
-    return [ToolCall(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in value]
+    if not isinstance(value, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in value):
+        return []  # the grammar makes this shape; anything else is not a call
+    return [ToolCall(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in value]

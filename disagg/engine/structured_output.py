@@ -40,7 +40,7 @@ class GrammarCompiler:
                 return self.compiled[spec]
         try:
             grammar = llguidance.grammar_from(spec.kind, spec.value)
-        except ValueError as e:
+        except Exception as e:  # noqa: BLE001  not JSON, not GBNF, ...: the client's text, the client's 400
             raise SamplingParamError("structured", f"the {spec.kind} does not compile: {e}") from None
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
