@@ -22,6 +22,8 @@ from disagg.engine.tokenizer import load_chat_template
 from disagg.router import DEFAULT_MAX_REQUEST_BODY_BYTES
 from disagg.serving import HTTPOptions
 
+logger = logging.getLogger(__name__)
+
 SAMPLE_PROMPTS = [
     "What is disaggregated prefill in LLM serving?",
     "Write a haiku about the sea.",
@@ -49,6 +51,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="directory with tokenizer.json (and tokenizer_config.json) to use instead of the model's")
     parser.add_argument("--chat-template", default=None,
                         help="chat template to use instead of the tokenizer's: a file, or the jinja template itself")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="accepted for vLLM's command lines and ignored: disagg runs no code from the model directory")
 
 
 def parse_memory(text: str) -> int | float:
@@ -131,6 +135,8 @@ def check_engine_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--tokenizer: {args.tokenizer!r} is not a directory with a tokenizer.json")
     if args.chat_template is not None:
         load_chat_template(args.chat_template)  # its ValueError names the flag
+    if args.trust_remote_code:
+        logger.info("--trust-remote-code is accepted and ignored: disagg runs no code from the model directory")
 
 
 def check_serve_args(args: argparse.Namespace, kv: KVTransferConfig) -> list[str]:

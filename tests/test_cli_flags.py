@@ -31,7 +31,7 @@ def check(argv: list[str], capsys: pytest.CaptureFixture) -> str:
 def test_tokenizer_and_chat_template_flags(tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture):
     assert "config ok" in check(["--tokenizer", str(model_dir), "--chat-template", "{{ messages[0].content }}"], capsys)
     (tmp_path / "t.jinja").write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}")
-    assert "config ok" in check(["--chat-template", str(tmp_path / "t.jinja")], capsys)
+    assert "config ok" in check(["--chat-template", str(tmp_path / "t.jinja"), "--trust-remote-code"], capsys)
     assert "--tokenizer" in check(["--tokenizer", str(tmp_path)], capsys)  # no tokenizer.json there
     assert "neither a file nor a jinja template" in check(["--chat-template", str(tmp_path / "none.jinja")], capsys)
     assert "does not compile" in check(["--chat-template", "{% for %}"], capsys)

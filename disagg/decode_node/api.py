@@ -598,7 +598,7 @@ class OpenAIServing:
                     params: SamplingParams, fmt: Format) -> Response | BaseModel:
         """The path completions and chat share: validate, start every choice, stream or answer."""
         try:
-            if params.structured is not None:  # compiled once per distinct grammar, off the event loop; a bad one is a 400
+            if params.structured is not None:  # compiled off the event loop, once per distinct grammar: bad is a 400
                 await asyncio.to_thread(self.node.engine.engine.grammars.compile, params.structured)
             for prompt in prompts:
                 self.node.validate(prompt.token_ids, params)

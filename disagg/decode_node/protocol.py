@@ -165,7 +165,8 @@ class SamplingFields(OpenAIRequest):
             specs["response_format"] = StructuredOutputSpec("json", json.dumps(schema))
         if self.structured_outputs is not None:
             specs["structured_outputs"] = self.structured_outputs.spec()
-        guided = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+        guided = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
         for name, kind in guided.items():
             value = getattr(self, name)
             if value is not None:

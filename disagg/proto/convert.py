@@ -28,7 +28,8 @@ def prefill_call_to_proto(call: PrefillCall) -> pb.PrefillRequest:
     # Fields left None stay unset: the receiver reads them back as None.
     sampling = {k: v for k, v in sampling_fields(call.params).items() if v is not None}
     if "structured" in sampling:
-        sampling["structured"] = pb.StructuredOutput(kind=sampling["structured"].kind, value=sampling["structured"].value)
+        spec = sampling["structured"]
+        sampling["structured"] = pb.StructuredOutput(kind=spec.kind, value=spec.value)
     return pb.PrefillRequest(request_id=call.request_id, prompt_token_ids=call.prompt_token_ids,
                              sampling=pb.SamplingFields(**sampling), kv_dest_host=host, kv_dest_port=port,
                              skip_tokens=call.skip_tokens)
