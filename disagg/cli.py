@@ -254,6 +254,27 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check-config", action="store_true", help="validate the flags and exit")
 
 
+ENV_PREFIX = "DISAGG_"
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def environment_defaults(parser: argparse.ArgumentParser) -> dict:
+    """$DISAGG_<FLAG> for every flag of disagg serve (DISAGG_MAX_NUM_SEQS=32, DISAGG_MODEL=/models/x,
+    DISAGG_ENABLE_AUTO_TOOL_CHOICE=1), as the parser's defaults: a --config file and the command line win."""
+    defaults = {}
+    for action in parser._actions:
+        value = os.environ.get(ENV_PREFIX + action.dest.upper())
+        if action.dest in ("help", "config") or value is None:
+            continue
+        if action.nargs == 0:  # a switch
+            if value.lower() not in TRUE_WORDS + FALSE_WORDS:
+                raise ValueError(f"${ENV_PREFIX}{action.dest.upper()} must be one of {TRUE_WORDS + FALSE_WORDS}, "
+                                 f"got {value!r}")
+            value = value.lower() in TRUE_WORDS  # the dest's value: DISAGG_LOG_REQUESTS=0 turns logging off
+        defaults[action.dest] = value
+    return defaults
+
+
 def config_file_defaults(parser: argparse.ArgumentParser, path: str) -> dict:
     """vLLM's --config: a YAML mapping of flag names (without --; dashes or underscores) to values,
     turned into the parser's defaults. A mapping for --kv-transfer-config is taken as its JSON."""
@@ -303,13 +324,17 @@ def main(argv: list[str] | None = None) -> None:
     from disagg.router import add_router_parser  # argparse only: the router's server loads when it runs
 
     add_router_parser(sub)
+    try:
+        srv.set_defaults(**environment_defaults(srv))
+    except ValueError as e:
+        parser.exit(2, f"disagg: error: {e}\n")
     args = parser.parse_args(argv)
     if getattr(args, "config", None):
         try:
             srv.set_defaults(**config_file_defaults(srv, args.config))
         except (OSError, ValueError) as e:
             parser.exit(2, f"disagg: error: --config: {e}\n")
-        args = parser.parse_args(argv)  # the command line wins over the file
+        args = parser.parse_args(argv)  # the command line wins over the file, the file over the environment
     if getattr(args, "api_key", "") is None:  # serve and router: the key may come from the environment
         args.api_key = os.environ.get(API_KEY_ENV) or None
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

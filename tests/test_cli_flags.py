@@ -1,6 +1,6 @@
 """vLLM's model and server flags through the real CLI (`disagg serve ... --check-config`, which loads
 no model) and the tokenizer they configure: --tokenizer, --chat-template, --config, --shutdown-timeout,
---enable-auto-tool-choice / --tool-call-parser."""
+--enable-auto-tool-choice / --tool-call-parser, and $DISAGG_<FLAG> for each."""
 
 import json
 import shutil
@@ -70,6 +70,24 @@ def test_config_file_gives_defaults_that_the_command_line_overrides(tmp_path: Pa
     config.write_text("no-such-flag: 1\n")
     assert "'no-such-flag' is not a flag of disagg serve" in check(["--config", str(config)], capsys)
     assert "--shutdown-timeout must be at least 0" in check(["--shutdown-timeout", "-1"], capsys)
+
+
+def test_environment_variables_give_every_flag_below_the_config_file_and_the_command_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("DISAGG_KV_ROLE", "consumer")
+    monkeypatch.setenv("DISAGG_PREFILL_NODES", "127.0.0.1:50051")
+    monkeypatch.setenv("DISAGG_KV_TRANSFER_CONFIG", '{"kv_port": "21002"}')
+    assert "config ok: role consumer, pipe tcp 127.0.0.1:21002" in check([], capsys)
+    (tmp_path / "config.yaml").write_text("kv-transfer-config: {kv_port: 21003}\n")
+    assert "127.0.0.1:21003" in check(["--config", str(tmp_path / "config.yaml")], capsys)
+    assert "config ok: role both" in check(["--kv-role", "both", "--prefill-nodes", ""], capsys)
+    monkeypatch.setenv("DISAGG_ENABLE_AUTO_TOOL_CHOICE", "true")
+    assert "needs --tool-call-parser" in check([], capsys)
+    monkeypatch.setenv("DISAGG_ENABLE_AUTO_TOOL_CHOICE", "maybe")
+    assert "$DISAGG_ENABLE_AUTO_TOOL_CHOICE must be one of" in check([], capsys)
+    monkeypatch.delenv("DISAGG_ENABLE_AUTO_TOOL_CHOICE")
+    monkeypatch.setenv("DISAGG_SHUTDOWN_TIMEOUT", "soon")
+    assert "--shutdown-timeout: invalid float value: 'soon'" in check([], capsys)
 
 
 def test_sigterm_lets_a_request_in_flight_finish_within_the_shutdown_timeout(tmp_path: Path):
