@@ -642,7 +642,8 @@ CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
 WEATHER_CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-def test_named_and_required_tool_choice_return_calls_that_match_the_schema(server, model_name):
+def test_tool_choice_named_required_auto_and_none_through_the_openai_sdk(server, model_name):
+    """Named and required: calls that match the schema; auto: content streamed, calls parsed; none: text."""
     client = sdk(server)
     out = client.chat.completions.create(model=model_name, messages=WEATHER_CHAT, tools=[CLOCK, WEATHER],
                                          tool_choice={"type": "function", "function": {"name": "get_weather"}},
@@ -660,6 +661,27 @@ def test_named_and_required_tool_choice_return_calls_that_match_the_schema(serve
     assert chunks[-1].choices[0].finish_reason == "tool_calls" and len(calls) == 1
     assert calls[0].function.name in ("get_weather", "get_time")
     json.loads(calls[0].function.arguments)
+    # "auto" (this server has the flags): content streams as it comes, and equals the answer's.
+    answer = client.chat.completions.create(model=model_name, messages=CHAT, tools=[WEATHER], max_tokens=12,
+                                            temperature=0)
+    stream = client.chat.completions.create(model=model_name, messages=CHAT, tools=[WEATHER], max_tokens=12,
+                                            temperature=0, stream=True)
+    parts = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
+    assert len(parts) > 2 and "".join(parts) == answer.choices[0].message.content
+    assert answer.choices[0].message.tool_calls == []  # this model writes no <tool_call>
+    # The hermes parser on a real answer: a grammar makes the model write one call after some text.
+    written = 'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    body = dict(model=model_name, messages=WEATHER_CHAT, tools=[WEATHER], max_tokens=40, temperature=0,
+                extra_body={"structured_outputs": {"choice": [written]}})
+    answer = client.chat.completions.create(**body).choices[0]
+    assert answer.finish_reason == "tool_calls" and answer.message.content == "Sure."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in answer.message.tool_calls] == [
+        ("get_weather", {"city": "Paris"})]
+    chunks = [c.choices[0] for c in client.chat.completions.create(**body, stream=True) if c.choices]
+    assert "".join(c.delta.content or "" for c in chunks).strip() == "Sure."
+    calls = [call for c in chunks for call in c.delta.tool_calls or []]
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", '{"city": "Paris"}')]
+    assert chunks[-1].finish_reason == "tool_calls"
     # "none": the template gets no tools and the answer is plain content.
     out = client.chat.completions.create(model=model_name, messages=WEATHER_CHAT, tools=[WEATHER], tool_choice="none",
                                          max_tokens=4, temperature=0)

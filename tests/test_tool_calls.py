@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from disagg.decode_node.tool_calls import ToolOptions, forced_calls, forced_schema, parse_hermes
+from disagg.decode_node.tool_calls import ToolOptions, forced_calls, forced_schema, parse_hermes, streamable_end
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -53,3 +53,10 @@ def test_auto_tool_choice_needs_both_flags_as_in_vllm():
     with pytest.raises(ValueError, match="--tool-call-parser"):
         ToolOptions(enable_auto_tool_choice=True).check_auto()
     ToolOptions(True, "hermes").check_auto()
+
+
+def test_a_stream_sends_content_up_to_where_a_tool_call_may_start():
+    assert streamable_end("The answer is 4.") == len("The answer is 4.")
+    assert streamable_end("Let me check. <tool") == len("Let me check. ")  # may become <tool_call>
+    assert streamable_end("a < b") == len("a < b")
+    assert streamable_end('Sure <tool_call>{"name"') == len("Sure ")

@@ -61,7 +61,14 @@ from disagg.decode_node.protocol import (
     ToolCallOut,
     UsageInfo,
 )
-from disagg.decode_node.tool_calls import ToolCall, ToolOptions, forced_calls, parse_hermes
+from disagg.decode_node.tool_calls import (
+    ToolCall,
+    ToolOptions,
+    forced_calls,
+    parse_hermes,
+    remove_hermes_calls,
+    streamable_end,
+)
 from disagg.engine.output import RequestOutput
 from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.sequence import TokenLogprob
@@ -208,7 +215,7 @@ class Choice:
     out: RequestOutput | None = None  # the latest output
     started: bool = False  # its first chunk went out
     num_logprobs_sent: int = 0
-    text_offset: int = 0  # completions: where the text sent so far ends
+    text_offset: int = 0  # completions, and chat with tools: where the text sent so far ends
 
     def new_logprobs(self) -> list[TokenLogprob]:
         logprobs = self.out.logprobs[self.num_logprobs_sent:]
@@ -445,7 +452,7 @@ class CompletionFormat:
 
 class ChatFormat:
     """/v1/chat/completions: the assistant's role first, then content deltas. When tool calls may
-    come out, a streamed choice's text is held back and sent at its end, with the calls read from it."""
+    come out, the text that may hold them is held back and sent at the end, with the calls read from it."""
 
     def __init__(self, request: ChatCompletionRequest, tokenizer: Tokenizer, model: str):
         self.request = request
@@ -468,17 +475,32 @@ class ChatFormat:
         delta = DeltaMessage(content=out.new_text)
         finish_reason = out.finish_reason if out.finished else None
         if self.request.tool_mode != "none":
-            delta = DeltaMessage(content="")
+            delta = self.tool_delta(choice)
             if out.finished:
-                content, calls = self.tool_calls(out.text)
-                delta = DeltaMessage(content=content, tool_calls=[
-                    DeltaToolCall(index=i, id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
-                    for i, c in enumerate(calls)] or None)
-                finish_reason = tool_finish_reason(out.finish_reason, calls)
+                finish_reason = tool_finish_reason(out.finish_reason, delta.tool_calls or [])
         if delta.content or delta.tool_calls or out.finished or (logprobs and logprobs.content):
             return ChatStreamChoice(index=choice.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
                                     stop_reason=out.stop_reason)
         return None
+
+    def tool_delta(self, choice: Choice) -> DeltaMessage:
+        """When calls may come: "auto" streams content up to where a <tool_call> starts (or may start)
+        and sends the rest and the calls at the end; "forced" (all JSON) sends the calls at the end."""
+        out = choice.out
+        if not out.finished:
+            if self.request.tool_mode == "forced":
+                return DeltaMessage(content="")
+            end = max(choice.text_offset, streamable_end(out.text))
+            content, choice.text_offset = out.text[choice.text_offset:end], end
+            return DeltaMessage(content=content)
+        if self.request.tool_mode == "forced":
+            content, calls = self.tool_calls(out.text)
+        else:
+            rest, calls = remove_hermes_calls(out.text)
+            content = rest[choice.text_offset:].rstrip() if calls else rest[choice.text_offset:]
+        return DeltaMessage(content=content or None, tool_calls=[
+            DeltaToolCall(index=i, id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+            for i, c in enumerate(calls)] or None)
 
     def tool_calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """A finished choice's content and the tool calls in its text."""

@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 
 # An unclosed last call (the output ended inside it) is read as well, as vLLM's hermes parser does.
+TOOL_CALL_START = "<tool_call>"
 TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 TOOL_CALL_PARSERS = ("hermes",)
 
@@ -37,18 +38,38 @@ class ToolOptions:
 
 
 def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
-    """(the content left once the calls are taken out, None if nothing is left; the calls).
-    A <tool_call> block whose body is not a JSON object with a name stays in the content as it came."""
-    calls, content, end = [], [], 0
+    """(the content, the calls). With calls, the content is what is left once they are taken out
+    (None if nothing is); without, the text as it came. A <tool_call> block whose body is not a JSON
+    object with a name is no call: it stays in the content."""
+    rest, calls = remove_hermes_calls(text)
+    if not calls:
+        return text, []
+    return rest.strip() or None, calls
+
+
+def remove_hermes_calls(text: str) -> tuple[str, list[ToolCall]]:
+    """The text with each call taken out, and the calls."""
+    calls, kept, end = [], [], 0
     for match in TOOL_CALL.finditer(text):
         call = hermes_call(match.group(1))
         if call is not None:
-            content.append(text[end:match.start()])
+            kept.append(text[end:match.start()])
             end = match.end()
             calls.append(call)
-    content.append(text[end:])
-    rest = "".join(content).strip()
-    return rest or None, calls
+    kept.append(text[end:])
+    return "".join(kept), calls
+
+
+def streamable_end(text: str) -> int:
+    """How much of a growing answer can go out as content now: all of it up to a <tool_call>, less an
+    end that may be the start of one."""
+    start = text.find(TOOL_CALL_START)
+    if start != -1:
+        return start
+    for length in range(len(TOOL_CALL_START) - 1, 0, -1):
+        if text.endswith(TOOL_CALL_START[:length]):
+            return len(text) - length
+    return len(text)
 
 
 def hermes_call(body: str) -> ToolCall | None:
