@@ -26,10 +26,21 @@ class GrammarCompiler:
     matchers out of the cache: a lock keeps the two apart."""
 
     def __init__(self, tokenizer_json: Path, vocab_size: int, eos_token_ids: list[int]):
-        self.tokenizer = llguidance.LLTokenizer(str(tokenizer_json), n_vocab=vocab_size, eos_token=eos_token_ids)
+        self.tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._tokenizer: llguidance.LLTokenizer | None = None
         self.compiled: OrderedDict[StructuredOutputSpec, llguidance.LLMatcher] = OrderedDict()
         self.lock = threading.Lock()
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """Built at the first grammar (it takes a few hundred ms), so engines that never see one do not pay."""
+        with self.lock:
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.LLTokenizer(str(self.tokenizer_json), n_vocab=self.vocab_size,
+                                                         eos_token=self.eos_token_ids)
+            return self._tokenizer
 
     def compile(self, spec: StructuredOutputSpec) -> llguidance.LLMatcher:
         """The spec's matcher at its start, shared: copy it before use. Raises SamplingParamError
