@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from disagg.config import ROLES, KVTransferConfig
+from disagg.decode_node.tool_calls import TOOL_CALL_PARSERS, ToolOptions
 from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.builder import resolve_device, resolve_dtype
 from disagg.engine.config import EngineConfig
@@ -19,8 +20,11 @@ from disagg.engine.kv_offload import OFFLOADING_MODES, check_kv_tiers
 from disagg.engine.llm import LLM
 from disagg.engine.loader import DEFAULT_MODEL_NAME, resolve_model
 from disagg.engine.sampling_params import SamplingParams
+from disagg.engine.tokenizer import load_chat_template
 from disagg.router import DEFAULT_MAX_REQUEST_BODY_BYTES
 from disagg.serving import HTTPOptions
+
+logger = logging.getLogger(__name__)
 
 SAMPLE_PROMPTS = [
     "What is disaggregated prefill in LLM serving?",
@@ -53,6 +57,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-disk-path", default=None,
                         help="directory of a disk KV tier under the host tier (kept across restarts)")
     parser.add_argument("--kv-disk-size", type=float, default=None, help="GiB the disk KV tier may hold")
+    parser.add_argument("--tokenizer", default=None,
+                        help="directory with tokenizer.json (and tokenizer_config.json) to use instead of the model's")
+    parser.add_argument("--chat-template", default=None,
+                        help="chat template to use instead of the tokenizer's: a file, or the jinja template itself")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="accepted for vLLM's command lines and ignored: disagg runs no code from the model directory")
 
 
 def parse_memory(text: str) -> int | float:
@@ -73,7 +83,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
                 kv_offloading_size=args.kv_offloading_size, kv_offloading_backend=args.kv_offloading_backend,
                 kv_offloading_mode=args.kv_offloading_mode, kv_disk_path=args.kv_disk_path,
-                kv_disk_size=args.kv_disk_size)
+                kv_disk_size=args.kv_disk_size, tokenizer=args.tokenizer,
+                chat_template=args.chat_template)
 
 
 def generate(args: argparse.Namespace) -> None:
@@ -137,9 +148,21 @@ def check_engine_args(args: argparse.Namespace) -> None:
     elif args.model is not None and not args.model.endswith(".gguf"):
         raise ValueError(f"MODEL: {args.model!r} is a file but not a .gguf file; pass a .gguf file or a "
                          "Hugging Face model directory")
+    if args.tokenizer is not None and not (Path(args.tokenizer).expanduser() / "tokenizer.json").is_file():
+        raise ValueError(f"--tokenizer: {args.tokenizer!r} is not a directory with a tokenizer.json")
+    if args.chat_template is not None:
+        load_chat_template(args.chat_template)  # its ValueError names the flag
+    if args.trust_remote_code:
+        logger.info("--trust-remote-code is accepted and ignored: disagg runs no code from the model directory")
 
 
 def check_serve_args(args: argparse.Namespace, kv: KVTransferConfig) -> list[str]:
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be at least 0 seconds, got {args.shutdown_timeout}")
+    if args.tool_call_parser not in (None, *TOOL_CALL_PARSERS):  # a --config file's value is not checked by argparse
+        raise ValueError(f"--tool-call-parser must be one of {TOOL_CALL_PARSERS}, got {args.tool_call_parser!r}")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
     if args.max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be at least 1, got {args.max_request_body_bytes}")
     prefill_nodes = [a.strip() for a in (args.prefill_nodes or "").split(",") if a.strip()]
@@ -200,7 +223,9 @@ def serve(args: argparse.Namespace) -> None:
         from disagg.decode_node.server import run_decode_node
 
         http = HTTPOptions(args.api_key, args.max_request_body_bytes, args.enable_docs)
-        asyncio.run(run_decode_node(engine, name, kv, prefill_nodes, args.host, args.port, http, args.log_level))
+        tools = ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser)
+        asyncio.run(run_decode_node(engine, name, kv, prefill_nodes, args.host, args.port, http, tools,
+                                    args.log_requests, args.shutdown_timeout, args.log_level))
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -226,8 +251,65 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="serve /docs and /openapi.json (off: they map the API for anyone who reaches the port)")
     parser.add_argument("--insecure", action="store_true",
                         help="allow node-to-node ports beyond loopback with no auth_token (a trusted network only)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='chat: answer tool_choice "auto" (the default with tools), reading tool calls out of '
+                             "the model's text with --tool-call-parser (vLLM's flag)")
+    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                        help="the format of the model's tool calls: hermes (<tool_call>{...}</tool_call>, Hermes "
+                             "and Qwen)")
+    parser.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=True,
+                        help="log a line when each request starts and when it ends")
+    parser.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
+                        help="do not log each request (vLLM's flag)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM or Ctrl-C, seconds that requests in flight get to finish while new "
+                             "connections are refused")
+    parser.add_argument("--config", default=None,
+                        help="YAML file of flags (keys are flag names without --, as in vLLM); flags given on "
+                             "the command line win")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     parser.add_argument("--check-config", action="store_true", help="validate the flags and exit")
+
+
+ENV_PREFIX = "DISAGG_"
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def environment_defaults(parser: argparse.ArgumentParser) -> dict:
+    """$DISAGG_<FLAG> for every flag of disagg serve (DISAGG_MAX_NUM_SEQS=32, DISAGG_MODEL=/models/x,
+    DISAGG_ENABLE_AUTO_TOOL_CHOICE=1), as the parser's defaults: a --config file and the command line win."""
+    defaults = {}
+    for action in parser._actions:
+        value = os.environ.get(ENV_PREFIX + action.dest.upper())
+        if action.dest in ("help", "config") or value is None:
+            continue
+        if action.nargs == 0:  # a switch
+            if value.lower() not in TRUE_WORDS + FALSE_WORDS:
+                raise ValueError(f"${ENV_PREFIX}{action.dest.upper()} must be one of {TRUE_WORDS + FALSE_WORDS}, "
+                                 f"got {value!r}")
+            value = value.lower() in TRUE_WORDS  # the dest's value: DISAGG_LOG_REQUESTS=0 turns logging off
+        defaults[action.dest] = value
+    return defaults
+
+
+def config_file_defaults(parser: argparse.ArgumentParser, path: str) -> dict:
+    """vLLM's --config: a YAML mapping of flag names (without --; dashes or underscores) to values,
+    turned into the parser's defaults. A mapping for --kv-transfer-config is taken as its JSON."""
+    import yaml
+
+    values = yaml.safe_load(Path(path).expanduser().read_text())
+    if not isinstance(values, dict):
+        raise ValueError(f"{path} must be a YAML mapping of flag names to values")
+    dests = {action.dest for action in parser._actions} - {"help", "config"}
+    defaults = {}
+    for key, value in values.items():
+        dest = str(key).removeprefix("--").replace("-", "_")
+        if dest == "enable_log_requests" or dest == "disable_log_requests":
+            dest, value = "log_requests", bool(value) == (dest == "enable_log_requests")
+        if dest not in dests:
+            raise ValueError(f"{path}: {key!r} is not a flag of disagg serve")
+        defaults[dest] = json.dumps(value) if dest == "kv_transfer_config" and isinstance(value, dict) else value
+    return defaults
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -259,7 +341,17 @@ def main(argv: list[str] | None = None) -> None:
     from disagg.router import add_router_parser  # argparse only: the router's server loads when it runs
 
     add_router_parser(sub)
+    try:
+        srv.set_defaults(**environment_defaults(srv))
+    except ValueError as e:
+        parser.exit(2, f"disagg: error: {e}\n")
     args = parser.parse_args(argv)
+    if getattr(args, "config", None):
+        try:
+            srv.set_defaults(**config_file_defaults(srv, args.config))
+        except (OSError, ValueError) as e:
+            parser.exit(2, f"disagg: error: --config: {e}\n")
+        args = parser.parse_args(argv)  # the command line wins over the file, the file over the environment
     if getattr(args, "api_key", "") is None:  # serve and router: the key may come from the environment
         args.api_key = os.environ.get(API_KEY_ENV) or None
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -69,4 +69,4 @@ def sampling_fields(params: SamplingParams) -> dict:
 
 FIRST_TOKEN_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "presence_penalty",
                       "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids",
-                      "ignore_eos")
+                      "ignore_eos", "structured")

@@ -34,10 +34,13 @@ def openai_error_response(status: int, message: str, param: str | None = None,
     return JSONResponse(openai_error(status, message, param, code), status_code=status)
 
 
-async def serve_http(app: FastAPI, host: str, port: int, ready_line: str, log_level: str) -> None:
-    """Serve until SIGINT/SIGTERM; print `ready_line` once the socket listens."""
+async def serve_http(app: FastAPI, host: str, port: int, ready_line: str, log_level: str,
+                     shutdown_timeout: float = 5.0) -> None:
+    """Serve until SIGINT/SIGTERM; print `ready_line` once the socket listens. On the signal the
+    socket closes (new connections are refused) and requests in flight get `shutdown_timeout`
+    seconds to finish before they are cancelled."""
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
-                                           access_log=False, timeout_graceful_shutdown=5))
+                                           access_log=False, timeout_graceful_shutdown=shutdown_timeout))
     task = asyncio.create_task(server.serve())
     while not server.started and not task.done():
         await asyncio.sleep(0.05)

@@ -32,7 +32,7 @@ from disagg.decode_node.prefill_client import (
 from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.config import EngineConfig
 from disagg.engine.engine import LLMEngine
-from disagg.engine.sampling_params import SamplingParams
+from disagg.engine.sampling_params import SamplingParams, StructuredOutputSpec
 from disagg.engine.sequence import Sequence
 from disagg.lookup_buffer import (
     LookupBufferConsumer,
@@ -42,7 +42,8 @@ from disagg.lookup_buffer import (
 from disagg.pipes import PipeConfig
 from disagg.prefill_node.node import PrefillNode
 from disagg.prefill_node.service import PrefillGrpcServer, start_grpc_server
-from disagg.proto import SERVICE_NAME, generate
+from disagg.proto import SERVICE_NAME, convert, generate
+from disagg.proto import disagg_pb2 as pb
 from disagg.serving import node_info
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,6 +130,16 @@ def test_check_notices_a_changed_proto(tmp_path: Path, capsys: pytest.CaptureFix
     assert generate.main(["--check", "--proto", str(changed)]) == 1
     message = capsys.readouterr().err
     assert "disagg_pb2.py" in message and "python -m disagg.proto.generate" in message
+
+
+def test_the_grammar_crosses_the_grpc_boundary():
+    """The prefill node samples the first token: it gets the structured-output spec (and nothing
+    for a request without one)."""
+    spec = StructuredOutputSpec("regex", "[0-9]{3}")
+    for structured in (spec, None):
+        call = PrefillCall("r1", [1, 2, 3], SamplingParams(temperature=0.0, structured=structured), ("127.0.0.1", 9))
+        wire = pb.PrefillRequest.FromString(convert.prefill_call_to_proto(call).SerializeToString())
+        assert convert.prefill_call_from_proto(wire).params.structured == structured
 
 
 # --- prefill through gRPC ----------------------------------------------------------------------

@@ -3,18 +3,21 @@ offline engine: same greedy tokens, streamed or not, plus errors, the API key an
 
 import asyncio
 import json
+import re
 import threading
 import time
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
 from prompts import PROMPTS, hf_greedy, penalized_reference
-from servers import Node, start_node
+from servers import Node, read_sse_text, start_node
 
 from disagg import LLM, SamplingParams
+from disagg.engine.sampling_params import SamplingParamError, StructuredOutputSpec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,8 +30,12 @@ CHAT = [{"role": "system", "content": "You are a concise assistant."},
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Node:
-    """One colocated node for the module, started with an API key that every request sends."""
-    node = start_node("both", tmp_path_factory.mktemp("openai-api"), extra_args=["--api-key", API_KEY])
+    """One colocated node for the module, started with an API key that every request sends. Some
+    flags come from a --config YAML file, as vLLM takes them."""
+    tmp = tmp_path_factory.mktemp("openai-api")
+    (tmp / "config.yaml").write_text("enable-auto-tool-choice: true\ntool-call-parser: hermes\n"
+                                     "disable-log-requests: true\n")
+    node = start_node("both", tmp, extra_args=["--api-key", API_KEY, "--config", str(tmp / "config.yaml")])
     yield node
     node.kill()
 
@@ -139,7 +146,7 @@ def test_chat_matches_offline_chat(server, llm, model_name):
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
-    assert body["choices"][0]["message"] == {"role": "assistant", "content": want.text}
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": want.text, "tool_calls": []}  # as vLLM
     assert body["choices"][0]["finish_reason"] == want.finish_reason
     assert body["usage"]["completion_tokens"] == len(want.token_ids)
 
@@ -172,7 +179,7 @@ def test_prompt_as_token_ids(server, llm):
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
     ("/v1/completions", '{"prompt": "hi",', 400, "not valid JSON"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n must be"),
-    ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "n": 3, "best_of": 2}, 400, "best_of"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "0 only with echo"),
     ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"a": 1}}, 400, "logit_bias"),
@@ -182,7 +189,7 @@ def test_prompt_as_token_ids(server, llm):
     # Found by schemathesis: token ids outside the vocabulary were decoded before validation (500).
     ("/v1/completions", {"prompt": [1, 2**70]}, 400, "token ids must be"),
     ("/v1/completions", {"prompt": [[5, -3], [7]]}, 400, "token ids must be"),
-    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema"}}, 400, "json_schema"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
      "top_logprobs needs logprobs"),
@@ -190,6 +197,11 @@ def test_prompt_as_token_ids(server, llm):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400,
      "tool_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, 400, "needs content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{}],
+                              "tool_choice": "required"}, 400, "each tool must be"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [
+        {"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {
+            "name": "g"}}}, 400, "not among the tools"),
     ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404,
      "does not exist"),
 ])
@@ -507,8 +519,7 @@ def test_chat_as_current_clients_send_it(server, hf_tokenizer, model_name):
     want = hf_tokenizer.apply_chat_template(template, tools=tools, add_generation_prompt=True, tokenize=False)
     assert rendered["tokens"] == hf_tokenizer(want, add_special_tokens=False).input_ids
     assert out.usage.prompt_tokens == rendered["count"]
-    assert_openai_error(post(server, "/v1/chat/completions", {"messages": messages, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}), 400, "response_format")
+    assert out.choices[0].finish_reason in ("stop", "length") and out.choices[0].message.tool_calls == []
 
 
 def test_tokenize_detokenize_ping_load_and_vllm_metrics(server, llm, model_name):
@@ -573,3 +584,154 @@ def test_unknown_field_names_logged_once_are_bounded():
     for i in range(protocol.MAX_WARNED_FIELDS + 50):
         protocol.CompletionRequest.model_validate({"prompt": "hi", f"unknown-{i}": 1})
     assert len(protocol._warned_fields) == protocol.MAX_WARNED_FIELDS
+
+
+CITY = {"type": "object", "additionalProperties": False, "required": ["city", "population"], "properties": {
+    "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
+    "population": {"type": "integer", "minimum": 0, "maximum": 99999999}}}
+CITY_CHAT = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
+
+
+def test_grammar_rows_leave_a_plain_request_in_their_batch_token_exact(llm):
+    plain = greedy()
+    solo = llm.generate(PROMPTS[2], plain)[0]
+    specs = [StructuredOutputSpec("choice", json.dumps(["red", "green", "blue"])),
+             StructuredOutputSpec("regex", "[0-9]{3}"), StructuredOutputSpec("json", json.dumps(CITY))]
+    outs = llm.generate([PROMPTS[2]] + [PROMPTS[0]] * 3, [plain] + [greedy(30, structured=s) for s in specs])
+    assert outs[0].token_ids == solo.token_ids
+    assert outs[1].text in ("red", "green", "blue") and re.fullmatch("[0-9]{3}", outs[2].text)
+    jsonschema.validate(json.loads(outs[3].text), CITY)
+    assert [o.finish_reason for o in outs[1:]] == ["stop"] * 3  # EOS once the grammar accepts
+    with pytest.raises(SamplingParamError, match="does not compile"):
+        llm.generate(PROMPTS[0], greedy(structured=StructuredOutputSpec("regex", "[0-9")))
+
+
+def test_structured_output_through_the_openai_sdk(server, model_name):
+    client = sdk(server)
+    schema_format = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    out = client.chat.completions.create(model=model_name, messages=CITY_CHAT, response_format=schema_format,
+                                         max_tokens=40, temperature=0)
+    jsonschema.validate(json.loads(out.choices[0].message.content), CITY)
+    stream = client.chat.completions.create(model=model_name, messages=CITY_CHAT, response_format=schema_format,
+                                            max_tokens=40, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == out.choices[0].message.content
+    sampled = client.chat.completions.create(model=model_name, messages=CITY_CHAT, response_format=schema_format,
+                                             max_tokens=40, temperature=0.8, seed=1, n=3)
+    for choice in sampled.choices:  # each choice has its own matcher
+        jsonschema.validate(json.loads(choice.message.content), CITY)
+    out = client.completions.create(model=model_name, prompt="A three-digit number:", max_tokens=5, temperature=0,
+                                    extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})
+    assert re.fullmatch("[0-9]{3}", out.choices[0].text) and out.choices[0].finish_reason == "stop"
+    out = client.completions.create(model=model_name, prompt="Is the sky blue?", max_tokens=5, temperature=0,
+                                    extra_body={"guided_choice": ["yes", "no"]})
+    assert out.choices[0].text in ("yes", "no")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+     "response_format"),
+    ({"structured_outputs": {"regex": "[0-9"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"guided_json": {"type": "object"}, "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_a_bad_grammar_is_a_400_naming_its_field(server, body, param):
+    response = post(server, "/v1/chat/completions", {"messages": CITY_CHAT, "max_tokens": 2, **body})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "required": ["city"],
+                                                           "additionalProperties": False, "properties": {
+                                                               "city": {"type": "string", "maxLength": 20}}}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False}}}
+WEATHER_CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_tool_choice_named_required_auto_and_none_through_the_openai_sdk(server, model_name):
+    """Named and required: calls that match the schema; auto: content streamed, calls parsed; none: text."""
+    client = sdk(server)
+    out = client.chat.completions.create(model=model_name, messages=WEATHER_CHAT, tools=[CLOCK, WEATHER],
+                                         tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                         max_tokens=30, temperature=0)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    stream = client.chat.completions.create(model=model_name, messages=WEATHER_CHAT, tools=[WEATHER, CLOCK],
+                                            tool_choice="required", parallel_tool_calls=False, max_tokens=40,
+                                            temperature=0, stream=True)
+    chunks = [c for c in stream if c.choices]
+    calls = [call for c in chunks for call in c.choices[0].delta.tool_calls or []]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    assert calls[0].function.name in ("get_weather", "get_time")
+    json.loads(calls[0].function.arguments)
+    # "auto" (this server has the flags): content streams as it comes, and equals the answer's.
+    answer = client.chat.completions.create(model=model_name, messages=CHAT, tools=[WEATHER], max_tokens=12,
+                                            temperature=0)
+    stream = client.chat.completions.create(model=model_name, messages=CHAT, tools=[WEATHER], max_tokens=12,
+                                            temperature=0, stream=True)
+    parts = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
+    assert len(parts) > 2 and "".join(parts) == answer.choices[0].message.content
+    assert answer.choices[0].message.tool_calls == []  # this model writes no <tool_call>
+    # The hermes parser on a real answer: a grammar makes the model write one call after some text.
+    written = 'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    body = dict(model=model_name, messages=WEATHER_CHAT, tools=[WEATHER], max_tokens=40, temperature=0,
+                extra_body={"structured_outputs": {"choice": [written]}})
+    answer = client.chat.completions.create(**body).choices[0]
+    assert answer.finish_reason == "tool_calls" and answer.message.content == "Sure."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in answer.message.tool_calls] == [
+        ("get_weather", {"city": "Paris"})]
+    chunks = [c.choices[0] for c in client.chat.completions.create(**body, stream=True) if c.choices]
+    assert "".join(c.delta.content or "" for c in chunks).strip() == "Sure."
+    calls = [call for c in chunks for call in c.delta.tool_calls or []]
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", '{"city": "Paris"}')]
+    assert chunks[-1].finish_reason == "tool_calls"
+    # "none": the template gets no tools and the answer is plain content.
+    out = client.chat.completions.create(model=model_name, messages=WEATHER_CHAT, tools=[WEATHER], tool_choice="none",
+                                         max_tokens=4, temperature=0)
+    assert out.choices[0].message.tool_calls == [] and out.choices[0].message.content
+
+
+def test_best_of_returns_the_n_most_likely_of_its_candidates(server):
+    body = {"prompt": PROMPTS[1], "max_tokens": 6, "temperature": 1.0, "seed": 7, "n": 2, "best_of": 4}
+    best = post(server, "/v1/completions", body).json()
+    # The same 4 candidates (choice j samples with seed + j), all returned, with their logprobs.
+    candidates = post(server, "/v1/completions", {**body, "n": 4, "logprobs": 0}).json()
+    ranked = sorted(candidates["choices"], key=lambda c: sum(c["logprobs"]["token_logprobs"]), reverse=True)
+    assert [(c["index"], c["text"]) for c in best["choices"]] == [(0, ranked[0]["text"]), (1, ranked[1]["text"])]
+    assert all(c["logprobs"] is None for c in best["choices"])  # ranked by them, shown only when asked
+    assert best["usage"]["completion_tokens"] == candidates["usage"]["completion_tokens"]  # every candidate counts
+    assert_openai_error(post(server, "/v1/completions", {**body, "best_of": 1}), 400, "best_of must be at least n")
+    assert_openai_error(post(server, "/v1/completions", {**body, "stream": True}), 400, "cannot be streamed")
+
+
+def test_flags_from_the_config_file_reach_the_server(server):
+    """--config's enable-auto-tool-choice and tool-call-parser: tools with tool_choice "auto" are
+    answered (test_chat_as_current_clients_send_it); disable-log-requests: no request lines."""
+    assert post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 2}).status_code == 200
+    assert " started: " not in server.log() and " finished: " not in server.log()
+
+
+def test_json_schema_answers_for_20_prompts_parse_and_validate_streamed_and_not(server):
+    cities = ["Paris", "London", "Tokyo", "Rome", "Cairo"]
+    prompts = [f"Name a large city ({cities[i % 5]}, say) and its population, as JSON. Request {i}." for i in range(20)]
+
+    async def ask(client: httpx.AsyncClient, i: int) -> str:
+        body = {"messages": [{"role": "user", "content": prompts[i]}], "max_tokens": 30, "temperature": 0,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": CITY}}}
+        if i % 2:
+            response = await client.post("/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]["message"]["content"]
+        async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+            assert response.status_code == 200
+            return await read_sse_text(response)
+
+    async def ask_all() -> list[str]:
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120) as client:
+            return await asyncio.gather(*[ask(client, i) for i in range(20)])
+
+    for text in asyncio.run(ask_all()):
+        jsonschema.validate(json.loads(text), CITY)

@@ -341,3 +341,17 @@ def test_penalties_reach_the_prefill_node_and_prompt_logprobs_are_computed_on_th
                      for url in (decode.url, colocated.url))
     assert remote["tokens"] == local["tokens"] and len(remote["tokens"]) == len(ids) + 1
     assert remote["token_logprobs"][1:] == pytest.approx(local["token_logprobs"][1:], abs=1e-4)
+
+
+def test_structured_output_reaches_the_prefill_node(pair, colocated):
+    """The prefill node samples the first token: it must follow the grammar too, or the decode node's
+    matcher refuses it. A choice whose first token is not the greedy one without the grammar."""
+    _, decode, connector = pair
+    if connector != "tcp":
+        pytest.skip("sampling fields travel over gRPC, not the pipe: tested on tcp")
+    body = {"messages": [{"role": "user", "content": "Which planet is the largest?"}], "max_tokens": 8,
+            "temperature": 0, "structured_outputs": {"choice": ["Saturn rings", "Mars", "Jupiter"]}}
+    answers = [httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json() for url in (decode.url,
+                                                                                                  colocated.url)]
+    assert answers[0]["choices"][0]["message"]["content"] in ("Saturn rings", "Mars", "Jupiter"), answers[0]
+    assert answers[0]["choices"] == answers[1]["choices"]

@@ -46,8 +46,10 @@ from disagg.decode_node.protocol import (
     CompletionResponse,
     CompletionStreamResponse,
     DeltaMessage,
+    DeltaToolCall,
     DetokenizeRequest,
     DetokenizeResponse,
+    FunctionCall,
     ModelCard,
     ModelList,
     Prompt,
@@ -56,7 +58,16 @@ from disagg.decode_node.protocol import (
     SamplingFields,
     TokenizeRequest,
     TokenizeResponse,
+    ToolCallOut,
     UsageInfo,
+)
+from disagg.decode_node.tool_calls import (
+    ToolCall,
+    ToolOptions,
+    forced_calls,
+    parse_hermes,
+    remove_hermes_calls,
+    streamable_end,
 )
 from disagg.engine.output import RequestOutput
 from disagg.engine.sampling_params import SamplingParams
@@ -98,6 +109,14 @@ def api_error_from(error: Exception) -> APIError:
     return APIError(500, f"the server failed while generating: {error}")
 
 
+def request_error(request: SamplingFields, error: ValueError) -> APIError:
+    """api_error_from, with a grammar's error naming the request field that sent the grammar."""
+    api_error = api_error_from(error)
+    if api_error.param == "structured":
+        api_error.param = request.structured()[0]
+    return api_error
+
+
 class Generation:
     """One engine request's run through the node: its outputs, its metrics and its two log lines.
 
@@ -107,8 +126,9 @@ class Generation:
     this task is one asyncio cancellation, so the node's `finally` runs to its end."""
 
     def __init__(self, node: DecodeNode, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 prefill_policy: str | None):
+                 prefill_policy: str | None, log_requests: bool):
         self.request_id = request_id
+        self.log_requests = log_requests
         self.num_prompt_tokens = len(prompt_token_ids)
         self.start = time.perf_counter()
         self.first_token_at: float | None = None
@@ -117,8 +137,9 @@ class Generation:
         self.error: Exception | None = None
         self.queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         self.aborting = False
-        logger.info("%s started: %d prompt tokens, max_tokens %d", request_id, self.num_prompt_tokens,
-                    params.max_tokens)
+        if log_requests:
+            logger.info("%s started: %d prompt tokens, max_tokens %d", request_id, self.num_prompt_tokens,
+                        params.max_tokens)
         self.pump = asyncio.create_task(self._pump(node.generate(request_id, prompt_token_ids, params, prefill_policy)))
 
     async def _pump(self, outputs: AsyncIterator[RequestOutput]) -> None:
@@ -177,6 +198,8 @@ class Generation:
         if finished or outcome == "abort":
             metrics.REQUESTS.labels(outcome).inc()
             metrics.E2E.observe(time.perf_counter() - self.start)
+        if not self.log_requests:
+            return
         ttft = "-" if self.first_token_at is None else f"{self.first_token_at - self.start:.3f}s"
         logger.info("%s finished: %d prompt tokens, %d output tokens, finish reason %s, TTFT %s, E2E %.3fs",
                     self.request_id, self.num_prompt_tokens, len(self.last.token_ids) if self.last else 0,
@@ -192,7 +215,7 @@ class Choice:
     out: RequestOutput | None = None  # the latest output
     started: bool = False  # its first chunk went out
     num_logprobs_sent: int = 0
-    text_offset: int = 0  # completions: where the text sent so far ends
+    text_offset: int = 0  # completions, and chat with tools: where the text sent so far ends
 
     def new_logprobs(self) -> list[TokenLogprob]:
         logprobs = self.out.logprobs[self.num_logprobs_sent:]
@@ -207,23 +230,24 @@ class Run:
     not streamed, and aborts every choice."""
 
     def __init__(self, node: DecodeNode, request_id: str, prompts: list[Prompt], params: SamplingParams, n: int,
-                 prefill_policy: str | None, raw_request: Request):
+                 prefill_policy: str | None, raw_request: Request, log_requests: bool):
         self.request_id = request_id
-        self.choices: list[Choice] = []
+        self.choices: list[Choice] = []  # those answered: every candidate, until keep_best
         self.closed = False
         for index in range(len(prompts) * n):
             # vLLM's per-choice seeds: choice j of each prompt samples with seed + j.
             seed = None if params.seed is None else params.seed + index % n
             choice_id = request_id if len(prompts) * n == 1 else f"{request_id}-{index}"
             generation = Generation(node, choice_id, prompts[index // n].token_ids,
-                                    dataclasses.replace(params, seed=seed), prefill_policy)
+                                    dataclasses.replace(params, seed=seed), prefill_policy, log_requests)
             self.choices.append(Choice(index, prompts[index // n], generation))
+        self.candidates = list(self.choices)  # every engine request, answered or not
         self.watcher = asyncio.create_task(self._watch(raw_request))
 
     async def _watch(self, raw_request: Request) -> None:
         while (await raw_request.receive())["type"] != "http.disconnect":
             pass
-        for choice in self.choices:
+        for choice in self.candidates:
             choice.generation.abort()
 
     async def start(self) -> None:
@@ -243,6 +267,19 @@ class Run:
         for choice in self.choices:
             while not choice.out.finished:
                 choice.out = await choice.generation.next()
+
+    def keep_best(self, num_prompts: int, n: int) -> None:
+        """best_of: of each prompt's candidates, keep the n with the highest cumulative logprob
+        (vLLM's ranking), numbered again prompt index * n + rank. Usage still counts every candidate."""
+        per_prompt = len(self.choices) // num_prompts
+        if per_prompt == n:
+            return
+        kept = []
+        for p in range(num_prompts):
+            candidates = self.choices[p * per_prompt:(p + 1) * per_prompt]
+            candidates.sort(key=lambda c: sum(lp.logprob for lp in c.out.logprobs), reverse=True)
+            kept += [dataclasses.replace(c, index=p * n + rank) for rank, c in enumerate(candidates[:n])]
+        self.choices = kept
 
     async def outputs(self) -> AsyncIterator[Choice]:
         """Each choice as it gets an output (its first ones first), until all have finished."""
@@ -267,7 +304,7 @@ class Run:
             return
         self.closed = True
         self.watcher.cancel()
-        for choice in self.choices:
+        for choice in self.candidates:
             await choice.generation.close()
 
 
@@ -410,11 +447,12 @@ class CompletionFormat:
             choices.append(CompletionChoice(index=choice.index, text=text, logprobs=logprobs, finish_reason=finish_reason,
                                             stop_reason=stop_reason, prompt_logprobs=prompt_lps))
         return CompletionResponse(id=run.request_id, created=self.created, model=self.model, choices=choices,
-                                  usage=usage(run.choices, self.num_output_tokens))
+                                  usage=usage(run.candidates, self.num_output_tokens))
 
 
 class ChatFormat:
-    """/v1/chat/completions: the assistant's role first, then content deltas."""
+    """/v1/chat/completions: the assistant's role first, then content deltas. When tool calls may
+    come out, the text that may hold them is held back and sent at the end, with the calls read from it."""
 
     def __init__(self, request: ChatCompletionRequest, tokenizer: Tokenizer, model: str):
         self.request = request
@@ -434,21 +472,62 @@ class ChatFormat:
         logprobs = None
         if self.request.logprobs:
             logprobs = chat_logprobs(self.tokenizer, choice.new_logprobs())
-        if out.new_text or out.finished or (logprobs and logprobs.content):
-            return ChatStreamChoice(index=choice.index, delta=DeltaMessage(content=out.new_text), logprobs=logprobs,
-                                    finish_reason=out.finish_reason if out.finished else None,
+        delta = DeltaMessage(content=out.new_text)
+        finish_reason = out.finish_reason if out.finished else None
+        if self.request.tool_mode != "none":
+            delta = self.tool_delta(choice)
+            if out.finished:
+                finish_reason = tool_finish_reason(out.finish_reason, delta.tool_calls or [])
+        if delta.content or delta.tool_calls or out.finished or (logprobs and logprobs.content):
+            return ChatStreamChoice(index=choice.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
                                     stop_reason=out.stop_reason)
         return None
+
+    def tool_delta(self, choice: Choice) -> DeltaMessage:
+        """When calls may come: "auto" streams content up to where a <tool_call> starts (or may start)
+        and sends the rest and the calls at the end; "forced" (all JSON) sends the calls at the end."""
+        out = choice.out
+        if not out.finished:
+            if self.request.tool_mode == "forced":
+                return DeltaMessage(content="")
+            end = max(choice.text_offset, streamable_end(out.text))
+            content, choice.text_offset = out.text[choice.text_offset:end], end
+            return DeltaMessage(content=content)
+        if self.request.tool_mode == "forced":
+            content, calls = self.tool_calls(out.text)
+        else:
+            rest, calls = remove_hermes_calls(out.text)
+            content = rest[choice.text_offset:].rstrip() if calls else rest[choice.text_offset:]
+        return DeltaMessage(content=content or None, tool_calls=[
+            DeltaToolCall(index=i, id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+            for i, c in enumerate(calls)] or None)
+
+    def tool_calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """A finished choice's content and the tool calls in its text."""
+        if self.request.tool_mode == "auto":
+            return parse_hermes(text)
+        if self.request.tool_mode == "forced":
+            calls = forced_calls(text, self.request.tool_choice)
+            return (None if calls else text), calls
+        return text, []
+
+    def message(self, out: RequestOutput) -> tuple[ChatResponseMessage, str]:
+        """A finished choice's message and finish reason."""
+        content, calls = self.tool_calls(out.text)
+        tool_calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
+        return ChatResponseMessage(content=content, tool_calls=tool_calls), tool_finish_reason(out.finish_reason, calls)
 
     def chunk(self, run: Run, parts: list[ChatStreamChoice], usage_info: UsageInfo | None = None) -> str:
         return sse(ChatCompletionChunk(id=run.request_id, created=self.created, model=self.model,
                                        choices=parts, usage=usage_info))
 
     def response(self, run: Run) -> ChatCompletionResponse:
-        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.out.text),
-                              logprobs=chat_logprobs(self.tokenizer, c.out.logprobs) if self.request.logprobs else None,
-                              finish_reason=c.out.finish_reason, stop_reason=c.out.stop_reason)
-                   for c in run.choices]
+        choices = []
+        for c in run.choices:
+            message, finish_reason = self.message(c.out)
+            choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason,
+                                      logprobs=chat_logprobs(self.tokenizer, c.out.logprobs) if self.request.logprobs
+                                      else None, stop_reason=c.out.stop_reason))
         prompt_lps = None
         if self.request.prompt_logprobs is not None:
             prompt_lps = prompt_logprobs(self.tokenizer, run.choices[0].out.prompt_logprobs)
@@ -459,12 +538,19 @@ class ChatFormat:
 Format = CompletionFormat | ChatFormat
 
 
+def tool_finish_reason(finish_reason: str, calls: list[ToolCall]) -> str:
+    """"tool_calls" for an answer that ended on its own with calls, as vLLM and OpenAI say it."""
+    return "tool_calls" if calls and finish_reason == "stop" else finish_reason
+
+
 class OpenAIServing:
     """The endpoints' handlers, over one node and its served model name."""
 
-    def __init__(self, node: DecodeNode, served_model_name: str):
+    def __init__(self, node: DecodeNode, served_model_name: str, tool_options: ToolOptions, log_requests: bool):
         self.node = node
         self.model = served_model_name
+        self.tool_options = tool_options
+        self.log_requests = log_requests  # a line as each request starts and ends
         self.num_requests = 0  # in flight, for /load
 
     def check_model(self, model: str | None) -> None:
@@ -508,20 +594,25 @@ class OpenAIServing:
         try:
             params = request.to_sampling_params(default_max_tokens=max(1, self.node.max_model_len - longest))
         except ValueError as e:
-            raise api_error_from(e) from e
+            raise request_error(request, e) from e
         fmt = CompletionFormat(request, self.node.tokenizer, self.model)
         return await self.serve(request, raw_request, "cmpl", prompts, params, fmt)
 
     async def chat(self, request: ChatCompletionRequest, raw_request: Request) -> Response | BaseModel:
         self.check_model(request.model)
-        text = await self.render_chat([m.to_template() for m in request.messages], request.tools)
+        if request.tool_mode == "auto":
+            try:
+                self.tool_options.check_auto()
+            except ValueError as e:
+                raise APIError(400, str(e), param="tool_choice") from e
+        text = await self.render_chat([m.to_template() for m in request.messages], request.template_tools)
         # The rendered template already holds the special tokens (BOS included) it wants.
         prompt = Prompt(await asyncio.to_thread(self.node.tokenizer.encode, text, add_special_tokens=False), text)
         try:
             params = request.to_sampling_params(default_max_tokens=max(1, self.node.max_model_len
                                                                        - len(prompt.token_ids)))
         except ValueError as e:
-            raise api_error_from(e) from e
+            raise request_error(request, e) from e
         fmt = ChatFormat(request, self.node.tokenizer, self.model)
         return await self.serve(request, raw_request, "chatcmpl", [prompt], params, fmt)
 
@@ -529,14 +620,17 @@ class OpenAIServing:
                     params: SamplingParams, fmt: Format) -> Response | BaseModel:
         """The path completions and chat share: validate, start every choice, stream or answer."""
         try:
+            if params.structured is not None:  # compiled off the event loop, once per distinct grammar: bad is a 400
+                await asyncio.to_thread(self.node.engine.engine.grammars.compile, params.structured)
             for prompt in prompts:
                 self.node.validate(prompt.token_ids, params)
         except ValueError as e:
-            raise api_error_from(e) from e
+            raise request_error(request, e) from e
         # A router sets X-Request-Id so that one request can be followed through the router's and
         # this node's logs (and, by this node's own id for it, the prefill node's).
         request_id = request_label(raw_request.headers.get("x-request-id"), prefix)
-        run = Run(self.node, request_id, prompts, params, request.n, request.prefill_policy, raw_request)
+        run = Run(self.node, request_id, prompts, params, request.num_candidates, request.prefill_policy, raw_request,
+                  self.log_requests)
         self.num_requests += 1
         try:
             await run.start()
@@ -550,6 +644,7 @@ class OpenAIServing:
             return StreamingResponse(self.events(run, fmt, request), media_type="text/event-stream")
         try:
             await run.finish()
+            run.keep_best(len(prompts), request.n)
         except ClientDisconnected:
             return Response(status_code=STATUS_CLIENT_CLOSED)
         except Exception as e:
@@ -631,14 +726,15 @@ async def on_validation_error(_: Request, e: RequestValidationError) -> JSONResp
     return error_response(400, "; ".join(problems), param=params[0] if len(params) == 1 else None)
 
 
-def build_app(node: DecodeNode, options: HTTPOptions, served_model_name: str) -> FastAPI:
+def build_app(node: DecodeNode, options: HTTPOptions, served_model_name: str,
+              tool_options: ToolOptions = ToolOptions(), log_requests: bool = True) -> FastAPI:
     app = make_app("disagg", options, error_response)
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(Exception, on_unexpected_error)
 
-    serving = OpenAIServing(node, served_model_name)
+    serving = OpenAIServing(node, served_model_name, tool_options, log_requests)
     app.add_api_route("/v1/completions", serving.completions, methods=["POST"], response_model=None)
     app.add_api_route("/v1/chat/completions", serving.chat, methods=["POST"], response_model=None)
     # vLLM serves these at the root, not under /v1.

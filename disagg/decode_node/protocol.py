@@ -4,7 +4,9 @@ and tokenize.
 As vLLM does, a field this server does not know is accepted and ignored, with one warning log per
 field name; a field it knows but cannot honour (beam search, structured output, ...) is refused
 with a 400 naming it unless it holds its neutral value. Sampling fields left out (or null) take
-SamplingParams' defaults.
+SamplingParams' defaults. Structured output comes in four spellings (OpenAI's response_format,
+vLLM's structured_outputs, vLLM's older guided_* fields, and tool_choice in chat); each becomes one
+StructuredOutputSpec, and the field it came from names the 400 when its grammar does not compile.
 """
 
 import json
@@ -15,12 +17,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from disagg.engine.sampling_params import SamplingParamError, SamplingParams
+from disagg.decode_node.tool_calls import forced_schema, function_names, named_function
+from disagg.engine.sampling_params import SamplingParamError, SamplingParams, StructuredOutputSpec
 
 logger = logging.getLogger(__name__)
 
 PrefillPolicy = Literal["recompute", "fail"]
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 MAX_CHOICES = 128  # n times the number of prompts, per request
 
 # Field names are the client's: the set of those already logged stops growing at this size.
@@ -49,15 +52,47 @@ class StreamOptions(OpenAIRequest):
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk
 
 
+class JSONSchemaFormat(OpenAIRequest):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")  # None: any JSON value
+    strict: bool | None = None
+
+
 class ResponseFormat(OpenAIRequest):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_json_schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        return self
+
+
+class StructuredOutputs(OpenAIRequest):
+    """vLLM's structured_outputs: exactly one of these."""
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def spec(self) -> StructuredOutputSpec:
+        given = {name: value for name, value in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
+                                                 ("grammar", self.grammar)) if value is not None}
+        if self.json_object:
+            given["json"] = {"type": "object"}
+        if len(given) != 1:
+            raise SamplingParamError("structured_outputs", "structured_outputs takes exactly one of json, regex, "
+                                                           f"choice, grammar or json_object, got {sorted(given)}")
+        kind, value = given.popitem()
+        return StructuredOutputSpec(kind, value if isinstance(value, str) else json.dumps(value))
 
 
 # vLLM fields this server knows but cannot honour, with the values that ask for nothing.
 UNSUPPORTED = {
-    "use_beam_search": (None, False),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "structured_outputs": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "use_beam_search": (None, False), "allowed_token_ids": (None,), "bad_words": (None, []),
     "truncate_prompt_tokens": (None,), "prompt_embeds": (None,), "suffix": (None, ""),
 }
 
@@ -97,11 +132,11 @@ class SamplingFields(OpenAIRequest):
     response_format: ResponseFormat | None = None
     prefill_policy: PrefillPolicy | None = None  # ours: what to do when the prefill node fails; None: the node's
     use_beam_search: bool | None = None
-    guided_json: object = None
-    guided_regex: object = None
-    guided_choice: object = None
-    guided_grammar: object = None
-    structured_outputs: object = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = None  # vLLM's older names for structured_outputs' fields
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     allowed_token_ids: object = None
     bad_words: object = None
     truncate_prompt_tokens: object = None
@@ -117,11 +152,38 @@ class SamplingFields(OpenAIRequest):
         for name, neutral in UNSUPPORTED.items():
             if getattr(self, name, None) not in neutral:
                 raise SamplingParamError(name, f"{name} is not supported by this server; leave it out")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise SamplingParamError("response_format", f"response_format {self.response_format.type!r} "
-                                     "(structured output) is not supported yet; send {\"type\": \"text\"} or none")
         if not 1 <= self.n <= MAX_CHOICES:
             raise SamplingParamError("n", f"n must be between 1 and {MAX_CHOICES}, got {self.n}")
+
+    def structured_specs(self) -> dict[str, StructuredOutputSpec]:
+        """Field name -> the structured output it asks for, for every field that asks for one."""
+        specs = {}
+        if self.response_format is not None and self.response_format.type != "text":
+            schema = {"type": "object"}  # json_object: any JSON object, as OpenAI's JSON mode
+            if self.response_format.type == "json_schema":
+                schema = self.response_format.json_schema.schema_ or {}
+            specs["response_format"] = StructuredOutputSpec("json", json.dumps(schema))
+        if self.structured_outputs is not None:
+            specs["structured_outputs"] = self.structured_outputs.spec()
+        guided = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+        for name, kind in guided.items():
+            value = getattr(self, name)
+            if value is not None:
+                specs[name] = StructuredOutputSpec(kind, value if isinstance(value, str) else json.dumps(value))
+        return specs
+
+    def structured(self) -> tuple[str, StructuredOutputSpec] | tuple[None, None]:
+        """The one structured output asked for and the field that asks for it; (None, None) if none."""
+        specs = self.structured_specs()
+        if len(specs) > 1:
+            raise SamplingParamError(sorted(specs)[1], f"send one way of structured output, got {sorted(specs)}")
+        return next(iter(specs.items()), (None, None))
+
+    @property
+    def num_candidates(self) -> int:
+        """Choices generated per prompt (completions' best_of may make it more than n)."""
+        return self.n
 
     @property
     def include_usage(self) -> bool:
@@ -135,6 +197,7 @@ class SamplingFields(OpenAIRequest):
     def _sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         """SamplingParams checks the values; its ValueError is the 400's message."""
         self.check_supported()
+        _, structured = self.structured()
         optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
                     "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                     "repetition_penalty": self.repetition_penalty}
@@ -151,6 +214,7 @@ class SamplingFields(OpenAIRequest):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             prompt_logprobs=prompt_logprobs,
+            structured=structured,
         )
 
 
@@ -189,14 +253,22 @@ class CompletionRequest(SamplingFields):
         """lm-eval's loglikelihood: the prompt and its logprobs, nothing generated."""
         return self.echo and self.max_tokens == 0
 
+    @property
+    def num_candidates(self) -> int:
+        """Choices generated per prompt: best_of, of which the n most likely are returned."""
+        return self.best_of or self.n
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.best_of is not None and self.best_of != self.n:
-            raise SamplingParamError("best_of", f"best_of must equal n here (ranking more candidates than are "
-                                                f"returned is not supported), got best_of={self.best_of}, n={self.n}")
-        if len(self.prompts) * self.n > MAX_CHOICES:
-            raise SamplingParamError("n", f"n times the number of prompts must be at most {MAX_CHOICES}, got "
-                                          f"{self.n} x {len(self.prompts)}")
+        if self.best_of is not None and self.best_of < self.n:
+            raise SamplingParamError("best_of", f"best_of must be at least n, got best_of={self.best_of}, n={self.n}")
+        if self.stream and self.num_candidates > self.n:
+            raise SamplingParamError("best_of", "best_of > n cannot be streamed: the best choices are known only at "
+                                                "the end")
+        if len(self.prompts) * self.num_candidates > MAX_CHOICES:
+            raise SamplingParamError("best_of" if self.best_of else "n", f"best_of (or n) times the number of "
+                                     f"prompts must be at most {MAX_CHOICES}, got {self.num_candidates} x "
+                                     f"{len(self.prompts)}")
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """default_max_tokens applies when max_tokens is null: what is left of the context."""
@@ -207,7 +279,10 @@ class CompletionRequest(SamplingFields):
         prompt_logprobs = self.prompt_logprobs
         if prompt_logprobs is None and self.echo:
             prompt_logprobs = self.logprobs
-        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+        logprobs = self.logprobs
+        if logprobs is None and self.num_candidates > self.n:
+            logprobs = 0  # best_of ranks by them; the answer shows them only when asked
+        return self._sampling_params(max_tokens, logprobs, prompt_logprobs)
 
 
 class TextPart(OpenAIRequest):
@@ -263,7 +338,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None  # with logprobs: the n most likely tokens per position (0..20)
     tools: list[dict] | None = None  # passed to the chat template
-    tool_choice: str | dict | None = None
+    tool_choice: str | dict | None = None  # None: "auto" with tools, "none" without (vLLM's default)
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check_logprobs(self):
@@ -271,11 +347,41 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs needs logprobs set to true")
         return self
 
+    @property
+    def tool_mode(self) -> Literal["none", "auto", "forced"]:
+        """How tool calls come out: not at all, parsed from what the model writes, or forced by a grammar."""
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
+        if not self.tools or choice == "none":
+            return "none"
+        return "auto" if choice == "auto" else "forced"
+
+    @property
+    def template_tools(self) -> list[dict] | None:
+        """The tools the chat template sees: none with tool_choice "none"."""
+        return None if self.tool_mode == "none" else self.tools
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tool_choice not in (None, "none", "auto"):
-            raise SamplingParamError("tool_choice", "tool_choice 'required' or a named function needs structured "
-                                                    "output, which is not supported yet; send 'auto' or 'none'")
+        if any(not isinstance(name, str) or not name for name in function_names(self.tools or [])):
+            raise SamplingParamError("tools", 'each tool must be {"type": "function", "function": {"name": ..., '
+                                              '"parameters": {...}}} with a name')
+        choice = self.tool_choice
+        if not (choice in (None, "none", "auto", "required") or named_function(choice) is not None):
+            raise SamplingParamError("tool_choice", "tool_choice must be \"none\", \"auto\", \"required\" or "
+                                                    "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+        if (choice == "required" or named_function(choice) is not None) and not self.tools:
+            raise SamplingParamError("tool_choice", "tool_choice \"required\" or a named function needs tools")
+        name = named_function(choice)
+        if name is not None and name not in function_names(self.tools):
+            raise SamplingParamError("tool_choice", f"tool_choice names the function {name!r}, which is not among "
+                                                    f"the tools {function_names(self.tools)}")
+
+    def structured_specs(self) -> dict[str, StructuredOutputSpec]:
+        specs = super().structured_specs()
+        if self.tool_mode == "forced":
+            schema = forced_schema(self.tools, self.tool_choice, self.parallel_tool_calls)
+            specs["tool_choice"] = StructuredOutputSpec("json", json.dumps(schema))
+        return specs
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """default_max_tokens applies when neither max_completion_tokens nor max_tokens is set."""
@@ -383,9 +489,25 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] = Field(default_factory=list)
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(ToolCallOut):
+    index: int  # of the call in its message
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -409,6 +531,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

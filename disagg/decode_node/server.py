@@ -8,6 +8,7 @@ from disagg.config import KVTransferConfig
 from disagg.decode_node.api import build_app
 from disagg.decode_node.node import DecodeNode
 from disagg.decode_node.prefill_client import PrefillPool
+from disagg.decode_node.tool_calls import ToolOptions
 from disagg.engine.async_engine import AsyncEngine
 from disagg.lookup_buffer import LookupBufferConsumer
 from disagg.serving import HTTPOptions, node_info, serve_http
@@ -16,8 +17,8 @@ logger = logging.getLogger(__name__)
 
 
 async def run_decode_node(engine: AsyncEngine, model_name: str, kv: KVTransferConfig, prefill_nodes: list[str],
-                          host: str, port: int, http: HTTPOptions,
-                          log_level: str) -> None:
+                          host: str, port: int, http: HTTPOptions, tools: ToolOptions, log_requests: bool,
+                          shutdown_timeout: float, log_level: str) -> None:
     consumer = pool = kv_advertise = None
     try:
         if kv.kv_role == "consumer":
@@ -33,8 +34,9 @@ async def run_decode_node(engine: AsyncEngine, model_name: str, kv: KVTransferCo
         role = "decode" if consumer else "colocated"
         metrics.register_vllm_names(model_name)
         metrics.register_kv_tiers(engine.engine)
-        await serve_http(build_app(node, http, model_name), host, port,
-                         f"disagg {role} node ready: http://{host}:{port} {where} model {model_name}", log_level)
+        await serve_http(build_app(node, http, model_name, tools, log_requests), host, port,
+                         f"disagg {role} node ready: http://{host}:{port} {where} model {model_name}", log_level,
+                         shutdown_timeout)
     finally:
         if pool is not None:
             await pool.close()

@@ -25,3 +25,5 @@ class EngineConfig:
     kv_offloading_mode: str = "eager"  # copy a block to the host when cached ("eager") or when evicted ("lazy")
     kv_disk_path: str | None = None  # a directory for the disk tier under the host tier
     kv_disk_size: float | None = None  # GiB the disk tier may hold
+    tokenizer: str | None = None  # a directory with tokenizer.json; None: the model's
+    chat_template: str | None = None  # a jinja template or a file holding one; None: the tokenizer's

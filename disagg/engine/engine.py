@@ -16,7 +16,8 @@ from disagg.engine.sampler import Sampler
 from disagg.engine.sampling_params import SamplingParamError, SamplingParams
 from disagg.engine.scheduler import Scheduler
 from disagg.engine.sequence import RemotePrefill, Sequence, SequenceStatus, TokenLogprob
-from disagg.engine.tokenizer import Tokenizer
+from disagg.engine.structured_output import GrammarCompiler, StructuredOutput
+from disagg.engine.tokenizer import Tokenizer, load_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,8 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_dir = resolve_model(config.model)
         self.model_config = load_config(self.model_dir)
-        self.tokenizer = Tokenizer(self.model_dir)
+        chat_template = None if config.chat_template is None else load_chat_template(config.chat_template)
+        self.tokenizer = Tokenizer(self.model_dir, config.tokenizer, chat_template)
         self.runner = build_runner(config, self.model_dir, self.model_config, self.device, self.dtype)
         self.kv_cache = self.runner.kv_cache
         self.max_model_len = self.runner.max_model_len
@@ -45,7 +47,9 @@ class LLMEngine:
             identity = kv_identity(self.model_dir.resolve(), repr(self.model_config).encode(), self.dtype,
                                    tuple(self.kv_cache.block(0).shape))
             self.offload = KVOffload(config, self.kv_cache, self.scheduler, identity)
-        self.sampler = Sampler(config.seed, self.tokenizer.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer.json_path, self.model_config.vocab_size,
+                                        sorted(self.tokenizer.eos_token_ids))
+        self.sampler = Sampler(config.seed, self.tokenizer.eos_token_ids, StructuredOutput(self.grammars))
         self.requests: dict[str, _Request] = {}
         self.pending_outputs: list[RequestOutput] = []  # produced outside step(), handed out by it
         self.num_steps = 0  # batches run: a sign of life that callers elsewhere can watch
@@ -71,12 +75,14 @@ class LLMEngine:
 
     def validate_token_ids(self, params: SamplingParams) -> None:
         """logit_bias indexes the logits: its token ids must be in the vocabulary (a stop token id
-        outside it is harmless, it never comes)."""
+        outside it is harmless, it never comes). A grammar must compile for this tokenizer."""
         vocab = self.model_config.vocab_size
         bad = [t for t in params.logit_bias if t >= vocab]
         if bad:
             raise SamplingParamError("logit_bias", f"logit_bias has token ids outside the vocabulary [0, {vocab}): "
                                                    f"{bad[:5]}")
+        if params.structured is not None:
+            self.grammars.compile(params.structured)  # cached: add_request's matcher copies it
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     *, export_kv: bool = False, remote_prefill: bool = False) -> Sequence:
@@ -94,6 +100,8 @@ class LLMEngine:
         self.validate_prompt(token_ids)
         seq = Sequence(request_id, token_ids, params)
         seq.export_kv = export_kv
+        if params.structured is not None:
+            self.sampler.structured.add(request_id, params.structured)
         text = TextState(self.tokenizer, token_ids, params.stop, params.skip_special_tokens,
                          params.include_stop_str_in_output)
         self.requests[request_id] = _Request(seq, text)
@@ -152,7 +160,10 @@ class LLMEngine:
         self.block_manager.commit(seq)
         seq.remote_prefill = None
         self.scheduler.start_remote(seq)
-        self.pending_outputs.append(self._append(seq, remote.first_token, remote.first_logprob))
+        try:  # a first token that breaks the grammar (a prefill node that did not apply it) fails the request
+            self.pending_outputs.append(self._append(seq, remote.first_token, remote.first_logprob))
+        except ValueError as e:
+            self.pending_outputs.append(self._fail(seq, str(e)))
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request and free its blocks; False if it is unknown or already finished."""
@@ -253,6 +264,7 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, token: int, logprob) -> RequestOutput:
         request = self.requests[seq.request_id]
+        self.sampler.structured.accept(seq.request_id, token)
         seq.append_token(token)
         if logprob is not None:
             seq.logprobs.append(logprob)

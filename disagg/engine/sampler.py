@@ -1,17 +1,19 @@
-"""Sampler: logits -> next token per sequence (penalties and logit bias, then greedy or
-temperature, top-k/top-p/min-p)."""
+"""Sampler: logits -> next token per sequence (penalties and logit bias, then the grammar masks
+of structured output, then greedy or temperature, top-k/top-p/min-p)."""
 
 import torch
 
 from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.sequence import Sequence, TokenLogprob
+from disagg.engine.structured_output import StructuredOutput
 
 
 class Sampler:
-    def __init__(self, seed: int, eos_token_ids: set[int]):
+    def __init__(self, seed: int, eos_token_ids: set[int], structured: StructuredOutput):
         self.generator = torch.Generator().manual_seed(seed)  # for requests without their own seed
         self.request_generators: dict[str, torch.Generator] = {}
         self.eos_token_ids = sorted(eos_token_ids)
+        self.structured = structured  # grammar matchers of the requests that have one
 
     def generator_for(self, seq: Sequence) -> torch.Generator:
         if seq.params.seed is None:
@@ -22,6 +24,7 @@ class Sampler:
 
     def release(self, request_id: str) -> None:
         self.request_generators.pop(request_id, None)
+        self.structured.release(request_id)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None] | Exception]:
         """logits [B, vocab] float32, one row per sequence; one (token, logprob) per sequence, in order.
@@ -29,6 +32,7 @@ class Sampler:
         raw = logits
         if any(seq.params.processes_logits for seq in seqs):  # the neutral case pays nothing
             logits = self.processed(logits, seqs)
+        logits = self.structured.mask(logits, seqs)
         if all(seq.params.greedy and seq.params.logprobs is None for seq in seqs):
             # On the device: one small copy of the chosen tokens instead of the whole logits.
             return [(token, None) for token in torch.argmax(logits, dim=-1).tolist()]

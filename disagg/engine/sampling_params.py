@@ -22,6 +22,8 @@ MAX_PENALTY = 2.0  # presence and frequency penalties, OpenAI's range
 MAX_REPETITION_PENALTY = 1e4  # beyond this every repeated token is already ruled out
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range; vLLM clamps to it
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_GRAMMAR_CHARS = 65536  # a JSON schema, regex or grammar; compiling one costs time on the engine's thread
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
 
 
 class SamplingParamError(ValueError):
@@ -30,6 +32,15 @@ class SamplingParamError(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+@dataclass(frozen=True)
+class StructuredOutputSpec:
+    """What the output must match, as vLLM's structured_outputs names it: `json` (a JSON schema as
+    text), `regex`, `choice` (a JSON list of strings) or `grammar` (Lark or GBNF). Plain strings,
+    so that it travels to a prefill node as it is; the engine compiles it (structured_output.py)."""
+    kind: str
+    value: str
 
 
 @dataclass
@@ -54,6 +65,7 @@ class SamplingParams:
     skip_special_tokens: bool = True  # in the output text
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None  # as logprobs, for every prompt token after the first
+    structured: StructuredOutputSpec | None = None  # the output follows this grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -99,6 +111,11 @@ class SamplingParams:
                                                    f"{self.max_tokens}, got {self.min_tokens!r}")
         self._validate_stops()
         self._validate_penalties()
+        spec = self.structured
+        if spec is not None and (not isinstance(spec, StructuredOutputSpec) or spec.kind not in STRUCTURED_KINDS
+                                 or not isinstance(spec.value, str) or not 0 < len(spec.value) <= MAX_GRAMMAR_CHARS):
+            raise SamplingParamError("structured", f"structured output must be one of {STRUCTURED_KINDS} with a "
+                                                   f"non-empty text of at most {MAX_GRAMMAR_CHARS} characters")
 
     def _validate_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

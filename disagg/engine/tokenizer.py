@@ -10,10 +10,16 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
 class Tokenizer:
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, tokenizer_dir: Path | None = None, chat_template: str | None = None) -> None:
+        """tokenizer_dir: where tokenizer.json and tokenizer_config.json are, when not in the model's
+        directory (vLLM's --tokenizer). chat_template: a template's text, used instead of the tokenizer's."""
         model_dir = Path(model_dir)
-        self._tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-        config = _read_json(model_dir / "tokenizer_config.json")
+        tokenizer_dir = Path(tokenizer_dir or model_dir)
+        self.json_path = tokenizer_dir / "tokenizer.json"
+        if not self.json_path.is_file():
+            raise ValueError(f"{tokenizer_dir} has no tokenizer.json (a Hugging Face fast tokenizer is needed)")
+        self._tokenizer = tokenizers.Tokenizer.from_file(str(self.json_path))
+        config = _read_json(tokenizer_dir / "tokenizer_config.json")
         self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self.bos_token_id: int | None = self._token_id(config.get("bos_token"))
         # A model may stop on several ids: config.json and generation_config.json can each list
@@ -25,7 +31,7 @@ class Tokenizer:
         eos_token = self._token_id(config.get("eos_token"))
         if eos_token is not None:
             self.eos_token_ids.add(eos_token)
-        self._chat_template: str | None = config.get("chat_template")
+        self._chat_templates = {"default": chat_template} if chat_template else _chat_templates(config, tokenizer_dir)
         # Passed to the template as transformers does, so templates that use them render the same.
         self._template_tokens = {name: _token_content(config.get(name))
                                  for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
@@ -45,9 +51,13 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> str:
         """Render `messages` with the model's chat template, as transformers' apply_chat_template(tokenize=False)."""
-        if self._chat_template is None:
-            raise ValueError("this model has no chat template (no chat_template in tokenizer_config.json); "
-                             "use the completions API with a plain prompt instead")
+        # Named templates: transformers takes "tool_use" when there are tools and the model has one.
+        name = "tool_use" if tools and "tool_use" in self._chat_templates else "default"
+        template = self._chat_templates.get(name)
+        if template is None:
+            raise ValueError("this model has no chat template (no chat_template in tokenizer_config.json, no "
+                             "chat_template.jinja beside it, no --chat-template); use the completions API with a "
+                             "plain prompt instead")
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
         for i, message in enumerate(messages):
@@ -55,7 +65,7 @@ class Tokenizer:
                     or not isinstance(message.get("content"), str):
                 raise ValueError(f"message {i} must be an object with a string 'role' and a string 'content', "
                                  f"got {message!r}")
-        return _compile_template(self._chat_template).render(
+        return _compile_template(template).render(
             messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **self._template_tokens)
 
     def _token_id(self, token: str | dict | None) -> int | None:
@@ -97,6 +107,34 @@ class IncrementalDetokenizer:
 
 def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _chat_templates(config: dict, tokenizer_dir: Path) -> dict[str, str]:
+    """The tokenizer's chat templates by name: tokenizer_config.json's chat_template (one string, or
+    a list of {"name", "template"}), else chat_template.jinja beside it (where transformers now writes it)."""
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        return {t["name"]: t["template"] for t in template if isinstance(t, dict) and "name" in t and "template" in t}
+    if isinstance(template, str):
+        return {"default": template}
+    path = tokenizer_dir / "chat_template.jinja"
+    return {"default": path.read_text()} if path.is_file() else {}
+
+
+def load_chat_template(value: str) -> str:
+    """vLLM's --chat-template: the template itself (text with jinja in it), or a file's path.
+    Compiled now, so that a syntax error is heard at start."""
+    if "{" in value:
+        template = value
+    elif Path(value).expanduser().is_file():
+        template = Path(value).expanduser().read_text()
+    else:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a jinja template")
+    try:
+        _compile_template(template)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"--chat-template does not compile: {e}") from None
+    return template
 
 
 def _token_content(token: str | dict | None) -> str | None:

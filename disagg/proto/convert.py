@@ -7,7 +7,7 @@ everything else passes the dataclasses of disagg/control_plane.py.
 from dataclasses import asdict
 
 from disagg.control_plane import NodeInfo, PrefillCall, PrefillProgress, PrefillResult, sampling_fields
-from disagg.engine.sampling_params import SamplingParams
+from disagg.engine.sampling_params import SamplingParams, StructuredOutputSpec
 from disagg.engine.sequence import TokenLogprob
 from disagg.proto import disagg_pb2 as pb
 
@@ -27,6 +27,9 @@ def prefill_call_to_proto(call: PrefillCall) -> pb.PrefillRequest:
     host, port = call.kv_dest
     # Fields left None stay unset: the receiver reads them back as None.
     sampling = {k: v for k, v in sampling_fields(call.params).items() if v is not None}
+    if "structured" in sampling:
+        spec = sampling["structured"]
+        sampling["structured"] = pb.StructuredOutput(kind=spec.kind, value=spec.value)
     return pb.PrefillRequest(request_id=call.request_id, prompt_token_ids=call.prompt_token_ids,
                              sampling=pb.SamplingFields(**sampling), kv_dest_host=host, kv_dest_port=port,
                              skip_tokens=call.skip_tokens)
@@ -41,7 +44,9 @@ def prefill_call_from_proto(msg: pb.PrefillRequest) -> PrefillCall:
                             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                             repetition_penalty=s.repetition_penalty or 1.0,  # unset: an older sender's 0
                             logit_bias=dict(s.logit_bias), min_tokens=min(s.min_tokens, 1),
-                            stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, max_tokens=1)
+                            stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, max_tokens=1,
+                            structured=StructuredOutputSpec(s.structured.kind, s.structured.value)
+                            if s.HasField("structured") else None)
     if not 0 <= msg.skip_tokens < len(msg.prompt_token_ids):
         raise ValueError(f"skip_tokens must be in [0, prompt length {len(msg.prompt_token_ids)}), got {msg.skip_tokens}")
     return PrefillCall(request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids), params=params,

@@ -1,0 +1,62 @@
+"""The Hermes/Qwen tool-call parser and the forced-call schema, on strings (no model needed)."""
+
+import json
+
+import pytest
+
+from disagg.decode_node.tool_calls import ToolOptions, forced_calls, forced_schema, parse_hermes, streamable_end
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+def test_hermes_reads_every_call_and_keeps_the_rest_as_content():
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    content, calls = parse_hermes(text)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}),
+                                                                    ("get_time", {})]
+    assert all(c.id.startswith("call_") for c in calls) and calls[0].id != calls[1].id
+
+
+def test_hermes_leaves_malformed_calls_in_the_content():
+    broken = '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'
+    content, calls = parse_hermes("Sure. " + broken + ' <tool_call>["not", "a call"]</tool_call>')
+    assert calls == [] and content == "Sure. " + broken + ' <tool_call>["not", "a call"]</tool_call>'
+    content, calls = parse_hermes("no calls here")
+    assert (content, calls) == ("no calls here", [])
+
+
+def test_hermes_reads_an_unclosed_last_call_and_gives_no_content_when_only_calls():
+    content, calls = parse_hermes('<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}')
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("get_time", '{"zone": "UTC"}')]
+
+
+def test_forced_schema_and_calls():
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert forced_schema([TIME, WEATHER], named, True) == WEATHER["function"]["parameters"]
+    assert [(c.name, c.arguments) for c in forced_calls('{"city": "Oslo"}', named)] == [("get_weather",
+                                                                                          '{"city": "Oslo"}')]
+    schema = forced_schema([WEATHER, TIME], "required", False)
+    assert schema["maxItems"] == 1 and [i["properties"]["name"]["enum"] for i in schema["items"]["anyOf"]] == [
+        ["get_weather"], ["get_time"]]
+    calls = forced_calls('[{"name": "get_time", "parameters": {}}]', "required")
+    assert [(c.name, c.arguments) for c in calls] == [("get_time", "{}")]
+    assert forced_calls('[{"name": "get_ti', "required") == []  # cut short by max_tokens
+
+
+def test_auto_tool_choice_needs_both_flags_as_in_vllm():
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice"):
+        ToolOptions().check_auto()
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        ToolOptions(enable_auto_tool_choice=True).check_auto()
+    ToolOptions(True, "hermes").check_auto()
+
+
+def test_a_stream_sends_content_up_to_where_a_tool_call_may_start():
+    assert streamable_end("The answer is 4.") == len("The answer is 4.")
+    assert streamable_end("Let me check. <tool") == len("Let me check. ")  # may become <tool_call>
+    assert streamable_end("a < b") == len("a < b")
+    assert streamable_end('Sure <tool_call>{"name"') == len("Sure ")
