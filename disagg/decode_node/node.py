@@ -5,7 +5,8 @@ A disaggregated request, in order (docs/ARCHITECTURE.md, "A request, end to end"
   1. the engine reserves blocks for the prompt (the request waits for KV without a step);
   2. Prefill(request id, prompt, sampling, our pipe endpoint) on the least loaded prefill node;
   3. drop_select on our LookupBuffer consumer takes exactly that request's KV off the pipe;
-  4. the engine loads it into the reserved blocks and decodes on from the first token.
+  4. the first token, which came with it, goes to the client at once; the engine loads the KV
+     into the reserved blocks between two steps and decodes on from the second token.
 If the prefill node is down, dies mid-transfer or is too slow, the request is recomputed here
 (policy "recompute") or fails with PrefillUnavailable (policy "fail").
 """
@@ -49,7 +50,7 @@ class DecodeNode:
         self.prefill_timeout = prefill_timeout
         self.lookup_timeout = lookup_timeout
         self.node_id = f"d{uuid.uuid4().hex[:8]}"  # names this node's requests on every node
-        self.kv_loaded_at: dict[str, float] = {}  # request id -> when its remote KV was loaded
+        self.kv_received_at: dict[str, float] = {}  # request id -> when its remote KV was in hand
 
     @property
     def disaggregated(self) -> bool:
@@ -82,23 +83,27 @@ class DecodeNode:
                     yield out
             return
         queue = await self.engine.add_request(request_id, prompt_token_ids, params, remote_prefill=True)
-        fetch = asyncio.create_task(self._fetch_kv(request_id, prompt_token_ids, params, policy))
+        fetch = asyncio.create_task(self._fetch_kv(request_id, queue, prompt_token_ids, params, policy))
+        finished = False
         try:
             async with contextlib.aclosing(self.engine.stream(request_id, queue)) as outputs:
                 async for out in outputs:
-                    loaded = self.kv_loaded_at.pop(request_id, None)
-                    if loaded is not None:  # the first token, which came with the KV
-                        metrics.FIRST_TOKEN_DELAY.observe(time.perf_counter() - loaded)
+                    received = self.kv_received_at.pop(request_id, None)
+                    if received is not None:  # the first token, which came with the KV
+                        metrics.FIRST_TOKEN_DELAY.observe(time.perf_counter() - received)
+                    finished = out.finished
                     yield out
         finally:
-            self.kv_loaded_at.pop(request_id, None)
-            if not fetch.done():  # the client went away before the KV came: stop the prefill too
+            self.kv_received_at.pop(request_id, None)
+            if finished:  # the first token may have ended it before the engine loaded the KV
+                await fetch
+            elif not fetch.done():  # the client went away before the KV came: stop the prefill too
                 fetch.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await fetch
 
-    async def _fetch_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                        policy: str) -> None:
+    async def _fetch_kv(self, request_id: str, queue: asyncio.Queue, prompt_token_ids: list[int],
+                        params: SamplingParams, policy: str) -> None:
         client: PrefillClient | None = None
         start = time.perf_counter()
         try:
@@ -121,9 +126,10 @@ class DecodeNode:
             metrics.KV_LOOKUP_WAIT.observe(received - answered)
             if entry.token_digest != result.token_digest:
                 raise RuntimeError(f"KV digest {entry.token_digest} differs from the prefill node's {result.token_digest}")
-            await self.engine.finish_remote_prefill(request_id, entry.kv_tensors[0], result.first_token,
+            self.kv_received_at[request_id] = received
+            await self.engine.finish_remote_prefill(request_id, queue, entry.kv_tensors[0], result.first_token,
                                                     result.first_logprob, kv_start=skip)
-            self.kv_loaded_at[request_id] = loaded = time.perf_counter()
+            loaded = time.perf_counter()
             metrics.KV_LOAD.observe(loaded - received)
             metrics.KV_BYTES.labels("received").inc(entry.nbytes)
             metrics.KV_TRANSFER.observe(time.perf_counter() - start)
