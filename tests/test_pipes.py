@@ -101,6 +101,10 @@ def echo_roundtrip(
                 assert all(g is o for g, o in zip(got, out)), (
                     "recv(out=...) must fill the given tensors"
                 )
+            elif i % 3 == 1 and msg is not None:  # into views, as into a KV cache's blocks
+                out = [scattered_views(t) for t in msg]
+                assert all(g is o for g, o in zip(pipe.recv(out=out), out))
+                got = [gathered(views, t) for views, t in zip(out, msg)]
             else:
                 got = pipe.recv()
                 if pipe_name == "torch_dist" and msg is not None and i % 2 == 0:
@@ -116,6 +120,19 @@ def echo_roundtrip(
         finish(peer)
     finally:
         peer.kill()
+
+
+def scattered_views(like: torch.Tensor) -> list[torch.Tensor]:
+    """Up to four views of a larger tensor, with gaps between them, holding like.numel() elements."""
+    n = like.numel()
+    chunk = max(1, -(-n // 4))
+    backing = torch.zeros(2 * n + 8, dtype=like.dtype)
+    return [backing[2 * start + 3 : 2 * start + 3 + min(chunk, n - start)] for start in range(0, n, chunk)]
+
+
+def gathered(views: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    flat = torch.cat(views) if views else torch.empty(0, dtype=like.dtype)
+    return flat.view(like.shape)
 
 
 @pytest.mark.timeout(120)

@@ -84,23 +84,29 @@ class DecodeNode:
             return
         queue = await self.engine.add_request(request_id, prompt_token_ids, params, remote_prefill=True)
         fetch = asyncio.create_task(self._fetch_kv(request_id, queue, prompt_token_ids, params, policy))
+        outputs = self.engine.stream(request_id, queue)
         finished = False
         try:
-            async with contextlib.aclosing(self.engine.stream(request_id, queue)) as outputs:
-                async for out in outputs:
-                    received = self.kv_received_at.pop(request_id, None)
-                    if received is not None:  # the first token, which came with the KV
-                        metrics.FIRST_TOKEN_DELAY.observe(time.perf_counter() - received)
-                    finished = out.finished
-                    yield out
+            async for out in outputs:
+                received = self.kv_received_at.pop(request_id, None)
+                if received is not None:  # the first token, which came with the KV
+                    metrics.FIRST_TOKEN_DELAY.observe(time.perf_counter() - received)
+                finished = out.finished
+                yield out
         finally:
             self.kv_received_at.pop(request_id, None)
-            if finished:  # the first token may have ended it before the engine loaded the KV
+            # Shielded, so that a second cancellation cannot reorder it: the fetch ends (and with it
+            # any receive into the request's blocks) before closing the stream aborts the request.
+            await asyncio.shield(self._end(fetch, outputs, finished))
+
+    async def _end(self, fetch: asyncio.Task, outputs: AsyncIterator[RequestOutput], finished: bool) -> None:
+        if finished:  # the first token may have ended it before the engine loaded the KV
+            await fetch
+        elif not fetch.done():  # the client went away before the KV came: stop the prefill too
+            fetch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
                 await fetch
-            elif not fetch.done():  # the client went away before the KV came: stop the prefill too
-                fetch.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await fetch
+        await outputs.aclose()
 
     async def _fetch_kv(self, request_id: str, queue: asyncio.Queue, prompt_token_ids: list[int],
                         params: SamplingParams, policy: str) -> None:
@@ -110,6 +116,10 @@ class DecodeNode:
             client = self.pool.pick()
             # Our prefix cache's hits are held for this request: only the rest of its KV need come.
             skip = self.engine.engine.remote_cached_tokens(request_id)
+            # Blocks reserved now: the KV is received straight into them (else into a buffer first).
+            into = self.engine.engine.remote_kv_views(request_id, skip)
+            if into is not None:
+                self.consumer.expect(request_id, [into])
             call = PrefillCall(request_id, prompt_token_ids, params, self.kv_advertise, skip)
             result = await client.prefill(call, idle_timeout=self.prefill_timeout)
             answered = time.perf_counter()
@@ -127,7 +137,8 @@ class DecodeNode:
             if entry.token_digest != result.token_digest:
                 raise RuntimeError(f"KV digest {entry.token_digest} differs from the prefill node's {result.token_digest}")
             self.kv_received_at[request_id] = received
-            await self.engine.finish_remote_prefill(request_id, queue, entry.kv_tensors[0], result.first_token,
+            kv = None if entry.in_place else entry.kv_tensors[0]
+            await self.engine.finish_remote_prefill(request_id, queue, kv, result.first_token,
                                                     result.first_logprob, kv_start=skip)
             loaded = time.perf_counter()
             metrics.KV_LOAD.observe(loaded - received)
@@ -135,12 +146,12 @@ class DecodeNode:
             metrics.KV_TRANSFER.observe(time.perf_counter() - start)
             metrics.REMOTE_PREFILL.labels("ok").inc()
         except asyncio.CancelledError:
-            self.consumer.discard(request_id)
+            await asyncio.to_thread(self.consumer.discard, request_id)
             if client is not None:
                 await client.abort(request_id, self.kv_advertise)
             raise
         except Exception as e:
-            self.consumer.discard(request_id)
+            await asyncio.to_thread(self.consumer.discard, request_id)  # before the blocks are given back
             if client is not None:
                 await client.abort(request_id, self.kv_advertise)
             where = client.address if client is not None else "no prefill node"
@@ -158,7 +169,7 @@ class DecodeNode:
     async def _discard_when_unhealthy(self, client: PrefillClient, request_id: str) -> None:
         while client.healthy:
             await asyncio.sleep(0.2)
-        self.consumer.discard(request_id)
+        await asyncio.to_thread(self.consumer.discard, request_id)
 
     def health(self) -> dict:
         status = {"status": "ok", "role": "consumer" if self.disaggregated else "both", "model": self.model_name}

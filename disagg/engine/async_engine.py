@@ -120,12 +120,14 @@ class AsyncEngine:
         """Drop the request from the engine; whoever waits on its outputs gets `error`."""
         return await self._call(self._drop, request_id, error)
 
-    async def finish_remote_prefill(self, request_id: str, queue: asyncio.Queue, kv: torch.Tensor, first_token: int,
-                                    first_logprob: TokenLogprob | None = None, kv_start: int = 0) -> None:
+    async def finish_remote_prefill(self, request_id: str, queue: asyncio.Queue, kv: torch.Tensor | None,
+                                    first_token: int, first_logprob: TokenLogprob | None = None,
+                                    kv_start: int = 0) -> None:
         """Put the first token, which came with the KV, on the request's stream (`queue`, from
         add_request) at once, then have the engine thread load the KV between two steps; the
         engine's own output for that token is not sent again (docs/ARCHITECTURE.md, "A request,
-        end to end"). Raises ValueError for KV or a token that does not fit, before any output."""
+        end to end"). kv None: it is in the request's blocks already (LLMEngine.remote_kv_views). Raises
+        ValueError for KV or a token that does not fit, before any output."""
         queue.put_nowait(self.engine.remote_first_output(request_id, kv, first_token, first_logprob, kv_start))
         try:
             # Shielded: a request whose first token is out must be loaded (or aborted) in the engine,

@@ -102,17 +102,28 @@ class LLMEngine:
         until the KV is loaded (the blocks are held), so it may be read from another thread."""
         return self._remote_seq(request_id).num_cached_tokens
 
-    def finish_remote_prefill(self, request_id: str, kv: torch.Tensor, first_token: int,
+    def remote_kv_views(self, request_id: str, start: int) -> list[torch.Tensor] | None:
+        """Views of the blocks reserved for a remote request's prompt tokens from `start` on (see
+        KVCache.views), for its KV to be received straight into them; None unless the request holds
+        its blocks and `start` is where its prefix-cache hits end. Safe from another thread (as
+        remote_cached_tokens). Whoever fills them must be done before the request is aborted."""
+        seq = self._remote_seq(request_id)
+        if request_id not in self.scheduler.waiting_for_kv or start != seq.num_cached_tokens:
+            return None
+        return self.kv_cache.views(seq.block_table, start, seq.num_prompt_tokens)
+
+    def finish_remote_prefill(self, request_id: str, kv: torch.Tensor | None, first_token: int,
                               first_logprob: TokenLogprob | None = None, kv_start: int = 0) -> None:
         """Hand over the KV (of prompt tokens kv_start on) and first token of a remote-prefilled
-        request; it decodes from the next step."""
+        request; it decodes from the next step. kv None: it is already in the blocks, received
+        through remote_kv_views(request_id, kv_start)."""
         seq = self._remote_seq(request_id)
         self._check_remote(seq, kv, first_token, kv_start)
         seq.remote_prefill = RemotePrefill(kv, first_token, first_logprob, kv_start)
         if seq.request_id in self.scheduler.waiting_for_kv:
             self._load_remote(seq)
 
-    def remote_first_output(self, request_id: str, kv: torch.Tensor, first_token: int,
+    def remote_first_output(self, request_id: str, kv: torch.Tensor | None, first_token: int,
                             first_logprob: TokenLogprob | None = None, kv_start: int = 0) -> RequestOutput:
         """The output that finish_remote_prefill with these arguments will give for the first token,
         computed now on copies, so that a caller on another thread can hand the token to the client
@@ -127,10 +138,13 @@ class LLMEngine:
         self._advance(preview, text, first_token, first_logprob)
         return self._output(preview, text, first_token)
 
-    def _check_remote(self, seq: Sequence, kv: torch.Tensor, first_token: int, kv_start: int) -> None:
+    def _check_remote(self, seq: Sequence, kv: torch.Tensor | None, first_token: int, kv_start: int) -> None:
         mc = self.model_config
         expected = (mc.num_hidden_layers, 2, seq.num_prompt_tokens - kv_start, mc.num_key_value_heads, mc.head_dim)
-        if tuple(kv.shape) != expected:
+        if kv is None and (seq.request_id not in self.scheduler.waiting_for_kv or kv_start != seq.num_cached_tokens):
+            raise ValueError(f"KV for {seq.request_id} is said to be in its blocks, but they were not reserved "
+                             f"with {kv_start} cached tokens")
+        if kv is not None and tuple(kv.shape) != expected:
             raise ValueError(f"KV for {seq.request_id} has shape {tuple(kv.shape)}, expected {expected}")
         if kv_start > seq.num_cached_tokens:
             raise ValueError(f"KV for {seq.request_id} starts at token {kv_start}, but only {seq.num_cached_tokens} "
@@ -153,9 +167,10 @@ class LLMEngine:
 
     def _load_remote(self, seq: Sequence) -> None:
         remote = seq.remote_prefill
-        # Leading blocks hit in our own prefix cache already hold this KV.
-        start = seq.num_cached_tokens
-        self.kv_cache.scatter(seq.block_table, remote.kv[:, :, start - remote.kv_start:], start)
+        if remote.kv is not None:  # else it was received into the blocks
+            # Leading blocks hit in our own prefix cache already hold this KV.
+            start = seq.num_cached_tokens
+            self.kv_cache.scatter(seq.block_table, remote.kv[:, :, start - remote.kv_start:], start)
         seq.num_computed_tokens = seq.num_prompt_tokens
         self.block_manager.commit(seq)
         seq.remote_prefill = None
