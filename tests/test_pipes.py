@@ -3,6 +3,7 @@
 The test process listens; tests/pipe_peer.py is the connecting peer.
 """
 
+import importlib
 import importlib.util
 import os
 import signal
@@ -35,15 +36,17 @@ pipe_peer = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(pipe_peer)
 
 
-def _ucx_missing() -> str | None:
+def _missing(pipe: str) -> str | None:
+    """Why an optional pipe cannot be imported here, or None."""
     try:
-        import disagg.pipes.ucx  # noqa: F401
+        importlib.import_module(f"disagg.pipes.{pipe}")
     except ImportError as e:
         return str(e)
     return None
 
 
-UCX_MISSING = _ucx_missing()
+UCX_MISSING = _missing("ucx")
+NIXL_MISSING = _missing("nixl")
 ALL_PIPES = [
     "tcp",
     "torch_dist",
@@ -51,6 +54,12 @@ ALL_PIPES = [
         "ucx",
         marks=pytest.mark.skipif(
             UCX_MISSING is not None, reason=f"ucx unavailable: {UCX_MISSING}"
+        ),
+    ),
+    pytest.param(
+        "nixl",
+        marks=pytest.mark.skipif(
+            NIXL_MISSING is not None, reason=f"nixl unavailable: {NIXL_MISSING}"
         ),
     ),
 ]

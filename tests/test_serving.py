@@ -58,11 +58,13 @@ def colocated(tmp_path_factory):
     node.kill()
 
 
-@pytest.fixture(scope="module", params=["tcp", "torch_dist", "ucx"])
+@pytest.fixture(scope="module", params=["tcp", "torch_dist", "ucx", "nixl"])
 def pair(request, tmp_path_factory):
     """1 prefill + 1 decode node over the given pipe."""
     if request.param == "ucx":
         pytest.importorskip("ucxx", reason="the ucx pipe needs ucxx-cu12")
+    if request.param == "nixl":
+        pytest.importorskip("nixl_cu12", reason="the nixl pipe needs nixl-cu12")
     tmp = tmp_path_factory.mktemp(f"pair-{request.param}")
     prefill = start_node("producer", tmp, connector=request.param, kv_extra={"auth_token": "s3cret"})
     decode = start_node("consumer", tmp, connector=request.param, prefill_nodes=[prefill.grpc_address],
