@@ -2,6 +2,7 @@
 compared token for token with the colocated server and with transformers."""
 
 import asyncio
+import importlib.util
 import json
 import re
 import time
@@ -63,8 +64,8 @@ def pair(request, tmp_path_factory):
     """1 prefill + 1 decode node over the given pipe."""
     if request.param == "ucx":
         pytest.importorskip("ucxx", reason="the ucx pipe needs ucxx-cu12")
-    if request.param == "nixl":
-        pytest.importorskip("nixl_cu12", reason="the nixl pipe needs nixl-cu12")
+    if request.param == "nixl" and importlib.util.find_spec("nixl_cu12") is None:  # found, not imported:
+        pytest.skip("the nixl pipe needs nixl-cu12")  # NIXL and grpc_tools abort one process (test_pipes.py)
     tmp = tmp_path_factory.mktemp(f"pair-{request.param}")
     prefill = start_node("producer", tmp, connector=request.param, kv_extra={"auth_token": "s3cret"})
     decode = start_node("consumer", tmp, connector=request.param, prefill_nodes=[prefill.grpc_address],

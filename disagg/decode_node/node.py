@@ -151,6 +151,7 @@ class DecodeNode:
                 await client.abort(request_id, self.kv_advertise)
             raise
         except Exception as e:
+            self.kv_received_at.pop(request_id, None)  # a recomputed first token is no remote one
             await asyncio.to_thread(self.consumer.discard, request_id)  # before the blocks are given back
             if client is not None:
                 await client.abort(request_id, self.kv_advertise)
