@@ -49,10 +49,11 @@ def fill(dest: Destination, tensor: torch.Tensor) -> None:
     if isinstance(dest, torch.Tensor):
         dest.copy_(tensor)
         return
-    flat, offset = tensor.reshape(-1), 0
-    for view in dest:
-        view.copy_(flat[offset : offset + view.numel()].view(view.shape))
-        offset += view.numel()
+    if not dest:  # an empty tensor
+        return
+    chunks = tensor.reshape(-1).split([view.numel() for view in dest])
+    # One multi-tensor copy, not a kernel per view: a KV cache's views can number thousands.
+    torch._foreach_copy_(dest, [chunk.view(view.shape) for chunk, view in zip(chunks, dest)])
 
 
 @dataclass

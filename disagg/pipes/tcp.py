@@ -222,13 +222,26 @@ class TcpPipe(KVPipe):
         with socket_errors("receiving tensor data", self._config.timeout):
             for i, meta in enumerate(metas):
                 dest = out[i] if out is not None else None
-                if isinstance(dest, list):  # view by view: no buffer the size of the whole tensor
-                    for view in dest:
-                        self._recv_tensor(wire.TensorMeta(view.dtype, tuple(view.shape)), view)
+                if isinstance(dest, list):
+                    self._recv_views(dest)
                     received.append(dest)
                 else:
                     received.append(self._recv_tensor(meta, dest))
         return received
+
+    def _recv_views(self, views: list[torch.Tensor]) -> None:
+        """View by view, with no buffer the size of the whole tensor: CPU views directly, CUDA
+        views through one pinned buffer the size of the largest."""
+        staging = None
+        for view in views:
+            target = view
+            if view.is_cuda:
+                if staging is None:
+                    staging = torch.empty(max(v.numel() for v in views), dtype=view.dtype, pin_memory=True)
+                target = staging[: view.numel()].view(view.shape)
+            recv_exact_into(self._sock, byte_view(target))
+            if target is not view:
+                view.copy_(target)
 
     def _recv_tensor(self, meta: wire.TensorMeta, dest: torch.Tensor | None) -> torch.Tensor:
         target = host_target(meta, dest)
