@@ -232,7 +232,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-role", choices=["producer", "consumer", "both", "kv_producer", "kv_consumer", "kv_both"],
                         default=None, help="producer = prefill node, consumer = decode node, both = colocated (default)")
     parser.add_argument("--kv-transfer-config", default=None,
-                        help='JSON with vLLM\'s fields: {"kv_connector": "tcp|torch_dist|ucx", "kv_role": ..., '
+                        help='JSON with vLLM\'s fields: {"kv_connector": "tcp|torch_dist|ucx|nixl", "kv_role": ..., '
                              '"kv_rank": ..., "kv_ip": ..., "kv_port": ..., "kv_buffer_size": bytes, '
                              '"kv_buffer_device": "cpu|cuda", "kv_connector_extra_config": {"auth_token": ... (default: '
                              f'${KV_AUTH_TOKEN_ENV}), '
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> None:
     upp.add_argument("--port", type=int, default=8000, help="decode node's HTTP port (the prefill node takes port+1)")
     upp.add_argument("--grpc-port", type=int, default=50051, help="prefill node's gRPC port")
     upp.add_argument("--kv-port", type=int, default=14579, help="prefill node's pipe port (decode takes kv-port+1)")
-    upp.add_argument("--kv-connector", default="tcp", help="pipe: tcp, torch_dist or ucx")
+    upp.add_argument("--kv-connector", default="tcp", help="pipe: tcp, torch_dist, ucx or nixl")
     upp.add_argument("--device", default=None, help="cpu or cuda")
     upp.add_argument("--once", action="store_true", help="stop both nodes after the sample request")
     upp.add_argument("--log-level", default="WARNING")

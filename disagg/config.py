@@ -20,7 +20,7 @@ def derived_key(secret: str | None, purpose: str) -> str | None:
 
 ROLES = {"producer": "producer", "kv_producer": "producer", "consumer": "consumer",
          "kv_consumer": "consumer", "both": "both", "kv_both": "both"}
-PIPE_NAMES = ("tcp", "torch_dist", "ucx")
+PIPE_NAMES = ("tcp", "torch_dist", "ucx", "nixl")
 # What kv_connector_extra_config may hold, with defaults.
 EXTRA_DEFAULTS: dict[str, object] = {
     "auth_token": None,  # shared secret between nodes: gRPC metadata and the pipe handshake

@@ -30,7 +30,8 @@ REMOTE_PREFILL_CALL = Histogram("disagg_remote_prefill_call_seconds", "Prefill c
 KV_LOOKUP_WAIT = Histogram("disagg_kv_lookup_wait_seconds", "Prefill answered to its KV off the pipe",
                            buckets=LATENCY_BUCKETS)
 KV_LOAD = Histogram("disagg_kv_load_seconds", "Received KV into the engine's blocks", buckets=LATENCY_BUCKETS)
-FIRST_TOKEN_DELAY = Histogram("disagg_first_token_delay_seconds", "KV loaded to the first token handed out",
+FIRST_TOKEN_DELAY = Histogram("disagg_first_token_delay_seconds",
+                              "KV in hand to the first token handed out (it does not wait for the load)",
                               buckets=LATENCY_BUCKETS)
 # Prefill node:
 PREFILL_COMPUTE = Histogram("disagg_prefill_compute_seconds", "A Prefill call's engine time, its queue included",

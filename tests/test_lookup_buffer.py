@@ -28,7 +28,8 @@ from disagg.lookup_buffer import (
     ProducerLost,
     token_digest,
 )
-from disagg.pipes import PipeConfig
+from disagg.lookup_buffer.messages import Hello, encode_entry, encode_hello
+from disagg.pipes import PipeConfig, tcp, wire
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = Path(__file__).resolve().parent / "lookup_peer.py"
@@ -361,3 +362,74 @@ def test_producer_killed_mid_transfer(make_consumer, make_producer, spawn_produc
         other.insert(f"req-{i}", *make_request(i), consumer.address)
     for i in range(5000, 5020):
         assert_entry(lookup(consumer, i), i)
+
+
+def reset_peak_rss() -> int:
+    """Reset this process's peak resident set (Linux) and return the current one, in bytes."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_bytes("VmRSS")
+
+
+def peak_rss() -> int:
+    return _status_bytes("VmHWM")
+
+
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+@pytest.mark.timeout(60)
+def test_expected_kv_lands_in_its_views_with_no_buffer_of_its_own(make_consumer, spawn_producer):
+    """An entry the consumer expects is received straight into the views it named (blocks spread
+    over a cache-like tensor): the process's peak memory grows by far less than the KV, where the
+    same entry not expected grows it by all of it."""
+    big = 16 << 20  # floats: 64 MiB
+    block = 1 << 16
+    cache = torch.full((2 * big // block, block), -1.0)  # written: its pages are resident already
+    blocks = torch.randperm(cache.shape[0], generator=torch.Generator().manual_seed(0))[: big // block]
+    consumer = make_consumer()
+    _, kv, _ = make_request(0)
+    consumer.expect("req-0", [torch.empty_like(t) for t in kv] + [[cache[b] for b in blocks.tolist()]])
+    growth = {}
+    for i in (0, 1):  # one producer process each, so that one entry's bytes never overlap the other's
+        base = reset_peak_rss()
+        proc = spawn_producer([consumer.address], unused_port(), count=1, first=i, big_floats=big,
+                              buffer_bytes=4 * big + (1 << 20))
+        entry = lookup(consumer, i)
+        growth[i] = peak_rss() - base
+        producer_stats(proc)
+        assert entry.in_place == (i == 0)
+    assert consumer.stats().received_in_place == 1
+    assert torch.equal(cache[blocks], torch.ones(len(blocks), block))
+    assert int((cache == -1).sum()) == cache.numel() - big  # nothing landed outside the views
+    assert growth[0] < big  # a quarter of the KV's 4 * big bytes: sockets, allocator slack
+    assert growth[1] > 3 * big, growth  # the same measure sees a buffer of its own
+
+
+@pytest.mark.timeout(30)
+def test_discard_cuts_off_a_receive_into_views_before_it_returns(make_consumer):
+    """A producer that stalls mid-KV: discard closes its connection and returns at once, and the
+    receiver has let go of the views by then (so the decode node may give the blocks back)."""
+    consumer = make_consumer()
+    views = [torch.zeros(1024) for _ in range(4)]
+    consumer.expect("r", [views])
+    config = PipeConfig(timeout=10)
+    sock = tcp.connect_socket(config, *consumer.address)
+    pipe = tcp.TcpPipe(sock, config)
+    pipe.send(encode_hello(Hello(("127.0.0.1", unused_port()))))
+    header, _ = encode_entry(KVEntry("r", token_digest([1]), [torch.ones(4096)]))
+    pipe.send(header)
+    sock.sendall(wire.encode(wire.Kind.TENSORS, [wire.TensorMeta(torch.float32, (4096,))]))
+    sock.sendall(torch.ones(1500).numpy().tobytes())  # the first view and some of the second, then silence
+    wait_until(lambda: bool(views[1][0] == 1), 10)
+    start = time.monotonic()
+    assert consumer.discard("r") is False
+    assert time.monotonic() - start < 2  # not the pipe timeout
+    assert "r" not in consumer._filling  # private, but it is the promise: nobody writes into the views now
+    wait_until(lambda: consumer.stats().connections == 0, 5)
+    with pytest.raises(LookupDiscarded):
+        consumer.drop_select("r", [1], timeout=1)
+    sock.close()

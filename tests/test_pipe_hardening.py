@@ -22,7 +22,15 @@ from hypothesis import strategies as st
 
 from disagg import pipes
 from disagg.lookup_buffer import BufferFullError, LookupBufferConsumer, LookupBufferProducer
-from disagg.lookup_buffer.messages import DIGEST, MAX_HEADER_BYTES, Hello, KVEntry, decode, encode_hello
+from disagg.lookup_buffer.messages import (
+    DIGEST,
+    MAX_HEADER_BYTES,
+    PROTOCOL_VERSION,
+    Hello,
+    KVEntry,
+    decode,
+    encode_hello,
+)
 from disagg.pipes import PipeClosed, PipeConfig, PipeError, ProtocolError, tcp, wire
 
 PEER = Path(__file__).parent / "pipe_peer.py"
@@ -223,7 +231,7 @@ def header(obj: object) -> torch.Tensor:
 
 
 def good_header(**fields: object) -> dict:
-    return {"kind": "entry", "version": 1, "request_id": "r", "token_digest": "0" * 64, "extras": {}, **fields}
+    return {"kind": "entry", "version": PROTOCOL_VERSION, "request_id": "r", "token_digest": "0" * 64, "extras": {}, **fields}
 
 
 MALFORMED = {
@@ -312,7 +320,7 @@ HEADERS = st.one_of(
     st.fixed_dictionaries(
         {
             "kind": mostly(st.just("hello"), JSON),
-            "version": mostly(st.just(1), JSON),
+            "version": mostly(st.just(PROTOCOL_VERSION), JSON),
             "source": mostly(st.tuples(st.text(max_size=20), st.integers(0, 65535)).map(list),
                              st.tuples(st.text(max_size=300), st.integers(-1, 70000)).map(list) | JSON),
         }
@@ -320,7 +328,7 @@ HEADERS = st.one_of(
     st.fixed_dictionaries(
         {
             "kind": mostly(st.just("entry"), JSON),
-            "version": mostly(st.just(1), JSON),
+            "version": mostly(st.just(PROTOCOL_VERSION), JSON),
             "request_id": mostly(st.text(min_size=1, max_size=20), st.text(max_size=300) | JSON),
             "token_digest": mostly(st.text("0123456789abcdef", min_size=64, max_size=64),
                                    st.sampled_from(["A" * 64, "0" * 63]) | st.text(max_size=70) | JSON),

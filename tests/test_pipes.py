@@ -35,15 +35,20 @@ pipe_peer = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(pipe_peer)
 
 
-def _ucx_missing() -> str | None:
-    try:
-        import disagg.pipes.ucx  # noqa: F401
-    except ImportError as e:
-        return str(e)
+def _missing(pipe: str, package: str) -> str | None:
+    """Why an optional pipe cannot be used here, or None. Found, not imported: NIXL must not
+    be loaded into a process that holds grpc_tools (see test_nixl_pipe_in_a_process_of_its_own)."""
+    if importlib.util.find_spec(package) is None:
+        return f"{package} is not installed"
     return None
 
 
-UCX_MISSING = _ucx_missing()
+UCX_MISSING = _missing("ucx", "ucxx")
+# NIXL's bundled abseil and grpc_tools' protoc in one process abort it (munmap_chunk(): invalid
+# pointer), and the suite's collection imports grpc_tools: the nixl cases run in a pytest process
+# of their own, which sets this variable.
+NIXL_HERE = "DISAGG_TEST_NIXL" in os.environ
+NIXL_MISSING = _missing("nixl", "nixl_cu12") or (None if NIXL_HERE else "runs in a process of its own")
 ALL_PIPES = [
     "tcp",
     "torch_dist",
@@ -53,7 +58,25 @@ ALL_PIPES = [
             UCX_MISSING is not None, reason=f"ucx unavailable: {UCX_MISSING}"
         ),
     ),
+    pytest.param(
+        "nixl",
+        marks=pytest.mark.skipif(
+            NIXL_MISSING is not None, reason=f"nixl: {NIXL_MISSING}"
+        ),
+    ),
 ]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(NIXL_HERE or _missing("nixl", "nixl_cu12") is not None, reason="nixl-cu12 is not installed")
+def test_nixl_pipe_in_a_process_of_its_own():
+    """Every [nixl] case of this file, in a pytest process that has not loaded grpc_tools."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "nixl"],
+        env={**os.environ, "DISAGG_TEST_NIXL": "1"}, capture_output=True, text=True, timeout=170,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
 
 
 def start_peer(
@@ -101,6 +124,10 @@ def echo_roundtrip(
                 assert all(g is o for g, o in zip(got, out)), (
                     "recv(out=...) must fill the given tensors"
                 )
+            elif i % 3 == 1 and msg is not None:  # into views, as into a KV cache's blocks
+                out = [scattered_views(t) for t in msg]
+                assert all(g is o for g, o in zip(pipe.recv(out=out), out))
+                got = [gathered(views, t) for views, t in zip(out, msg)]
             else:
                 got = pipe.recv()
                 if pipe_name == "torch_dist" and msg is not None and i % 2 == 0:
@@ -116,6 +143,19 @@ def echo_roundtrip(
         finish(peer)
     finally:
         peer.kill()
+
+
+def scattered_views(like: torch.Tensor) -> list[torch.Tensor]:
+    """Up to four views of a larger tensor, with gaps between them, holding like.numel() elements."""
+    n = like.numel()
+    chunk = max(1, -(-n // 4))
+    backing = torch.zeros(2 * n + 8, dtype=like.dtype)
+    return [backing[2 * start + 3 : 2 * start + 3 + min(chunk, n - start)] for start in range(0, n, chunk)]
+
+
+def gathered(views: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    flat = torch.cat(views) if views else torch.empty(0, dtype=like.dtype)
+    return flat.view(like.shape)
 
 
 @pytest.mark.timeout(120)

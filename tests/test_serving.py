@@ -2,12 +2,14 @@
 compared token for token with the colocated server and with transformers."""
 
 import asyncio
+import importlib.util
+import json
 import re
 import time
 
 import httpx
 import pytest
-from prompts import PROMPTS, hf_greedy
+from prompts import PASSAGE, PROMPTS, hf_greedy
 from servers import free_port, read_sse_text, start_node, wait_exit, wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -57,11 +59,13 @@ def colocated(tmp_path_factory):
     node.kill()
 
 
-@pytest.fixture(scope="module", params=["tcp", "torch_dist", "ucx"])
+@pytest.fixture(scope="module", params=["tcp", "torch_dist", "ucx", "nixl"])
 def pair(request, tmp_path_factory):
     """1 prefill + 1 decode node over the given pipe."""
     if request.param == "ucx":
         pytest.importorskip("ucxx", reason="the ucx pipe needs ucxx-cu12")
+    if request.param == "nixl" and importlib.util.find_spec("nixl_cu12") is None:  # found, not imported:
+        pytest.skip("the nixl pipe needs nixl-cu12")  # NIXL and grpc_tools abort one process (test_pipes.py)
     tmp = tmp_path_factory.mktemp(f"pair-{request.param}")
     prefill = start_node("producer", tmp, connector=request.param, kv_extra={"auth_token": "s3cret"})
     decode = start_node("consumer", tmp, connector=request.param, prefill_nodes=[prefill.grpc_address],
@@ -355,3 +359,69 @@ def test_structured_output_reaches_the_prefill_node(pair, colocated):
                                                                                                   colocated.url)]
     assert answers[0]["choices"][0]["message"]["content"] in ("Saturn rings", "Mars", "Jupiter"), answers[0]
     assert answers[0]["choices"] == answers[1]["choices"]
+
+
+async def sse_chunks(client: httpx.AsyncClient, url: str, body: dict) -> list[tuple[str, str | None]]:
+    """(text, finish_reason) of every event of a streamed completion, in order."""
+    chunks = []
+    async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                chunks.append((choice["text"], choice["finish_reason"]))
+    return chunks
+
+
+def test_first_token_streams_as_before_and_stop_rules_apply_to_it_once(pair, colocated, reference_texts):
+    """The first token goes to the client before the engine loads the KV: the stream's events are
+    the colocated node's, one by one, also when the first token alone ends the request."""
+    _, decode, connector = pair
+    if connector != "tcp":
+        pytest.skip("the first token's path is above the pipe: tested on tcp")
+    first_text = reference_texts[1][: len(reference_texts[1]) - len(reference_texts[1].lstrip()) + 1]
+    bodies = [greedy_body(PROMPTS_20[i]) for i in (1, 4, 7)]
+    bodies += [greedy_body(PROMPTS_20[1], max_tokens=1),  # ends by length at the first token
+               greedy_body(PROMPTS_20[1], stop=[first_text]),  # ends by a stop string at the first token
+               greedy_body(PROMPTS_20[4], stop=["."], max_tokens=40)]
+
+    async def run(url: str):
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(sse_chunks(client, url, body) for body in bodies))
+    remote, local = asyncio.run(run(decode.url)), asyncio.run(run(colocated.url))
+    assert remote == local
+    assert [chunks[-1][1] for chunks in remote[3:5]] == ["length", "stop"]
+    assert len(remote[3]) == 1 and remote[4] == [("", "stop")]
+    wait_for(lambda: decode.metric("disagg_kv_blocks_used") == 0, 20, "decode blocks free")
+
+
+def test_first_token_does_not_wait_for_the_step_in_flight(pair):
+    """A remote request's KV arrives while the decode node runs a long step (a prompt it computes
+    itself, for its prompt logprobs): the first token reaches the client before that step ends.
+    Waiting for the engine thread (the KV load) would hold it until then."""
+    _, decode, connector = pair
+    if connector != "tcp":
+        pytest.skip("the first token's path is above the pipe: tested on tcp")
+    remote = greedy_body(PROMPTS_20[8], stream=True)  # ~750 tokens: the prefill node takes a while
+    long_step = greedy_body(PASSAGE * 20, max_tokens=1, echo=True, logprobs=1)  # ~1,500 tokens in one step
+    delay = "disagg_first_token_delay_seconds"
+    delay_sum, delay_count = decode.metric(f"{delay}_sum"), decode.metric(f"{delay}_count")
+
+    async def run() -> tuple[float, float, float]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            async def first_token() -> float:
+                async with client.stream("POST", f"{decode.url}/v1/completions", json=remote) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            return time.monotonic()
+                raise AssertionError("no token")
+            start = time.monotonic()
+            first = asyncio.create_task(first_token())
+            await asyncio.sleep(0.3)  # the remote request has its blocks; its prompt is on the prefill node
+            response = await client.post(f"{decode.url}/v1/completions", json=long_step)
+            assert response.status_code == 200, response.text
+            return start, await first, time.monotonic()
+    start, first_token_at, long_done_at = asyncio.run(run())
+    assert decode.metric(f"{delay}_count") == delay_count + 1
+    assert first_token_at + 0.5 < long_done_at, (first_token_at - start, long_done_at - start)
+    assert decode.metric(f"{delay}_sum") - delay_sum < 0.25 * (long_done_at - first_token_at)

@@ -5,7 +5,8 @@ A disaggregated request, in order (docs/ARCHITECTURE.md, "A request, end to end"
   1. the engine reserves blocks for the prompt (the request waits for KV without a step);
   2. Prefill(request id, prompt, sampling, our pipe endpoint) on the least loaded prefill node;
   3. drop_select on our LookupBuffer consumer takes exactly that request's KV off the pipe;
-  4. the engine loads it into the reserved blocks and decodes on from the first token.
+  4. the first token, which came with it, goes to the client at once; the engine loads the KV
+     into the reserved blocks between two steps and decodes on from the second token.
 If the prefill node is down, dies mid-transfer or is too slow, the request is recomputed here
 (policy "recompute") or fails with PrefillUnavailable (policy "fail").
 """
@@ -49,7 +50,7 @@ class DecodeNode:
         self.prefill_timeout = prefill_timeout
         self.lookup_timeout = lookup_timeout
         self.node_id = f"d{uuid.uuid4().hex[:8]}"  # names this node's requests on every node
-        self.kv_loaded_at: dict[str, float] = {}  # request id -> when its remote KV was loaded
+        self.kv_received_at: dict[str, float] = {}  # request id -> when its remote KV was in hand
 
     @property
     def disaggregated(self) -> bool:
@@ -82,29 +83,43 @@ class DecodeNode:
                     yield out
             return
         queue = await self.engine.add_request(request_id, prompt_token_ids, params, remote_prefill=True)
-        fetch = asyncio.create_task(self._fetch_kv(request_id, prompt_token_ids, params, policy))
+        fetch = asyncio.create_task(self._fetch_kv(request_id, queue, prompt_token_ids, params, policy))
+        outputs = self.engine.stream(request_id, queue)
+        finished = False
         try:
-            async with contextlib.aclosing(self.engine.stream(request_id, queue)) as outputs:
-                async for out in outputs:
-                    loaded = self.kv_loaded_at.pop(request_id, None)
-                    if loaded is not None:  # the first token, which came with the KV
-                        metrics.FIRST_TOKEN_DELAY.observe(time.perf_counter() - loaded)
-                    yield out
+            async for out in outputs:
+                received = self.kv_received_at.pop(request_id, None)
+                if received is not None:  # the first token, which came with the KV
+                    metrics.FIRST_TOKEN_DELAY.observe(time.perf_counter() - received)
+                finished = out.finished
+                yield out
         finally:
-            self.kv_loaded_at.pop(request_id, None)
-            if not fetch.done():  # the client went away before the KV came: stop the prefill too
-                fetch.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await fetch
+            self.kv_received_at.pop(request_id, None)
+            # Shielded, so that a second cancellation cannot reorder it: the fetch ends (and with it
+            # any receive into the request's blocks) before closing the stream aborts the request.
+            await asyncio.shield(self._end(fetch, outputs, finished))
 
-    async def _fetch_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                        policy: str) -> None:
+    async def _end(self, fetch: asyncio.Task, outputs: AsyncIterator[RequestOutput], finished: bool) -> None:
+        if finished:  # the first token may have ended it before the engine loaded the KV
+            await fetch
+        elif not fetch.done():  # the client went away before the KV came: stop the prefill too
+            fetch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await fetch
+        await outputs.aclose()
+
+    async def _fetch_kv(self, request_id: str, queue: asyncio.Queue, prompt_token_ids: list[int],
+                        params: SamplingParams, policy: str) -> None:
         client: PrefillClient | None = None
         start = time.perf_counter()
         try:
             client = self.pool.pick()
             # Our prefix cache's hits are held for this request: only the rest of its KV need come.
             skip = self.engine.engine.remote_cached_tokens(request_id)
+            # Blocks reserved now: the KV is received straight into them (else into a buffer first).
+            into = self.engine.engine.remote_kv_views(request_id, skip)
+            if into is not None:
+                self.consumer.expect(request_id, [into])
             call = PrefillCall(request_id, prompt_token_ids, params, self.kv_advertise, skip)
             result = await client.prefill(call, idle_timeout=self.prefill_timeout)
             answered = time.perf_counter()
@@ -121,20 +136,23 @@ class DecodeNode:
             metrics.KV_LOOKUP_WAIT.observe(received - answered)
             if entry.token_digest != result.token_digest:
                 raise RuntimeError(f"KV digest {entry.token_digest} differs from the prefill node's {result.token_digest}")
-            await self.engine.finish_remote_prefill(request_id, entry.kv_tensors[0], result.first_token,
+            self.kv_received_at[request_id] = received
+            kv = None if entry.in_place else entry.kv_tensors[0]
+            await self.engine.finish_remote_prefill(request_id, queue, kv, result.first_token,
                                                     result.first_logprob, kv_start=skip)
-            self.kv_loaded_at[request_id] = loaded = time.perf_counter()
+            loaded = time.perf_counter()
             metrics.KV_LOAD.observe(loaded - received)
             metrics.KV_BYTES.labels("received").inc(entry.nbytes)
             metrics.KV_TRANSFER.observe(time.perf_counter() - start)
             metrics.REMOTE_PREFILL.labels("ok").inc()
         except asyncio.CancelledError:
-            self.consumer.discard(request_id)
+            await asyncio.to_thread(self.consumer.discard, request_id)
             if client is not None:
                 await client.abort(request_id, self.kv_advertise)
             raise
         except Exception as e:
-            self.consumer.discard(request_id)
+            self.kv_received_at.pop(request_id, None)  # a recomputed first token is no remote one
+            await asyncio.to_thread(self.consumer.discard, request_id)  # before the blocks are given back
             if client is not None:
                 await client.abort(request_id, self.kv_advertise)
             where = client.address if client is not None else "no prefill node"
@@ -152,7 +170,7 @@ class DecodeNode:
     async def _discard_when_unhealthy(self, client: PrefillClient, request_id: str) -> None:
         while client.healthy:
             await asyncio.sleep(0.2)
-        self.consumer.discard(request_id)
+        await asyncio.to_thread(self.consumer.discard, request_id)
 
     def health(self) -> dict:
         status = {"status": "ok", "role": "consumer" if self.disaggregated else "both", "model": self.model_name}

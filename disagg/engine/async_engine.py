@@ -53,6 +53,8 @@ class AsyncEngine:
         # Request id -> where its outputs go. Read and written on the engine thread only, so a
         # request's outputs can never reach another request's stream, whatever ids callers reuse.
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # Remote requests whose first token finish_remote_prefill already put on their stream.
+        self.first_token_sent: set[str] = set()  # engine thread only
         self.stopped = False
         self.thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self.thread.start()
@@ -109,6 +111,7 @@ class AsyncEngine:
     def _drop(self, request_id: str, error: Exception | None) -> bool:
         """On the engine thread: abort the request; its stream gets `error`, or nothing more."""
         found = self.engine.abort_request(request_id)
+        self.first_token_sent.discard(request_id)
         if error is None:
             self.streams.pop(request_id, None)
         else:
@@ -122,9 +125,28 @@ class AsyncEngine:
         """Drop the request from the engine; whoever waits on its outputs gets `error`."""
         return await self._call(self._drop, request_id, error)
 
-    async def finish_remote_prefill(self, request_id: str, kv: torch.Tensor, first_token: int,
-                                    first_logprob: TokenLogprob | None = None, kv_start: int = 0) -> None:
-        await self._call(self.engine.finish_remote_prefill, request_id, kv, first_token, first_logprob, kv_start)
+    async def finish_remote_prefill(self, request_id: str, queue: asyncio.Queue, kv: torch.Tensor | None,
+                                    first_token: int, first_logprob: TokenLogprob | None = None,
+                                    kv_start: int = 0) -> None:
+        """Put the first token, which came with the KV, on the request's stream (`queue`, from
+        add_request) at once, then have the engine thread load the KV between two steps; the
+        engine's own output for that token is not sent again (docs/ARCHITECTURE.md, "A request,
+        end to end"). kv None: it is in the request's blocks already (LLMEngine.remote_kv_views). Raises
+        ValueError for KV or a token that does not fit, before any output."""
+        queue.put_nowait(self.engine.remote_first_output(request_id, kv, first_token, first_logprob, kv_start))
+        try:
+            # Shielded: a request whose first token is out must be loaded (or aborted) in the engine,
+            # never left holding its blocks because its caller went away meanwhile.
+            await asyncio.shield(self._call(self._load_remote, request_id, kv, first_token, first_logprob, kv_start))
+        except Exception as e:
+            # Its first token is out: computing the prompt again would send it twice. It ends here.
+            await self.fail(request_id, RequestFailed(f"loading the KV of {request_id} failed: {e}"))
+            raise
+
+    def _load_remote(self, request_id: str, *args) -> None:
+        """On the engine thread."""
+        self.engine.finish_remote_prefill(request_id, *args)
+        self.first_token_sent.add(request_id)
 
     async def prefill_locally(self, request_id: str) -> None:
         await self._call(self.engine.prefill_locally, request_id)
@@ -179,12 +201,18 @@ class AsyncEngine:
         self._run_calls(stopped=EngineDeadError("the engine was stopped"))  # whoever still waits gets an answer
 
     def _fail_all(self, error: Exception) -> None:
+        self.first_token_sent.clear()
         for request_id in list(self.engine.requests):
             self.engine.abort_request(request_id)
             metrics.ENGINE_REQUEST_ERRORS.inc()
             self._deliver(request_id, EngineDeadError(f"engine step failed: {error}"))
 
     def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
+        if isinstance(item, RequestOutput) and request_id in self.first_token_sent:
+            self.first_token_sent.remove(request_id)  # its stream already has this output
+            if item.finished:
+                self.streams.pop(request_id, None)
+            return
         stream = self.streams.get(request_id)
         if stream is None:
             return

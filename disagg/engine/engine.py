@@ -1,5 +1,6 @@
 """LLMEngine: add_request / step / abort_request, the core every entrypoint drives."""
 
+import copy
 import logging
 import time
 from dataclasses import dataclass
@@ -107,6 +108,7 @@ class LLMEngine:
         self.requests[request_id] = _Request(seq, text)
         if remote_prefill:
             self.scheduler.add_remote(seq)
+            self._store_evicted()
         else:
             self.scheduler.add(seq)
         return seq
@@ -118,23 +120,56 @@ class LLMEngine:
         until the KV is loaded (the blocks are held), so it may be read from another thread."""
         return self._remote_seq(request_id).num_cached_tokens
 
-    def finish_remote_prefill(self, request_id: str, kv: torch.Tensor, first_token: int,
+    def remote_kv_views(self, request_id: str, start: int) -> list[torch.Tensor] | None:
+        """Views of the blocks reserved for a remote request's prompt tokens from `start` on (see
+        KVCache.views), for its KV to be received straight into them; None unless the request holds
+        its blocks and `start` is where its prefix-cache hits end. Safe from another thread (as
+        remote_cached_tokens). Whoever fills them must be done before the request is aborted."""
+        seq = self._remote_seq(request_id)
+        if request_id not in self.scheduler.waiting_for_kv or start != seq.num_cached_tokens:
+            return None
+        return self.kv_cache.views(seq.block_table, start, seq.num_prompt_tokens)
+
+    def finish_remote_prefill(self, request_id: str, kv: torch.Tensor | None, first_token: int,
                               first_logprob: TokenLogprob | None = None, kv_start: int = 0) -> None:
         """Hand over the KV (of prompt tokens kv_start on) and first token of a remote-prefilled
-        request; it decodes from the next step."""
+        request; it decodes from the next step. kv None: it is already in the blocks, received
+        through remote_kv_views(request_id, kv_start)."""
         seq = self._remote_seq(request_id)
-        mc = self.model_config
-        expected = (mc.num_hidden_layers, 2, seq.num_prompt_tokens - kv_start, mc.num_key_value_heads, mc.head_dim)
-        if tuple(kv.shape) != expected:
-            raise ValueError(f"KV for {request_id} has shape {tuple(kv.shape)}, expected {expected}")
-        if kv_start > seq.num_cached_tokens:
-            raise ValueError(f"KV for {request_id} starts at token {kv_start}, but only {seq.num_cached_tokens} "
-                             "are in this engine's cache")
-        if not 0 <= first_token < mc.vocab_size:
-            raise ValueError(f"first token {first_token} of {request_id} is outside the vocabulary")
+        self._check_remote(seq, kv, first_token, kv_start)
         seq.remote_prefill = RemotePrefill(kv, first_token, first_logprob, kv_start)
         if seq.request_id in self.scheduler.waiting_for_kv:
             self._load_remote(seq)
+
+    def remote_first_output(self, request_id: str, kv: torch.Tensor | None, first_token: int,
+                            first_logprob: TokenLogprob | None = None, kv_start: int = 0) -> RequestOutput:
+        """The output that finish_remote_prefill with these arguments will give for the first token,
+        computed now on copies, so that a caller on another thread can hand the token to the client
+        before this engine (perhaps mid-step) loads the KV (docs/ARCHITECTURE.md, "A request, end to
+        end"). Safe from another thread: until finish_remote_prefill, the engine touches a remote
+        request only to reserve its blocks, never its tokens or text."""
+        seq = self._remote_seq(request_id)
+        self._check_remote(seq, kv, first_token, kv_start)
+        self.sampler.structured.check(request_id, first_token)  # once sent, a token cannot fail the request
+        preview = copy.copy(seq)
+        preview.token_ids, preview.logprobs = list(seq.token_ids), list(seq.logprobs)
+        text = self.requests[request_id].text.copy()
+        self._advance(preview, text, first_token, first_logprob)
+        return self._output(preview, text, first_token)
+
+    def _check_remote(self, seq: Sequence, kv: torch.Tensor | None, first_token: int, kv_start: int) -> None:
+        mc = self.model_config
+        expected = (mc.num_hidden_layers, 2, seq.num_prompt_tokens - kv_start, mc.num_key_value_heads, mc.head_dim)
+        if kv is None and (seq.request_id not in self.scheduler.waiting_for_kv or kv_start != seq.num_cached_tokens):
+            raise ValueError(f"KV for {seq.request_id} is said to be in its blocks, but they were not reserved "
+                             f"with {kv_start} cached tokens")
+        if kv is not None and tuple(kv.shape) != expected:
+            raise ValueError(f"KV for {seq.request_id} has shape {tuple(kv.shape)}, expected {expected}")
+        if kv_start > seq.num_cached_tokens:
+            raise ValueError(f"KV for {seq.request_id} starts at token {kv_start}, but only {seq.num_cached_tokens} "
+                             "are in this engine's cache")
+        if not 0 <= first_token < mc.vocab_size:
+            raise ValueError(f"first token {first_token} of {seq.request_id} is outside the vocabulary")
 
     def prefill_locally(self, request_id: str) -> None:
         """The remote prefill failed: compute this request's prompt here instead."""
@@ -151,11 +186,10 @@ class LLMEngine:
 
     def _load_remote(self, seq: Sequence) -> None:
         remote = seq.remote_prefill
-        # Leading blocks hit in our own prefix cache already hold this KV.
-        start = seq.num_cached_tokens
-        if self.offload is not None:
-            self.offload.store_new()  # lazy: blocks evicted by the reservation are copied out first
-        self.kv_cache.scatter(seq.block_table, remote.kv[:, :, start - remote.kv_start:], start)
+        if remote.kv is not None:  # else it was received into the blocks
+            # Leading blocks hit in our own prefix cache already hold this KV.
+            start = seq.num_cached_tokens
+            self.kv_cache.scatter(seq.block_table, remote.kv[:, :, start - remote.kv_start:], start)
         seq.num_computed_tokens = seq.num_prompt_tokens
         self.block_manager.commit(seq)
         seq.remote_prefill = None
@@ -237,9 +271,16 @@ class LLMEngine:
     def _admit_remote(self) -> None:
         """Reserve blocks for remote requests that waited for them; load KV that already came."""
         self.scheduler.reserve()
+        self._store_evicted()
         for seq in list(self.scheduler.waiting_for_kv.values()):
             if seq.remote_prefill is not None:
                 self._load_remote(seq)
+
+    def _store_evicted(self) -> None:
+        """Lazy offload: the blocks a reservation evicted are copied out now, before received KV
+        (possibly straight into them, from another thread) overwrites them."""
+        if self.offload is not None:
+            self.offload.store_new()
 
     def _fail(self, seq: Sequence, error: str) -> RequestOutput:
         """End one request with an error: its blocks are freed, the others are untouched."""
@@ -265,12 +306,24 @@ class LLMEngine:
     def _append(self, seq: Sequence, token: int, logprob) -> RequestOutput:
         request = self.requests[seq.request_id]
         self.sampler.structured.accept(seq.request_id, token)
+        self._advance(seq, request.text, token, logprob)
+        kv = None
+        if seq.finish_reason is not None:
+            if seq.export_kv:
+                kv = self.kv_cache.gather(seq.block_table, seq.num_prompt_tokens)
+            self.scheduler.finish(seq)
+            self.sampler.release(seq.request_id)
+            del self.requests[seq.request_id]
+        return self._output(seq, request.text, token, kv)
+
+    def _advance(self, seq: Sequence, text: TextState, token: int, logprob: TokenLogprob | None) -> None:
+        """Add a token to a sequence and its text; set finish_reason if the request stops there."""
         seq.append_token(token)
         if logprob is not None:
             seq.logprobs.append(logprob)
         params = seq.params
         may_stop = seq.num_output_tokens >= params.min_tokens  # sampling masked stop tokens before
-        stop_string = request.text.add(token, check_stop=may_stop)
+        stop_string = text.add(token, check_stop=may_stop)
         if stop_string is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop_string
         elif may_stop and not params.ignore_eos and token in self.tokenizer.eos_token_ids:
@@ -279,20 +332,15 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
+
+    def _output(self, seq: Sequence, text: TextState, token: int, kv: torch.Tensor | None = None) -> RequestOutput:
         finished = seq.finish_reason is not None
-        kv = None
-        if finished:
-            if seq.export_kv:
-                kv = self.kv_cache.gather(seq.block_table, seq.num_prompt_tokens)
-            self.scheduler.finish(seq)
-            self.sampler.release(seq.request_id)
-            del self.requests[seq.request_id]
-        new_text = request.text.take_new_text(finished)
+        new_text = text.take_new_text(finished)
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.output_token_ids,
-            text=request.text.text,
+            text=text.text,
             new_token_ids=[token],
             new_text=new_text,
             finished=finished,
@@ -303,7 +351,6 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             kv=kv,
         )
-
 
 def add_prompt_logprobs(seq: Sequence, first: int, entries: list[TokenLogprob]) -> None:
     """Record a chunk's prompt logprobs, which start at prompt token `first`; a chunk computed again

@@ -2,7 +2,8 @@
 
 All layers live in one tensor [layers, 2 (K, V), num_blocks * block_size, kv_heads, head_dim];
 token slot s of block b is row b * block_size + s. A request's KV leaves or enters the cache
-as one contiguous tensor [layers, 2, num_tokens, kv_heads, head_dim]: one message on a pipe.
+as one contiguous tensor [layers, 2, num_tokens, kv_heads, head_dim]: one message on a pipe,
+which a receiver may also write straight into the blocks through `views`.
 """
 
 import torch
@@ -54,3 +55,21 @@ class KVCache:
         """Write KV received from elsewhere into a request's blocks, from token `start` on."""
         slots = self.slots(block_ids, start + kv.shape[2])[start:]
         self.kv[:, :, slots] = kv.to(self.kv.device, self.kv.dtype)
+
+    def views(self, block_ids: list[int], start: int, end: int) -> list[torch.Tensor]:
+        """Views of the cache rows that hold a request's tokens [start, end), in the byte order of
+        its KV as one tensor [layers, 2, end - start, kv_heads, head_dim]: a receiver fills them
+        in order and the KV is in the blocks, with no tensor of its own. Adjacent blocks merge."""
+        runs: list[list[int]] = []  # [first row, rows] of each stretch of consecutive rows
+        token = start
+        while token < end:
+            block, offset = divmod(token, self.block_size)
+            rows = min(self.block_size - offset, end - token)
+            row = block_ids[block] * self.block_size + offset
+            if runs and runs[-1][0] + runs[-1][1] == row:
+                runs[-1][1] += rows
+            else:
+                runs.append([row, rows])
+            token += rows
+        return [self.kv[layer, kv, row:row + rows] for layer in range(self.kv.shape[0]) for kv in (0, 1)
+                for row, rows in runs]

@@ -1,5 +1,6 @@
 """RequestOutput, and the text side of a request: incremental detokenization and stop strings."""
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +49,12 @@ class TextState:
                 self.detokenizer.text = text[:idx + len(s) if self.include_stop_str else idx]
                 return s
         return None
+
+    def copy(self) -> "TextState":
+        """An independent copy: a preview of the next token must leave this one as it is."""
+        other = copy.copy(self)
+        other.detokenizer = self.detokenizer.copy()
+        return other
 
     def take_new_text(self, finished: bool) -> str:
         text = self.detokenizer.text

@@ -25,7 +25,7 @@ class TokenLogprob:
 
 @dataclass
 class RemotePrefill:
-    kv: torch.Tensor  # [layers, 2, prompt tokens from kv_start on, kv heads, head dim]
+    kv: torch.Tensor | None  # [layers, 2, prompt tokens from kv_start on, kv heads, head dim]; None: in the blocks
     first_token: int
     first_logprob: TokenLogprob | None
     kv_start: int = 0  # the prompt tokens before it were in this engine's prefix cache: not sent

@@ -94,6 +94,14 @@ class StructuredOutput:
         if not matcher.consume_token(token):
             raise ValueError(f"token {token} does not follow the request's grammar: {matcher.get_error()}")
 
+    def check(self, request_id: str, token: int) -> None:
+        """accept's ValueError, without advancing the matcher (a token about to be sent early)."""
+        if request_id in self.failed:
+            raise ValueError(self.failed[request_id])
+        matcher = self.matchers.get(request_id)
+        if matcher is not None and not matcher.is_stopped() and matcher.validate_tokens([token]) != 1:
+            raise ValueError(f"token {token} does not follow the request's grammar")
+
     def mask(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """logits [B, vocab] with the tokens each row's grammar forbids at -inf (rows without one
         untouched). EOS is allowed only where the grammar accepts what came so far."""

@@ -1,5 +1,6 @@
 """Text <-> token ids, chat templates, and streaming detokenization, from a Hugging Face model directory."""
 
+import copy
 import json
 from datetime import datetime
 from pathlib import Path
@@ -91,6 +92,11 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self.text = ""
+
+    def copy(self) -> "IncrementalDetokenizer":
+        other = copy.copy(self)
+        other._ids = list(self._ids)
+        return other
 
     def add(self, token_id: int) -> str:
         self._ids.append(token_id)

@@ -6,6 +6,11 @@ per connection stores arriving entries by request id; `drop_select` blocks until
 entry for exactly its request id is there, checks its token digest and hands it over.
 Entries nobody claims expire after `ttl`.
 
+`expect(request_id, into)` names where a request's KV goes (views of the decode node's
+blocks for it): its bytes are then received straight there, never into a buffer of their
+own. `discard` ends such a receive (it closes that connection) before it returns, so the
+caller may give the blocks back afterwards.
+
 Memory is bounded by `kv_buffer_size`: a message claiming more is refused before it is
 allocated, and an entry that arrives before any lookup asks for it is dropped if the
 entries already held would then exceed the buffer. A malformed message ends only the
@@ -29,7 +34,7 @@ from disagg.lookup_buffer.errors import (
     ProducerLost,
 )
 from disagg.lookup_buffer.messages import MAX_HEADER_BYTES, Hello, KVEntry, decode, token_digest
-from disagg.pipes.base import KVPipe, PipeConfig, PipeError, PipeTimeout, ProtocolError, RateLimitedLog
+from disagg.pipes.base import Destination, KVPipe, PipeConfig, PipeError, PipeTimeout, ProtocolError, RateLimitedLog
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +49,7 @@ class ConsumerStats:
     connections: int = 0  # live producer connections
     received: int = 0
     bytes_received: int = 0
+    received_in_place: int = 0  # of those, straight into the destination expect() named
     hits: int = 0  # lookups answered with an entry
     timeouts: int = 0
     expiries: int = 0  # entries dropped unclaimed after ttl
@@ -83,6 +89,8 @@ class LookupBufferConsumer:
         self._discarded: dict[str, float] = {}  # request id -> deadline: late arrivals are dropped
         self._waiting: dict[str, int] = {}  # request id -> lookups waiting: its entry is never refused
         self._refused: dict[str, float] = {}  # request id -> deadline: its lookups fail at once
+        self._destinations: dict[str, list[Destination]] = {}  # request id -> where its KV goes (expect)
+        self._filling: dict[str, KVPipe] = {}  # request id -> the connection receiving into its destination
         self._refusals = RateLimitedLog(log)
         self._pipes: set[KVPipe] = set()
         self._receivers: list[threading.Thread] = []
@@ -127,6 +135,7 @@ class LookupBufferConsumer:
                 if not self._waiting[request_id]:
                     del self._waiting[request_id]
             arrived = self._remove(request_id)
+            self._destinations.pop(request_id, None)
             if arrived.entry.token_digest != expected:
                 self._stats.digest_mismatches += 1
                 raise DigestMismatch(
@@ -167,18 +176,33 @@ class LookupBufferConsumer:
                 )
             self._cond.wait(remaining)
 
+    def expect(self, request_id: str, into: list[Destination]) -> None:
+        """Receive the KV of `request_id`, when it comes, into `into` (one destination per KV
+        tensor, e.g. views of the blocks reserved for it), not into new memory. Its entry then
+        has in_place set. Ends with drop_select taking the entry, or with discard."""
+        with self._cond:
+            self._check_open()
+            self._destinations[request_id] = into
+
     def discard(self, request_id: str) -> bool:
         """The request was aborted: drop its entry, end its lookups, and drop it if it arrives
-        later (within ttl). True if an entry was dropped."""
+        later (within ttl). A receive into its expect() destination is cut off (its connection
+        closed) and over when this returns. True if an entry was dropped."""
         with self._cond:
             self._stats.discards += 1
             self._discarded.pop(request_id, None)  # re-insert: the dict stays in deadline order
             self._discarded[request_id] = time.monotonic() + self.ttl
+            self._destinations.pop(request_id, None)
             self._cond.notify_all()
-            if request_id not in self._entries:
-                return False
-            self._remove(request_id)
-            return True
+            filling = self._filling.get(request_id)
+            dropped = request_id in self._entries
+            if dropped:
+                self._remove(request_id)
+        if filling is not None:
+            filling.close()  # the receive fails at once; then its thread lets go of the destination
+            with self._cond:
+                self._cond.wait_for(lambda: request_id not in self._filling)
+        return dropped
 
     def stats(self) -> ConsumerStats:
         with self._cond:
@@ -242,6 +266,7 @@ class LookupBufferConsumer:
                 entry = decode(self._recv(pipe))
                 if not isinstance(entry, KVEntry):
                     raise ProtocolError("a producer sent a second hello on one connection")
+                self._recv_kv(pipe, entry)
                 self._store(entry, source)
         except PipeError as e:  # a malformed message too: this connection ends, the consumer carries on
             reason = str(e)
@@ -261,18 +286,39 @@ class LookupBufferConsumer:
                 if not self._closed:
                     log.warning("KV producer %s disconnected: %s", source or "(before its hello)", reason)
 
-    def _recv(self, pipe: KVPipe) -> list[torch.Tensor] | None:
+    def _recv(self, pipe: KVPipe, out: list[Destination] | None = None) -> list[Destination] | None:
         while True:
             try:
-                return pipe.recv()
+                return pipe.recv(out)
             except PipeTimeout:  # an idle connection, not a dead one; a stalled message breaks the pipe
                 continue
 
+    def _recv_kv(self, pipe: KVPipe, entry: KVEntry) -> None:
+        """The message after an entry's header: its KV, into the request's destination if expected."""
+        with self._cond:
+            into = None if entry.request_id in self._discarded else self._destinations.get(entry.request_id)
+            if into is not None:
+                self._filling[entry.request_id] = pipe
+        try:
+            kv = self._recv(pipe, into)
+        finally:
+            if into is not None:
+                with self._cond:
+                    del self._filling[entry.request_id]
+                    self._cond.notify_all()
+        if kv is None:
+            raise ProtocolError("an entry's header must be followed by its KV tensors")
+        if into is not None:
+            entry.in_place = True
+            kv = [view for dest in kv for view in (dest if isinstance(dest, list) else [dest])]
+        entry.kv_tensors = kv
+
     def _store(self, entry: KVEntry, source: tuple[str, int]) -> None:
-        nbytes = entry.nbytes
+        nbytes = 0 if entry.in_place else entry.nbytes  # in place, it takes no room in the buffer
         with self._cond:
             self._stats.received += 1
-            self._stats.bytes_received += nbytes
+            self._stats.bytes_received += entry.nbytes
+            self._stats.received_in_place += entry.in_place
             if entry.request_id in self._discarded:
                 return
             if entry.request_id in self._entries:  # a resend after a broken connection: keep the newest

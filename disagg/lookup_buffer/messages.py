@@ -4,11 +4,13 @@ A pipe carries lists of tensors and nothing else (no pickle), so every message s
 with a 1-d uint8 tensor holding a small JSON header; an entry's KV tensors follow it:
 
     hello  = [header {"kind": "hello", "version", "source": [host, port]}]
-    entry  = [header {"kind": "entry", "version", "request_id", "token_digest", "extras"}, *kv_tensors]
+    entry  = [header {"kind": "entry", "version", "request_id", "token_digest", "extras"}], then [*kv_tensors]
 
 A producer sends one hello as the first message of each connection, so the consumer
-knows which producer a connection (and its failure) belongs to. `decode` checks every
-field's type and size: whatever a peer sends gives a Hello, a KVEntry or ProtocolError.
+knows which producer a connection (and its failure) belongs to. An entry is two messages,
+so that the consumer knows the request before its KV arrives and can receive the KV
+straight into that request's blocks. `decode` checks every field's type and size:
+whatever a peer sends gives a Hello, a KVEntry (its header: no KV yet) or ProtocolError.
 """
 
 import hashlib
@@ -19,9 +21,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from disagg.pipes import wire
 from disagg.pipes.base import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: an entry is its header, then its KV in a message of its own
 MAX_HEADER_BYTES = 64 << 10  # a header is a few hundred bytes
 MAX_REQUEST_ID_CHARS = 256  # the decode node's API takes X-Request-Id of at most 128
 MAX_HOST_CHARS = 255
@@ -53,6 +56,8 @@ class KVEntry:
     token_digest: str
     kv_tensors: list[torch.Tensor]
     extras: Extras = field(default_factory=dict)
+    # The consumer received the KV into the destination its expect() named: kv_tensors are those views.
+    in_place: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -88,7 +93,11 @@ def encode_hello(hello: Hello) -> list[torch.Tensor]:
     return [_header({"kind": "hello", "version": hello.version, "source": list(hello.source)})]
 
 
-def encode_entry(entry: KVEntry) -> list[torch.Tensor]:
+def encode_entry(entry: KVEntry) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The entry's two messages: its header, then its KV. ProtocolError, before either is sent,
+    if a KV tensor cannot travel on a pipe."""
+    for tensor in entry.kv_tensors:
+        wire.TensorMeta.of(tensor)
     header = {
         "kind": "entry",
         "version": PROTOCOL_VERSION,
@@ -96,7 +105,7 @@ def encode_entry(entry: KVEntry) -> list[torch.Tensor]:
         "token_digest": entry.token_digest,
         "extras": entry.extras,
     }
-    return [_header(header), *entry.kv_tensors]
+    return [_header(header)], list(entry.kv_tensors)
 
 
 def decode(message: list[torch.Tensor] | None) -> Hello | KVEntry:
@@ -118,6 +127,8 @@ def decode(message: list[torch.Tensor] | None) -> Hello | KVEntry:
         if kind == "hello":
             return Hello(source=_source(header["source"]), version=version)
         if kind == "entry":
+            if len(message) != 1:
+                raise ProtocolError("an entry's header comes alone: its KV follows in a message of its own")
             request_id, digest, extras = header["request_id"], header["token_digest"], header["extras"]
             check_request_id(request_id)
             if not isinstance(digest, str) or not DIGEST.fullmatch(digest):
@@ -125,7 +136,7 @@ def decode(message: list[torch.Tensor] | None) -> Hello | KVEntry:
             if not isinstance(extras, dict):
                 raise TypeError(f"extras must be a map, got {type(extras).__name__}")
             check_extras(extras)
-            return KVEntry(request_id, digest, list(message[1:]), extras)
+            return KVEntry(request_id, digest, [], extras)
     except (ValueError, KeyError, TypeError, RecursionError) as e:  # RecursionError: deeply nested JSON
         raise ProtocolError(f"malformed lookup-buffer header: {e!r:.300}") from None
     raise ProtocolError(f"unknown lookup-buffer message kind {kind!r:.40}")

@@ -215,7 +215,9 @@ class LookupBufferProducer:
                         continue
                     pending = queue.popleft()
                     pending.sending = True
-                pipe.send(encode_entry(pending.entry))
+                header, kv = encode_entry(pending.entry)
+                pipe.send(header)
+                pipe.send(kv)
             except Exception as e:  # noqa: BLE001  any failure (a name that cannot resolve, too) is retried until the entries expire
                 if isinstance(e, ProtocolError) and pending is not None:
                     # The pipe refused to encode this entry (e.g. a dtype it cannot carry): a retry

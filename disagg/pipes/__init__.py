@@ -21,7 +21,7 @@ from disagg.pipes.base import (
     ProtocolError,
 )
 
-PIPES = ("tcp", "torch_dist", "ucx")
+PIPES = ("tcp", "torch_dist", "ucx", "nixl")
 
 __all__ = [
     "PIPES",

@@ -39,6 +39,23 @@ class AuthError(PipeError):
     """The peer's shared secret did not match ours."""
 
 
+# Where recv puts one tensor of a message: a tensor of its shape, or views (a KV cache's blocks)
+# whose bytes, in order, make up the tensor (docs/ARCHITECTURE.md, "Pipes").
+Destination = torch.Tensor | list[torch.Tensor]
+
+
+def fill(dest: Destination, tensor: torch.Tensor) -> None:
+    """Copy a tensor received elsewhere into its destination."""
+    if isinstance(dest, torch.Tensor):
+        dest.copy_(tensor)
+        return
+    if not dest:  # an empty tensor
+        return
+    chunks = tensor.reshape(-1).split([view.numel() for view in dest])
+    # One multi-tensor copy, not a kernel per view: a KV cache's views can number thousands.
+    torch._foreach_copy_(dest, [chunk.view(view.shape) for chunk, view in zip(chunks, dest)])
+
+
 @dataclass
 class PipeConfig:
     kv_ip: str = "127.0.0.1"
@@ -97,9 +114,9 @@ class KVPipe(ABC):
         """Send a list of tensors (any dtype, shape, device; may be empty) or None."""
 
     @abstractmethod
-    def recv(self, out: list[torch.Tensor] | None = None) -> list[torch.Tensor] | None:
-        """Receive the next message. With `out`, fill those preallocated tensors in place
-        (their count, dtypes and shapes must match the message, else ProtocolError)."""
+    def recv(self, out: list[Destination] | None = None) -> list[Destination] | None:
+        """Receive the next message. With `out`, fill those destinations in place and return
+        them (their count, dtypes and sizes must match the message, else ProtocolError)."""
 
     @abstractmethod
     def close(self) -> None:

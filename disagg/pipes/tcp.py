@@ -17,6 +17,7 @@ import torch
 
 from disagg.pipes import wire
 from disagg.pipes.base import (
+    Destination,
     KVPipe,
     PipeClosed,
     PipeConfig,
@@ -199,7 +200,7 @@ class TcpPipe(KVPipe):
             self._broken = str(e)
             raise
 
-    def recv(self, out: list[torch.Tensor] | None = None) -> list[torch.Tensor] | None:
+    def recv(self, out: list[Destination] | None = None) -> list[Destination] | None:
         with self._recv_lock:
             self._check_usable()
             try:
@@ -209,7 +210,7 @@ class TcpPipe(KVPipe):
             except Exception as e:
                 raise self._fail(e) from None
 
-    def _recv(self, out: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+    def _recv(self, out: list[Destination] | None) -> list[Destination] | None:
         kind, metas = recv_header(self._sock, self._config)
         if kind == wire.Kind.CLOSE:
             raise PipeClosed("the peer closed the pipe")
@@ -221,12 +222,33 @@ class TcpPipe(KVPipe):
         with socket_errors("receiving tensor data", self._config.timeout):
             for i, meta in enumerate(metas):
                 dest = out[i] if out is not None else None
-                target = host_target(meta, dest)
-                recv_exact_into(self._sock, byte_view(target))
-                if dest is not None and dest is not target:
-                    dest.copy_(target)
-                received.append(dest if dest is not None else target)
+                if isinstance(dest, list):
+                    self._recv_views(dest)
+                    received.append(dest)
+                else:
+                    received.append(self._recv_tensor(meta, dest))
         return received
+
+    def _recv_views(self, views: list[torch.Tensor]) -> None:
+        """View by view, with no buffer the size of the whole tensor: CPU views directly, CUDA
+        views through one pinned buffer the size of the largest."""
+        staging = None
+        for view in views:
+            target = view
+            if view.is_cuda:
+                if staging is None:
+                    staging = torch.empty(max(v.numel() for v in views), dtype=view.dtype, pin_memory=True)
+                target = staging[: view.numel()].view(view.shape)
+            recv_exact_into(self._sock, byte_view(target))
+            if target is not view:
+                view.copy_(target)
+
+    def _recv_tensor(self, meta: wire.TensorMeta, dest: torch.Tensor | None) -> torch.Tensor:
+        target = host_target(meta, dest)
+        recv_exact_into(self._sock, byte_view(target))
+        if dest is not None and dest is not target:
+            dest.copy_(target)
+        return dest if dest is not None else target
 
     def close(self) -> None:
         if self._closed:

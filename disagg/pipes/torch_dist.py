@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from disagg.pipes import tcp, wire
-from disagg.pipes.base import KVPipe, PipeClosed, PipeConfig, PipeError, PipeTimeout
+from disagg.pipes.base import Destination, KVPipe, PipeClosed, PipeConfig, PipeError, PipeTimeout, fill
 
 INLINE, GLOO, NCCL = 0, 1, 2  # a tensor's route, one byte per tensor after the header
 RENDEZVOUS = struct.Struct("!HB")  # listener -> connector: store port, has_cuda
@@ -156,7 +156,7 @@ class TorchDistPipe(KVPipe):
         with tcp.socket_errors("sending a message header", self._config.timeout):
             tcp.send_buffers(self._sock, buffers)
 
-    def recv(self, out: list[torch.Tensor] | None = None) -> list[torch.Tensor] | None:
+    def recv(self, out: list[Destination] | None = None) -> list[Destination] | None:
         with self._recv_lock:
             self._check_usable()
             try:
@@ -166,7 +166,7 @@ class TorchDistPipe(KVPipe):
             except Exception as e:
                 raise self._fail(e) from None
 
-    def _recv(self, out: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+    def _recv(self, out: list[Destination] | None) -> list[Destination] | None:
         kind, metas, routes = self._reader.message_head()
         if kind == wire.Kind.CLOSE:
             raise PipeClosed("the peer closed the pipe")
@@ -183,8 +183,8 @@ class TorchDistPipe(KVPipe):
         for i, (meta, route) in enumerate(zip(metas, routes)):
             device = gpu if route == NCCL else -1
             dest = out[i] if out is not None else None
-            if dest is not None and dest.get_device() == device and dest.is_contiguous():
-                target = dest
+            if isinstance(dest, torch.Tensor) and dest.get_device() == device and dest.is_contiguous():
+                target = dest  # else a buffer; views (a KV cache's blocks) are filled from it after the message
             else:
                 target = torch.empty(meta.shape, dtype=meta.dtype, device=device if device >= 0 else "cpu")
             targets.append(target)
@@ -199,7 +199,7 @@ class TorchDistPipe(KVPipe):
             return targets
         for dest, target in zip(out, targets):
             if dest is not target:
-                dest.copy_(target)
+                fill(dest, target)
         return out
 
     def _transfer(self, backend: int, buffers: list[torch.Tensor], send: bool) -> None:

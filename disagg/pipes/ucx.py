@@ -27,12 +27,14 @@ import torch
 
 from disagg.pipes import wire
 from disagg.pipes.base import (
+    Destination,
     KVPipe,
     PipeClosed,
     PipeConfig,
     PipeError,
     PipeListener,
     PipeTimeout,
+    fill,
 )
 
 os.environ.setdefault(
@@ -151,7 +153,7 @@ class UcxPipe(KVPipe):
                 self._broken = str(e)
                 raise
 
-    def recv(self, out: list[torch.Tensor] | None = None) -> list[torch.Tensor] | None:
+    def recv(self, out: list[Destination] | None = None) -> list[Destination] | None:
         with self._recv_lock:
             self._check_usable()
             if self._pending_header is None:
@@ -172,8 +174,8 @@ class UcxPipe(KVPipe):
                 raise self._fail(e) from None
 
     def _recv(
-        self, header_bytes: bytes, out: list[torch.Tensor] | None
-    ) -> list[torch.Tensor] | None:
+        self, header_bytes: bytes, out: list[Destination] | None
+    ) -> list[Destination] | None:
         header = wire.decode_header(header_bytes)
         meta = _wait(
             _submit(_recv_bytes(self._ep, header.meta_nbytes)),
@@ -190,10 +192,10 @@ class UcxPipe(KVPipe):
         targets = []
         for i, m in enumerate(metas):
             dest = out[i] if out is not None else None
-            if dest is not None and dest.is_contiguous():
+            if isinstance(dest, torch.Tensor) and dest.is_contiguous():
                 targets.append(dest)
-            else:
-                device = dest.device if dest is not None else torch.device("cpu")
+            else:  # views (a KV cache's blocks) are filled from one buffer after the message
+                device = _device(dest)
                 targets.append(torch.empty(m.shape, dtype=m.dtype, device=device))
         buffers = [_buffer(t) for t in targets if t.numel()]
         _wait(
@@ -205,7 +207,7 @@ class UcxPipe(KVPipe):
             return targets
         for dest, target in zip(out, targets):
             if dest is not target:
-                dest.copy_(target)
+                fill(dest, target)
         return out
 
     def close(self) -> None:
@@ -290,3 +292,9 @@ def connect(config: PipeConfig, host: str, port: int) -> UcxPipe:
         _submit(_abort(ep))
         raise
     return UcxPipe(ep, config)
+
+
+def _device(dest: Destination | None) -> torch.device:
+    if isinstance(dest, torch.Tensor):
+        return dest.device
+    return dest[0].device if dest else torch.device("cpu")

@@ -168,14 +168,23 @@ def decode_meta(buf: bytes, count: int, max_bytes: int) -> list[TensorMeta]:
     return metas
 
 
-def check_out(out: list[torch.Tensor], metas: list[TensorMeta]) -> None:
-    """`recv(out=...)` must match the message exactly."""
+def check_out(out: list, metas: list[TensorMeta]) -> None:
+    """`recv(out=...)` must match the message exactly: each destination a tensor of the same
+    dtype and shape, or contiguous views of that dtype holding as many elements in all."""
     if len(out) != len(metas):
         raise ProtocolError(f"message has {len(metas)} tensors but out has {len(out)}")
-    for i, (t, m) in enumerate(zip(out, metas)):
-        if t.dtype != m.dtype or tuple(t.shape) != m.shape:
+    for i, (dest, m) in enumerate(zip(out, metas)):
+        if isinstance(dest, torch.Tensor):
+            if dest.dtype != m.dtype or tuple(dest.shape) != m.shape:
+                raise ProtocolError(
+                    f"tensor {i}: message has {m.dtype}{list(m.shape)}, out has {dest.dtype}{list(dest.shape)}"
+                )
+            continue
+        numel = sum(view.numel() for view in dest)
+        if any(view.dtype != m.dtype or not view.is_contiguous() for view in dest) or numel != math.prod(m.shape):
             raise ProtocolError(
-                f"tensor {i}: message has {m.dtype}{list(m.shape)}, out has {t.dtype}{list(t.shape)}"
+                f"tensor {i}: message has {m.dtype}{list(m.shape)}, out has {len(dest)} views of "
+                f"{numel} elements in all (each must be contiguous and of that dtype)"
             )
 
 

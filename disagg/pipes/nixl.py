@@ -1,0 +1,268 @@
+"""nixl: one-sided NIXL writes (UCX backend), the transfer library vLLM, SGLang and Dynamo use.
+
+Each connection is a TCP control socket (the tcp pipe's handshake, auth included) and a NIXL
+agent of its own on each side; the two agents' metadata cross the control socket right after
+the handshake. A message:
+
+    sender   -> its header (wire format) on the control socket
+    receiver -> where each non-empty tensor goes: memory it has just registered with its agent
+                (the `out` destinations, views of a KV cache's blocks included, or new tensors):
+                its agent's partial metadata for that memory, then regions (address, bytes,
+                device) per tensor
+    sender   -> one NIXL WRITE per tensor from its registered tensor into those regions, each
+                with the notification "<message number>:<tensor>"
+    receiver -> waits for all of the message's notifications, then deregisters.
+
+A peer can write only into memory the receiver handed out for the message being received.
+CPU tensors travel as DRAM, CUDA tensors as VRAM. Like gloo, a send waits for the receiver to
+take the message. A dead peer is noticed by its control socket closing while we wait, and any
+wait ends after config.timeout without progress (PipeTimeout).
+"""
+
+import os
+import select
+import socket
+import struct
+import time
+import uuid
+
+import torch
+
+from disagg.pipes import tcp, wire
+from disagg.pipes.base import (
+    Destination,
+    KVPipe,
+    PipeClosed,
+    PipeConfig,
+    PipeError,
+    PipeTimeout,
+    ProtocolError,
+    fill,
+)
+
+# NIXL logs each agent's creation at INFO on stdout: keep stdout for the program.
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+try:
+    from nixl_cu12._api import nixl_agent, nixl_agent_config
+except ImportError:
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError as e:
+        raise ImportError(
+            f"the nixl pipe needs NIXL ({e}): pip install nixl-cu12 (or pip install 'disagg[nixl]')"
+        ) from e
+
+METADATA_LEN = struct.Struct("!I")
+MAX_METADATA_BYTES = 1 << 20  # an agent's metadata is a few KiB
+TENSOR_REGIONS = struct.Struct("!IB")  # regions of one tensor, is VRAM
+REGION = struct.Struct("!QQQ")  # address, bytes, device id
+MAX_REGIONS = 1 << 20  # per tensor: a KV cache's views are layers x 2 x runs of blocks
+POLL_S = 0.0002  # between checks of a transfer's state or of new notifications
+
+
+class NixlPipe(KVPipe):
+    def __init__(self, sock: socket.socket, config: PipeConfig, agent: nixl_agent, peer: str):
+        super().__init__()
+        self._sock = sock
+        self._config = config
+        self._agent = agent
+        self._peer = peer  # the peer agent's name
+        self._sent = 0  # tensor messages sent, which number their notifications
+        self._received = 0
+
+    def send(self, tensors: list[torch.Tensor] | None) -> None:
+        with self._send_lock:
+            self._check_usable()
+            try:
+                self._send(tensors)
+            except Exception as e:
+                raise self._fail(e) from None
+
+    def _send(self, tensors: list[torch.Tensor] | None) -> None:
+        if tensors is None:
+            self._send_control(wire.encode(wire.Kind.NONE))
+            return
+        metas = [wire.TensorMeta.of(t) for t in tensors]
+        sources = [t.contiguous() for t in tensors if t.numel()]
+        self._send_control(wire.encode(wire.Kind.TENSORS, metas))
+        number, self._sent = self._sent, self._sent + 1
+        if not sources:
+            return
+        self._agent.add_remote_agent(_read_metadata(self._sock, self._config, "the receiver's memory"))
+        regions = [self._read_regions() for _ in sources]
+        registered = self._agent.register_memory(sources)
+        handles = []
+        try:
+            for i, (source, (vram, dest)) in enumerate(zip(sources, regions)):
+                handles.append(self._write(source, vram, dest, f"{number}:{i}".encode()))
+            deadline = time.monotonic() + self._config.timeout
+            for handle in handles:
+                while (state := self._agent.check_xfer_state(handle)) != "DONE":
+                    if state == "ERR":
+                        raise PipeClosed("a NIXL write failed: the peer is gone")
+                    self._wait(deadline, "sending tensor data")
+        finally:
+            for handle in handles:
+                self._agent.release_xfer_handle(handle)
+            self._agent.deregister_memory(registered)
+
+    def _write(self, source: torch.Tensor, vram: bool, dest: list[tuple[int, int, int]], notif: bytes):
+        """Start a WRITE of `source`'s bytes, in order, into the peer's regions `dest`."""
+        if sum(nbytes for _, nbytes, _ in dest) != source.numel() * source.element_size():
+            raise ProtocolError("the peer's regions do not add up to the tensor's bytes")
+        device = max(source.get_device(), 0)
+        local, offset = [], source.data_ptr()
+        for _, nbytes, _ in dest:
+            local.append((offset, nbytes, device))
+            offset += nbytes
+        handle = self._agent.initialize_xfer(
+            "WRITE",
+            self._agent.get_xfer_descs(local, "VRAM" if source.is_cuda else "DRAM"),
+            self._agent.get_xfer_descs(dest, "VRAM" if vram else "DRAM"),
+            self._peer,
+            notif,
+        )
+        if self._agent.transfer(handle) == "ERR":
+            raise PipeClosed("a NIXL write failed to start: the peer is gone")
+        return handle
+
+    def _read_regions(self) -> tuple[bool, list[tuple[int, int, int]]]:
+        with tcp.socket_errors("receiving the peer's memory regions", self._config.timeout):
+            count, vram = TENSOR_REGIONS.unpack(tcp.recv_exact(self._sock, TENSOR_REGIONS.size))
+            if count > MAX_REGIONS:
+                raise ProtocolError(f"the peer named {count} memory regions for one tensor; at most {MAX_REGIONS}")
+            data = tcp.recv_exact(self._sock, count * REGION.size)
+        return bool(vram), list(REGION.iter_unpack(data))
+
+    def _send_control(self, data: bytes) -> None:
+        with tcp.socket_errors("sending on the control socket", self._config.timeout):
+            self._sock.sendall(data)
+
+    def recv(self, out: list[Destination] | None = None) -> list[Destination] | None:
+        with self._recv_lock:
+            self._check_usable()
+            try:
+                return self._recv(out)
+            except tcp.NoMessage:
+                raise  # nothing was consumed: the pipe stays usable
+            except Exception as e:
+                raise self._fail(e) from None
+
+    def _recv(self, out: list[Destination] | None) -> list[Destination] | None:
+        kind, metas = tcp.recv_header(self._sock, self._config)
+        if kind == wire.Kind.CLOSE:
+            raise PipeClosed("the peer closed the pipe")
+        if kind == wire.Kind.NONE:
+            return None
+        if out is not None:
+            wire.check_out(out, metas)
+        number, self._received = self._received, self._received + 1
+        targets = [_target(meta, out[i] if out is not None else None) for i, meta in enumerate(metas)]
+        written = [[v for v in target if v.numel()] for target in targets]
+        written = [views for views in written if views]  # the tensors the sender writes, in order
+        if written:
+            registered = self._agent.register_memory([v for views in written for v in views])
+            try:
+                metadata = self._agent.get_partial_agent_metadata(registered, False)
+                regions = b"".join(_regions(views) for views in written)
+                self._send_control(METADATA_LEN.pack(len(metadata)) + metadata + regions)
+                self._await_notifs({f"{number}:{i}".encode() for i in range(len(written))})
+            finally:
+                self._agent.deregister_memory(registered)
+        if out is None:
+            return [target[0] for target in targets]
+        for dest, target in zip(out, targets):
+            if target is not dest and target[0] is not dest:
+                fill(dest, target[0])
+        return out
+
+    def _await_notifs(self, expected: set[bytes]) -> None:
+        deadline = time.monotonic() + self._config.timeout
+        while True:
+            for notif in self._agent.get_new_notifs().get(self._peer, []):
+                expected.discard(notif)
+                deadline = time.monotonic() + self._config.timeout  # progress
+            if not expected:
+                return
+            self._wait(deadline, "receiving tensor data")
+
+    def _wait(self, deadline: float, what: str) -> None:
+        """Between two polls: raise if the time is up or the peer's control socket closed."""
+        if time.monotonic() > deadline:
+            raise PipeTimeout(f"{what}: no progress for {self._config.timeout}s (pipe timeout); is the peer alive?")
+        # select first: a socket with a timeout waits that long in recv, even with MSG_DONTWAIT.
+        readable, _, _ = select.select([self._sock], [], [], POLL_S)
+        if readable:
+            try:
+                if self._sock.recv(1, socket.MSG_PEEK) == b"":
+                    raise PipeClosed(f"{what}: the peer closed the connection (or died)")
+            except OSError as e:
+                raise PipeClosed(f"{what}: connection lost ({e})") from None
+            time.sleep(POLL_S)  # the peer's next header may wait there: poll on
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._say_goodbye(lambda: tcp.send_close(self._sock))
+        self._closed = True
+        tcp.shut(self._sock)
+
+
+def _target(meta: wire.TensorMeta, dest: Destination | None) -> list[torch.Tensor]:
+    """The contiguous tensors that receive one tensor's bytes, in order."""
+    if isinstance(dest, list):
+        return dest  # check_out made sure they are contiguous
+    if dest is not None and dest.is_contiguous():
+        return [dest]
+    device = dest.device if dest is not None else torch.device("cpu")
+    return [torch.empty(meta.shape, dtype=meta.dtype, device=device)]
+
+
+def _regions(views: list[torch.Tensor]) -> bytes:
+    vram = views[0].is_cuda
+    parts = [TENSOR_REGIONS.pack(len(views), vram)]
+    for view in views:
+        if view.is_cuda != vram:
+            raise ProtocolError("the views of one tensor must all be on the CPU or all on GPUs")
+        parts.append(REGION.pack(view.data_ptr(), view.numel() * view.element_size(), max(view.get_device(), 0)))
+    return b"".join(parts)
+
+
+def _read_metadata(sock: socket.socket, config: PipeConfig, what: str) -> bytes:
+    with tcp.socket_errors(f"receiving NIXL metadata of {what}", config.timeout):
+        (length,) = METADATA_LEN.unpack(tcp.recv_exact(sock, METADATA_LEN.size))
+        if length > MAX_METADATA_BYTES:
+            raise ProtocolError(f"NIXL metadata of {what} claims {length} bytes; at most {MAX_METADATA_BYTES}")
+        return tcp.recv_exact(sock, length)
+
+
+def _agent_pair(sock: socket.socket, config: PipeConfig) -> tuple[nixl_agent, str]:
+    """After the handshake: a new agent for this connection, with the peer's agent added to it."""
+    agent = nixl_agent(f"disagg-{uuid.uuid4().hex}", nixl_agent_config(backends=["UCX"]))
+    metadata = agent.get_agent_metadata()
+    with tcp.socket_errors("sending NIXL agent metadata", config.timeout):
+        sock.sendall(METADATA_LEN.pack(len(metadata)) + metadata)
+    try:
+        peer = agent.add_remote_agent(_read_metadata(sock, config, "the peer's agent"))
+    except PipeError:
+        raise
+    except Exception as e:  # noqa: BLE001  NIXL raises its own types: name the cause, never crash the listener
+        raise ProtocolError(f"the peer's NIXL agent metadata was refused: {e!r:.300}") from None
+    return agent, peer.decode() if isinstance(peer, bytes) else peer
+
+
+def _accept_pipe(sock: socket.socket, config: PipeConfig) -> NixlPipe:
+    return NixlPipe(sock, config, *_agent_pair(sock, config))
+
+
+def listen(config: PipeConfig) -> tcp.TcpListener:
+    return tcp.TcpListener(config, make_pipe=_accept_pipe)
+
+
+def connect(config: PipeConfig, host: str, port: int) -> NixlPipe:
+    sock = tcp.connect_socket(config, host, port)
+    try:
+        return NixlPipe(sock, config, *_agent_pair(sock, config))
+    except BaseException:
+        sock.close()
+        raise
