@@ -21,6 +21,7 @@ from disagg.engine.llm import LLM
 from disagg.engine.loader import DEFAULT_MODEL_NAME, resolve_model
 from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.tokenizer import load_chat_template
+from disagg.help_format import HelpFormatter
 from disagg.router import DEFAULT_MAX_REQUEST_BODY_BYTES
 from disagg.serving import HTTPOptions
 
@@ -316,11 +317,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="disagg", description="Disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     srv = sub.add_parser("serve", help="run a prefill, decode or colocated node",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                         formatter_class=HelpFormatter)
     add_engine_args(srv)
     add_serve_args(srv)
     upp = sub.add_parser("up", help="start 1 prefill + 1 decode node on localhost and send a sample request",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                         formatter_class=HelpFormatter)
     upp.add_argument("model", nargs="?", default=None, help="model directory or .gguf (default: embedded SmolLM2)")
     upp.add_argument("--port", type=int, default=8000, help="decode node's HTTP port (the prefill node takes port+1)")
     upp.add_argument("--grpc-port", type=int, default=50051, help="prefill node's gRPC port")

@@ -3,6 +3,7 @@ no model) and the tokenizer they configure: --tokenizer, --chat-template, --conf
 --enable-auto-tool-choice / --tool-call-parser, and $DISAGG_<FLAG> for each."""
 
 import json
+import re
 import shutil
 import signal
 import time
@@ -121,3 +122,13 @@ def refuses_connections(url: str) -> bool:
     except httpx.ConnectError:
         return True
     return False
+
+
+@pytest.mark.parametrize("command", [["serve"], ["router"], ["bench", "serve"]])
+def test_help_gives_each_default_once(command, capsys):
+    with pytest.raises(SystemExit):
+        cli.main([*command, "--help"])
+    flags = re.split(r"\n  (?=-)", capsys.readouterr().out)
+    assert len(flags) > 5
+    for flag in flags:
+        assert flag.count("default") <= 1, flag

@@ -6,6 +6,8 @@ generator (`serve.py`) and the plotting (`plot.py`, matplotlib) are imported whe
 
 import argparse
 
+from disagg.help_format import HelpFormatter
+
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     """`disagg bench serve ...` and `disagg bench plot ...`."""
@@ -14,10 +16,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     serve = bench_sub.add_parser("serve",
                                  help="load-test an OpenAI-compatible endpoint: TTFT, TPOT, ITL, E2E, goodput",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=HelpFormatter)
     add_serve_args(serve)
     plot = bench_sub.add_parser("plot", help="plot latency vs QPS from one or more `bench serve --save-json` files",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     add_plot_args(plot)
 
 

@@ -4,6 +4,8 @@ Only the command line lives here, so that `disagg --help` does not load the rout
 
 import argparse
 
+from disagg.help_format import HelpFormatter
+
 # The request body limit of the router and of the decode nodes' API (`disagg serve` uses it too);
 # it lives here because this module must stay light. Prompts of a full context fit with room to spare.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 2**20
@@ -11,7 +13,7 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 2**20
 
 def add_router_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("router", help="one OpenAI front door over several decode nodes (xPyD)",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                            formatter_class=HelpFormatter)
     parser.add_argument("--decode-nodes", required=True,
                         help="HOST:PORT[,HOST:PORT...] of the decode nodes' HTTP (OpenAI) servers")
     parser.add_argument("--host", default="127.0.0.1", help="address the router's HTTP server binds")
