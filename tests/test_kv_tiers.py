@@ -180,6 +180,33 @@ def test_prefixes_from_the_host_tier_match_transformers(model_dir, hf_model):
     assert_nothing_held(llm)
 
 
+def test_a_decode_engine_takes_its_host_tier_hits_and_needs_only_the_rest(model_dir, hf_model):
+    """A remote request whose prefix the decode engine's device pool lost but its host tier holds:
+    those blocks are loaded into its reservation and count as cached, so the prefill engine sends
+    only the rest of the KV (skip_tokens), and the answer is transformers' still."""
+    prefill = LLM(str(model_dir), device="cpu")
+    decode = LLM(str(model_dir), device="cpu", kv_cache_memory=48 * BLOCK_BYTES, kv_offloading_size=gib(64))
+    prompt = CONVERSATIONS[0]
+    generate_exact(decode, hf_model, [prompt])  # its blocks go to the host tier
+    evict_device_cache(decode)
+    engine = decode.engine
+    engine.add_request("r", prompt, greedy(), remote_prefill=True)
+    skip = engine.remote_cached_tokens("r")
+    assert skip == PREFIX_TOKENS and engine.offload.host.stats.hits == 12
+    prefill.engine.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=1), export_kv=True)
+    out = None
+    while out is None:
+        out = next((o for o in prefill.engine.step() if o.finished), None)
+    kv = out.kv[:, :, skip:]  # what the prefill node sends: 195 - 192 = 3 tokens' KV
+    assert kv.shape[2] == len(out.prompt_token_ids) - PREFIX_TOKENS
+    engine.finish_remote_prefill("r", kv, out.token_ids[0], kv_start=skip)
+    done = None
+    while done is None:
+        done = next((o for o in engine.step() if o.finished), None)
+    assert done.token_ids == hf_greedy(hf_model, done.prompt_token_ids, MAX_TOKENS)
+    assert_nothing_held(decode)
+
+
 def test_lazy_offload_cycles_blocks_through_every_tier(model_dir, hf_model, tmp_path):
     # 40 device blocks and 36 host blocks for 6 x 13 blocks: blocks go device -> host -> disk
     # while the batch runs, and come back from all three.

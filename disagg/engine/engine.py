@@ -107,16 +107,15 @@ class LLMEngine:
                          params.include_stop_str_in_output)
         self.requests[request_id] = _Request(seq, text)
         if remote_prefill:
-            self.scheduler.add_remote(seq)
-            self._store_evicted()
+            self._reserved(self.scheduler.add_remote(seq))
         else:
             self.scheduler.add(seq)
         return seq
 
     def remote_cached_tokens(self, request_id: str) -> int:
-        """Leading prompt tokens of a remote request whose KV its reserved blocks already hold (its
-        prefix-cache hits in the device pool: a remote request loads nothing from the KV tiers);
-        0 until it has blocks. Once add_request has returned this does not change
+        """Leading prompt tokens of a remote request whose KV its reserved blocks hold or are being
+        loaded with (its prefix-cache hits in the device pool, then in the host tier); 0 until it
+        has blocks. Once add_request has returned this does not change
         until the KV is loaded (the blocks are held), so it may be read from another thread."""
         return self._remote_seq(request_id).num_cached_tokens
 
@@ -138,8 +137,8 @@ class LLMEngine:
         seq = self._remote_seq(request_id)
         self._check_remote(seq, kv, first_token, kv_start)
         seq.remote_prefill = RemotePrefill(kv, first_token, first_logprob, kv_start)
-        if seq.request_id in self.scheduler.waiting_for_kv:
-            self._load_remote(seq)
+        if seq.request_id in self.scheduler.waiting_for_kv and not self._loading_from_tiers(seq):
+            self._load_remote(seq)  # else the next step does, once its host-tier blocks are in
 
     def remote_first_output(self, request_id: str, kv: torch.Tensor | None, first_token: int,
                             first_logprob: TokenLogprob | None = None, kv_start: int = 0) -> RequestOutput:
@@ -270,17 +269,24 @@ class LLMEngine:
 
     def _admit_remote(self) -> None:
         """Reserve blocks for remote requests that waited for them; load KV that already came."""
-        self.scheduler.reserve()
-        self._store_evicted()
+        self._reserved(self.scheduler.reserve())
         for seq in list(self.scheduler.waiting_for_kv.values()):
-            if seq.remote_prefill is not None:
+            if seq.remote_prefill is not None and not self._loading_from_tiers(seq):
                 self._load_remote(seq)
 
-    def _store_evicted(self) -> None:
-        """Lazy offload: the blocks a reservation evicted are copied out now, before received KV
-        (possibly straight into them, from another thread) overwrites them."""
-        if self.offload is not None:
-            self.offload.store_new()
+    def _reserved(self, seqs: list[Sequence]) -> None:
+        """Remote sequences just got their blocks. Lazy offload: the blocks that evicted are copied
+        out now, before received KV (possibly straight into them, from another thread) overwrites
+        them. Then the host tier fills what it holds of their prefixes (remote_cached_tokens
+        counts it, so the prefill node does not send it)."""
+        if self.offload is None or not seqs:
+            return
+        self.offload.store_new()
+        for seq in seqs:
+            self.offload.load_host_hits(seq)
+
+    def _loading_from_tiers(self, seq: Sequence) -> bool:
+        return self.offload is not None and self.offload.is_loading(seq)
 
     def _fail(self, seq: Sequence, error: str) -> RequestOutput:
         """End one request with an error: its blocks are freed, the others are untouched."""

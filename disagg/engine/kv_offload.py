@@ -325,6 +325,31 @@ class KVOffload:
             items.append(LoadItem((h, tokens), host, "reading"))
         return items
 
+    def load_host_hits(self, seq: Sequence) -> None:
+        """A remote sequence just got its blocks: the leading ones the device pool missed but the
+        host tier holds are copied into them and count as cached, so the prefill node does not send
+        that KV; its KV is loaded once they are in (is_loading). Not the disk tier: a read that
+        failed after the prefill node was told to skip those tokens would leave a hole."""
+        keys = self.block_manager.block_keys(seq)
+        first = seq.num_cached_tokens // self.block_manager.block_size
+        items = []
+        for h, tokens in keys[first:]:
+            if h in self.loading:
+                break
+            self.host.stats.lookups += 1
+            host = self.host.lookup(h, tokens, filling_ok=h in self.storing)
+            if host is None:
+                break
+            self.host.stats.hits += 1
+            self.host.pin(host)
+            items.append(LoadItem((h, tokens), host, "copying"))
+        if items:
+            self._start_load(seq, first, items)
+            seq.num_cached_tokens += len(items) * self.block_manager.block_size
+
+    def is_loading(self, seq: Sequence) -> bool:
+        return any(load.seq is seq for load in self.loads)
+
     def _start_load(self, seq: Sequence, first: int, items: list[LoadItem]) -> None:
         """Load into the sequence's blocks from block `first` on; each is held by the load, so an
         abort meanwhile does not free it under a copy."""

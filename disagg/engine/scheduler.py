@@ -38,17 +38,21 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def add_remote(self, seq: Sequence) -> None:
+    def add_remote(self, seq: Sequence) -> list[Sequence]:
+        """Queue a remote sequence for blocks; the sequences that got blocks now (see reserve)."""
         seq.status = SequenceStatus.WAITING_FOR_KV
         self.reserving.append(seq)
-        self.reserve()
+        return self.reserve()
 
-    def reserve(self) -> None:
-        """Give blocks to remote sequences, in arrival order, while blocks are free."""
+    def reserve(self) -> list[Sequence]:
+        """Give blocks to remote sequences, in arrival order, while blocks are free; those that got them."""
+        reserved = []
         while self.reserving and self.block_manager.can_allocate(self.reserving[0]):
             seq = self.reserving.popleft()
             self.block_manager.allocate(seq)
             self.waiting_for_kv[seq.request_id] = seq
+            reserved.append(seq)
+        return reserved
 
     def start_remote(self, seq: Sequence) -> None:
         """Its KV has been loaded into its blocks: decode it from now on."""
