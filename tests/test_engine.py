@@ -1,6 +1,7 @@
 """The engine against Hugging Face transformers, float32 on CPU, token for token."""
 
 import asyncio
+import json
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from prompts import PASSAGE, PROMPTS, hf_greedy, penalized_reference
 
 from disagg import LLM, SamplingParams
 from disagg.engine.async_engine import AsyncEngine, RequestFailed
+from disagg.engine.sampling_params import StructuredOutputSpec
 from disagg.engine.scheduler import ScheduledSeq
 from disagg.engine.sequence import Sequence
 
@@ -385,3 +387,18 @@ def test_prompt_logprobs_match_transformers_chunked_and_cached(model_dir, hf_mod
         assert [t for t, _ in entry.top] == torch.topk(want[i - 1], 2).indices.tolist()
     assert out.token_ids == reference(hf_model, ids, 2)
     assert batch[1].prompt_logprobs is None
+
+
+def test_a_remote_first_token_off_the_grammar_is_refused_before_it_is_sent(llm):
+    """The first token goes to the client before the KV loads (remote_first_output): one that breaks
+    the request's grammar (a prefill node that did not apply it) must fail there, not after it was sent."""
+    engine = llm.engine
+    params = greedy(4)
+    params.structured = StructuredOutputSpec("choice", json.dumps(["Paris", "Lyon"]))
+    engine.add_request("g", "The capital of France is", params, remote_prefill=True)
+    off_grammar = engine.tokenizer.encode(" 42")[0]
+    with pytest.raises(ValueError, match="grammar"):
+        engine.remote_first_output("g", None, off_grammar)
+    on_grammar = engine.tokenizer.encode("Paris")[0]
+    assert engine.remote_first_output("g", None, on_grammar).token_ids == [on_grammar]
+    assert engine.abort_request("g")
