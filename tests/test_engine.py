@@ -186,6 +186,8 @@ def test_abort_frees_every_block(llm):
     ("hi", dict(stop=["x" * 257]), "stop"),
     ("hi", dict(stop_token_ids=list(range(65))), "stop_token_ids"),
     ("hi", dict(stop_token_ids=[2**70]), "stop_token_ids"),
+    # A finished grammar allows only EOS, which min_tokens would mask: junk tokens, or nothing to sample.
+    ("hi", dict(min_tokens=3, structured=StructuredOutputSpec("choice", '["yes", "no"]')), "min_tokens"),
 ])
 def test_bad_input_is_refused_and_engine_keeps_serving(llm, hf_model, prompt, params, message):
     with pytest.raises(ValueError, match=message):

@@ -14,7 +14,7 @@ from servers import start_node
 
 from disagg import LLM, SamplingParams
 from disagg.engine.block_manager import BlockManager
-from disagg.engine.disk_tier import HEADER, DiskTier, u64
+from disagg.engine.disk_tier import HEADER, DiskTier
 from disagg.engine.host_tier import HostTier
 from disagg.engine.kv_offload import slot_runs
 from disagg.engine.loader import DEFAULT_MODEL_NAME
@@ -67,11 +67,11 @@ def test_disk_tier_round_trip_restart_and_size_bound(tmp_path):
     identity = bytes(32)
     block = torch.arange(12, dtype=torch.float32)
     disk = DiskTier(tmp_path, 2 * (DiskTier(tmp_path / "probe", 1, identity, 48, 4).file_bytes), identity, 48, 4)
-    for h in (-5, 6, 7):  # a negative hash names its file by its unsigned value
-        assert disk.write(h, (h, 0, 0, 0), block + h, None)
+    for h in (2**64 - 5, 6, 7):  # hashes are 64-bit unsigned
+        assert disk.write(h, (h % 1000, 0, 0, 0), block + h % 1000, None)
     assert all(r.ok for r in finish(disk))
-    assert not disk.lookup(-5) and disk.lookup(6) and disk.lookup(7)  # two files fit: the oldest went
-    assert sorted(p.name for p in tmp_path.glob("*.kv")) == sorted(disk.file_path(u64(h)).name for h in (6, 7))
+    assert not disk.lookup(2**64 - 5) and disk.lookup(6) and disk.lookup(7)  # two files fit: the oldest went
+    assert sorted(p.name for p in tmp_path.glob("*.kv")) == sorted(disk.file_path(h).name for h in (6, 7))
     disk.close()
     stale = disk.file_path(8).with_suffix(".tmp")
     stale.write_bytes(b"half a block")  # a write cut short by a crash
@@ -234,7 +234,7 @@ def test_restart_serves_disk_prefixes_and_corrupt_files_are_recomputed(model_dir
     first.engine.close()
     # Block 5 of y gets a flipped byte: y's blocks 0-4 come from disk, the rest is computed.
     keys = first.engine.block_manager.block_keys(Sequence("y", first.tokenizer.encode(y), greedy()))
-    path = first.engine.offload.disk.file_path(u64(keys[5][0]))
+    path = first.engine.offload.disk.file_path(keys[5][0])
     data = bytearray(path.read_bytes())
     data[-100] ^= 0x01
     path.write_bytes(data)

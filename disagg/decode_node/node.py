@@ -146,13 +146,13 @@ class DecodeNode:
             metrics.KV_TRANSFER.observe(time.perf_counter() - start)
             metrics.REMOTE_PREFILL.labels("ok").inc()
         except asyncio.CancelledError:
-            await asyncio.to_thread(self.consumer.discard, request_id)
+            await self._discard(request_id)
             if client is not None:
                 await client.abort(request_id, self.kv_advertise)
             raise
         except Exception as e:
             self.kv_received_at.pop(request_id, None)  # a recomputed first token is no remote one
-            await asyncio.to_thread(self.consumer.discard, request_id)  # before the blocks are given back
+            await self._discard(request_id)  # before the blocks are given back
             if client is not None:
                 await client.abort(request_id, self.kv_advertise)
             where = client.address if client is not None else "no prefill node"
@@ -170,7 +170,15 @@ class DecodeNode:
     async def _discard_when_unhealthy(self, client: PrefillClient, request_id: str) -> None:
         while client.healthy:
             await asyncio.sleep(0.2)
-        await asyncio.to_thread(self.consumer.discard, request_id)
+        await self._discard(request_id)
+
+    async def _discard(self, request_id: str) -> None:
+        """consumer.discard, which waits only while it cuts off a receive into the request's blocks:
+        then in a thread, else at once (not queued behind the threads that wait in drop_select)."""
+        if self.consumer.is_filling(request_id):
+            await asyncio.to_thread(self.consumer.discard, request_id)
+        else:
+            self.consumer.discard(request_id)
 
     def health(self) -> dict:
         status = {"status": "ok", "role": "consumer" if self.disaggregated else "both", "model": self.model_name}

@@ -209,10 +209,11 @@ class AsyncEngine:
 
     def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
         if isinstance(item, RequestOutput) and request_id in self.first_token_sent:
-            self.first_token_sent.remove(request_id)  # its stream already has this output
-            if item.finished:
-                self.streams.pop(request_id, None)
-            return
+            self.first_token_sent.remove(request_id)
+            if item.error is None:  # its stream already has this output (an error it has not)
+                if item.finished:
+                    self.streams.pop(request_id, None)
+                return
         stream = self.streams.get(request_id)
         if stream is None:
             return

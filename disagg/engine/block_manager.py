@@ -9,6 +9,8 @@ With KV tiers (docs/ARCHITECTURE.md, "Engine (as built)") the manager also lists
 tiers must copy: newly cached ones (`eager`) or evicted ones (`lazy`), and lends blocks to them.
 """
 
+import hashlib
+import struct
 import time
 from collections import OrderedDict
 
@@ -19,11 +21,13 @@ from disagg.engine.sequence import Sequence
 BlockKey = tuple[int, tuple[int, ...]]
 
 
-def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
-    # 0, not None, before the first block: hash(None) differs between processes on Python 3.11,
-    # and the disk tier finds blocks by these hashes after a restart. Tuples of ints hash the same
-    # in every process.
-    return hash((0 if prev_hash is None else prev_hash, *token_ids))
+def chain_hash(prev_hash: int | None, token_ids: list[int] | tuple[int, ...]) -> int:
+    """64 bits of sha256 over the previous block's hash and this block's tokens. Not Python's
+    hash(): one can build a prefix that collides with someone else's under it, and then be served
+    their KV (a hit checks the block's own tokens, not the blocks before it). The same in every
+    process, so the disk tier finds blocks after a restart."""
+    data = struct.pack(f"<Q{len(token_ids)}q", prev_hash or 0, *token_ids)
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
 
 
 class Block:

@@ -36,15 +36,10 @@ VERSION = 1
 HEADER = struct.Struct("<4sI32sQIQI")  # magic, version, identity, hash, tokens, payload bytes, crc32
 
 
-def u64(h: int) -> int:
-    """A block hash (a signed Python hash) as the unsigned number that names its file."""
-    return h & 0xFFFFFFFFFFFFFFFF
-
-
 @dataclass
 class DiskJob:
     kind: str  # "write", "read" or "delete"
-    h: int  # unsigned (u64)
+    h: int  # the block's chain hash, 64 bits unsigned
     token_ids: tuple[int, ...] = ()
     data: torch.Tensor | None = None  # a pinned host-tier block: the source of a write, the target of a read
     tag: object = None  # the caller's, handed back with the result
@@ -56,7 +51,7 @@ class DiskResult:
     ok: bool
     seconds: float
     error: str = ""
-    corrupt: bool = False  # the file was there but wrong (a missing file is a plain miss)
+    corrupt: bool = False  # the file is wrong or gone: it leaves the index (a failed read alone does not)
 
 
 class CorruptFile(Exception):
@@ -71,7 +66,7 @@ class DiskTier:
         self.prefix = identity.hex()[:16]
         self.file_bytes = HEADER.size + 8 * block_size + block_bytes
         self.max_files = max_bytes // self.file_bytes
-        self.files: OrderedDict[int, None] = OrderedDict()  # u64 hashes on disk, least recently used first
+        self.files: OrderedDict[int, None] = OrderedDict()  # hashes on disk, least recently used first
         self.writing: set[int] = set()
         self.writes_stopped = False
         self.stats = TierStats()
@@ -112,11 +107,10 @@ class DiskTier:
         return self.path / f"{self.prefix}-{h:016x}.kv"
 
     def __contains__(self, h: int) -> bool:
-        return u64(h) in self.files or u64(h) in self.writing
+        return h in self.files or h in self.writing
 
     def lookup(self, h: int) -> bool:
         """The block is on disk (made most recently used)."""
-        h = u64(h)
         if h not in self.files:
             return False
         self.files.move_to_end(h)
@@ -127,12 +121,12 @@ class DiskTier:
         writing has stopped or the block is there already."""
         if self.writes_stopped or h in self:
             return False
-        self.writing.add(u64(h))
-        self._submit(self.write_jobs, DiskJob("write", u64(h), token_ids, data, tag))
+        self.writing.add(h)
+        self._submit(self.write_jobs, DiskJob("write", h, token_ids, data, tag))
         return True
 
     def read(self, h: int, token_ids: tuple[int, ...], into: torch.Tensor, tag: object) -> None:
-        self._submit(self.read_jobs, DiskJob("read", u64(h), token_ids, into, tag))
+        self._submit(self.read_jobs, DiskJob("read", h, token_ids, into, tag))
 
     def _submit(self, jobs: queue.SimpleQueue, job: DiskJob) -> None:
         self.num_in_flight += 1
@@ -155,13 +149,15 @@ class DiskTier:
             elif result.ok:
                 self.stats.loaded_bytes += job.data.nbytes
                 self.stats.load_latency.observe(result.seconds)
-            else:
-                if result.corrupt:
-                    self.stats.rejected += 1
-                    logger.warning("KV disk tier: %s is not loaded (%s); it is deleted", self.file_path(job.h),
-                                   result.error)
+            elif result.corrupt:  # a file that cannot be right goes; one that failed to read (EIO, EMFILE) stays
+                self.stats.rejected += 1
+                logger.warning("KV disk tier: %s is not loaded (%s); it is deleted", self.file_path(job.h),
+                               result.error)
                 self.files.pop(job.h, None)
                 self._submit(self.write_jobs, DiskJob("delete", job.h))
+            else:
+                logger.warning("KV disk tier: reading %s failed (%s); computed instead", self.file_path(job.h),
+                               result.error)
             done.append(result)
 
     def _finish_write(self, result: DiskResult) -> None:
@@ -198,9 +194,9 @@ class DiskTier:
             try:
                 {"write": self._write, "read": self._read, "delete": self._delete}[job.kind](job)
                 result = DiskResult(job, True, time.perf_counter() - start)
-            except (OSError, CorruptFile) as e:
+            except Exception as e:  # noqa: BLE001  any failure is this job's: the thread serves on
                 result = DiskResult(job, False, time.perf_counter() - start, f"{type(e).__name__}: {e}",
-                                    corrupt=isinstance(e, CorruptFile))
+                                    corrupt=isinstance(e, (CorruptFile, FileNotFoundError)))
             self.results_queue.put(result)
 
     def _header(self, job: DiskJob, payload: memoryview) -> bytes:

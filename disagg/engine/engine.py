@@ -272,7 +272,11 @@ class LLMEngine:
         self._reserved(self.scheduler.reserve())
         for seq in list(self.scheduler.waiting_for_kv.values()):
             if seq.remote_prefill is not None and not self._loading_from_tiers(seq):
-                self._load_remote(seq)
+                try:
+                    self._load_remote(seq)
+                except Exception as e:  # noqa: BLE001  this request's KV alone: the others go on
+                    logger.exception("loading the received KV of %s failed", seq.request_id)
+                    self.pending_outputs.append(self._fail(seq, f"loading its KV failed: {e}"))
 
     def _reserved(self, seqs: list[Sequence]) -> None:
         """Remote sequences just got their blocks. Lazy offload: the blocks that evicted are copied

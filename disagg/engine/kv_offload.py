@@ -155,6 +155,7 @@ class PrefixLoad:
     seq: Sequence
     first: int  # index of the sequence's first block loaded (the ones before were device hits)
     items: list[LoadItem]
+    remote: bool = False  # a decode node's remote request's: its blocks are counted when reserved
 
 
 class KVOffload:
@@ -221,9 +222,19 @@ class KVOffload:
             bm.evicted.clear()
         if not stores:
             return
+        try:
+            copy = Copy(self.stream, self.kv_cache, self.host, [s.device_block for s in stores],
+                        [s.host.slot for s in stores], to_host=True)
+        except Exception as e:  # noqa: BLE001  e.g. no device memory for the staging buffer: these blocks are not kept
+            logger.warning("KV tiers: copying %d blocks to the host tier failed (%s); they are not offloaded",
+                           len(stores), e)
+            for store in stores:
+                self.host.drop(store.h)
+                if store.held:
+                    self.block_manager.release(store.device_block)
+            return
         self.storing.update(s.h for s in stores)
-        batch = StoreBatch(stores, Copy(self.stream, self.kv_cache, self.host, [s.device_block for s in stores],
-                                        [s.host.slot for s in stores], to_host=True))
+        batch = StoreBatch(stores, copy)
         if self.stream is None:  # the CPU copied them already: nothing to keep pinned
             self._finish_stores(batch)
             return
@@ -253,6 +264,8 @@ class KVOffload:
             self.host.unpin(store.host)
             if self.disk is not None:
                 self.unwritten.append(store.h)
+                if len(self.unwritten) > self.host.num_blocks:  # older ones the host tier has dropped by now
+                    self.unwritten.popleft()
 
     def _write_to_disk(self) -> None:
         """Queue disk writes of new host blocks while few are pending (each pins its host block);
@@ -343,34 +356,42 @@ class KVOffload:
             self.host.stats.hits += 1
             self.host.pin(host)
             items.append(LoadItem((h, tokens), host, "copying"))
-        if items:
-            self._start_load(seq, first, items)
+        if items and self._start_load(seq, first, items, remote=True):
             seq.num_cached_tokens += len(items) * self.block_manager.block_size
 
     def is_loading(self, seq: Sequence) -> bool:
         return any(load.seq is seq for load in self.loads)
 
-    def _start_load(self, seq: Sequence, first: int, items: list[LoadItem]) -> None:
+    def _start_load(self, seq: Sequence, first: int, items: list[LoadItem], remote: bool = False) -> bool:
         """Load into the sequence's blocks from block `first` on; each is held by the load, so an
-        abort meanwhile does not free it under a copy."""
+        abort meanwhile does not free it under a copy. False if the host copies could not start."""
         self.store_new()  # lazy: blocks its allocation evicted are copied out before the loads overwrite them
-        load = PrefixLoad(seq, first, items)
+        load = PrefixLoad(seq, first, items, remote)
+        self.loads.append(load)  # first: whatever fails below, poll() ends the load and lets go of its blocks
         for i, item in enumerate(items):
             item.device_block = seq.block_table[first + i]
             self.block_manager.hold(item.device_block)
             self.loading[item.key[0]] = load
             if item.state == "reading":
                 self.disk.read(item.key[0], item.key[1], self.host.kv[item.host.slot], item)
-        self._copy_in([item for item in items if item.state == "copying"])
-        self.loads.append(load)
+        return self._copy_in([item for item in items if item.state == "copying"])
 
-    def _copy_in(self, items: list[LoadItem]) -> None:
+    def _copy_in(self, items: list[LoadItem]) -> bool:
+        """Start the host -> device copies of these items; False (the items failed) if that failed."""
         if not items:
-            return
-        copy = Copy(self.stream, self.kv_cache, self.host, [i.device_block for i in items],
-                    [i.host.slot for i in items], to_host=False)
+            return True
+        try:
+            copy = Copy(self.stream, self.kv_cache, self.host, [i.device_block for i in items],
+                        [i.host.slot for i in items], to_host=False)
+        except Exception as e:  # noqa: BLE001  e.g. no device memory for the staging buffer: computed instead
+            logger.warning("KV tiers: loading %d blocks from the host tier failed (%s); they are computed", len(items), e)
+            for item in items:
+                item.state = "failed"
+                self.host.unpin(item.host)
+            return False
         for item in items:
             item.state, item.copy = "copying", copy
+        return True
 
     def _finish_load(self, load: PrefixLoad) -> None:
         """Every block arrived or failed: the leading ones that arrived count as computed (and join
@@ -384,7 +405,7 @@ class KVOffload:
                 self.host.unpin(item.host)
             del self.loading[item.key[0]]
         seq = load.seq
-        if seq.request_id in self.scheduler.loading:  # not aborted meanwhile
+        if not load.remote and seq.request_id in self.scheduler.loading:  # not aborted meanwhile
             seq.num_computed_tokens = seq.num_cached_tokens = (load.first + arrived) * self.block_manager.block_size
             self.block_manager.commit(seq)
             self.scheduler.finish_loading(seq)

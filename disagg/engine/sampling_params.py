@@ -116,6 +116,10 @@ class SamplingParams:
                                  or not isinstance(spec.value, str) or not 0 < len(spec.value) <= MAX_GRAMMAR_CHARS):
             raise SamplingParamError("structured", f"structured output must be one of {STRUCTURED_KINDS} with a "
                                                    f"non-empty text of at most {MAX_GRAMMAR_CHARS} characters")
+        if spec is not None and self.min_tokens > 0:
+            # A finished grammar allows only EOS, which min_tokens masks: nothing would be left to sample.
+            raise SamplingParamError("min_tokens", "min_tokens cannot be combined with structured output: "
+                                                   "the grammar decides where the output ends")
 
     def _validate_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

@@ -204,6 +204,11 @@ class LookupBufferConsumer:
                 self._cond.wait_for(lambda: request_id not in self._filling)
         return dropped
 
+    def is_filling(self, request_id: str) -> bool:
+        """A receive into the request's expect() destination is under way (discard would wait for it)."""
+        with self._cond:
+            return request_id in self._filling
+
     def stats(self) -> ConsumerStats:
         with self._cond:
             return replace(self._stats)
@@ -296,7 +301,12 @@ class LookupBufferConsumer:
     def _recv_kv(self, pipe: KVPipe, entry: KVEntry) -> None:
         """The message after an entry's header: its KV, into the request's destination if expected."""
         with self._cond:
-            into = None if entry.request_id in self._discarded else self._destinations.get(entry.request_id)
+            # Not in place: a discarded request; one whose blocks another receive is filling (a resend
+            # on a new connection); a pipe whose peer writes on its own (it could still write into
+            # the blocks after a discard gave them back).
+            request_id = entry.request_id
+            in_place = request_id not in self._discarded and request_id not in self._filling and not pipe.peer_writes
+            into = self._destinations.get(request_id) if in_place else None
             if into is not None:
                 self._filling[entry.request_id] = pipe
         try:

@@ -75,6 +75,10 @@ class KVPipe(ABC):
     Every transport keeps the same state: one sender and one receiver at a time, and a
     pipe that failed mid-message stays broken (its byte stream can no longer be trusted)."""
 
+    # The peer writes into the receiving memory itself (one-sided): after a receive is cut off it
+    # may still write there, so such a pipe never receives into memory someone else will reuse.
+    peer_writes: bool = False
+
     def __init__(self) -> None:
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()

@@ -19,6 +19,7 @@ take the message. A dead peer is noticed by its control socket closing while we 
 wait ends after config.timeout without progress (PipeTimeout).
 """
 
+import logging
 import os
 import select
 import socket
@@ -52,15 +53,22 @@ except ImportError:
             f"the nixl pipe needs NIXL ({e}): pip install nixl-cu12 (or pip install 'disagg[nixl]')"
         ) from e
 
+log = logging.getLogger(__name__)
+
 METADATA_LEN = struct.Struct("!I")
 MAX_METADATA_BYTES = 1 << 20  # an agent's metadata is a few KiB
 TENSOR_REGIONS = struct.Struct("!IB")  # regions of one tensor, is VRAM
 REGION = struct.Struct("!QQQ")  # address, bytes, device id
 MAX_REGIONS = 1 << 20  # per tensor: a KV cache's views are layers x 2 x runs of blocks
 POLL_S = 0.0002  # between checks of a transfer's state or of new notifications
+DRAIN_S = 5.0  # a cut-off receive waits this long for the peer's writes in flight to end
+# Memory of receives cut off while the peer could still write into it: kept (registered, alive)
+# for the life of the process rather than handed back for reuse.
+_quarantined: list = []
 
 
 class NixlPipe(KVPipe):
+    peer_writes = True
     def __init__(self, sock: socket.socket, config: PipeConfig, agent: nixl_agent, peer: str):
         super().__init__()
         self._sock = sock
@@ -162,13 +170,19 @@ class NixlPipe(KVPipe):
         written = [views for views in written if views]  # the tensors the sender writes, in order
         if written:
             registered = self._agent.register_memory([v for views in written for v in views])
+            expected = {f"{number}:{i}".encode() for i in range(len(written))}
             try:
                 metadata = self._agent.get_partial_agent_metadata(registered, False)
                 regions = b"".join(_regions(views) for views in written)
                 self._send_control(METADATA_LEN.pack(len(metadata)) + metadata + regions)
-                self._await_notifs({f"{number}:{i}".encode() for i in range(len(written))})
+                self._await_notifs(expected)
             finally:
-                self._agent.deregister_memory(registered)
+                if not expected or self._drain_notifs(expected):
+                    self._agent.deregister_memory(registered)
+                else:  # cut off while the peer may still be writing: this memory is never used again
+                    _quarantined.append((registered, written))
+                    log.warning("a cut-off NIXL receive keeps %d bytes aside: the peer may still write there",
+                                sum(v.nbytes for views in written for v in views))
         if out is None:
             return [target[0] for target in targets]
         for dest, target in zip(out, targets):
@@ -185,6 +199,15 @@ class NixlPipe(KVPipe):
             if not expected:
                 return
             self._wait(deadline, "receiving tensor data")
+
+    def _drain_notifs(self, expected: set[bytes]) -> bool:
+        """After a cut-off receive: wait a bounded time for the writes already started to end."""
+        deadline = time.monotonic() + min(self._config.timeout, DRAIN_S)
+        while expected and time.monotonic() < deadline:
+            for notif in self._agent.get_new_notifs().get(self._peer, []):
+                expected.discard(notif)
+            time.sleep(POLL_S)
+        return not expected
 
     def _wait(self, deadline: float, what: str) -> None:
         """Between two polls: raise if the time is up or the peer's control socket closed."""

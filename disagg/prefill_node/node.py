@@ -38,6 +38,8 @@ class PrefillNode:
         start = time.perf_counter()
         # Only the first token is sampled here; stop rules and lengths are the decode node's.
         params = dataclasses.replace(call.params, max_tokens=1, min_tokens=min(call.params.min_tokens, 1), stop=[])
+        if params.structured is not None:  # compiled here, off the engine thread, which then finds it cached
+            await asyncio.to_thread(self.engine.engine.grammars.compile, params.structured)
         final = None
         self.callers[call.request_id] = call.kv_dest
         try:
