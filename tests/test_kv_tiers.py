@@ -359,3 +359,27 @@ def test_cuda_tiers_bring_back_the_same_kv_bytes(tmp_path, mode):
     assert [o.token_ids for o in restarted] == [o.token_ids for o in hits]
     assert_same_bytes()
     assert_nothing_held(llm)
+
+
+def test_a_tier_copy_that_cannot_start_leaves_nothing_behind(model_dir, hf_model, monkeypatch):
+    """A copy between the pools failing to start (say, no device memory for its staging buffer):
+    stores are not kept, loads are computed instead, and no hash, hold or pin is left behind."""
+    from disagg.engine import kv_offload
+
+    llm = LLM(str(model_dir), device="cpu", kv_cache_memory=48 * BLOCK_BYTES, kv_offloading_size=gib(64))
+    generate_exact(llm, hf_model, CONVERSATIONS[:2])  # their blocks are in the host tier
+    evict_device_cache(llm)
+    real = kv_offload.copy_blocks
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(kv_offload, "copy_blocks", failing)
+    outs = generate_exact(llm, hf_model, CONVERSATIONS[:3])  # two failed loads, one failed store
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 0]
+    offload = llm.engine.offload
+    assert not offload.storing and not offload.loading
+    assert_nothing_held(llm)
+    monkeypatch.setattr(kv_offload, "copy_blocks", real)
+    evict_device_cache(llm)
+    assert [o.num_cached_tokens for o in generate_exact(llm, hf_model, CONVERSATIONS[:2])] == [PREFIX_TOKENS] * 2
