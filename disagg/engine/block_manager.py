@@ -126,12 +126,15 @@ class BlockManager:
             return
         hashes = self.block_hashes[seq.request_id]
         for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // self.block_size):
-            tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
-            h = chain_hash(hashes[-1] if hashes else None, tokens)
+            if i < len(seq.block_keys):  # hashed already by a lookup (block_keys)
+                h, tokens = seq.block_keys[i]
+            else:
+                tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+                h = chain_hash(hashes[-1] if hashes else None, tokens)
             hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             # Another request may have computed the same block first: keep that one cached.
-            if self.cache_block(block.block_id, h, tuple(tokens)) and self.newly_cached is not None:
+            if self.cache_block(block.block_id, h, tokens) and self.newly_cached is not None:
                 self.newly_cached.append(block.block_id)
         seq.num_hashed_blocks = seq.num_computed_tokens // self.block_size
 

@@ -26,6 +26,7 @@ class HostBlock:
 class HostTier:
     def __init__(self, num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin_memory: bool):
         self.kv = torch.empty(num_blocks, *block_shape, dtype=dtype, pin_memory=pin_memory)
+        self.block_bytes = self.kv[0].nbytes
         self.blocks: OrderedDict[int, HostBlock] = OrderedDict()  # hash -> block, least recent first
         self.free_slots = list(range(num_blocks - 1, -1, -1))
         self.stats = TierStats()
@@ -34,9 +35,6 @@ class HostTier:
     def num_blocks(self) -> int:
         return self.kv.shape[0]
 
-    @property
-    def block_bytes(self) -> int:
-        return self.kv[0].nbytes
 
     @property
     def num_used(self) -> int:
