@@ -31,6 +31,10 @@ class PipeTimeout(PipeError):
     """A send or receive made no progress within the pipe's timeout."""
 
 
+class NoMessage(PipeTimeout):
+    """No message started within the timeout; nothing was consumed, the pipe stays usable."""
+
+
 class ProtocolError(PipeError):
     """A malformed header, wrong magic or unsupported protocol version."""
 
@@ -117,10 +121,21 @@ class KVPipe(ABC):
     def send(self, tensors: list[torch.Tensor] | None) -> None:
         """Send a list of tensors (any dtype, shape, device; may be empty) or None."""
 
-    @abstractmethod
     def recv(self, out: list[Destination] | None = None) -> list[Destination] | None:
         """Receive the next message. With `out`, fill those destinations in place and return
         them (their count, dtypes and sizes must match the message, else ProtocolError)."""
+        with self._recv_lock:
+            self._check_usable()
+            try:
+                return self._recv(out)
+            except NoMessage:
+                raise  # nothing was consumed: the pipe stays usable
+            except Exception as e:
+                raise self._fail(e) from None
+
+    @abstractmethod
+    def _recv(self, out: list[Destination] | None) -> list[Destination] | None:
+        """recv's transport part, under the receive lock; any error but NoMessage breaks the pipe."""
 
     @abstractmethod
     def close(self) -> None:

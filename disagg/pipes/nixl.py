@@ -146,16 +146,6 @@ class NixlPipe(KVPipe):
         with tcp.socket_errors("sending on the control socket", self._config.timeout):
             self._sock.sendall(data)
 
-    def recv(self, out: list[Destination] | None = None) -> list[Destination] | None:
-        with self._recv_lock:
-            self._check_usable()
-            try:
-                return self._recv(out)
-            except tcp.NoMessage:
-                raise  # nothing was consumed: the pipe stays usable
-            except Exception as e:
-                raise self._fail(e) from None
-
     def _recv(self, out: list[Destination] | None) -> list[Destination] | None:
         kind, metas = tcp.recv_header(self._sock, self._config)
         if kind == wire.Kind.CLOSE:

@@ -19,6 +19,7 @@ from disagg.pipes import wire
 from disagg.pipes.base import (
     Destination,
     KVPipe,
+    NoMessage,
     PipeClosed,
     PipeConfig,
     PipeError,
@@ -27,10 +28,6 @@ from disagg.pipes.base import (
 )
 
 IOV_MAX = 1024  # sendmsg() takes at most this many buffers per call on Linux
-
-
-class NoMessage(PipeTimeout):
-    """No message started within the timeout; nothing was consumed, the pipe stays usable."""
 
 
 class socket_errors:
@@ -199,16 +196,6 @@ class TcpPipe(KVPipe):
         except PipeError as e:
             self._broken = str(e)
             raise
-
-    def recv(self, out: list[Destination] | None = None) -> list[Destination] | None:
-        with self._recv_lock:
-            self._check_usable()
-            try:
-                return self._recv(out)
-            except NoMessage:
-                raise  # nothing was consumed: the pipe stays usable
-            except Exception as e:
-                raise self._fail(e) from None
 
     def _recv(self, out: list[Destination] | None) -> list[Destination] | None:
         kind, metas = recv_header(self._sock, self._config)

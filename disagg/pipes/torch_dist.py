@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from disagg.pipes import tcp, wire
-from disagg.pipes.base import Destination, KVPipe, PipeClosed, PipeConfig, PipeError, PipeTimeout, fill
+from disagg.pipes.base import Destination, KVPipe, NoMessage, PipeClosed, PipeConfig, PipeError, PipeTimeout, fill
 
 INLINE, GLOO, NCCL = 0, 1, 2  # a tensor's route, one byte per tensor after the header
 RENDEZVOUS = struct.Struct("!HB")  # listener -> connector: store port, has_cuda
@@ -74,7 +74,7 @@ class ControlReader:
             try:
                 self._fill()
             except PipeTimeout as e:
-                raise tcp.NoMessage(str(e)) from None
+                raise NoMessage(str(e)) from None
         header = wire.decode_header(self._take(wire.HEADER.size))
         metas = wire.decode_meta(self._take(header.meta_nbytes), header.count, self._max_message_bytes)
         return header.kind, metas, self._take(header.count)
@@ -155,16 +155,6 @@ class TorchDistPipe(KVPipe):
     def _send_control(self, buffers: list) -> None:
         with tcp.socket_errors("sending a message header", self._config.timeout):
             tcp.send_buffers(self._sock, buffers)
-
-    def recv(self, out: list[Destination] | None = None) -> list[Destination] | None:
-        with self._recv_lock:
-            self._check_usable()
-            try:
-                return self._recv(out)
-            except tcp.NoMessage:
-                raise  # nothing was consumed: the pipe stays usable
-            except Exception as e:
-                raise self._fail(e) from None
 
     def _recv(self, out: list[Destination] | None) -> list[Destination] | None:
         kind, metas, routes = self._reader.message_head()

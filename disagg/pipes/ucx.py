@@ -29,6 +29,7 @@ from disagg.pipes import wire
 from disagg.pipes.base import (
     Destination,
     KVPipe,
+    NoMessage,
     PipeClosed,
     PipeConfig,
     PipeError,
@@ -153,29 +154,20 @@ class UcxPipe(KVPipe):
                 self._broken = str(e)
                 raise
 
-    def recv(self, out: list[Destination] | None = None) -> list[Destination] | None:
-        with self._recv_lock:
-            self._check_usable()
-            if self._pending_header is None:
-                self._pending_header = _submit(_recv_bytes(self._ep, wire.HEADER.size))
-            try:
-                header_bytes = _wait(
-                    self._pending_header, "waiting for a message", self._config.timeout
-                )
-            except PipeTimeout:
-                raise  # nothing consumed: the header recv stays posted for the next recv()
-            except Exception as e:
-                self._pending_header = None
-                raise self._fail(e) from None
+    def _recv(self, out: list[Destination] | None) -> list[Destination] | None:
+        if self._pending_header is None:
+            self._pending_header = _submit(_recv_bytes(self._ep, wire.HEADER.size))
+        try:
+            header_bytes = _wait(self._pending_header, "waiting for a message", self._config.timeout)
+        except PipeTimeout as e:
+            raise NoMessage(str(e)) from None  # nothing consumed: the header recv stays posted for the next recv()
+        except Exception:
             self._pending_header = None
-            try:
-                return self._recv(header_bytes, out)
-            except Exception as e:
-                raise self._fail(e) from None
+            raise
+        self._pending_header = None
+        return self._recv_message(header_bytes, out)
 
-    def _recv(
-        self, header_bytes: bytes, out: list[Destination] | None
-    ) -> list[Destination] | None:
+    def _recv_message(self, header_bytes: bytes, out: list[Destination] | None) -> list[Destination] | None:
         header = wire.decode_header(header_bytes)
         meta = _wait(
             _submit(_recv_bytes(self._ep, header.meta_nbytes)),
