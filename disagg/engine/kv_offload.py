@@ -313,9 +313,9 @@ class KVOffload:
             else:
                 i += 1  # the scheduler admits it as usual
 
-    def _find_below(self, keys: list[BlockKey]) -> list[LoadItem]:
-        """The leading keys found in the host tier (pinned) or on disk (each given a host block for
-        the disk to fill), up to the first miss."""
+    def _find_below(self, keys: list[BlockKey], disk: bool = True) -> list[LoadItem]:
+        """The leading keys found in the host tier (pinned) or, with `disk`, on disk (each given a
+        host block for the disk to fill), up to the first miss."""
         items = []
         for h, tokens in keys:
             if h in self.loading:
@@ -329,7 +329,7 @@ class KVOffload:
                 self.host.pin(host)
                 items.append(LoadItem((h, tokens), host, "copying"))
                 continue
-            if self.disk is None:
+            if self.disk is None or not disk:
                 break
             self.disk.stats.lookups += 1
             if h in self.host or not self.disk.lookup(h) or (host := self.host.allocate(h, tokens)) is None:
@@ -343,19 +343,8 @@ class KVOffload:
         host tier holds are copied into them and count as cached, so the prefill node does not send
         that KV; its KV is loaded once they are in (is_loading). Not the disk tier: a read that
         failed after the prefill node was told to skip those tokens would leave a hole."""
-        keys = self.block_manager.block_keys(seq)
         first = seq.num_cached_tokens // self.block_manager.block_size
-        items = []
-        for h, tokens in keys[first:]:
-            if h in self.loading:
-                break
-            self.host.stats.lookups += 1
-            host = self.host.lookup(h, tokens, filling_ok=h in self.storing)
-            if host is None:
-                break
-            self.host.stats.hits += 1
-            self.host.pin(host)
-            items.append(LoadItem((h, tokens), host, "copying"))
+        items = self._find_below(self.block_manager.block_keys(seq)[first:], disk=False)
         if items and self._start_load(seq, first, items, remote=True):
             seq.num_cached_tokens += len(items) * self.block_manager.block_size
 

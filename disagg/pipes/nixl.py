@@ -147,13 +147,9 @@ class NixlPipe(KVPipe):
             self._sock.sendall(data)
 
     def _recv(self, out: list[Destination] | None) -> list[Destination] | None:
-        kind, metas = tcp.recv_header(self._sock, self._config)
-        if kind == wire.Kind.CLOSE:
-            raise PipeClosed("the peer closed the pipe")
-        if kind == wire.Kind.NONE:
+        metas = tcp.recv_tensor_metas(self._sock, self._config, out)
+        if metas is None:
             return None
-        if out is not None:
-            wire.check_out(out, metas)
         number, self._received = self._received, self._received + 1
         targets = [_target(meta, out[i] if out is not None else None) for i, meta in enumerate(metas)]
         written = [[v for v in target if v.numel()] for target in targets]

@@ -149,6 +149,20 @@ def handshake_socket(
     sock.settimeout(config.timeout)
 
 
+def recv_tensor_metas(sock: socket.socket, config: PipeConfig,
+                      out: list[Destination] | None) -> list[wire.TensorMeta] | None:
+    """The next message's tensor metadata (checked against `out`), None for a None message;
+    PipeClosed if the peer closed the pipe."""
+    kind, metas = recv_header(sock, config)
+    if kind == wire.Kind.CLOSE:
+        raise PipeClosed("the peer closed the pipe")
+    if kind == wire.Kind.NONE:
+        return None
+    if out is not None:
+        wire.check_out(out, metas)
+    return metas
+
+
 def recv_header(
     sock: socket.socket, config: PipeConfig
 ) -> tuple[wire.Kind, list[wire.TensorMeta]]:
@@ -198,13 +212,9 @@ class TcpPipe(KVPipe):
             raise
 
     def _recv(self, out: list[Destination] | None) -> list[Destination] | None:
-        kind, metas = recv_header(self._sock, self._config)
-        if kind == wire.Kind.CLOSE:
-            raise PipeClosed("the peer closed the pipe")
-        if kind == wire.Kind.NONE:
+        metas = recv_tensor_metas(self._sock, self._config, out)
+        if metas is None:
             return None
-        if out is not None:
-            wire.check_out(out, metas)
         received = []
         with socket_errors("receiving tensor data", self._config.timeout):
             for i, meta in enumerate(metas):
