@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from kv_export import KVCollector
 from prometheus_client import REGISTRY
 from prompts import PASSAGE, PROMPTS, hf_greedy, penalized_reference
 
@@ -213,15 +214,16 @@ def test_remote_prefill_continues_like_local(llm, model_dir, hf_model):
     decode = llm.engine
     free = decode.block_manager.num_free_blocks
     prompts = [PROMPTS[2], PROMPTS[6], PROMPTS[5]]
+    exports = [KVCollector(layers_per_put=layers) for layers in (1, 7, 30)]  # 30 layers: whole, in groups, each
     for i, prompt in enumerate(prompts):
-        prefill.engine.add_request(f"p{i}", prompt, greedy(1), export_kv=True)
+        prefill.engine.add_request(f"p{i}", prompt, greedy(1), kv_export=exports[i].export)
         decode.add_request(f"r{i}", prompt, greedy(32), remote_prefill=True)
     assert decode.step() == []  # nothing to compute while the KV is away
     done = {}
     while prefill.engine.has_unfinished_requests():
         for out in prefill.engine.step():
             i = int(out.request_id[1:])
-            decode.finish_remote_prefill(f"r{i}", out.kv, out.token_ids[0])
+            decode.finish_remote_prefill(f"r{i}", exports[i].kv(), out.token_ids[0])
     while decode.has_unfinished_requests():
         for out in decode.step():
             if out.finished:

@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from kv_export import KVCollector
 from prompts import PASSAGE, hf_greedy
 from servers import start_node
 
@@ -193,11 +194,12 @@ def test_a_decode_engine_takes_its_host_tier_hits_and_needs_only_the_rest(model_
     engine.add_request("r", prompt, greedy(), remote_prefill=True)
     skip = engine.remote_cached_tokens("r")
     assert skip == PREFIX_TOKENS and engine.offload.host.stats.hits == 12
-    prefill.engine.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=1), export_kv=True)
+    export = KVCollector(start=skip)  # what the prefill node sends: 195 - 192 = 3 tokens' KV
+    prefill.engine.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=1), kv_export=export.export)
     out = None
     while out is None:
         out = next((o for o in prefill.engine.step() if o.finished), None)
-    kv = out.kv[:, :, skip:]  # what the prefill node sends: 195 - 192 = 3 tokens' KV
+    kv = export.kv()
     assert kv.shape[2] == len(out.prompt_token_ids) - PREFIX_TOKENS
     engine.finish_remote_prefill("r", kv, out.token_ids[0], kv_start=skip)
     done = None

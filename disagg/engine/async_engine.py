@@ -26,7 +26,7 @@ from disagg import metrics
 from disagg.engine.engine import LLMEngine
 from disagg.engine.output import RequestOutput
 from disagg.engine.sampling_params import SamplingParams
-from disagg.engine.sequence import TokenLogprob
+from disagg.engine.sequence import KVExport, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +67,11 @@ class AsyncEngine:
             self.engine.close()  # disk writes in flight finish, so a restart finds them
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       export_kv: bool = False, remote_prefill: bool = False) -> AsyncIterator[RequestOutput]:
+                       kv_export: KVExport | None = None, remote_prefill: bool = False) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs until it finishes. Raises ValueError for bad input
         before the first output. Closing the iterator early (a client went away) aborts it."""
         queue = await self.add_request(request_id, prompt_token_ids, params,
-                                       export_kv=export_kv, remote_prefill=remote_prefill)
+                                       kv_export=kv_export, remote_prefill=remote_prefill)
         async with contextlib.aclosing(self.stream(request_id, queue)) as outputs:
             async for out in outputs:
                 yield out
@@ -94,10 +94,10 @@ class AsyncEngine:
                 await asyncio.shield(self._call(self._drop, request_id, None))
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                          export_kv: bool = False, remote_prefill: bool = False) -> asyncio.Queue:
+                          kv_export: KVExport | None = None, remote_prefill: bool = False) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()
         await self._call(self._add, request_id, prompt_token_ids, params, (asyncio.get_running_loop(), queue),
-                         export_kv=export_kv, remote_prefill=remote_prefill)
+                         kv_export=kv_export, remote_prefill=remote_prefill)
         return queue
 
     def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

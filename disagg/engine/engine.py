@@ -16,7 +16,7 @@ from disagg.engine.output import RequestOutput, TextState
 from disagg.engine.sampler import Sampler
 from disagg.engine.sampling_params import SamplingParamError, SamplingParams
 from disagg.engine.scheduler import Scheduler
-from disagg.engine.sequence import RemotePrefill, Sequence, SequenceStatus, TokenLogprob
+from disagg.engine.sequence import KVExport, RemotePrefill, Sequence, SequenceStatus, TokenLogprob
 from disagg.engine.structured_output import GrammarCompiler, StructuredOutput
 from disagg.engine.tokenizer import Tokenizer, load_chat_template
 
@@ -86,10 +86,11 @@ class LLMEngine:
             self.grammars.compile(params.structured)  # cached: add_request's matcher copies it
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    *, export_kv: bool = False, remote_prefill: bool = False) -> Sequence:
+                    *, kv_export: KVExport | None = None, remote_prefill: bool = False) -> Sequence:
         """Queue a request. Raises ValueError for bad input; other requests are unaffected.
 
-        export_kv: when it finishes, its output carries the prompt's KV (a prefill node's job).
+        kv_export: where the prompt's KV goes, layer group by layer group, as its last prompt step
+        computes it (a prefill node's job).
         remote_prefill: reserve blocks and wait for `finish_remote_prefill` to bring the prompt's
         KV and first token, instead of computing the prompt here (a decode node's job)."""
         params = params or SamplingParams()
@@ -100,7 +101,7 @@ class LLMEngine:
         token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
         seq = Sequence(request_id, token_ids, params)
-        seq.export_kv = export_kv
+        seq.kv_export = kv_export
         if params.structured is not None:
             self.sampler.structured.add(request_id, params.structured)
         text = TextState(self.tokenizer, token_ids, params.stop, params.skip_special_tokens,
@@ -317,14 +318,11 @@ class LLMEngine:
         request = self.requests[seq.request_id]
         self.sampler.structured.accept(seq.request_id, token)
         self._advance(seq, request.text, token, logprob)
-        kv = None
         if seq.finish_reason is not None:
-            if seq.export_kv:
-                kv = self.kv_cache.gather(seq.block_table, seq.num_prompt_tokens)
             self.scheduler.finish(seq)
             self.sampler.release(seq.request_id)
             del self.requests[seq.request_id]
-        return self._output(seq, request.text, token, kv)
+        return self._output(seq, request.text, token)
 
     def _advance(self, seq: Sequence, text: TextState, token: int, logprob: TokenLogprob | None) -> None:
         """Add a token to a sequence and its text; set finish_reason if the request stops there."""
@@ -343,7 +341,7 @@ class LLMEngine:
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
 
-    def _output(self, seq: Sequence, text: TextState, token: int, kv: torch.Tensor | None = None) -> RequestOutput:
+    def _output(self, seq: Sequence, text: TextState, token: int) -> RequestOutput:
         finished = seq.finish_reason is not None
         new_text = text.take_new_text(finished)
         return RequestOutput(
@@ -359,7 +357,6 @@ class LLMEngine:
             logprobs=list(seq.logprobs),
             prompt_logprobs=seq.prompt_logprobs,
             num_cached_tokens=seq.num_cached_tokens,
-            kv=kv,
         )
 
 def add_prompt_logprobs(seq: Sequence, first: int, entries: list[TokenLogprob]) -> None:

@@ -47,9 +47,9 @@ class KVCache:
         offsets = torch.arange(self.block_size, device=self.kv.device)
         return (blocks[:, None] * self.block_size + offsets[None, :]).flatten()[:num_tokens]
 
-    def gather(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-        """A request's first num_tokens of KV as [layers, 2, num_tokens, kv_heads, head_dim]."""
-        return self.kv[:, :, self.slots(block_ids, num_tokens)]
+    def gather_layers(self, block_ids: list[int], layers: slice, start: int, end: int) -> torch.Tensor:
+        """Tokens [start, end) of a request's KV in some layers, [layers, 2, end - start, kv_heads, head_dim]."""
+        return self.kv[layers, :, self.slots(block_ids, end)[start:]]
 
     def scatter(self, block_ids: list[int], kv: torch.Tensor, start: int = 0) -> None:
         """Write KV received from elsewhere into a request's blocks, from token `start` on."""

@@ -1,5 +1,7 @@
 """ModelRunner: a scheduled batch -> the backend's step inputs -> model -> logits to sample."""
 
+from collections.abc import Callable
+
 import torch
 
 from disagg.engine.attention import AttentionBackend, StepInputs
@@ -34,10 +36,12 @@ class ModelRunner:
         batch = self.order(batch)
         inputs = self.attention.prepare(batch)
         scoring = any(scores_prompt(item.seq) for item in batch)
+        exports = [item.seq for item in batch if exports_now(item)]
         decode_only = all(item.num_new_tokens == 1 for item in batch)
-        if self.graphs is not None and decode_only and not scoring and len(batch) <= self.graphs.max_batch:
+        if (self.graphs is not None and decode_only and not scoring and not exports
+                and len(batch) <= self.graphs.max_batch):
             return batch, self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta.token_rows), {}
-        hidden = self._forward(inputs)
+        hidden = self._forward(inputs, self._exporter(exports) if exports else None)
         logits = self.model.compute_logits(hidden[inputs.sample_rows]).float()
         return batch, logits, self._prompt_logprobs(batch, hidden) if scoring else {}
 
@@ -65,13 +69,36 @@ class ModelRunner:
         hidden = self._forward(self.attention.prepare(self.order(batch)))
         return self.model.compute_logits(hidden).float()
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        return self.model(inputs.input_ids, inputs.positions, self.attention, inputs.meta)
+    def _forward(self, inputs: StepInputs, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        return self.model(inputs.input_ids, inputs.positions, self.attention, inputs.meta, after_layer)
+
+    def _exporter(self, seqs: list[Sequence]) -> Callable[[int], None]:
+        """after_layer for a step that completes the prompts of `seqs`: each group of layers' KV goes
+        to its KVExport as soon as the group has run, so it can travel while later layers compute
+        (docs/ARCHITECTURE.md, "Layer-wise send")."""
+        num_layers = self.kv_cache.kv.shape[0]
+
+        def after_layer(layer: int) -> None:
+            for seq in seqs:
+                export = seq.kv_export
+                end = layer + 1
+                if end % export.layers_per_put == 0 or end == num_layers:
+                    first = (layer // export.layers_per_put) * export.layers_per_put
+                    kv = self.kv_cache.gather_layers(seq.block_table, slice(first, end), export.start,
+                                                     seq.num_prompt_tokens)
+                    export.put(first, end, kv)
+        return after_layer
 
     @staticmethod
     def order(batch: list[ScheduledSeq]) -> list[ScheduledSeq]:
         """Single-token segments first: the backends attend them together."""
         return [s for s in batch if s.num_new_tokens == 1] + [s for s in batch if s.num_new_tokens > 1]
+
+
+def exports_now(item: ScheduledSeq) -> bool:
+    """This step completes the prompt of a sequence whose KV is exported."""
+    seq = item.seq
+    return seq.kv_export is not None and seq.num_computed_tokens + item.num_new_tokens == seq.num_prompt_tokens
 
 
 def scores_prompt(seq: Sequence) -> bool:

@@ -3,8 +3,6 @@
 import copy
 from dataclasses import dataclass, field
 
-import torch
-
 from disagg.engine.sequence import TokenLogprob
 from disagg.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -23,7 +21,6 @@ class RequestOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked: first entry None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    kv: torch.Tensor | None = None  # the prompt's KV, for requests that export it
     error: str | None = None  # why the engine failed this request (finish_reason "error")
 
 

@@ -2,6 +2,7 @@
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,19 @@ class RemotePrefill:
     kv_start: int = 0  # the prompt tokens before it were in this engine's prefix cache: not sent
 
 
+@dataclass
+class KVExport:
+    """Where a prefill node's request hands out its prompt's KV: during the step that completes the
+    prompt, right after each group of `layers_per_put` layers has run, `put(first_layer, end_layer,
+    kv)` gets those layers' KV of prompt tokens `start` on, [layers, 2, tokens, kv heads, head dim],
+    on the engine's device; a put's CUDA work is queued on the engine thread's current stream, so
+    the receiver waits for it there before reading (docs/ARCHITECTURE.md, "Layer-wise send")."""
+
+    start: int  # prompt tokens before it are not exported (the decode node holds them)
+    layers_per_put: int
+    put: Callable[[int, int, torch.Tensor], None]
+
+
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
         self.request_id = request_id
@@ -48,7 +62,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.arrival_time = time.monotonic()
-        self.export_kv = False  # prefill node: hand the prompt's KV out when done
+        self.kv_export: KVExport | None = None  # prefill node: where its prompt's KV goes
         self.remote_prefill: RemotePrefill | None = None  # decode node: KV and first token from a prefill node
         # KV tiers: its prefix goes on in blocks another request is loading from a lower tier; it is
         # not scheduled before they arrive (it would compute them again).

@@ -1,6 +1,7 @@
 """Llama-family forward over a paged KV cache."""
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -244,12 +245,15 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attention: AttentionBackend, meta) -> torch.Tensor:
-        """Flat tokens of the whole batch [T] -> final hidden states [T, hidden]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend, meta,
+                after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Flat tokens of the whole batch [T] -> final hidden states [T, hidden]. after_layer(i) runs
+        once layer i's work is queued (its KV is in the cache once that work is done)."""
         x, residual = self.model.embed_tokens(input_ids), None
-        for layer in self.model.layers:
+        for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, self.model.rotary, positions, attention, meta)
+            if after_layer is not None:
+                after_layer(i)
         return self.model.norm(x, residual)[0]
 
     def fuse(self) -> None:
