@@ -420,7 +420,7 @@ def test_discard_cuts_off_a_receive_into_views_before_it_returns(make_consumer):
     sock = tcp.connect_socket(config, *consumer.address)
     pipe = tcp.TcpPipe(sock, config)
     pipe.send(encode_hello(Hello(("127.0.0.1", unused_port()))))
-    header, _ = encode_entry(KVEntry("r", token_digest([1]), [torch.ones(4096)]))
+    header = encode_entry(KVEntry("r", token_digest([1]), [torch.ones(4096)]))
     pipe.send(header)
     sock.sendall(wire.encode(wire.Kind.TENSORS, [wire.TensorMeta(torch.float32, (4096,))]))
     sock.sendall(torch.ones(1500).numpy().tobytes())  # the first view and some of the second, then silence
@@ -433,3 +433,61 @@ def test_discard_cuts_off_a_receive_into_views_before_it_returns(make_consumer):
     with pytest.raises(LookupDiscarded):
         consumer.drop_select("r", [1], timeout=1)
     sock.close()
+
+
+def layer_kv(num_layers: int = 4, tokens: int = 5) -> torch.Tensor:
+    return torch.randn(num_layers, 2, tokens, 2, 3)
+
+
+@pytest.mark.timeout(30)
+def test_layer_parts_travel_as_they_are_put(make_consumer, make_producer):
+    """An opened entry's parts are sent one by one as they come (layer 0's KV is in the decode
+    node's views while later layers are still to be put), into the views when expected, else
+    joined into one tensor; an entry whose first part has not come does not hold up those behind it."""
+    consumer, producer = make_consumer(), make_producer()
+    kv = layer_kv()
+    cache = torch.zeros(4, 2, 8, 2, 3)
+    views = [cache[layer, k, row:row + rows] for layer in range(4) for k in (0, 1) for row, rows in ((3, 2), (0, 3))]
+    consumer.expect("in-place", [views])
+    groups = [(0, 1), (1, 3), (3, 4)]
+    for request_id in ("in-place", "buffered"):
+        producer.open(request_id, [1, 2], groups, kv.nbytes, consumer.address)
+    producer.insert("whole", [3], [torch.ones(3)], None, consumer.address)
+    assert torch.equal(consumer.drop_select("whole", [3], timeout=5).kv_tensors[0], torch.ones(3))
+    producer.put("in-place", 0, 1, kv[0:1].clone())
+    wait_until(lambda: torch.equal(cache[0, 0, 3:5], kv[0, 0, :2]), 5)
+    assert consumer.stats().received == 1  # the entry is not complete yet
+    with pytest.raises(ValueError, match="layers \\[1, 3\\] come next"):
+        producer.put("in-place", 3, 4, kv[3:4].clone())
+    for request_id in ("in-place", "buffered"):
+        for first, end in groups[request_id == "in-place":]:
+            producer.put(request_id, first, end, kv[first:end].clone())
+    entry = consumer.drop_select("in-place", [1, 2], timeout=5)
+    assert entry.in_place
+    assert torch.equal(torch.cat([cache[:, :, 3:5], cache[:, :, 0:3]], dim=2), kv)
+    entry = consumer.drop_select("buffered", [1, 2], timeout=5)
+    assert not entry.in_place and torch.equal(entry.kv_tensors[0], kv)
+    wait_until(lambda: producer.stats().sent == 3, 5)
+    assert (producer.stats().entries, producer.stats().bytes) == (0, 0)
+
+
+@pytest.mark.timeout(30)
+def test_an_entry_whose_parts_stop_coming_ends_alone(make_consumer, make_producer):
+    """The prefill failed after its first layer was sent: aborting the entry ends its lookup at once
+    (its connection is closed mid-entry) and frees its room; the next entry arrives on a new connection."""
+    consumer, producer = make_consumer(), make_producer()
+    kv = layer_kv()
+    producer.open("failed", [1], [(0, 2), (2, 4)], kv.nbytes, consumer.address)
+    producer.put("failed", 0, 2, kv[0:2].clone())
+    wait_until(lambda: producer.stats().bytes_sent == 0 and consumer.stats().connections == 1, 5)
+    time.sleep(0.2)  # the first part is on its way
+    start = time.monotonic()
+    producer.abort("failed")
+    with pytest.raises(ProducerLost):
+        consumer.drop_select("failed", [1], timeout=10, source=producer.source)
+    assert time.monotonic() - start < 3
+    wait_until(lambda: producer.stats().entries == 0, 5)
+    stats = producer.stats()
+    assert (stats.aborts, stats.bytes, stats.sent) == (1, 0, 0)
+    producer.insert("next", [2], [torch.ones(2)], None, consumer.address)
+    assert torch.equal(consumer.drop_select("next", [2], timeout=5).kv_tensors[0], torch.ones(2))

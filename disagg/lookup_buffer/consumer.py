@@ -20,6 +20,7 @@ connection that sent it.
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -71,11 +72,14 @@ class LookupBufferConsumer:
     """Entries pushed by producers, claimed by request id."""
 
     def __init__(
-        self, pipe_name: str, config: PipeConfig, ttl: float = 60.0, kv_buffer_size: int = 1 << 30
+        self, pipe_name: str, config: PipeConfig, ttl: float = 60.0, kv_buffer_size: int = 1 << 30,
+        on_received: Callable[[int], None] | None = None,
     ) -> None:
+        """on_received(nbytes) is called on a receiver thread for every KV message as it arrives."""
         if kv_buffer_size <= 0:
             raise ValueError(f"kv_buffer_size must be positive, got {kv_buffer_size}")
         self.ttl = ttl
+        self.on_received = on_received
         self.kv_buffer_size = kv_buffer_size
         # No entry larger than the buffer can be kept: refuse its message before allocating it.
         max_message_bytes = min(config.max_message_bytes, kv_buffer_size + MAX_HEADER_BYTES)
@@ -310,7 +314,7 @@ class LookupBufferConsumer:
             if into is not None:
                 self._filling[entry.request_id] = pipe
         try:
-            kv = self._recv(pipe, into)
+            kv = self._recv_part(pipe, into) if entry.layers is None else self._recv_layers(pipe, entry.layers, into)
         finally:
             if into is not None:
                 with self._cond:
@@ -322,6 +326,29 @@ class LookupBufferConsumer:
             entry.in_place = True
             kv = [view for dest in kv for view in (dest if isinstance(dest, list) else [dest])]
         entry.kv_tensors = kv
+
+    def _recv_part(self, pipe: KVPipe, out: list[Destination] | None) -> list[Destination] | None:
+        kv = self._recv(pipe, out)
+        if kv is not None and self.on_received is not None:
+            self.on_received(sum(_nbytes(dest) for dest in kv))
+        return kv
+
+    def _recv_layers(self, pipe: KVPipe, layers: list[tuple[int, int]],
+                     into: list[Destination] | None) -> list[Destination]:
+        """A layer-wise entry's KV, one part per group of layers: each straight into its layers' share
+        of the destination (views of the blocks are layer-major), else joined into one tensor."""
+        if into is not None and len(into) != 1:
+            raise ProtocolError(f"a layer-wise entry has one KV tensor; {len(into)} destinations were expected")
+        parts = []
+        for first, end in layers:
+            out = None if into is None else [_layer_share(into[0], first, end, layers[-1][1])]
+            part = self._recv_part(pipe, out)
+            if part is None or len(part) != 1:
+                raise ProtocolError("each layer part of an entry must be one KV tensor")
+            parts.append(part[0])
+        if into is not None:
+            return into
+        return [torch.cat(parts)] if len(parts) > 1 else parts
 
     def _store(self, entry: KVEntry, source: tuple[str, int]) -> None:
         nbytes = 0 if entry.in_place else entry.nbytes  # in place, it takes no room in the buffer
@@ -387,3 +414,18 @@ class LookupBufferConsumer:
     def _check_open(self) -> None:
         if self._closed:
             raise LookupBufferError("the lookup-buffer consumer is closed")
+
+
+def _layer_share(dest: Destination, first: int, end: int, num_layers: int) -> Destination:
+    """Layers [first, end) of a destination for [layers, ...]: a slice of a tensor, or the share of a
+    list of views that holds them (the same number of views for every layer)."""
+    if isinstance(dest, torch.Tensor):
+        return dest[first:end]
+    if len(dest) % num_layers:
+        raise ProtocolError(f"{len(dest)} destination views cannot hold {num_layers} layers alike")
+    per_layer = len(dest) // num_layers
+    return dest[first * per_layer:end * per_layer]
+
+
+def _nbytes(dest: Destination) -> int:
+    return sum(_nbytes(view) for view in dest) if isinstance(dest, list) else dest.nbytes

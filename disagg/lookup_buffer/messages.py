@@ -4,12 +4,15 @@ A pipe carries lists of tensors and nothing else (no pickle), so every message s
 with a 1-d uint8 tensor holding a small JSON header; an entry's KV tensors follow it:
 
     hello  = [header {"kind": "hello", "version", "source": [host, port]}]
-    entry  = [header {"kind": "entry", "version", "request_id", "token_digest", "extras"}], then [*kv_tensors]
+    entry  = [header {"kind": "entry", "version", "request_id", "token_digest", "extras", "layers"}],
+             then [*kv_tensors] if layers is null,
+             else one message [kv of layers first..end] for each [first, end] pair of layers
 
 A producer sends one hello as the first message of each connection, so the consumer
-knows which producer a connection (and its failure) belongs to. An entry is two messages,
-so that the consumer knows the request before its KV arrives and can receive the KV
-straight into that request's blocks. `decode` checks every field's type and size:
+knows which producer a connection (and its failure) belongs to. An entry's header comes
+before its KV, so that the consumer knows the request before its KV arrives and can
+receive the KV straight into that request's blocks; a layer-wise entry's KV follows in
+parts, one per group of layers, sent as the prefill computes them. `decode` checks every field's type and size:
 whatever a peer sends gives a Hello, a KVEntry (its header: no KV yet) or ProtocolError.
 """
 
@@ -24,10 +27,11 @@ import torch
 from disagg.pipes import wire
 from disagg.pipes.base import ProtocolError
 
-PROTOCOL_VERSION = 2  # 2: an entry is its header, then its KV in a message of its own
+PROTOCOL_VERSION = 3  # 2: an entry's header, then its KV in a message of its own; 3: or in layer parts
 MAX_HEADER_BYTES = 64 << 10  # a header is a few hundred bytes
 MAX_REQUEST_ID_CHARS = 256  # the decode node's API takes X-Request-Id of at most 128
 MAX_HOST_CHARS = 255
+MAX_LAYERS = 1024
 DIGEST = re.compile(r"[0-9a-f]{64}")  # token_digest's hex sha256
 
 Extras = dict[str, int | float | str]
@@ -56,6 +60,9 @@ class KVEntry:
     token_digest: str
     kv_tensors: list[torch.Tensor]
     extras: Extras = field(default_factory=dict)
+    # Layer-wise: its one KV tensor [layers, 2, tokens, kv heads, head dim] travels as a part per
+    # [first, end) group of layers, in order from layer 0; None: kv_tensors travel in one message.
+    layers: list[tuple[int, int]] | None = None
     # The consumer received the KV into the destination its expect() named: kv_tensors are those views.
     in_place: bool = False
 
@@ -93,19 +100,23 @@ def encode_hello(hello: Hello) -> list[torch.Tensor]:
     return [_header({"kind": "hello", "version": hello.version, "source": list(hello.source)})]
 
 
-def encode_entry(entry: KVEntry) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The entry's two messages: its header, then its KV. ProtocolError, before either is sent,
-    if a KV tensor cannot travel on a pipe."""
-    for tensor in entry.kv_tensors:
+def check_tensors(tensors: list[torch.Tensor]) -> None:
+    """ProtocolError, before anything is sent, if a KV tensor cannot travel on a pipe."""
+    for tensor in tensors:
         wire.TensorMeta.of(tensor)
+
+
+def encode_entry(entry: KVEntry) -> list[torch.Tensor]:
+    """The entry's header message; its KV follows as entry.layers says."""
     header = {
         "kind": "entry",
         "version": PROTOCOL_VERSION,
         "request_id": entry.request_id,
         "token_digest": entry.token_digest,
         "extras": entry.extras,
+        "layers": entry.layers,
     }
-    return [_header(header)], list(entry.kv_tensors)
+    return [_header(header)]
 
 
 def decode(message: list[torch.Tensor] | None) -> Hello | KVEntry:
@@ -136,10 +147,26 @@ def decode(message: list[torch.Tensor] | None) -> Hello | KVEntry:
             if not isinstance(extras, dict):
                 raise TypeError(f"extras must be a map, got {type(extras).__name__}")
             check_extras(extras)
-            return KVEntry(request_id, digest, [], extras)
+            return KVEntry(request_id, digest, [], extras, _layers(header["layers"]))
     except (ValueError, KeyError, TypeError, RecursionError) as e:  # RecursionError: deeply nested JSON
         raise ProtocolError(f"malformed lookup-buffer header: {e!r:.300}") from None
     raise ProtocolError(f"unknown lookup-buffer message kind {kind!r:.40}")
+
+
+def _layers(value: object) -> list[tuple[int, int]] | None:
+    """Layer groups [first, end) that follow each other from layer 0, or None."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not 0 < len(value) <= MAX_LAYERS:
+        raise ValueError(f"layers must be a list of 1 to {MAX_LAYERS} [first, end] pairs")
+    groups, end = [], 0
+    for pair in value:
+        first, last = pair  # ValueError or TypeError unless a pair
+        if not (isinstance(first, int) and isinstance(last, int) and first == end < last <= MAX_LAYERS):
+            raise ValueError(f"layer groups must follow each other from layer 0, got {value!r:.200}")
+        groups.append((first, last))
+        end = last
+    return groups
 
 
 def _source(value: object) -> tuple[str, int]:

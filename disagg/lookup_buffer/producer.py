@@ -1,7 +1,9 @@
 """Producer side of the lookup buffer (prefill node).
 
 `insert` only takes the entry into a bounded buffer and returns: the engine never waits
-on the network. One sender thread per destination connects lazily to the consumer the
+on the network. An entry may also come in parts: `open` reserves its room and queues it,
+then `put` hands over each layer group's KV as the prefill computes it, and the sender
+sends each part as soon as it is there (docs/ARCHITECTURE.md, "Layer-wise send"). One sender thread per destination connects lazily to the consumer the
 entry is addressed to and pushes its entries in insertion order, reconnecting after a
 failure; an entry's bytes are freed once it is sent. Entries whose consumer cannot be
 reached expire after `ttl`, so a dead decode node never pins prefill memory.
@@ -11,6 +13,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -23,6 +26,7 @@ from disagg.lookup_buffer.messages import (
     KVEntry,
     check_extras,
     check_request_id,
+    check_tensors,
     encode_entry,
     encode_hello,
     token_digest,
@@ -53,13 +57,25 @@ class ProducerStats:
 
 
 @dataclass
+class _Part:
+    tensors: list[torch.Tensor]
+    ready: torch.cuda.Event | None  # its tensors hold their values once this has happened
+
+
+@dataclass
 class _Pending:
     entry: KVEntry
     dest: tuple[str, int]
     nbytes: int
     deadline: float  # time.monotonic() after which the entry expires unsent
+    parts: list[_Part]  # the messages of its KV that are there, in order
+    num_parts: int  # how many there will be
     sending: bool = False  # on the wire right now: cannot be dropped until the send ends
     aborted: bool = False  # aborted while sending: not retried if that send fails
+
+
+class _PartMissing(LookupBufferError):
+    """A layer-wise entry's part never came: the receiver is mid-entry, so only a new connection helps."""
 
 
 class LookupBufferProducer:
@@ -72,8 +88,9 @@ class LookupBufferProducer:
 
     def __init__(
         self, pipe_name: str, config: PipeConfig, kv_buffer_size: int, ttl: float, insert_timeout: float,
-        idle_sender_s: float = IDLE_SENDER_S,
+        idle_sender_s: float = IDLE_SENDER_S, on_sent: Callable[[int], None] | None = None,
     ) -> None:
+        """on_sent(nbytes) is called on a sender thread for every KV message it has sent."""
         if kv_buffer_size <= 0:
             raise ValueError(f"kv_buffer_size must be positive, got {kv_buffer_size}")
         self.pipe_name = pipe_name
@@ -82,6 +99,7 @@ class LookupBufferProducer:
         self.ttl = ttl
         self.insert_timeout = insert_timeout
         self.idle_sender_s = idle_sender_s
+        self.on_sent = on_sent
         self.source = (config.kv_ip, config.kv_port)
 
         # One condition guards all state below; every change that may unblock someone
@@ -111,11 +129,37 @@ class LookupBufferProducer:
         must not modify them afterwards. Waits up to `insert_timeout` for space, then
         raises BufferFullError.
         """
+        entry = KVEntry(request_id, token_digest(token_ids), list(kv_tensors), dict(extras or {}))
+        self._queue(entry, dest, entry.nbytes, [_Part(entry.kv_tensors, None)])
+
+    def open(self, request_id: str, token_ids: list[int], layers: list[tuple[int, int]], nbytes: int,
+             dest: tuple[str, int]) -> None:
+        """Queue the entry of a request whose KV is still being computed: it will come as one `put`
+        per layer group in `layers` ([first, end) pairs covering all layers in order, `nbytes` in
+        all). Waits for buffer space as insert does, so that put never waits."""
+        entry = KVEntry(request_id, token_digest(token_ids), [], {}, layers=list(layers))
+        self._queue(entry, dest, nbytes, [], len(layers))
+
+    def put(self, request_id: str, first: int, end: int, kv: torch.Tensor,
+            ready: torch.cuda.Event | None = None) -> None:
+        """The KV of layers [first, end) of an opened entry (kept as given, like insert's); with
+        `ready`, it holds its values once that event has happened. Ignored if the entry is gone
+        (aborted or expired). Never waits."""
+        with self._cond:
+            pending = self._pending.get(request_id)
+            if pending is None or pending.entry.layers is None:
+                return
+            expected = pending.entry.layers[len(pending.parts)]
+            if (first, end) != expected:
+                raise ValueError(f"put of layers [{first}, {end}) for {request_id!r}; layers {list(expected)} come next")
+            pending.parts.append(_Part([kv], ready))
+            self._cond.notify_all()
+
+    def _queue(self, entry: KVEntry, dest: tuple[str, int], nbytes: int, parts: list[_Part],
+               num_parts: int = 1) -> None:
+        request_id = entry.request_id
         check_request_id(request_id)  # what the consumer would refuse is refused here, before it is sent
-        extras = dict(extras or {})
-        check_extras(extras)
-        entry = KVEntry(request_id, token_digest(token_ids), list(kv_tensors), extras)
-        nbytes = entry.nbytes
+        check_extras(entry.extras)
         dest = (str(dest[0]), int(dest[1]))
         if nbytes > self.kv_buffer_size:
             with self._cond:
@@ -142,7 +186,7 @@ class LookupBufferProducer:
                         "the decode nodes are not draining it (slow or unreachable): raise kv_buffer_size "
                         "or add decode capacity"
                     )
-            pending = _Pending(entry, dest, nbytes, time.monotonic() + self.ttl)
+            pending = _Pending(entry, dest, nbytes, time.monotonic() + self.ttl, parts, num_parts)
             self._pending[request_id] = pending
             self._queues.setdefault(dest, deque()).append(pending)
             self._stats.inserts += 1
@@ -165,6 +209,7 @@ class LookupBufferProducer:
                 return False
             if pending.sending:
                 pending.aborted = True
+                self._cond.notify_all()  # a sender waiting for its next part stops waiting
                 return False
             self._queues[pending.dest].remove(pending)
             self._free(pending)
@@ -195,10 +240,11 @@ class LookupBufferProducer:
     def _send_loop(self, dest: tuple[str, int]) -> None:
         queue = self._queues[dest]
         pipe: KVPipe | None = None
+        stream: list[torch.cuda.Stream] = []  # this thread's CUDA stream, made when first needed
         retry_s = RETRY_MIN_S
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._closed or queue, self.idle_sender_s)
+                self._cond.wait_for(lambda: self._closed or _next(queue) is not None, self.idle_sender_s)
                 if self._closed:
                     break
                 if not queue:  # idle: give back the thread and the connection; insert makes new ones
@@ -207,19 +253,23 @@ class LookupBufferProducer:
                     self._last_error.pop(dest, None)
                     break
             pending: _Pending | None = None
+            started = False  # the entry's header is on the wire: the receiver expects its parts next
             try:
                 if pipe is None:
                     pipe = self._connect(dest)
                 with self._cond:
-                    if self._closed or not queue:  # closed, or the entries expired while we connected
+                    pending = None if self._closed else _next(queue)
+                    if pending is None:  # closed, expired while we connected, or parts still to come
                         continue
-                    pending = queue.popleft()
+                    queue.remove(pending)
                     pending.sending = True
-                header, kv = encode_entry(pending.entry)
-                pipe.send(header)
-                pipe.send(kv)
+                check_tensors(pending.parts[0].tensors)
+                pipe.send(encode_entry(pending.entry))
+                started = True
+                for i in range(pending.num_parts):
+                    self._send_part(pipe, self._wait_part(pending, i), stream)
             except Exception as e:  # noqa: BLE001  any failure (a name that cannot resolve, too) is retried until the entries expire
-                if isinstance(e, ProtocolError) and pending is not None:
+                if isinstance(e, ProtocolError) and pending is not None and not started:
                     # The pipe refused to encode this entry (e.g. a dtype it cannot carry): a retry
                     # would fail the same way. Drop it and keep the pipe; if that broke too, the
                     # next send says so.
@@ -230,10 +280,14 @@ class LookupBufferProducer:
                     pipe.close()
                 with self._cond:
                     self._pipes.pop(dest, None)
-                    if pending is not None:
-                        self._requeue(pending)
                     if self._closed:  # close() cut the pipe: not a failure
                         break
+                    if isinstance(e, _PartMissing | ProtocolError):  # the entry itself failed: drop it
+                        self._drop_unfinished(pending, e)
+                        pipe = None
+                        continue
+                    if pending is not None:
+                        self._requeue(pending)
                     self._on_send_error(dest, e, pipe is not None)
                     self._cond.wait_for(lambda: self._closed, retry_s)
                 pipe = None
@@ -246,6 +300,34 @@ class LookupBufferProducer:
                 self._stats.bytes_sent += pending.nbytes
         if pipe is not None:
             pipe.close()
+
+    def _wait_part(self, pending: _Pending, i: int) -> _Part:
+        """Part i of an entry being sent, once it is there; _PartMissing if it never comes (its
+        prefill failed and aborted it, or its ttl passed)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._closed or pending.aborted or len(pending.parts) > i,
+                                max(0.0, pending.deadline - time.monotonic()))
+            if len(pending.parts) <= i:
+                raise _PartMissing(f"part {i} of the KV of {pending.entry.request_id!r} never came")
+            return pending.parts[i]
+
+    def _send_part(self, pipe: KVPipe, part: _Part, stream: list[torch.cuda.Stream]) -> None:
+        check_tensors(part.tensors)
+        if part.ready is None:
+            pipe.send(part.tensors)
+        elif not part.tensors[0].is_cuda:
+            part.ready.synchronize()  # its copy to host memory is done
+            pipe.send(part.tensors)
+        else:
+            # On a stream of its own that waits for this part alone: on the engine's stream a GPU
+            # transport would also wait for the layers queued after it.
+            if not stream:
+                stream.append(torch.cuda.Stream(part.tensors[0].device))
+            with torch.cuda.stream(stream[0]):
+                stream[0].wait_event(part.ready)
+                pipe.send(part.tensors)
+        if self.on_sent is not None:
+            self.on_sent(sum(t.nbytes for t in part.tensors))
 
     def _connect(self, dest: tuple[str, int]) -> KVPipe:
         pipe = pipes.connect(self.pipe_name, self.config, dest[0], dest[1])
@@ -282,6 +364,16 @@ class LookupBufferProducer:
             self._expire(pending)
         else:
             self._queues[pending.dest].appendleft(pending)
+
+    def _drop_unfinished(self, pending: _Pending, error: Exception) -> None:
+        """An entry that failed after its header was sent (the connection is closed with it)."""
+        if isinstance(error, ProtocolError):
+            self._reject(pending, error)
+        elif pending.aborted:
+            self._free(pending)
+            self._stats.aborts += 1
+        else:
+            self._expire(pending)
 
     def _reject(self, pending: _Pending, error: ProtocolError) -> None:
         self._free(pending)
@@ -323,3 +415,8 @@ class LookupBufferProducer:
     def _check_open(self) -> None:
         if self._closed:
             raise LookupBufferError("the lookup-buffer producer is closed")
+
+
+def _next(queue: deque[_Pending]) -> _Pending | None:
+    """The first entry that can be sent now: whole, or with its first part there."""
+    return next((pending for pending in queue if pending.parts), None)
