@@ -84,7 +84,8 @@ class NodeSpec:
 
 def start_node(role: str, log_dir: Path, spec: NodeSpec, *, model: str | None = None, dtype: str | None = None,
                connector: str = "tcp", prefill_node: Node | None = None, extra: list[str] = (),
-               kv_buffer_device: str | None = None, kv_extra: dict | None = None) -> Node:
+               kv_buffer_device: str | None = None, kv_buffer_size: float | None = None,
+               kv_extra: dict | None = None) -> Node:
     port = free_port()
     argv = [sys.executable, "-c", SERVE] + ([model] if model else [])
     argv += ["--kv-role", role, "--port", str(port), "--device", spec.device, "--log-level", "INFO"]
@@ -95,6 +96,8 @@ def start_node(role: str, log_dir: Path, spec: NodeSpec, *, model: str | None = 
         kv = {"kv_connector": connector, "kv_ip": "127.0.0.1", "kv_port": free_port()}
         if kv_buffer_device:
             kv["kv_buffer_device"] = kv_buffer_device
+        if kv_buffer_size:
+            kv["kv_buffer_size"] = kv_buffer_size
         if kv_extra:
             kv["kv_connector_extra_config"] = kv_extra
         argv += ["--kv-transfer-config", json.dumps(kv)]

@@ -7,12 +7,12 @@
 The random-weight 8B shape of gpu_e2e.py's write_model, bfloat16, KV over torch_dist (NCCL) with
 the KV buffer on the GPU. Each phase fits one 10-minute call of the GPU machine.
 
-- ttft: a colocated node on GPU 0 and a 1P1D pair (prefill node on GPU 0, decode node on GPU 1),
-  one request at a time, prompts of --lens tokens, alternating which system goes first, medians of
+- ttft: a colocated node on GPU 0 and a 1P1D pair (prefill node on GPU 0, decode node on GPU 1;
+  with --gpus 1 on GPU 0 too, over a pipe other than NCCL), one request at a time, prompts of --lens tokens, alternating which system goes first, medians of
   --repeats. `ttft_ratio` = TTFT 1P1D / TTFT colocated per length; the exposed handoff at 8k =
   TTFT 1P1D - TTFT colocated (the prefill node's compute equals the colocated node's, same GPU
-  kind, same engine, same prompt), for each --kv-modes value (`whole`, and `layerwise` once the
-  prefill node sends layer by layer: kv_connector_extra_config.layerwise).
+  kind, same engine, same prompt), for each --kv-modes value (`whole`: the prompt's KV sent after
+  its last layer; `layerwise`: each layer's as soon as it is computed; kv_connector_extra_config.layerwise).
 - goodput: 1P1D against two colocated nodes (one a GPU) behind `disagg router`, all four nodes up
   at once; first the unloaded colocated TTFT and TPOT of one --input-len/--output-len request,
   which set the SLO (TTFT <= 2x, TPOT <= 1.5x); then Poisson arrivals at each --rates value on
@@ -42,15 +42,16 @@ ATTAINMENT = 0.9
 def node_kwargs(args: argparse.Namespace, model: Path, mode: str) -> dict:
     extra = ["--kv-cache-memory", args.kv_cache_memory, "--max-model-len", str(args.max_model_len)]
     return dict(model=str(model), dtype=args.dtype, connector=args.connector, extra=extra,
-                kv_buffer_device="cuda" if args.device == "cuda" else None,
-                kv_extra={"layerwise": mode == "layerwise"} if mode != "whole" else None)
+                kv_buffer_device=args.kv_buffer_device if args.device == "cuda" else None,
+                kv_buffer_size=4e9,  # a 16k prompt's KV is 2 GiB (the default 1e9 bytes refuses 8k ones)
+                kv_extra={"layerwise": mode == "layerwise"})
 
 
 def specs(args: argparse.Namespace) -> tuple[NodeSpec, NodeSpec]:
     if args.device == "cpu":
         return NodeSpec(threads=1), NodeSpec(threads=1)
-    return (NodeSpec(device="cuda", threads=4, env={"CUDA_VISIBLE_DEVICES": "0"}),
-            NodeSpec(device="cuda", threads=4, env={"CUDA_VISIBLE_DEVICES": "1"}))
+    gpus = [NodeSpec(device="cuda", threads=4, env={"CUDA_VISIBLE_DEVICES": str(i)}) for i in range(args.gpus)]
+    return gpus[0], gpus[-1]  # one GPU: the decode node shares it (and then a GPU pipe cannot be NCCL)
 
 
 def ttft_phase(args: argparse.Namespace, model: Path) -> dict:
@@ -138,7 +139,9 @@ def main() -> int:
     ap.add_argument("--work", default="/tmp/handoff_h200x2")
     ap.add_argument("--lens", default="512,2048,8192,16384")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--kv-modes", default="whole", help="whole and/or layerwise, comma-separated")
+    ap.add_argument("--kv-modes", default="whole,layerwise", help="whole and/or layerwise, comma-separated")
+    ap.add_argument("--gpus", type=int, default=2, choices=[1, 2])
+    ap.add_argument("--kv-buffer-device", default="cuda", help="cpu with --gpus 1 --connector tcp")
     ap.add_argument("--rates", default="0.5,1,2,3,4")
     ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--input-len", type=int, default=4096)

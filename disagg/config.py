@@ -30,6 +30,7 @@ EXTRA_DEFAULTS: dict[str, object] = {
     "buffer_ttl": 60.0,  # seconds an unclaimed entry is kept
     "insert_timeout": 5.0,  # seconds a prefill node waits for buffer space
     "prefill_policy": "recompute",  # when the prefill node fails: "recompute" here or "fail" with 503
+    "layerwise": True,  # a prefill node sends each layer's KV as soon as it is computed, else all at the end
 }
 EXTRA_NUMBERS = ("pipe_timeout", "lookup_timeout", "prefill_timeout", "buffer_ttl", "insert_timeout")
 # vLLM fields that mean nothing here: accepted, so that vLLM's configs start, with a warning.
@@ -101,6 +102,8 @@ class KVTransferConfig:
                                  f"kv_connector_extra_config.prefill_policy {extra['prefill_policy']!r}; give one")
             extra["prefill_policy"] = self.kv_load_failure_policy
         self.kv_connector_extra_config = {**EXTRA_DEFAULTS, **extra}
+        if not isinstance(self.extra("layerwise"), bool):
+            raise ValueError(f"kv_connector_extra_config.layerwise must be true or false, got {self.extra('layerwise')!r}")
         if self.extra("prefill_policy") not in ("recompute", "fail"):
             raise ValueError("kv_load_failure_policy (kv_connector_extra_config.prefill_policy) must be "
                              "'recompute' or 'fail'")

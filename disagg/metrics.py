@@ -20,7 +20,8 @@ ITL = Histogram("disagg_inter_token_latency_seconds", "Time between output token
 E2E = Histogram("disagg_e2e_request_latency_seconds", "Request latency, end to end", buckets=LATENCY_BUCKETS)
 PROMPT_TOKENS = Counter("disagg_prompt_tokens_total", "Prompt tokens received")
 GENERATION_TOKENS = Counter("disagg_generation_tokens_total", "Tokens generated")
-KV_BYTES = Counter("disagg_kv_transfer_bytes_total", "KV bytes moved between nodes", ["direction"])
+KV_BYTES = Counter("disagg_kv_transfer_bytes_total", "KV bytes on the pipes, counted as each message (a whole "
+                   "prompt's KV, or one layer's) is sent or received", ["direction"])
 KV_TRANSFER = Histogram("disagg_kv_transfer_seconds", "Prefill call to KV loaded, on the decode node",
                         buckets=LATENCY_BUCKETS)
 # The KV handoff, step by step, so that the split of a disaggregated TTFT comes from /metrics alone.
@@ -36,8 +37,8 @@ FIRST_TOKEN_DELAY = Histogram("disagg_first_token_delay_seconds",
 # Prefill node:
 PREFILL_COMPUTE = Histogram("disagg_prefill_compute_seconds", "A Prefill call's engine time, its queue included",
                             buckets=LATENCY_BUCKETS)
-KV_BUFFER_INSERT = Histogram("disagg_kv_buffer_insert_seconds", "A prompt's KV out of the engine (to the host "
-                             "unless kept on the GPU) and into the lookup buffer, waiting for space included", buckets=LATENCY_BUCKETS)
+KV_BUFFER_INSERT = Histogram("disagg_kv_buffer_insert_seconds", "Opening a prompt's entry in the lookup buffer "
+                             "before its prefill runs: the wait for buffer space", buckets=LATENCY_BUCKETS)
 REMOTE_PREFILL = Counter("disagg_remote_prefill_total", "Remote prefills, by outcome",
                          ["outcome"])  # ok, recomputed, failed
 KV_BLOCKS_USED = Gauge("disagg_kv_blocks_used", "KV cache blocks in use")

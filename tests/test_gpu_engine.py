@@ -14,7 +14,7 @@ import torch
 from disagg import LLM, SamplingParams
 from disagg.engine.loader import resolve_model
 from disagg.engine.scheduler import ScheduledSeq
-from disagg.engine.sequence import Sequence
+from disagg.engine.sequence import KVExport, Sequence
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -100,3 +100,46 @@ def test_prefix_hits_chunks_and_preemption_equal_the_plain_run(gpu_model_dir, pr
     assert all(o.num_cached_tokens > 0 for o in again)
     assert [o.token_ids for o in again] == reference[5:-2]
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("kv_buffer_device", ["cpu", "cuda"])
+def test_layerwise_kv_over_tcp_lands_in_the_decode_engines_blocks(gpu_model_dir, prompts, reference,
+                                                                   kv_buffer_device):
+    """The prefill node's path on a GPU: each layer's KV is handed to the producer during the forward
+    (copied to pinned memory on a stream of its own, or kept on the GPU and sent from the sender's
+    stream), crosses a tcp pipe into the views of a second engine's blocks, and that engine decodes
+    transformers' tokens."""
+    from disagg.lookup_buffer import LookupBufferConsumer, LookupBufferProducer
+    from disagg.pipes import PipeConfig
+    from disagg.prefill_node.node import LayerSender
+
+    kwargs = dict(device="cuda", dtype="float32", kv_cache_memory=2**30)
+    prefill, decode = LLM(str(gpu_model_dir), **kwargs).engine, LLM(str(gpu_model_dir), **kwargs).engine
+    consumer = LookupBufferConsumer("tcp", PipeConfig(kv_port=0))
+    producer = LookupBufferProducer("tcp", PipeConfig(kv_port=0), 1 << 30, 30.0, 5.0)
+    copy_stream = torch.cuda.Stream() if kv_buffer_device == "cpu" else None
+    try:
+        chosen = [6, 8, 9]  # 64, 700 and 1000 tokens
+        for i in chosen:
+            ids, request_id = prompts[i], f"r{i}"
+            decode.add_request(request_id, ids, GREEDY, remote_prefill=True)
+            consumer.expect(request_id, [decode.remote_kv_views(request_id, 0)])
+            nbytes = prefill.kv_cache.kv[:, :, :len(ids)].nbytes
+            producer.open(request_id, ids, [(layer, layer + 1) for layer in range(30)], nbytes, consumer.address)
+            sender = LayerSender(producer, request_id, copy_stream)
+            prefill.add_request(request_id, ids, SamplingParams(temperature=0.0, max_tokens=1),
+                                kv_export=KVExport(0, 1, sender.put))
+        first = {}
+        while prefill.has_unfinished_requests():
+            first |= {out.request_id: out.token_ids[0] for out in prefill.step()}
+        for i in chosen:
+            entry = consumer.drop_select(f"r{i}", prompts[i], timeout=30)
+            assert entry.in_place
+            decode.finish_remote_prefill(f"r{i}", None, first[f"r{i}"])
+        done = {}
+        while decode.has_unfinished_requests():
+            done |= {out.request_id: out.token_ids for out in decode.step() if out.finished}
+        assert [done[f"r{i}"] for i in chosen] == [reference[i] for i in chosen]
+    finally:
+        producer.close()
+        consumer.close()

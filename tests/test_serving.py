@@ -156,25 +156,38 @@ def test_prefill_node_down_at_start(tmp_path, reference_texts):
         decode.kill()
 
 
-def test_prefill_node_killed_mid_request(tmp_path, hf_model, hf_tokenizer):
-    """SIGKILL the prefill node while long prompts are in flight: every request is still answered."""
+def test_prefill_node_killed_between_two_layers(tmp_path, hf_model, hf_tokenizer):
+    """SIGKILL the prefill node once the first layers of the prompts' KV have crossed the pipe and
+    before the last have (the KV goes layer by layer as the prefill computes it): every request is
+    still answered, recomputed, and the decode node holds no block afterwards."""
     prefill = start_node("producer", tmp_path)
     decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address],
                         kv_extra={"lookup_timeout": 20.0})
     prompts = [PROMPTS[8] + f"\nQuestion {i}: what was the second topic?" for i in range(2)]
     expected = [hf_tokenizer.decode(hf_greedy(hf_model, hf_tokenizer(p).input_ids, MAX_TOKENS),
                                     skip_special_tokens=True) for p in prompts]
+    config = hf_model.config  # float32 on the CPU
+    kv_bytes = [len(hf_tokenizer(p).input_ids) * config.num_hidden_layers * 2 * config.num_key_value_heads
+                * config.head_dim * 4 for p in prompts]
+
+    def received() -> float:
+        return decode.labelled("disagg_kv_transfer_bytes_total", "direction").get("received", 0.0)
+
     try:
         async def run():
             async with httpx.AsyncClient(timeout=120) as client:
                 tasks = [asyncio.create_task(complete(client, decode.url, p, False)) for p in prompts]
-                await asyncio.sleep(0.5)
+                await asyncio.to_thread(wait_for, lambda: received() > 0, 60, "the first layer's KV")
+                at_kill = received()
                 prefill.kill()
-                return await asyncio.gather(*tasks)
+                return at_kill, await asyncio.gather(*tasks)
         started = time.monotonic()
-        assert asyncio.run(run()) == expected
+        at_kill, answers = asyncio.run(run())
+        assert 0 < at_kill < min(kv_bytes), "the kill came after a whole prompt's KV had arrived"
+        assert answers == expected
         assert time.monotonic() - started < 90
         assert "recomputing" in decode.log()
+        wait_for(lambda: decode.metric("disagg_kv_blocks_used") == 0, 20, "decode blocks free")
         # With the prefill node gone for good, later requests are recomputed too.
         assert post_completion(decode.url, PROMPTS_20[2]).status_code == 200
     finally:

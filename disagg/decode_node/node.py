@@ -142,7 +142,6 @@ class DecodeNode:
                                                     result.first_logprob, kv_start=skip)
             loaded = time.perf_counter()
             metrics.KV_LOAD.observe(loaded - received)
-            metrics.KV_BYTES.labels("received").inc(entry.nbytes)
             metrics.KV_TRANSFER.observe(time.perf_counter() - start)
             metrics.REMOTE_PREFILL.labels("ok").inc()
         except asyncio.CancelledError:

@@ -1,9 +1,11 @@
 """PrefillNode: computes prompts and pushes their KV to the decode node that asked.
 
-A Prefill call runs the prompt through the engine for exactly one token (prefix-cache hits
-skip what is cached), takes the prompt's KV out of the paged cache, inserts it into the
-LookupBuffer producer addressed to the caller's pipe endpoint and answers with the first
-token. Insert only queues the bytes: the engine never waits on the network.
+A Prefill call opens the prompt's entry in the LookupBuffer producer (reserving its room),
+addressed to the caller's pipe endpoint, and runs the prompt through the engine for exactly
+one token (prefix-cache hits skip what is cached). During the step that completes the
+prompt, each layer's KV goes to the producer as soon as that layer has run, so it crosses
+the pipe while later layers compute (docs/ARCHITECTURE.md, "Layer-wise send"); the call
+answers with the first token. The engine never waits on the network.
 """
 
 import asyncio
@@ -12,9 +14,12 @@ import logging
 import time
 from collections import OrderedDict
 
+import torch
+
 from disagg import metrics
 from disagg.control_plane import NodeInfo, PrefillCall, PrefillProgress, PrefillResult
 from disagg.engine.async_engine import AsyncEngine
+from disagg.engine.sequence import KVExport
 from disagg.lookup_buffer import LookupBufferProducer, token_digest
 
 logger = logging.getLogger(__name__)
@@ -22,13 +27,44 @@ logger = logging.getLogger(__name__)
 MAX_REGISTERED_DESTINATIONS = 1024  # decode nodes' pipe endpoints remembered, least recently used dropped
 
 
+class LayerSender:
+    """A KVExport's put for one request: each layer group's KV into the producer's open entry, copied
+    to pinned host memory on a stream of its own unless the buffer is on the GPU. Runs on the
+    engine thread and never waits for the GPU."""
+
+    def __init__(self, producer: LookupBufferProducer, request_id: str, copy_stream: torch.cuda.Stream | None):
+        self.producer = producer
+        self.request_id = request_id
+        self.copy_stream = copy_stream  # None: the KV stays where the engine computed it
+        self.layers_put = 0
+
+    def put(self, first: int, end: int, kv: torch.Tensor) -> None:
+        ready = None
+        if kv.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()  # the engine's stream: the gather of these layers
+            if self.copy_stream is not None:
+                host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
+                with torch.cuda.stream(self.copy_stream):
+                    self.copy_stream.wait_event(ready)
+                    host.copy_(kv, non_blocking=True)
+                    kv.record_stream(self.copy_stream)  # its memory is not reused before the copy ends
+                    ready = torch.cuda.Event()
+                    ready.record()
+                kv = host
+        self.producer.put(self.request_id, first, end, kv, ready)
+        self.layers_put += end - first
+
+
 class PrefillNode:
     def __init__(self, engine: AsyncEngine, producer: LookupBufferProducer, info: NodeInfo,
-                 kv_buffer_device: str = "cpu"):
+                 kv_buffer_device: str = "cpu", layerwise: bool = True):
         self.engine = engine
         self.producer = producer
         self.info = info
         self.kv_buffer_device = kv_buffer_device
+        self.layerwise = layerwise  # else a prompt's KV goes as one message once all layers have run
+        self.copy_stream: torch.cuda.Stream | None = None  # KV to host memory, off the engine's stream
         self.callers: dict[str, tuple[str, int]] = {}  # request id -> the kv_dest of the call computing it
         # Pipe endpoints decode nodes registered at their Info handshake: the only places KV goes,
         # so a caller cannot make this node connect anywhere it likes.
@@ -40,36 +76,52 @@ class PrefillNode:
         params = dataclasses.replace(call.params, max_tokens=1, min_tokens=min(call.params.min_tokens, 1), stop=[])
         if params.structured is not None:  # compiled here, off the engine thread, which then finds it cached
             await asyncio.to_thread(self.engine.engine.grammars.compile, params.structured)
+        export, sender, nbytes = await self._open_entry(call)
+        opened = time.perf_counter()
+        metrics.KV_BUFFER_INSERT.observe(opened - start)
         final = None
         self.callers[call.request_id] = call.kv_dest
         try:
-            async for out in self.engine.generate(call.request_id, call.prompt_token_ids, params, export_kv=True):
+            async for out in self.engine.generate(call.request_id, call.prompt_token_ids, params, kv_export=export):
                 final = out
+            if sender.layers_put != self.engine.engine.model_config.num_hidden_layers:
+                raise RuntimeError(f"prefill of {call.request_id} ended without its KV ({final and final.finish_reason})")
+        except BaseException:
+            self.producer.abort(call.request_id)  # a part that never comes ends the entry, not the connection's wait
+            raise
         finally:
             self.callers.pop(call.request_id, None)
-        computed = time.perf_counter()
-        metrics.PREFILL_COMPUTE.observe(computed - start)
-        if final is None or final.kv is None:
-            raise RuntimeError(f"prefill of {call.request_id} ended without KV ({final and final.finish_reason})")
-        kv = final.kv[:, :, call.skip_tokens:]  # the decode node holds the rest
-        kv = (kv if self.kv_buffer_device == "cuda" else kv.cpu()).contiguous()
-        # Insert may wait (bounded) for buffer space: keep that off the event loop.
-        await asyncio.to_thread(self.producer.insert, call.request_id, call.prompt_token_ids, [kv],
-                                None, call.kv_dest)
-        metrics.KV_BUFFER_INSERT.observe(time.perf_counter() - computed)
         seconds = time.perf_counter() - start
-        metrics.KV_BYTES.labels("sent").inc(kv.nbytes)
+        metrics.PREFILL_COMPUTE.observe(time.perf_counter() - opened)
         logger.info("prefill %s: %d prompt tokens (%d cached), %.1f KiB KV to %s:%d in %.3fs",
                     call.request_id, len(call.prompt_token_ids), final.num_cached_tokens,
-                    kv.nbytes / 1024, *call.kv_dest, seconds)
+                    nbytes / 1024, *call.kv_dest, seconds)
         return PrefillResult(
             first_token=final.token_ids[0],
             first_logprob=final.logprobs[0] if final.logprobs else None,
             token_digest=token_digest(call.prompt_token_ids),
             num_cached_tokens=final.num_cached_tokens,
-            kv_bytes=kv.nbytes,
+            kv_bytes=nbytes,
             prefill_seconds=seconds,
         )
+
+    async def _open_entry(self, call: PrefillCall) -> tuple[KVExport, LayerSender, int]:
+        """The producer's entry for the prompt's KV from call.skip_tokens on (the decode node holds
+        the rest), its room reserved before the prefill runs, and the export that fills it."""
+        engine = self.engine.engine
+        num_layers = engine.model_config.num_hidden_layers
+        per_layer = engine.kv_cache.kv[0, :, 0].nbytes  # one token's K and V in one layer
+        nbytes = num_layers * per_layer * (len(call.prompt_token_ids) - call.skip_tokens)
+        step = 1 if self.layerwise else num_layers
+        layers = [(first, min(first + step, num_layers)) for first in range(0, num_layers, step)]
+        # Opening may wait (bounded) for buffer space: keep that off the event loop.
+        await asyncio.to_thread(self.producer.open, call.request_id, call.prompt_token_ids, layers, nbytes,
+                                call.kv_dest)
+        if engine.device.type == "cuda" and self.kv_buffer_device == "cpu" and self.copy_stream is None:
+            self.copy_stream = torch.cuda.Stream(engine.device)
+        copy_stream = self.copy_stream if self.kv_buffer_device == "cpu" else None
+        sender = LayerSender(self.producer, call.request_id, copy_stream)
+        return KVExport(call.skip_tokens, step, sender.put), sender, nbytes
 
     def register(self, dest: tuple[str, int]) -> None:
         self.destinations[dest] = None
