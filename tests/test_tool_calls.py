@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from disagg.decode_node.protocol import DeltaFunctionCall, DeltaToolCall
 from disagg.decode_node.tool_calls import (
     CallDelta,
     ToolCallStream,
@@ -115,3 +116,12 @@ def test_streamed_calls_add_up_to_the_calls_of_the_answer_not_streamed():
     named = {"type": "function", "function": {"name": "get_weather"}}
     pieces = stream_pieces('{"city": "Oslo"}', "forced", named)
     assert added_up(pieces) == [("get_weather", '{"city": "Oslo"}')] and len(pieces) > 3
+
+
+def test_a_later_piece_of_a_call_carries_only_its_index_and_arguments():
+    """As vLLM and OpenAI send it: no id, type or name at all (not null)."""
+    first = DeltaToolCall(index=0, id="call_1", type="function", function=DeltaFunctionCall(name="f", arguments=""))
+    later = DeltaToolCall(index=0, function=DeltaFunctionCall(arguments='{"a'))
+    assert json.loads(first.model_dump_json()) == {"index": 0, "id": "call_1", "type": "function",
+                                                   "function": {"name": "f", "arguments": ""}}
+    assert json.loads(later.model_dump_json()) == {"index": 0, "function": {"arguments": '{"a'}}
