@@ -15,9 +15,9 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-# An unclosed last call (the output ended inside it) is read as well, as vLLM's hermes parser does.
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
+# An unclosed last call (the output ended inside it) is read as well, as vLLM's hermes parser does.
 TOOL_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|\Z)", re.DOTALL)
 TOOL_CALL_PARSERS = ("hermes",)
 # A call written name first, as models and the forced schema write it, up to where its arguments
