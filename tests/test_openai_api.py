@@ -659,14 +659,12 @@ def test_tool_choice_named_required_auto_and_none_through_the_openai_sdk(server,
     call = choice.message.tool_calls[0]
     assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
-    stream = client.chat.completions.create(model=model_name, messages=WEATHER_CHAT, tools=[WEATHER, CLOCK],
-                                            tool_choice="required", parallel_tool_calls=False, max_tokens=40,
-                                            temperature=0, stream=True)
-    chunks = [c for c in stream if c.choices]
-    calls = [call for c in chunks for call in c.choices[0].delta.tool_calls or []]
-    assert chunks[-1].choices[0].finish_reason == "tool_calls" and len(calls) == 1
-    assert calls[0].function.name in ("get_weather", "get_time")
-    json.loads(calls[0].function.arguments)
+    out = client.chat.completions.create(model=model_name, messages=WEATHER_CHAT, tools=[WEATHER, CLOCK],
+                                         tool_choice="required", parallel_tool_calls=False, max_tokens=40,
+                                         temperature=0)
+    assert out.choices[0].finish_reason == "tool_calls" and len(out.choices[0].message.tool_calls) == 1
+    assert out.choices[0].message.tool_calls[0].function.name in ("get_weather", "get_time")
+    json.loads(out.choices[0].message.tool_calls[0].function.arguments)
     # "auto" (this server has the flags): content streams as it comes, and equals the answer's.
     answer = client.chat.completions.create(model=model_name, messages=CHAT, tools=[WEATHER], max_tokens=12,
                                             temperature=0)
@@ -676,22 +674,51 @@ def test_tool_choice_named_required_auto_and_none_through_the_openai_sdk(server,
     assert len(parts) > 2 and "".join(parts) == answer.choices[0].message.content
     assert answer.choices[0].message.tool_calls == []  # this model writes no <tool_call>
     # The hermes parser on a real answer: a grammar makes the model write one call after some text.
-    written = 'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
     body = dict(model=model_name, messages=WEATHER_CHAT, tools=[WEATHER], max_tokens=40, temperature=0,
-                extra_body={"structured_outputs": {"choice": [written]}})
+                extra_body={"structured_outputs": {"choice": [WRITTEN_CALL]}})
     answer = client.chat.completions.create(**body).choices[0]
     assert answer.finish_reason == "tool_calls" and answer.message.content == "Sure."
     assert [(c.function.name, json.loads(c.function.arguments)) for c in answer.message.tool_calls] == [
         ("get_weather", {"city": "Paris"})]
-    chunks = [c.choices[0] for c in client.chat.completions.create(**body, stream=True) if c.choices]
-    assert "".join(c.delta.content or "" for c in chunks).strip() == "Sure."
-    calls = [call for c in chunks for call in c.delta.tool_calls or []]
-    assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", '{"city": "Paris"}')]
-    assert chunks[-1].finish_reason == "tool_calls"
     # "none": the template gets no tools and the answer is plain content.
     out = client.chat.completions.create(model=model_name, messages=WEATHER_CHAT, tools=[WEATHER], tool_choice="none",
                                          max_tokens=4, temperature=0)
     assert out.choices[0].message.tool_calls == [] and out.choices[0].message.content
+
+
+WRITTEN_CALL = 'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "get_weather"}}, "required",
+                                         "auto"])
+def test_tool_calls_stream_as_written_and_add_up_to_the_answer_not_streamed(server, model_name, tool_choice):
+    """vLLM's streamed shape: a call's first delta has its index, id, type and name with arguments "",
+    the next ones only the index and a piece of the arguments, as the model writes them. The SDK's
+    own accumulator adds them up to the answer not streamed. "auto": a grammar makes the model write
+    a <tool_call> after some text."""
+    client = sdk(server)
+    body = dict(model=model_name, messages=WEATHER_CHAT, tools=[WEATHER, CLOCK], tool_choice=tool_choice,
+                max_tokens=40, temperature=0, parallel_tool_calls=False)
+    if tool_choice == "auto":
+        body["extra_body"] = {"structured_outputs": {"choice": [WRITTEN_CALL]}}
+    answer = client.chat.completions.create(**body).choices[0]
+    with client.chat.completions.stream(**body) as stream:
+        chunks = [event.chunk.choices[0] for event in stream if event.type == "chunk" and event.chunk.choices]
+        streamed = stream.get_final_completion().choices[0]
+    assert answer.finish_reason == streamed.finish_reason == chunks[-1].finish_reason == "tool_calls"
+    assert len(answer.message.tool_calls) == 1
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == [
+        (c.function.name, c.function.arguments) for c in answer.message.tool_calls]
+    jsonschema.validate(json.loads(answer.message.tool_calls[0].function.arguments),
+                        WEATHER["function"]["parameters"] if answer.message.tool_calls[0].function.name
+                        == "get_weather" else CLOCK["function"]["parameters"])
+    assert (streamed.message.content or "").strip() == (answer.message.content or "")
+    first, *rest = [call for c in chunks for call in c.delta.tool_calls or []]
+    assert (first.index, first.type, first.function.name, first.function.arguments) == (
+        0, "function", answer.message.tool_calls[0].function.name, "")
+    assert first.id.startswith("call_") and streamed.message.tool_calls[0].id == first.id
+    assert len(rest) > 1 and all(p.index == 0 and p.id is None and p.type is None and p.function.name is None
+                                 for p in rest)  # the arguments in pieces, as the tokens came
 
 
 def test_best_of_returns_the_n_most_likely_of_its_candidates(server):

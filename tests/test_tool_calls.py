@@ -4,7 +4,16 @@ import json
 
 import pytest
 
-from disagg.decode_node.tool_calls import ToolOptions, forced_calls, forced_schema, parse_hermes, streamable_end
+from disagg.decode_node.protocol import DeltaFunctionCall, DeltaToolCall
+from disagg.decode_node.tool_calls import (
+    CallDelta,
+    ToolCallStream,
+    ToolOptions,
+    forced_calls,
+    forced_schema,
+    parse_hermes,
+    streamable_end,
+)
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -60,3 +69,59 @@ def test_a_stream_sends_content_up_to_where_a_tool_call_may_start():
     assert streamable_end("Let me check. <tool") == len("Let me check. ")  # may become <tool_call>
     assert streamable_end("a < b") == len("a < b")
     assert streamable_end('Sure <tool_call>{"name"') == len("Sure ")
+
+
+def stream_pieces(text: str, tool_mode: str, tool_choice: str | dict) -> list[CallDelta]:
+    """A ToolCallStream fed the text as a stream grows it, a few characters at a time."""
+    stream, pieces = ToolCallStream(tool_mode, tool_choice), []
+    for end in range(3, len(text), 3):
+        pieces += stream.update(text[:end], finished=False)
+    return pieces + stream.update(text, finished=True)
+
+
+def added_up(pieces: list[CallDelta]) -> list[tuple[str, str]]:
+    """(name, arguments) of each call, as a client adds up the pieces."""
+    calls: dict[int, list[str]] = {}
+    for piece in pieces:
+        if piece.id is not None:
+            assert piece.index == len(calls) and piece.name and piece.arguments == ""
+            calls[piece.index] = [piece.name, ""]
+        else:
+            assert piece.name is None and piece.arguments
+            calls[piece.index][1] += piece.arguments
+    return [tuple(call) for call in calls.values()]
+
+
+def test_streamed_calls_add_up_to_the_calls_of_the_answer_not_streamed():
+    auto = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, '
+            '{"note": "a } in a string"}]}}\n</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    pieces = stream_pieces(auto, "auto", "auto")
+    assert added_up(pieces) == [(c.name, c.arguments) for c in parse_hermes(auto)[1]]
+    assert len([p for p in pieces if p.index == 0]) > 10  # the arguments went out as they grew
+    assert parse_hermes(auto)[1][0].arguments == '{"city": "Paris", "days": [1, {"note": "a } in a string"}]}'
+    # Arguments written first, or no name-first head: read when the call closes, whole or not at all.
+    other = ('<tool_call>{"arguments": {"zone": "UTC"}, "name": "get_time"}</tool_call> '
+             '<tool_call>{"name": get_weather, "arguments": {}}</tool_call>')
+    pieces = stream_pieces(other, "auto", "auto")
+    assert added_up(pieces) == [(c.name, c.arguments) for c in parse_hermes(other)[1]] == [
+        ("get_time", '{"zone": "UTC"}')]
+    assert len(pieces) == 2
+    # A started call cannot be taken back: cut short, it was sent as far as it went (not streamed: no call).
+    cut = '<tool_call>{"name": "get_weather", "arguments": {"city": "Par</tool_ca'
+    assert added_up(stream_pieces(cut, "auto", "auto")) == [("get_weather", '{"city": "Par</tool_ca')]
+    assert parse_hermes(cut)[1] == []
+    required = '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    pieces = stream_pieces(required, "forced", "required")
+    assert added_up(pieces) == [(c.name, c.arguments) for c in forced_calls(required, "required")]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    pieces = stream_pieces('{"city": "Oslo"}', "forced", named)
+    assert added_up(pieces) == [("get_weather", '{"city": "Oslo"}')] and len(pieces) > 3
+
+
+def test_a_later_piece_of_a_call_carries_only_its_index_and_arguments():
+    """As vLLM and OpenAI send it: no id, type or name at all (not null)."""
+    first = DeltaToolCall(index=0, id="call_1", type="function", function=DeltaFunctionCall(name="f", arguments=""))
+    later = DeltaToolCall(index=0, function=DeltaFunctionCall(arguments='{"a'))
+    assert json.loads(first.model_dump_json()) == {"index": 0, "id": "call_1", "type": "function",
+                                                   "function": {"name": "f", "arguments": ""}}
+    assert json.loads(later.model_dump_json()) == {"index": 0, "function": {"arguments": '{"a'}}

@@ -45,6 +45,7 @@ from disagg.decode_node.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
+    DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
     DetokenizeRequest,
@@ -62,7 +63,9 @@ from disagg.decode_node.protocol import (
     UsageInfo,
 )
 from disagg.decode_node.tool_calls import (
+    CallDelta,
     ToolCall,
+    ToolCallStream,
     ToolOptions,
     forced_calls,
     parse_hermes,
@@ -216,6 +219,7 @@ class Choice:
     started: bool = False  # its first chunk went out
     num_logprobs_sent: int = 0
     text_offset: int = 0  # completions, and chat with tools: where the text sent so far ends
+    tool_calls: ToolCallStream | None = None  # chat with tools, streamed
 
     def new_logprobs(self) -> list[TokenLogprob]:
         logprobs = self.out.logprobs[self.num_logprobs_sent:]
@@ -411,20 +415,20 @@ class CompletionFormat:
             choice.text_offset = sum(len(t) for t in logprobs.tokens)
         return [CompletionChoice(index=choice.index, text=choice.prompt.text, logprobs=logprobs)]
 
-    def delta(self, choice: Choice) -> CompletionChoice | None:
+    def delta(self, choice: Choice) -> list[CompletionChoice]:
         out = choice.out
         if self.request.echo_only:  # the one token generated is not part of the answer
-            return CompletionChoice(index=choice.index, text="", finish_reason="length") if out.finished else None
+            return [CompletionChoice(index=choice.index, text="", finish_reason="length")] if out.finished else []
         logprobs = None
         if self.request.logprobs is not None:
             entries = [(lp.token_id, lp) for lp in choice.new_logprobs()]
             logprobs = completion_logprobs(self.tokenizer, entries, choice.text_offset)
             choice.text_offset += sum(len(t) for t in logprobs.tokens)
         if out.new_text or out.finished or (logprobs and logprobs.tokens):
-            return CompletionChoice(index=choice.index, text=out.new_text, logprobs=logprobs,
-                                    finish_reason=out.finish_reason if out.finished else None,
-                                    stop_reason=out.stop_reason)
-        return None
+            return [CompletionChoice(index=choice.index, text=out.new_text, logprobs=logprobs,
+                                     finish_reason=out.finish_reason if out.finished else None,
+                                     stop_reason=out.stop_reason)]
+        return []
 
     def chunk(self, run: Run, parts: list[CompletionChoice], usage_info: UsageInfo | None = None) -> str:
         return sse(CompletionStreamResponse(id=run.request_id, created=self.created, model=self.model,
@@ -452,7 +456,8 @@ class CompletionFormat:
 
 class ChatFormat:
     """/v1/chat/completions: the assistant's role first, then content deltas. When tool calls may
-    come out, the text that may hold them is held back and sent at the end, with the calls read from it."""
+    come out, each call streams as the model writes it (ToolCallStream) and the text around calls
+    is held back and sent at the end."""
 
     def __init__(self, request: ChatCompletionRequest, tokenizer: Tokenizer, model: str):
         self.request = request
@@ -465,42 +470,46 @@ class ChatFormat:
         return len(choice.out.token_ids)
 
     def first(self, choice: Choice) -> list[ChatStreamChoice]:
+        if self.request.tool_mode != "none":
+            choice.tool_calls = ToolCallStream(self.request.tool_mode, self.request.tool_choice)
         return [ChatStreamChoice(index=choice.index, delta=DeltaMessage(role="assistant", content=""))]
 
-    def delta(self, choice: Choice) -> ChatStreamChoice | None:
+    def delta(self, choice: Choice) -> list[ChatStreamChoice]:
+        """This output's chunks: its content, then each piece of a tool call in a chunk of its own;
+        the logprobs and the finish reason go with the last."""
         out = choice.out
-        logprobs = None
-        if self.request.logprobs:
-            logprobs = chat_logprobs(self.tokenizer, choice.new_logprobs())
-        delta = DeltaMessage(content=out.new_text)
-        finish_reason = out.finish_reason if out.finished else None
-        if self.request.tool_mode != "none":
-            delta = self.tool_delta(choice)
+        logprobs = chat_logprobs(self.tokenizer, choice.new_logprobs()) if self.request.logprobs else None
+        if choice.tool_calls is None:
+            deltas = [DeltaMessage(content=out.new_text)] if out.new_text else []
+        else:
+            deltas = self.tool_deltas(choice)
+        if not deltas and (out.finished or (logprobs and logprobs.content)):
+            deltas = [DeltaMessage(content="")]
+        parts = [ChatStreamChoice(index=choice.index, delta=delta) for delta in deltas]
+        if parts:
+            parts[-1].logprobs = logprobs
             if out.finished:
-                finish_reason = tool_finish_reason(out.finish_reason, delta.tool_calls or [])
-        if delta.content or delta.tool_calls or out.finished or (logprobs and logprobs.content):
-            return ChatStreamChoice(index=choice.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
-                                    stop_reason=out.stop_reason)
-        return None
+                calls = choice.tool_calls.calls if choice.tool_calls else []
+                parts[-1].finish_reason = tool_finish_reason(out.finish_reason, calls)
+                parts[-1].stop_reason = out.stop_reason
+        return parts
 
-    def tool_delta(self, choice: Choice) -> DeltaMessage:
-        """When calls may come: "auto" streams content up to where a <tool_call> starts (or may start)
-        and sends the rest and the calls at the end; "forced" (all JSON) sends the calls at the end."""
+    def tool_deltas(self, choice: Choice) -> list[DeltaMessage]:
+        """"auto" streams content up to where a <tool_call> starts (or may start) and sends the rest at
+        the end; "forced" (all JSON) sends content only at the end, when the answer held no call."""
         out = choice.out
-        if not out.finished:
-            if self.request.tool_mode == "forced":
-                return DeltaMessage(content="")
+        content = ""
+        if self.request.tool_mode == "auto" and not out.finished:
             end = max(choice.text_offset, streamable_end(out.text))
             content, choice.text_offset = out.text[choice.text_offset:end], end
-            return DeltaMessage(content=content)
-        if self.request.tool_mode == "forced":
-            content, calls = self.tool_calls(out.text)
-        else:
+        elif self.request.tool_mode == "auto":
             rest, calls = remove_hermes_calls(out.text)
             content = rest[choice.text_offset:].rstrip() if calls else rest[choice.text_offset:]
-        return DeltaMessage(content=content or None, tool_calls=[
-            DeltaToolCall(index=i, id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
-            for i, c in enumerate(calls)] or None)
+        pieces = choice.tool_calls.update(out.text, out.finished)
+        if out.finished and self.request.tool_mode == "forced" and not choice.tool_calls.calls:
+            content = out.text
+        return ([DeltaMessage(content=content)] if content else []) + [
+            DeltaMessage(tool_calls=[delta_tool_call(piece)]) for piece in pieces]
 
     def tool_calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """A finished choice's content and the tool calls in its text."""
@@ -536,6 +545,13 @@ class ChatFormat:
 
 
 Format = CompletionFormat | ChatFormat
+
+
+def delta_tool_call(piece: CallDelta) -> DeltaToolCall:
+    if piece.id is None:
+        return DeltaToolCall(index=piece.index, function=DeltaFunctionCall(arguments=piece.arguments))
+    return DeltaToolCall(index=piece.index, id=piece.id, type="function",
+                         function=DeltaFunctionCall(name=piece.name, arguments=piece.arguments))
 
 
 def tool_finish_reason(finish_reason: str, calls: list[ToolCall]) -> str:
@@ -659,8 +675,7 @@ class OpenAIServing:
             async for choice in run.outputs():
                 parts = [] if choice.started else fmt.first(choice)
                 choice.started = True
-                delta = fmt.delta(choice)
-                for part in parts + ([delta] if delta else []):
+                for part in parts + fmt.delta(choice):
                     # vLLM's continuous usage: this choice's prompt and its output so far.
                     yield fmt.chunk(run, [part], usage([choice], fmt.num_output_tokens)
                                     if request.continuous_usage else None)

@@ -15,7 +15,15 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from disagg.decode_node.tool_calls import forced_schema, function_names, named_function
 from disagg.engine.sampling_params import SamplingParamError, SamplingParams, StructuredOutputSpec
@@ -500,8 +508,25 @@ class ToolCallOut(BaseModel):
     function: FunctionCall
 
 
-class DeltaToolCall(ToolCallOut):
+class WithoutNulls(BaseModel):
+    """Fields left as None are not sent at all: a streamed call's later pieces carry only its index
+    and the next part of its arguments, as in vLLM and OpenAI."""
+
+    @model_serializer(mode="wrap")
+    def without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaFunctionCall(WithoutNulls):
+    name: str | None = None  # in a call's first piece
+    arguments: str
+
+
+class DeltaToolCall(WithoutNulls):
     index: int  # of the call in its message
+    id: str | None = None  # in a call's first piece, with type
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class ChatResponseMessage(BaseModel):

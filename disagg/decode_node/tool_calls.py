@@ -4,6 +4,10 @@ constrains the output to (through structured output), read back as calls.
 
 As vLLM does: a named function's output is its arguments object; "required" outputs a JSON array
 of {"name", "parameters"} objects, one per call (at most one when parallel_tool_calls is false).
+
+A call's `arguments` is the text the model wrote for them, not the object read and written again,
+so that a streamed answer (`ToolCallStream`), which sends that text as it is written, adds up to
+the same string as the answer not streamed.
 """
 
 import json
@@ -11,10 +15,16 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-# An unclosed last call (the output ended inside it) is read as well, as vLLM's hermes parser does.
 TOOL_CALL_START = "<tool_call>"
-TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+TOOL_CALL_END = "</tool_call>"
+# An unclosed last call (the output ended inside it) is read as well, as vLLM's hermes parser does.
+TOOL_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|\Z)", re.DOTALL)
 TOOL_CALL_PARSERS = ("hermes",)
+# A call written name first, as models and the forced schema write it, up to where its arguments
+# object opens: {"name": "get_weather", "arguments": {
+CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+# What matters to find where a JSON value ends: strings (whole, or open at the end) and brackets.
+JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*(?:"|\\?\Z)|[][{}]')
 
 
 @dataclass
@@ -64,25 +74,67 @@ def streamable_end(text: str) -> int:
     """How much of a growing answer can go out as content now: all of it up to a <tool_call>, less an
     end that may be the start of one."""
     start = text.find(TOOL_CALL_START)
-    if start != -1:
-        return start
-    for length in range(len(TOOL_CALL_START) - 1, 0, -1):
-        if text.endswith(TOOL_CALL_START[:length]):
+    return start if start != -1 else without_partial(text, TOOL_CALL_START)
+
+
+def without_partial(text: str, marker: str) -> int:
+    """The end of the text less a tail that may be the start of the marker."""
+    for length in range(len(marker) - 1, 0, -1):
+        if text.endswith(marker[:length]):
             return len(text) - length
     return len(text)
 
 
 def hermes_call(body: str) -> ToolCall | None:
+    """The call a {"name", "arguments"} object (a "required" answer's item: "parameters") holds."""
     try:
         call = json.loads(body)
     except json.JSONDecodeError:
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
+    head = call_head(body)
+    if head is not None and head.name == call["name"]:
+        return ToolCall(call["name"], head.arguments)  # as written
     arguments = call.get("arguments", call.get("parameters", {}))
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
     return ToolCall(call["name"], arguments)
+
+
+def call_head(body: str) -> ToolCall | None:
+    """A call being written name first: its name and the text of its arguments object so far (all of
+    it once the object has closed); None until the object opens, or for a call written otherwise."""
+    head = CALL_HEAD.match(body)
+    if head is None:
+        return None
+    return ToolCall(head.group(1), body[head.end():object_end(body, head.end())])
+
+
+def object_end(text: str, start: int) -> int | None:
+    """Where the JSON object or array that opens at text[start] ends (just past its bracket); None
+    while it is still open."""
+    depth = 0
+    for token in JSON_TOKEN.finditer(text, start):
+        if token.group() in ("{", "["):
+            depth += 1
+        elif token.group() in ("}", "]"):
+            depth -= 1
+            if depth == 0:
+                return token.end()
+    return None
+
+
+def array_items(text: str) -> list[tuple[str, bool]]:
+    """The objects of a JSON array of objects being written: each one's text and whether it has closed."""
+    items, start = [], text.find("{")
+    while start != -1:
+        end = object_end(text, start)
+        if end is None:
+            return items + [(text[start:], False)]
+        items.append((text[start:end], True))
+        start = text.find("{", end)
+    return items
 
 
 def function_of(tool: dict) -> dict:
@@ -131,7 +183,81 @@ def forced_calls(text: str, tool_choice: str | dict) -> list[ToolCall]:
         return []
     name = named_function(tool_choice)
     if name is not None:
-        return [ToolCall(name, json.dumps(value, ensure_ascii=False))]
+        return [ToolCall(name, text)]
     if not isinstance(value, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in value):
         return []  # the grammar makes this shape; anything else is not a call
-    return [ToolCall(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in value]
+    return [hermes_call(item) for item, _ in array_items(text)]
+
+
+
+@dataclass
+class CallDelta:
+    """A piece of a streamed call, in vLLM's shape: a call's first piece has its id and name (and
+    arguments ""), the pieces after it the next part of its arguments text."""
+    index: int  # of the call in the answer
+    arguments: str
+    name: str | None = None
+    id: str | None = None
+
+
+class ToolCallStream:
+    """One streamed choice's tool calls, sent as the model writes them: a call starts once its name
+    is written, then its arguments go out as they grow. A call's text ("auto": a <tool_call> body;
+    "required": an item of the array; a named function: the whole answer) is decided when it closes:
+    one that never showed a name-first head is read whole then, as the answer not streamed reads it
+    (and is no call if it does not parse). Once started, a call cannot be taken back: if its text
+    turns out malformed, or max_tokens cuts it short, the stream has sent the call as far as it went,
+    where the answer not streamed has no call (vLLM streams the same way)."""
+
+    def __init__(self, tool_mode: str, tool_choice: str | dict):
+        self.hermes = tool_mode == "auto"
+        self.tool_choice = tool_choice
+        self.name = named_function(tool_choice)  # forced: the named function's, or None for "required"
+        self.calls: list[ToolCall] = []  # those started, each with the arguments sent so far
+        self.num_decided = 0  # call texts already read to their end
+        self.started = False  # the first undecided text has a started call
+
+    def update(self, text: str, finished: bool) -> list[CallDelta]:
+        """The pieces to send for the answer so far."""
+        deltas = []
+        for body, closed in self.texts(text, finished)[self.num_decided:]:
+            final = closed or finished
+            if self.started:
+                arguments = self.head(body).arguments
+            else:
+                call = self.read(body) if final else self.head(body)
+                if call is None:
+                    self.num_decided += final
+                    continue
+                self.calls.append(ToolCall(call.name, "", call.id))
+                self.started = True
+                deltas.append(CallDelta(len(self.calls) - 1, "", call.name, call.id))
+                arguments = call.arguments
+            sent = self.calls[-1]
+            if len(arguments) > len(sent.arguments):
+                deltas.append(CallDelta(len(self.calls) - 1, arguments[len(sent.arguments):]))
+                sent.arguments = arguments
+            if final:
+                self.num_decided += 1
+                self.started = False
+        return deltas
+
+    def texts(self, text: str, finished: bool) -> list[tuple[str, bool]]:
+        """The texts that each hold a call, and whether each has closed."""
+        if self.hermes:  # an open call's text less an end that may be the start of </tool_call>
+            return [(body if closed or finished else body[:without_partial(body, TOOL_CALL_END)], bool(closed))
+                    for body, closed in TOOL_CALL.findall(text)]
+        if self.name is not None:
+            return [(text, False)]  # closes when the answer ends
+        return array_items(text)
+
+    def head(self, body: str) -> ToolCall | None:
+        if self.name is not None:
+            return ToolCall(self.name, body) if body else None
+        return call_head(body)
+
+    def read(self, body: str) -> ToolCall | None:
+        if self.name is not None:
+            calls = forced_calls(body, self.tool_choice)
+            return calls[0] if calls else None
+        return hermes_call(body)
