@@ -143,13 +143,7 @@ def recv_tensor_metas(sock: socket.socket, config: PipeConfig,
     """The next message's tensor metadata (checked against `out`), None for a None message;
     PipeClosed if the peer closed the pipe."""
     kind, metas = recv_header(sock, config)
-    if kind == wire.Kind.CLOSE:
-        raise PipeClosed("the peer closed the pipe")
-    if kind == wire.Kind.NONE:
-        return None
-    if out is not None:
-        wire.check_out(out, metas)
-    return metas
+    return wire.message_metas(kind, metas, out)
 
 
 def recv_header(

@@ -158,12 +158,9 @@ class TorchDistPipe(KVPipe):
 
     def _recv(self, out: list[Destination] | None) -> list[Destination] | None:
         kind, metas, routes = self._reader.message_head()
-        if kind == wire.Kind.CLOSE:
-            raise PipeClosed("the peer closed the pipe")
-        if kind == wire.Kind.NONE:
+        metas = wire.message_metas(kind, metas, out)
+        if metas is None:
             return None
-        if out is not None:
-            wire.check_out(out, metas)
         backend = NCCL if NCCL in routes else GLOO
         if not set(routes) <= {INLINE, backend} or (backend == NCCL and self._nccl is None):
             raise wire.ProtocolError(f"peer chose routes {sorted(set(routes))}, which this pipe cannot take")
