@@ -31,7 +31,7 @@ from disagg.lookup_buffer.messages import (
     decode,
     encode_hello,
 )
-from disagg.pipes import PipeClosed, PipeConfig, PipeError, ProtocolError, tcp, wire
+from disagg.pipes import PipeClosed, PipeConfig, PipeError, ProtocolError, sockets, tcp, wire
 
 PEER = Path(__file__).parent / "pipe_peer.py"
 TOKEN = "hardening-secret"
@@ -220,7 +220,7 @@ def test_fuzz_wire_metadata(block_and_count):
 def authenticated_producer_pipe(address: tuple[str, int], port: int) -> tuple[socket.socket, tcp.TcpPipe]:
     """An authenticated connection that has said its hello: from here on it may send anything."""
     config = PipeConfig(auth_token=TOKEN, timeout=10)
-    sock = tcp.connect_socket(config, *address)
+    sock = sockets.connect_socket(config, *address)
     pipe = tcp.TcpPipe(sock, config)
     pipe.send(encode_hello(Hello(("127.0.0.1", port))))
     return sock, pipe

@@ -1,8 +1,8 @@
 """nixl: one-sided NIXL writes (UCX backend), the transfer library vLLM, SGLang and Dynamo use.
 
-Each connection is a TCP control socket (the tcp pipe's handshake, auth included) and a NIXL
-agent of its own on each side; the two agents' metadata cross the control socket right after
-the handshake. A message:
+Each connection is a TCP control socket (connected and handshaken as the tcp pipe's, auth
+included: sockets.py) and a NIXL agent of its own on each side; the two agents' metadata cross
+the control socket right after the handshake. A message:
 
     sender   -> its header (wire format) on the control socket
     receiver -> where each non-empty tensor goes: memory it has just registered with its agent
@@ -29,7 +29,7 @@ import uuid
 
 import torch
 
-from disagg.pipes import tcp, wire
+from disagg.pipes import sockets, wire
 from disagg.pipes.base import (
     Destination,
     KVPipe,
@@ -135,19 +135,19 @@ class NixlPipe(KVPipe):
         return handle
 
     def _read_regions(self) -> tuple[bool, list[tuple[int, int, int]]]:
-        with tcp.socket_errors("receiving the peer's memory regions", self._config.timeout):
-            count, vram = TENSOR_REGIONS.unpack(tcp.recv_exact(self._sock, TENSOR_REGIONS.size))
+        with sockets.socket_errors("receiving the peer's memory regions", self._config.timeout):
+            count, vram = TENSOR_REGIONS.unpack(sockets.recv_exact(self._sock, TENSOR_REGIONS.size))
             if count > MAX_REGIONS:
                 raise ProtocolError(f"the peer named {count} memory regions for one tensor; at most {MAX_REGIONS}")
-            data = tcp.recv_exact(self._sock, count * REGION.size)
+            data = sockets.recv_exact(self._sock, count * REGION.size)
         return bool(vram), list(REGION.iter_unpack(data))
 
     def _send_control(self, data: bytes) -> None:
-        with tcp.socket_errors("sending on the control socket", self._config.timeout):
+        with sockets.socket_errors("sending on the control socket", self._config.timeout):
             self._sock.sendall(data)
 
     def _recv(self, out: list[Destination] | None) -> list[Destination] | None:
-        metas = tcp.recv_tensor_metas(self._sock, self._config, out)
+        metas = sockets.recv_tensor_metas(self._sock, self._config, out)
         if metas is None:
             return None
         number, self._received = self._received, self._received + 1
@@ -212,9 +212,9 @@ class NixlPipe(KVPipe):
     def close(self) -> None:
         if self._closed:
             return
-        self._say_goodbye(lambda: tcp.send_close(self._sock))
+        self._say_goodbye(lambda: sockets.send_close(self._sock))
         self._closed = True
-        tcp.shut(self._sock)
+        sockets.shut(self._sock)
 
 
 def _target(meta: wire.TensorMeta, dest: Destination | None) -> list[torch.Tensor]:
@@ -238,18 +238,18 @@ def _regions(views: list[torch.Tensor]) -> bytes:
 
 
 def _read_metadata(sock: socket.socket, config: PipeConfig, what: str) -> bytes:
-    with tcp.socket_errors(f"receiving NIXL metadata of {what}", config.timeout):
-        (length,) = METADATA_LEN.unpack(tcp.recv_exact(sock, METADATA_LEN.size))
+    with sockets.socket_errors(f"receiving NIXL metadata of {what}", config.timeout):
+        (length,) = METADATA_LEN.unpack(sockets.recv_exact(sock, METADATA_LEN.size))
         if length > MAX_METADATA_BYTES:
             raise ProtocolError(f"NIXL metadata of {what} claims {length} bytes; at most {MAX_METADATA_BYTES}")
-        return tcp.recv_exact(sock, length)
+        return sockets.recv_exact(sock, length)
 
 
 def _agent_pair(sock: socket.socket, config: PipeConfig) -> tuple[nixl_agent, str]:
     """After the handshake: a new agent for this connection, with the peer's agent added to it."""
     agent = nixl_agent(f"disagg-{uuid.uuid4().hex}", nixl_agent_config(backends=["UCX"]))
     metadata = agent.get_agent_metadata()
-    with tcp.socket_errors("sending NIXL agent metadata", config.timeout):
+    with sockets.socket_errors("sending NIXL agent metadata", config.timeout):
         sock.sendall(METADATA_LEN.pack(len(metadata)) + metadata)
     try:
         peer = agent.add_remote_agent(_read_metadata(sock, config, "the peer's agent"))
@@ -264,12 +264,12 @@ def _accept_pipe(sock: socket.socket, config: PipeConfig) -> NixlPipe:
     return NixlPipe(sock, config, *_agent_pair(sock, config))
 
 
-def listen(config: PipeConfig) -> tcp.TcpListener:
-    return tcp.TcpListener(config, make_pipe=_accept_pipe)
+def listen(config: PipeConfig) -> sockets.Listener:
+    return sockets.Listener(config, _accept_pipe)
 
 
 def connect(config: PipeConfig, host: str, port: int) -> NixlPipe:
-    sock = tcp.connect_socket(config, host, port)
+    sock = sockets.connect_socket(config, host, port)
     try:
         return NixlPipe(sock, config, *_agent_pair(sock, config))
     except BaseException:

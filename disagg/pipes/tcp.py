@@ -5,92 +5,28 @@ Timeouts: every socket call waits at most `config.timeout` for progress. A recv
 that times out before the first byte of a message leaves the pipe usable (the
 caller may simply recv again); a timeout or error mid-message breaks the pipe,
 because the byte stream can no longer be trusted. The handshake as a whole must
-finish within `config.handshake_timeout`.
+finish within `config.handshake_timeout`. The socket machinery (connect, listen,
+handshake, exact reads, closing) is sockets.py, shared with torch_dist and nixl.
 """
 
 import socket
-import threading
-import time
-from collections.abc import Callable
 
 import torch
 
 from disagg.pipes import wire
-from disagg.pipes.base import (
-    Destination,
-    KVPipe,
-    NoMessage,
-    PipeClosed,
-    PipeConfig,
-    PipeError,
-    PipeListener,
-    PipeTimeout,
+from disagg.pipes.base import Destination, KVPipe, PipeConfig, PipeError
+from disagg.pipes.sockets import (
+    Listener,
+    byte_view,
+    connect_socket,
+    recv_exact_into,
+    recv_tensor_metas,
+    send_buffers,
+    send_close,
+    shut,
+    socket_errors,
+    to_host,
 )
-
-IOV_MAX = 1024  # sendmsg() takes at most this many buffers per call on Linux
-
-
-class socket_errors:
-    """Turn socket errors into pipe errors the caller can act on. A class rather than a
-    @contextmanager generator: it wraps a socket call of every message, and costs a third."""
-
-    def __init__(self, what: str, timeout: float):
-        self.what, self.timeout = what, timeout
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> None:
-        if kind is not None and issubclass(kind, TimeoutError):
-            raise PipeTimeout(
-                f"{self.what}: no progress for {self.timeout}s (pipe timeout); is the peer alive?"
-            ) from None
-        if kind is not None and issubclass(kind, OSError):
-            raise PipeClosed(f"{self.what}: connection lost ({error})") from None
-
-
-def send_buffers(sock: socket.socket, buffers: list) -> None:
-    """Send all buffers with scatter-gather sendmsg: no copies, few syscalls."""
-    views = [memoryview(b).cast("B") for b in buffers if len(b)]
-    i = 0
-    while i < len(views):
-        sent = sock.sendmsg(views[i : i + IOV_MAX])
-        while sent:
-            if sent >= len(views[i]):
-                sent -= len(views[i])
-                i += 1
-            else:
-                views[i] = views[i][sent:]
-                sent = 0
-
-
-def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise PipeClosed("the peer closed the connection (or died)")
-        got += n
-
-
-def recv_exact(sock: socket.socket, nbytes: int) -> bytes:
-    buf = bytearray(nbytes)
-    recv_exact_into(sock, memoryview(buf))
-    return bytes(buf)
-
-
-def byte_view(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor. Via uint8 because numpy has no bfloat16."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-
-
-def to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU tensor with the same contents; CUDA goes through pinned memory."""
-    if tensor.is_cuda:
-        staging = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        staging.copy_(tensor)
-        return staging
-    return tensor.contiguous()
 
 
 def host_target(meta: wire.TensorMeta, out: torch.Tensor | None) -> torch.Tensor:
@@ -100,89 +36,6 @@ def host_target(meta: wire.TensorMeta, out: torch.Tensor | None) -> torch.Tensor
     return torch.empty(
         meta.shape, dtype=meta.dtype, pin_memory=out is not None and out.is_cuda
     )
-
-
-def configure(sock: socket.socket, config: PipeConfig) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.settimeout(config.timeout)
-
-
-def handshake_socket(
-    sock: socket.socket, config: PipeConfig, is_listener: bool
-) -> None:
-    """The handshake under one deadline: a peer trickling a byte at a time cannot stretch it."""
-    deadline = time.monotonic() + config.handshake_timeout
-
-    def remaining() -> float:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError
-        return left
-
-    def send(data: bytes) -> None:
-        sock.settimeout(remaining())  # bounds all of sendall, not each chunk
-        sock.sendall(data)
-
-    def recv(nbytes: int) -> bytes:
-        buf = bytearray(nbytes)
-        view, got = memoryview(buf), 0
-        while got < nbytes:
-            sock.settimeout(remaining())
-            n = sock.recv_into(view[got:])
-            if n == 0:
-                raise PipeClosed("the peer closed the connection (or died)")
-            got += n
-        return bytes(buf)
-
-    try:
-        with socket_errors("pipe handshake", config.handshake_timeout):
-            wire.handshake(send, recv, config.auth_token, is_listener)
-    except PipeTimeout:
-        raise PipeTimeout(
-            f"pipe handshake not done within {config.handshake_timeout}s (handshake_timeout); is the peer a disagg pipe?"
-        ) from None
-    except PipeClosed as e:
-        raise PipeClosed(
-            f"{e}; the peer may have refused us: check kv_auth_token and versions on both, "
-            "or it had too many handshakes in progress (retry)"
-        ) from None
-    sock.settimeout(config.timeout)
-
-
-def recv_tensor_metas(sock: socket.socket, config: PipeConfig,
-                      out: list[Destination] | None) -> list[wire.TensorMeta] | None:
-    """The next message's tensor metadata (checked against `out`), None for a None message;
-    PipeClosed if the peer closed the pipe."""
-    kind, metas = recv_header(sock, config)
-    if kind == wire.Kind.CLOSE:
-        raise PipeClosed("the peer closed the pipe")
-    if kind == wire.Kind.NONE:
-        return None
-    if out is not None:
-        wire.check_out(out, metas)
-    return metas
-
-
-def recv_header(
-    sock: socket.socket, config: PipeConfig
-) -> tuple[wire.Kind, list[wire.TensorMeta]]:
-    """Header and metadata of the next message. PipeTimeout before its first byte is harmless."""
-    buf = bytearray(wire.HEADER.size)
-    view = memoryview(buf)
-    try:
-        with socket_errors("waiting for a message", config.timeout):
-            got = sock.recv_into(view)
-    except PipeTimeout as e:
-        raise NoMessage(str(e)) from None
-    if got == 0:
-        raise PipeClosed("the peer closed the connection (or died)")
-    with socket_errors("receiving a message header", config.timeout):
-        recv_exact_into(sock, view[got:])
-        header = wire.decode_header(bytes(buf))
-        metas = wire.decode_meta(
-            recv_exact(sock, header.meta_nbytes), header.count, config.max_message_bytes
-        )
-    return header.kind, metas
 
 
 class TcpPipe(KVPipe):
@@ -255,106 +108,8 @@ class TcpPipe(KVPipe):
         shut(self._sock)
 
 
-def send_close(sock: socket.socket) -> None:
-    sock.settimeout(1.0)
-    sock.sendall(wire.encode(wire.Kind.CLOSE))
-
-
-def shut(sock: socket.socket) -> None:
-    """Close a socket so that a recv blocked on it, ours included, wakes up at once."""
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()
-
-
-class TcpListener(PipeListener):
-    """Accepts peers on a background thread; each one is handshaken on its own thread,
-    so a slow or bad peer never blocks the others and never stops the listener."""
-
-    def __init__(
-        self,
-        config: PipeConfig,
-        make_pipe: Callable[[socket.socket, PipeConfig], KVPipe] = TcpPipe,
-    ):
-        super().__init__(config)
-        self._make_pipe = make_pipe
-        try:
-            self._sock = socket.create_server(
-                (config.kv_ip, config.kv_port), backlog=128
-            )
-        except OSError as e:
-            raise PipeError(
-                f"cannot listen on {config.kv_ip}:{config.kv_port}: {e}; pick a free kv_port"
-            ) from None
-        self._sock.settimeout(0.2)  # lets the accept loop notice close()
-        threading.Thread(
-            target=self._accept_loop, name="pipe-accept", daemon=True
-        ).start()
-
-    @property
-    def address(self) -> tuple[str, int]:
-        return self._sock.getsockname()[:2]
-
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                sock, peer = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError as e:
-                if self._closed.is_set():
-                    return
-                # Out of file descriptors or memory, for now: keep listening, slowly.
-                self._rejections.warning("accept", f"pipe listener: accept failed: {e}")
-                time.sleep(0.1)
-                continue
-            if not self._start_handshake(peer[0]):
-                sock.close()
-                continue
-            threading.Thread(
-                target=self._admit, args=(sock, peer), name="pipe-admit", daemon=True
-            ).start()
-
-    def _admit(self, sock: socket.socket, peer: tuple) -> None:
-        try:
-            configure(sock, self._config)
-            handshake_socket(sock, self._config, is_listener=True)
-            pipe = self._make_pipe(sock, self._config)
-        except Exception as e:  # noqa: BLE001  a bad peer is logged and dropped, never fatal to the listener
-            self._rejections.warning(
-                type(e).__name__, f"rejected pipe peer {peer[0]}:{peer[1]}: {e}"
-            )
-            sock.close()
-            return
-        finally:
-            self._end_handshake(peer[0])
-        self._admitted(pipe)
-
-    def _stop_listening(self) -> None:
-        self._sock.close()
-
-
-def connect_socket(config: PipeConfig, host: str, port: int) -> socket.socket:
-    """A handshaken TCP connection to a listener."""
-    try:
-        sock = socket.create_connection((host, port), timeout=config.timeout)
-    except OSError as e:
-        raise PipeError(
-            f"cannot connect to pipe listener {host}:{port}: {e}; is the peer up?"
-        ) from None
-    try:
-        configure(sock, config)
-        handshake_socket(sock, config, is_listener=False)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-def listen(config: PipeConfig) -> TcpListener:
-    return TcpListener(config)
+def listen(config: PipeConfig) -> Listener:
+    return Listener(config, TcpPipe)
 
 
 def connect(config: PipeConfig, host: str, port: int) -> TcpPipe:

@@ -2,8 +2,8 @@
 
 Each connection gets its own groups, never the global default group, so a node can
 hold any number of pipes. The listener's endpoint takes a TCP control connection
-(the tcp pipe's handshake, auth included); the listener then hosts a TCPStore on a
-free port for the pair's rendezvous.
+(connected and handshaken as the tcp pipe's, auth included: sockets.py); the listener
+then hosts a TCPStore on a free port for the pair's rendezvous.
 
 A message's header goes over the control socket, followed by one route byte per
 tensor saying how that tensor's bytes travel:
@@ -31,7 +31,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from disagg.pipes import tcp, wire
+from disagg.pipes import sockets, wire
 from disagg.pipes.base import Destination, KVPipe, NoMessage, PipeClosed, PipeConfig, PipeError, PipeTimeout, fill
 
 INLINE, GLOO, NCCL = 0, 1, 2  # a tensor's route, one byte per tensor after the header
@@ -83,8 +83,8 @@ class ControlReader:
         buffered = min(len(view), self._end - self._start)
         view[:buffered] = self._buf[self._start : self._start + buffered]
         self._start += buffered
-        with tcp.socket_errors("receiving inline tensor data", self._timeout):
-            tcp.recv_exact_into(self._sock, view[buffered:])
+        with sockets.socket_errors("receiving inline tensor data", self._timeout):
+            sockets.recv_exact_into(self._sock, view[buffered:])
 
     def _take(self, n: int) -> bytes:
         while self._end - self._start < n:
@@ -99,7 +99,7 @@ class ControlReader:
             self._buf = bytearray(max(len(self._buf), need))
             self._buf[: len(unread)] = unread
             self._start, self._end = 0, len(unread)
-        with tcp.socket_errors("waiting for a message", self._timeout):
+        with sockets.socket_errors("waiting for a message", self._timeout):
             got = self._sock.recv_into(memoryview(self._buf)[self._end :])
         if got == 0:
             raise PipeClosed("the peer closed the connection (or died)")
@@ -143,27 +143,24 @@ class TorchDistPipe(KVPipe):
         if cuda and self._nccl is not None:
             device = cuda[0].get_device()  # the whole message goes through one GPU's communicator
             routes = bytes(NCCL if t.is_cuda else INLINE for t in tensors)
-            inline = [tcp.byte_view(t.contiguous()) for t in tensors if not t.is_cuda and t.numel()]
+            inline = [sockets.byte_view(t.contiguous()) for t in tensors if not t.is_cuda and t.numel()]
             bulk = [_flat_bytes(t if t.get_device() == device else t.to(device)) for t in cuda if t.numel()]
             backend = NCCL
         else:
             routes, inline, backend = bytes([GLOO]) * len(tensors), [], GLOO
-            bulk = [_flat_bytes(tcp.to_host(t)) for t in tensors if t.numel()]
+            bulk = [_flat_bytes(sockets.to_host(t)) for t in tensors if t.numel()]
         self._send_control([wire.encode(wire.Kind.TENSORS, metas), routes, *inline])
         self._transfer(backend, bulk, send=True)
 
     def _send_control(self, buffers: list) -> None:
-        with tcp.socket_errors("sending a message header", self._config.timeout):
-            tcp.send_buffers(self._sock, buffers)
+        with sockets.socket_errors("sending a message header", self._config.timeout):
+            sockets.send_buffers(self._sock, buffers)
 
     def _recv(self, out: list[Destination] | None) -> list[Destination] | None:
         kind, metas, routes = self._reader.message_head()
-        if kind == wire.Kind.CLOSE:
-            raise PipeClosed("the peer closed the pipe")
-        if kind == wire.Kind.NONE:
+        metas = wire.message_metas(kind, metas, out)
+        if metas is None:
             return None
-        if out is not None:
-            wire.check_out(out, metas)
         backend = NCCL if NCCL in routes else GLOO
         if not set(routes) <= {INLINE, backend} or (backend == NCCL and self._nccl is None):
             raise wire.ProtocolError(f"peer chose routes {sorted(set(routes))}, which this pipe cannot take")
@@ -181,7 +178,7 @@ class TorchDistPipe(KVPipe):
             if not target.numel():
                 continue
             if route == INLINE:
-                self._reader.read_into(tcp.byte_view(target))
+                self._reader.read_into(sockets.byte_view(target))
             else:
                 bulk.append(_flat_bytes(target))
         self._transfer(backend, bulk, send=False)
@@ -219,9 +216,9 @@ class TorchDistPipe(KVPipe):
     def close(self) -> None:
         if self._closed:
             return
-        self._say_goodbye(lambda: tcp.send_close(self._sock))
+        self._say_goodbye(lambda: sockets.send_close(self._sock))
         self._closed = True
-        tcp.shut(self._sock)
+        sockets.shut(self._sock)
         if self._nccl is not None:
             self._nccl.abort()  # frees the communicator's GPU buffers now, not at exit
 
@@ -243,22 +240,22 @@ def _accept_pipe(sock: socket.socket, config: PipeConfig) -> TorchDistPipe:
         timeout=timedelta(seconds=config.timeout),
         wait_for_workers=False,
     )
-    with tcp.socket_errors("torch_dist rendezvous", config.timeout):
+    with sockets.socket_errors("torch_dist rendezvous", config.timeout):
         sock.sendall(RENDEZVOUS.pack(store.port, torch.cuda.is_available()))
-        (peer_cuda,) = HAS_CUDA.unpack(tcp.recv_exact(sock, HAS_CUDA.size))
+        (peer_cuda,) = HAS_CUDA.unpack(sockets.recv_exact(sock, HAS_CUDA.size))
     gloo, nccl = _make_groups(store, 0, local_ip, bool(peer_cuda) and torch.cuda.is_available(), config)
     return TorchDistPipe(sock, config, store, gloo, nccl)
 
 
-def listen(config: PipeConfig) -> tcp.TcpListener:
-    return tcp.TcpListener(config, make_pipe=_accept_pipe)
+def listen(config: PipeConfig) -> sockets.Listener:
+    return sockets.Listener(config, _accept_pipe)
 
 
 def connect(config: PipeConfig, host: str, port: int) -> TorchDistPipe:
-    sock = tcp.connect_socket(config, host, port)
+    sock = sockets.connect_socket(config, host, port)
     try:
-        with tcp.socket_errors("torch_dist rendezvous", config.timeout):
-            store_port, peer_cuda = RENDEZVOUS.unpack(tcp.recv_exact(sock, RENDEZVOUS.size))
+        with sockets.socket_errors("torch_dist rendezvous", config.timeout):
+            store_port, peer_cuda = RENDEZVOUS.unpack(sockets.recv_exact(sock, RENDEZVOUS.size))
             sock.sendall(HAS_CUDA.pack(torch.cuda.is_available()))
         try:
             store = dist.TCPStore(

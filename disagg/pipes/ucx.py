@@ -175,12 +175,9 @@ class UcxPipe(KVPipe):
             self._config.timeout,
         )
         metas = wire.decode_meta(meta, header.count, self._config.max_message_bytes)
-        if header.kind == wire.Kind.CLOSE:
-            raise PipeClosed("the peer closed the pipe")
-        if header.kind == wire.Kind.NONE:
+        metas = wire.message_metas(header.kind, metas, out)
+        if metas is None:
             return None
-        if out is not None:
-            wire.check_out(out, metas)
         targets = []
         for i, m in enumerate(metas):
             dest = out[i] if out is not None else None

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from disagg.pipes.base import AuthError, ProtocolError
+from disagg.pipes.base import AuthError, PipeClosed, ProtocolError
 
 MAGIC = b"DKV1"
 PROTOCOL_VERSION = 1
@@ -186,6 +186,18 @@ def check_out(out: list, metas: list[TensorMeta]) -> None:
                 f"tensor {i}: message has {m.dtype}{list(m.shape)}, out has {len(dest)} views of "
                 f"{numel} elements in all (each must be contiguous and of that dtype)"
             )
+
+
+def message_metas(kind: Kind, metas: list[TensorMeta], out: list | None) -> list[TensorMeta] | None:
+    """What a received message carries: its tensors' metadata (checked against `out`), None
+    for a None message; PipeClosed if the peer closed the pipe."""
+    if kind == Kind.CLOSE:
+        raise PipeClosed("the peer closed the pipe")
+    if kind == Kind.NONE:
+        return None
+    if out is not None:
+        check_out(out, metas)
+    return metas
 
 
 def handshake(
