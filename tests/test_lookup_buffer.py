@@ -29,7 +29,7 @@ from disagg.lookup_buffer import (
     token_digest,
 )
 from disagg.lookup_buffer.messages import Hello, encode_entry, encode_hello
-from disagg.pipes import PipeConfig, tcp, wire
+from disagg.pipes import PipeConfig, sockets, tcp, wire
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = Path(__file__).resolve().parent / "lookup_peer.py"
@@ -417,7 +417,7 @@ def test_discard_cuts_off_a_receive_into_views_before_it_returns(make_consumer):
     views = [torch.zeros(1024) for _ in range(4)]
     consumer.expect("r", [views])
     config = PipeConfig(timeout=10)
-    sock = tcp.connect_socket(config, *consumer.address)
+    sock = sockets.connect_socket(config, *consumer.address)
     pipe = tcp.TcpPipe(sock, config)
     pipe.send(encode_hello(Hello(("127.0.0.1", unused_port()))))
     header = encode_entry(KVEntry("r", token_digest([1]), [torch.ones(4096)]))

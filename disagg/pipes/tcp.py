@@ -28,6 +28,21 @@ from disagg.pipes.sockets import (
     to_host,
 )
 
+STAGE_BYTES = 64 << 20  # each of the two pinned buffers CUDA views are received through
+
+
+def _stage_groups(views: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Consecutive views in groups of at most STAGE_BYTES (a larger view is a group of its own)."""
+    groups: list[list[torch.Tensor]] = []
+    size = STAGE_BYTES
+    for view in views:
+        if size + view.nbytes > STAGE_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(view)
+        size += view.nbytes
+    return groups
+
 
 def host_target(meta: wire.TensorMeta, out: torch.Tensor | None) -> torch.Tensor:
     """Where to receive a tensor's bytes: `out` itself when possible, else a host buffer."""
@@ -43,6 +58,8 @@ class TcpPipe(KVPipe):
         super().__init__()
         self._sock = sock
         self._config = config
+        self._stages: list[list] = []  # [pinned buffer, CUDA event] x 2, made by the first CUDA receive
+        self._turn = 0
 
     def send(self, tensors: list[torch.Tensor] | None) -> None:
         with self._send_lock:
@@ -81,17 +98,41 @@ class TcpPipe(KVPipe):
 
     def _recv_views(self, views: list[torch.Tensor]) -> None:
         """View by view, with no buffer the size of the whole tensor: CPU views directly, CUDA
-        views through one pinned buffer the size of the largest."""
-        staging = None
+        views through pinned staging buffers (_recv_cuda_views)."""
+        if views and views[0].is_cuda:
+            self._recv_cuda_views(views)
+            return
         for view in views:
-            target = view
-            if view.is_cuda:
-                if staging is None:
-                    staging = torch.empty(max(v.numel() for v in views), dtype=view.dtype, pin_memory=True)
-                target = staging[: view.numel()].view(view.shape)
-            recv_exact_into(self._sock, byte_view(target))
-            if target is not view:
-                view.copy_(target)
+            recv_exact_into(self._sock, byte_view(view))
+
+    def _recv_cuda_views(self, views: list[torch.Tensor]) -> None:
+        """Through two pinned buffers in turn: the socket fills one while the GPU copies out of the
+        other, one multi-tensor copy per buffer (a KV cache's views number thousands, and a
+        synchronous copy each cost more than the socket). Done when it returns."""
+        for group in _stage_groups(views):
+            nbytes = sum(view.nbytes for view in group)
+            buffer, copied = self._staging(nbytes)
+            copied.synchronize()  # the copies out of its previous contents are done
+            recv_exact_into(self._sock, byte_view(buffer[:nbytes]))
+            sources, offset = [], 0
+            for view in group:
+                sources.append(buffer[offset:offset + view.nbytes].view(view.dtype).view(view.shape))
+                offset += view.nbytes
+            torch._foreach_copy_(group, sources, non_blocking=True)
+            copied.record()
+        for _, copied in self._stages:
+            copied.synchronize()
+
+    def _staging(self, nbytes: int) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """The next of the two pinned buffers (grown to nbytes) and the event after its last copies."""
+        if not self._stages:
+            self._stages = [[torch.empty(0, dtype=torch.uint8), torch.cuda.Event()] for _ in range(2)]
+        self._turn = 1 - self._turn
+        stage = self._stages[self._turn]
+        if stage[0].numel() < nbytes:
+            stage[1].synchronize()
+            stage[0] = torch.empty(max(nbytes, STAGE_BYTES), dtype=torch.uint8, pin_memory=True)
+        return stage[0], stage[1]
 
     def _recv_tensor(self, meta: wire.TensorMeta, dest: torch.Tensor | None) -> torch.Tensor:
         target = host_target(meta, dest)
