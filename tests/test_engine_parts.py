@@ -133,11 +133,11 @@ def test_kv_cache_gather_scatter_round_trip():
     assert cache.slots(blocks, 6).tolist() == [16, 17, 18, 19, 4, 5]
     kv = torch.randn(2, 2, 10, 2, 3)
     cache.scatter(blocks, kv)
-    assert torch.equal(cache.gather_layers(blocks, slice(None), 0, 10), kv)
+    assert torch.equal(cache.kv[:, :, cache.slots(blocks, 10)], kv)
     tail = torch.randn(2, 2, 4, 2, 3)
     cache.scatter(blocks, tail, start=6)  # a prefix already in place: only the rest is written
-    assert torch.equal(cache.gather_layers(blocks, slice(None), 0, 10)[:, :, :6], kv[:, :, :6])
-    assert torch.equal(cache.gather_layers(blocks, slice(None), 0, 10)[:, :, 6:], tail)
+    assert torch.equal(cache.kv[:, :, cache.slots(blocks, 10)][:, :, :6], kv[:, :, :6])
+    assert torch.equal(cache.kv[:, :, cache.slots(blocks, 10)][:, :, 6:], tail)
     k, v = torch.randn(2, 2, 3), torch.randn(2, 2, 3)
     cache.store(1, k, v, torch.tensor([0, 23]))
     assert torch.equal(cache.keys(1)[[0, 23]], k) and torch.equal(cache.values(1)[[0, 23]], v)

@@ -1,9 +1,10 @@
-"""KVCache: the paged KV tensors, and gather/scatter of one request's blocks.
+"""KVCache: the paged KV tensors, and the rows of one request's blocks.
 
 All layers live in one tensor [layers, 2 (K, V), num_blocks * block_size, kv_heads, head_dim];
-token slot s of block b is row b * block_size + s. A request's KV leaves or enters the cache
-as one contiguous tensor [layers, 2, num_tokens, kv_heads, head_dim]: one message on a pipe,
-which a receiver may also write straight into the blocks through `views`.
+token slot s of block b is row b * block_size + s. A request's KV leaves the cache as
+`kv[layers, :, slots(...)]`, [layers, 2, num_tokens, kv_heads, head_dim] (a group of layers at a
+time: docs/ARCHITECTURE.md, "Layer-wise send"), and enters it by `scatter`, or straight into the
+blocks through `views`.
 """
 
 import torch
@@ -46,10 +47,6 @@ class KVCache:
         blocks = torch.tensor(block_ids, dtype=torch.int64, device=self.kv.device)
         offsets = torch.arange(self.block_size, device=self.kv.device)
         return (blocks[:, None] * self.block_size + offsets[None, :]).flatten()[:num_tokens]
-
-    def gather_layers(self, block_ids: list[int], layers: slice, start: int, end: int) -> torch.Tensor:
-        """Tokens [start, end) of a request's KV in some layers, [layers, 2, end - start, kv_heads, head_dim]."""
-        return self.kv[layers, :, self.slots(block_ids, end)[start:]]
 
     def scatter(self, block_ids: list[int], kv: torch.Tensor, start: int = 0) -> None:
         """Write KV received from elsewhere into a request's blocks, from token `start` on."""

@@ -77,16 +77,17 @@ class ModelRunner:
         to its KVExport as soon as the group has run, so it can travel while later layers compute
         (docs/ARCHITECTURE.md, "Layer-wise send")."""
         num_layers = self.kv_cache.kv.shape[0]
+        # Made once, before the forward: a host-to-device copy between two layers would wait for the
+        # GPU to finish the work queued so far, so the host could no longer run ahead of it.
+        slots = [self.kv_cache.slots(seq.block_table, seq.num_prompt_tokens)[seq.kv_export.start:] for seq in seqs]
 
         def after_layer(layer: int) -> None:
-            for seq in seqs:
+            for seq, rows in zip(seqs, slots):
                 export = seq.kv_export
                 end = layer + 1
                 if end % export.layers_per_put == 0 or end == num_layers:
                     first = (layer // export.layers_per_put) * export.layers_per_put
-                    kv = self.kv_cache.gather_layers(seq.block_table, slice(first, end), export.start,
-                                                     seq.num_prompt_tokens)
-                    export.put(first, end, kv)
+                    export.put(first, end, self.kv_cache.kv[first:end, :, rows])
         return after_layer
 
     @staticmethod
