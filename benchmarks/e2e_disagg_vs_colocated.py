@@ -142,6 +142,13 @@ class System:
     prefill: Node | None = None
 
 
+def save_metrics(sys_by_name: dict[str, System], log_dir: Path) -> None:
+    """Every node's /metrics beside its log: the TTFT split and the tiers' counters, for a later look."""
+    for system in sys_by_name.values():
+        for node in system.nodes:
+            (log_dir / f"{node.role}-{node.port}.metrics").write_text(httpx.get(f"{node.url}/metrics", timeout=10).text)
+
+
 @contextmanager
 def systems(log_dir: Path, colocated: NodeSpec | None, prefill: NodeSpec | None, decode: NodeSpec | None,
             **node_kwargs):

@@ -24,10 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e_disagg_vs_colocated import NodeSpec, sweep, systems, table, warm_up
+from e2e_disagg_vs_colocated import NodeSpec, save_metrics, sweep, systems, table, warm_up
 from kv_handoff import measure
 from kv_handoff import table as handoff_table
 
@@ -144,10 +142,7 @@ def main() -> None:
             print(f"[{shape}] QPS sweep, input {args.input_len} / output {args.output_len}, "
                   f"{args.num_requests} requests a rate\n{table(results)}", flush=True)
             recomputed = sys_by_name["disagg"].front.log().count("recomputing it here")
-            for system in sys_by_name.values():  # the TTFT split and the tiers' counters, for a later look
-                for node in system.nodes:
-                    metrics = httpx.get(f"{node.url}/metrics", timeout=10).text
-                    (log_root / shape / f"{node.role}-{node.port}.metrics").write_text(metrics)
+            save_metrics(sys_by_name, log_root / shape)
         report["shapes"][shape] = {"handoff": handoff, "sweep": results, "recomputed": recomputed,
                                    "seconds": time.time() - t0}
         if args.json:

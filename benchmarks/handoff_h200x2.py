@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e_disagg_vs_colocated import REPO, NodeSpec, System, bench_args, free_port, systems, warm_up
+from e2e_disagg_vs_colocated import REPO, NodeSpec, System, bench_args, free_port, save_metrics, systems, warm_up
 from gpu_e2e import SHAPES, write_model
 from kv_handoff import measure
 
@@ -59,13 +59,15 @@ def ttft_phase(args: argparse.Namespace, model: Path) -> dict:
     lens = [int(n) for n in args.lens.split(",")]
     out = {}
     for mode in args.kv_modes.split(","):
-        with systems(Path(args.work) / f"logs-ttft-{mode}", gpu0, gpu0, gpu1,
-                     **node_kwargs(args, model, mode)) as sys_by_name:
+        log_dir = Path(args.work) / f"logs-ttft-{mode}"
+        with systems(log_dir, gpu0, gpu0, gpu1, **node_kwargs(args, model, mode)) as sys_by_name:
             measure(sys_by_name, [64, 512], 1, args.vocab, seed=999)  # warm-up: kernels for both paths
             rows = measure(sys_by_name, lens, args.repeats, args.vocab)
+            save_metrics(sys_by_name, log_dir)
         out[mode] = {n: {"ttft_colocated_ms": r["ttft_colocated"] * 1e3, "ttft_disagg_ms": r["ttft_disagg"] * 1e3,
                          "prefill_ms": r["prefill"] * 1e3, "exposed_ms": r["overhead"] * 1e3,
-                         "ttft_ratio": r["ttft_disagg"] / r["ttft_colocated"], "kv_mib": r["kv_mib"]}
+                         "ttft_ratio": r["ttft_disagg"] / r["ttft_colocated"], "kv_mib": r["kv_mib"],
+                         "samples_s": r["samples"]}
                      for n, r in rows.items()}
         print(f"[{mode}] " + "; ".join(f"{n}: ratio {r['ttft_ratio']:.3f}, exposed {r['exposed_ms']:+.1f} ms"
                                        for n, r in out[mode].items()), flush=True)

@@ -234,6 +234,28 @@ def test_remote_prefill_continues_like_local(llm, model_dir, hf_model):
     assert decode.block_manager.num_free_blocks == free
 
 
+def test_a_failing_kv_export_costs_its_own_layers_only(model_dir):
+    """A put that raises (its receiver broke) ends that request's export; the step and the other
+    request's export go on, and both get their first token."""
+    prefill = LLM(str(model_dir), device="cpu").engine
+    good, bad = KVCollector(), KVCollector()
+
+    def failing_put(first: int, end: int, kv: torch.Tensor) -> None:
+        if first == 3:
+            raise RuntimeError("injected: no pinned memory")
+        bad.put(first, end, kv)
+
+    bad.export.put = failing_put
+    prefill.add_request("good", PROMPTS[2], greedy(1), kv_export=good.export)
+    prefill.add_request("bad", PROMPTS[3], greedy(1), kv_export=bad.export)
+    outs = []
+    while prefill.has_unfinished_requests():
+        outs += prefill.step()
+    assert sorted(o.request_id for o in outs if o.finished and o.error is None) == ["bad", "good"]
+    assert [p[0] for p in bad.parts] == [0, 1, 2]
+    assert good.kv().shape[0] == 30
+
+
 def test_remote_prefill_can_fall_back_to_local(llm, hf_model):
     decode = llm.engine
     free = decode.block_manager.num_free_blocks

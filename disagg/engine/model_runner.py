@@ -1,5 +1,6 @@
 """ModelRunner: a scheduled batch -> the backend's step inputs -> model -> logits to sample."""
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -9,6 +10,8 @@ from disagg.engine.models.llama import LlamaForCausalLM
 from disagg.engine.sampler import logprob_entries
 from disagg.engine.scheduler import ScheduledSeq
 from disagg.engine.sequence import Sequence, TokenLogprob
+
+logger = logging.getLogger(__name__)
 
 # Prompt logprobs are computed this many positions at a time: [rows, vocab] float32 logits
 # for a whole 2048-token chunk would take 400 MB with a 49k vocabulary.
@@ -81,13 +84,20 @@ class ModelRunner:
         # GPU to finish the work queued so far, so the host could no longer run ahead of it.
         slots = [self.kv_cache.slots(seq.block_table, seq.num_prompt_tokens)[seq.kv_export.start:] for seq in seqs]
 
+        failed: set[str] = set()
+
         def after_layer(layer: int) -> None:
             for seq, rows in zip(seqs, slots):
                 export = seq.kv_export
                 end = layer + 1
-                if end % export.layers_per_put == 0 or end == num_layers:
-                    first = (layer // export.layers_per_put) * export.layers_per_put
+                if seq.request_id in failed or not (end % export.layers_per_put == 0 or end == num_layers):
+                    continue
+                first = (layer // export.layers_per_put) * export.layers_per_put
+                try:
                     export.put(first, end, self.kv_cache.kv[first:end, :, rows])
+                except Exception:  # noqa: BLE001  its receiver misses the later layers; the step goes on
+                    logger.exception("handing out the KV of %s failed at layers %d-%d", seq.request_id, first, end)
+                    failed.add(seq.request_id)
         return after_layer
 
     @staticmethod
