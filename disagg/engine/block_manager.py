@@ -106,7 +106,9 @@ class BlockManager:
         self.stats.hits += len(hits)
         for block_id in hits:
             self._take(block_id)
-        seq.block_table = hits + [self.take_free() for _ in range(self.blocks_for(seq.num_tokens) - len(hits))]
+        # In ascending order: blocks freed together come back in descending order (tail first), and
+        # adjacent rows make one run for a copy or a receive into the blocks instead of one per block.
+        seq.block_table = hits + sorted(self.take_free() for _ in range(self.blocks_for(seq.num_tokens) - len(hits)))
         seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_hashed_blocks = len(hits)
         self.block_hashes[seq.request_id] = [self.blocks[b].hash for b in hits]
