@@ -308,9 +308,8 @@ class KVOffload:
         i = 0
         while i < len(scheduler.waiting) and slots > 0:
             seq = scheduler.waiting[i]
-            keys = bm.block_keys(seq)
-            hits = bm.cached_blocks(keys)
-            misses = keys[len(hits):]
+            hits = bm.prefix_hits(seq)
+            misses = bm.block_keys(seq, len(hits) + FIRST_LOAD_BLOCKS)[len(hits):]  # the first ones
             if misses and misses[0][0] in self.loading:  # it will hit those blocks once they arrive
                 seq.tier_blocked = True
                 self.blocked.append(seq)
@@ -325,7 +324,7 @@ class KVOffload:
             seq.tier_looked_up = True  # once a wait: a lookup is counted in the tier's hit rate
             if items:
                 scheduler.start_loading(seq)  # out of the waiting queue
-                self._start_load(seq, len(hits), misses, items)
+                self._start_load(seq, len(hits), items)
             else:
                 i += 1  # the scheduler admits it as usual
 
@@ -360,20 +359,20 @@ class KVOffload:
         that KV; its KV is loaded once they are in (is_loading). Not the disk tier: a read that
         failed after the prefill node was told to skip those tokens would leave a hole."""
         first = seq.num_cached_tokens // self.block_manager.block_size
-        keys = self.block_manager.block_keys(seq)[first:]
+        keys = self.block_manager.block_keys(seq, first + FIRST_LOAD_BLOCKS)[first:]
         items = self._find_below(keys, FIRST_LOAD_BLOCKS, disk=False)
         if items:
-            seq.num_cached_tokens += self._start_load(seq, first, keys, items, remote=True) * self.block_manager.block_size
+            seq.num_cached_tokens += self._start_load(seq, first, items, remote=True) * self.block_manager.block_size
 
     def is_loading(self, seq: Sequence) -> bool:
         return any(load.seq is seq for load in self.loads)
 
-    def _start_load(self, seq: Sequence, first: int, keys: list[BlockKey], items: list[LoadItem],
-                    remote: bool = False) -> int:
-        """Load `items` (found for the first of `keys`) and then the rest of the keys' hits into the
-        sequence's blocks from block `first` on, a copy at a time: each copy starts before the next
-        blocks are looked up, so on CUDA the copy engine works while the host walks the rest of the
-        prefix. Returns how many blocks are loading (none after a copy that could not start)."""
+    def _start_load(self, seq: Sequence, first: int, items: list[LoadItem], remote: bool = False) -> int:
+        """Load `items` (found for the sequence's blocks from block `first` on) and then the next
+        hits below the device into its blocks, a copy at a time: each copy starts before the next
+        blocks are hashed and looked up, so on CUDA the copy engine works while the host walks the
+        rest of the prefix. Returns how many blocks are loading (none after a copy that could not
+        start)."""
         self.store_new()  # lazy: blocks its allocation evicted are copied out before the loads overwrite them
         load = PrefixLoad(seq, first, [], remote)
         self.loads.append(load)  # first: whatever fails below, poll() ends the load and lets go of its blocks
@@ -385,7 +384,8 @@ class KVOffload:
             if len(items) < limit:  # the prefix ended at a miss, or at its last block
                 return len(load.items)
             limit = min(per_copy, len(load.items))
-            items = self._find_below(keys[len(load.items):], limit, disk=not remote)
+            start = first + len(load.items)
+            items = self._find_below(self.block_manager.block_keys(seq, start + limit)[start:], limit, disk=not remote)
             if not items:
                 return len(load.items)
 
@@ -433,6 +433,8 @@ class KVOffload:
                 seq = load.seq
                 seq.num_computed_tokens = seq.num_cached_tokens = (load.first + arrived) * self.block_manager.block_size
                 self.block_manager.commit(seq)
+        if arrived < len(items) and items[arrived].state != "failed":
+            return  # the next block is still on its way
         if all(item.state in ("done", "failed") for item in items[arrived:]):
             self.loads.remove(load)
             self._finish_load(load)
