@@ -441,3 +441,28 @@ def test_a_tier_copy_that_cannot_start_leaves_nothing_behind(model_dir, hf_model
     monkeypatch.setattr(kv_offload, "copy_blocks", real)
     evict_device_cache(llm)
     assert [o.num_cached_tokens for o in generate_exact(llm, hf_model, CONVERSATIONS[:2])] == [PREFIX_TOKENS] * 2
+
+
+def test_a_load_whose_later_copy_cannot_start_keeps_the_blocks_before_it(model_dir, hf_model, monkeypatch):
+    """A prefix load copies its first blocks, then looks up and copies the next ones: when a later
+    copy cannot start, the blocks already copied count as cached, the rest is computed, and no
+    hold or pin is left behind."""
+    from disagg.engine import kv_offload
+
+    llm = LLM(str(model_dir), device="cpu", kv_cache_memory=48 * BLOCK_BYTES, kv_offloading_size=gib(64))
+    generate_exact(llm, hf_model, CONVERSATIONS[:1])
+    evict_device_cache(llm)
+    real, load_copies = kv_offload.copy_blocks, []
+
+    def second_load_copy_fails(kv_cache, host, device_blocks, host_slots, to_host):
+        if not to_host:
+            load_copies.append(len(device_blocks))
+            if len(load_copies) == 2:
+                raise RuntimeError("out of memory")
+        real(kv_cache, host, device_blocks, host_slots, to_host)
+
+    monkeypatch.setattr(kv_offload, "copy_blocks", second_load_copy_fails)
+    [out] = generate_exact(llm, hf_model, CONVERSATIONS[:1])
+    assert load_copies == [kv_offload.FIRST_LOAD_BLOCKS, 12 - kv_offload.FIRST_LOAD_BLOCKS]
+    assert out.num_cached_tokens == kv_offload.FIRST_LOAD_BLOCKS * 16
+    assert_nothing_held(llm)
