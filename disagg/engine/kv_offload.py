@@ -285,7 +285,7 @@ class KVOffload:
 
     def _write_to_disk(self) -> None:
         """Queue disk writes of new host blocks while few are pending (each pins its host block);
-        a block the host tier evicts before its turn is not written."""
+        a block the host tier evicts before its turn is not written (docs/ARCHITECTURE.md says why)."""
         while self.unwritten and self.disk.num_in_flight < self.max_pending_writes:
             h = self.unwritten.popleft()
             host = self.host.blocks.get(h)
