@@ -8,9 +8,9 @@ lower-tier hits gets its blocks at once (Scheduler.start_loading) and the hits a
 them (disk -> host first, a promotion to the host tier), a few blocks first and then in larger
 copies, each looked up while the ones before it run; the leading blocks that have arrived count as
 computed and join the prefix cache at each poll, and when all have, the request runs
-(Scheduler.finish_loading). Every other request keeps running meanwhile. On CUDA the copies run on their own stream and are polled
-through events, so neither stores nor loads wait inside a step; on the CPU a copy is a plain
-synchronous copy.
+(Scheduler.finish_loading). Every other request keeps running meanwhile. On CUDA the copies run on
+their own stream and are polled through events, so neither stores nor loads wait inside a step; on
+the CPU a copy is a plain synchronous copy.
 """
 
 import hashlib
