@@ -2,8 +2,12 @@
 engine with the embedded model, whose outputs must equal transformers' float32 greedy ones
 whichever tier a prefix comes back from."""
 
+import json
 import logging
+import os
 import shutil
+import socket
+import time
 from pathlib import Path
 
 import httpx
@@ -11,7 +15,7 @@ import pytest
 import torch
 from kv_export import KVCollector
 from prompts import PASSAGE, hf_greedy
-from servers import start_node
+from servers import start_node, wait_for
 
 from disagg import LLM, SamplingParams
 from disagg.engine.block_manager import BlockManager
@@ -309,6 +313,60 @@ def test_a_node_serves_with_tiers_and_exports_their_metrics(tmp_path):
         node.kill()
 
 
+def test_a_client_gone_mid_load_frees_every_block_and_the_log_sums_up_the_tiers(model_dir, tmp_path):
+    """A streaming client hangs up while its prefix is read from the disk tier, one file of which
+    stalls (a FIFO nobody writes to yet, as a stuck disk would): the node aborts the request, and
+    once the read ends every block of every tier is free. Meanwhile the node is busy, so its log
+    gets the periodic one-line tier summary."""
+    disk_dir = tmp_path / "kv"
+    writer = LLM(str(model_dir), device="cpu", kv_cache_memory=48 * BLOCK_BYTES, kv_offloading_size=gib(64),
+                 kv_disk_path=str(disk_dir), kv_disk_size=gib(100))  # the node's model, dtype and layout
+    prompt = CONVERSATIONS[0]
+    writer.generate([prompt], greedy())
+    writer.engine.close()
+    keys = writer.engine.block_manager.block_keys(Sequence("p", writer.tokenizer.encode(prompt), greedy()))
+    stalled = writer.engine.offload.disk.file_path(keys[4][0])
+    node = start_node("both", tmp_path, extra_args=["--kv-offloading-size", "0.05", "--kv-disk-path", str(disk_dir),
+                                                    "--kv-disk-size", "0.1"])
+    try:
+        stalled.unlink()  # the node indexed it at start
+        os.mkfifo(stalled)
+        body = {"model": DEFAULT_MODEL_NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True}
+        data = json.dumps(body).encode()
+        # A plain socket: an HTTP client would wait for the response head, which comes with the first token.
+        with socket.create_connection(("127.0.0.1", node.port)) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+            # Blocks 0-3 arrive, 4 waits for the FIFO, 5-11 wait behind it: 12 blocks in flight.
+            wait_for(lambda: node.labelled("disagg_kv_tier_blocks_in_flight", "tier")["host"] == 12, 30,
+                     "the prefix loading from disk")
+            wait_for(lambda: "in flight 12 blocks, 1 loads" in node.log(), 15, "the tier summary in the log")
+        line = next(line for line in node.log().splitlines() if "in flight 12 blocks, 1 loads" in line)
+        # The prefix's 12 blocks and one for its last token; all 12 found on disk.
+        assert "KV tiers: device 13/" in line and "; disk 12/" in line and "hits 12/12" in line
+        wait_for(lambda: "finish reason abort" in node.log(), 10, "the node to abort the request")
+        # Blocks 0-3 came back to the pool; 4-11 are held by the load until their reads end.
+        wait_for(lambda: node.labelled("disagg_kv_tier_blocks_used", "tier")["device"] == 8, 10, "the abort")
+        deadline = time.monotonic() + 10
+        while True:  # the reader opened the FIFO: a byte and the end of it, a truncated file
+            try:
+                fd = os.open(stalled, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the disk reader never opened the stalled file"
+                time.sleep(0.05)
+        os.write(fd, b"x")
+        os.close(fd)
+        wait_for(lambda: set(node.labelled("disagg_kv_tier_blocks_in_flight", "tier").values()) == {0}, 10,
+                 "the load to end")
+        assert node.labelled("disagg_kv_tier_blocks_used", "tier")["device"] == 0
+        assert node.labelled("disagg_kv_tier_rejected_files_total", "tier")["disk"] == 1
+        body["stream"] = False  # and the node serves that prompt as usual
+        assert httpx.post(f"{node.url}/v1/completions", json=body, timeout=60).status_code == 200
+    finally:
+        node.kill()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", ["eager", "lazy"])
 def test_cuda_tiers_bring_back_the_same_kv_bytes(tmp_path, mode):
@@ -385,3 +443,28 @@ def test_a_tier_copy_that_cannot_start_leaves_nothing_behind(model_dir, hf_model
     monkeypatch.setattr(kv_offload, "copy_blocks", real)
     evict_device_cache(llm)
     assert [o.num_cached_tokens for o in generate_exact(llm, hf_model, CONVERSATIONS[:2])] == [PREFIX_TOKENS] * 2
+
+
+def test_a_load_whose_later_copy_cannot_start_keeps_the_blocks_before_it(model_dir, hf_model, monkeypatch):
+    """A prefix load copies its first blocks, then looks up and copies the next ones: when a later
+    copy cannot start, the blocks already copied count as cached, the rest is computed, and no
+    hold or pin is left behind."""
+    from disagg.engine import kv_offload
+
+    llm = LLM(str(model_dir), device="cpu", kv_cache_memory=48 * BLOCK_BYTES, kv_offloading_size=gib(64))
+    generate_exact(llm, hf_model, CONVERSATIONS[:1])
+    evict_device_cache(llm)
+    real, load_copies = kv_offload.copy_blocks, []
+
+    def second_load_copy_fails(kv_cache, host, device_blocks, host_slots, to_host):
+        if not to_host:
+            load_copies.append(len(device_blocks))
+            if len(load_copies) == 2:
+                raise RuntimeError("out of memory")
+        real(kv_cache, host, device_blocks, host_slots, to_host)
+
+    monkeypatch.setattr(kv_offload, "copy_blocks", second_load_copy_fails)
+    [out] = generate_exact(llm, hf_model, CONVERSATIONS[:1])
+    assert load_copies == [kv_offload.FIRST_LOAD_BLOCKS, 12 - kv_offload.FIRST_LOAD_BLOCKS]
+    assert out.num_cached_tokens == kv_offload.FIRST_LOAD_BLOCKS * 16
+    assert_nothing_held(llm)

@@ -64,35 +64,44 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
 
-    def block_keys(self, seq: Sequence) -> list[BlockKey]:
-        """Keys of the sequence's leading full blocks that a cache may serve. At least one token is
+    def num_block_keys(self, seq: Sequence) -> int:
+        """How many of the sequence's leading full blocks a cache may serve. At least one token is
         always left to compute, since the last position's logits pick the next token. A sequence
         that asks for prompt logprobs gets none: it needs the logits of every prompt position."""
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
-            return []
-        # Kept on the sequence: a full block's tokens never change, and waiting sequences are
-        # looked up every step.
-        keys, count = seq.block_keys, (seq.num_tokens - 1) // self.block_size
-        for i in range(len(keys), count):
-            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            keys.append((chain_hash(keys[-1][0] if keys else None, tokens), tokens))
-        return keys[:count]
+            return 0
+        return (seq.num_tokens - 1) // self.block_size
 
-    def cached_blocks(self, keys: list[BlockKey]) -> list[int]:
-        """The cached blocks of the leading keys, up to the first miss."""
+    def block_key(self, seq: Sequence, i: int) -> BlockKey:
+        """The key of the sequence's block i, hashed (with the ones before it) only when first
+        asked for and kept on the sequence: a full block's tokens never change, waiting sequences
+        are looked up every step, and a lookup that stops early need not hash a long prompt."""
+        keys = seq.block_keys
+        for j in range(len(keys), i + 1):
+            tokens = tuple(seq.token_ids[j * self.block_size:(j + 1) * self.block_size])
+            keys.append((chain_hash(keys[-1][0] if keys else None, tokens), tokens))
+        return keys[i]
+
+    def block_keys(self, seq: Sequence, limit: int | None = None) -> list[BlockKey]:
+        """The keys of the blocks a cache may serve (the first `limit` of them)."""
+        count = self.num_block_keys(seq) if limit is None else min(limit, self.num_block_keys(seq))
+        if count:
+            self.block_key(seq, count - 1)
+        return seq.block_keys[:count]
+
+    def prefix_hits(self, seq: Sequence) -> list[int]:
+        """The sequence's leading cached blocks, up to the first miss (hashed no further)."""
         hits = []
-        for h, tokens in keys:
+        for i in range(self.num_block_keys(seq)):
+            h, tokens = self.block_key(seq, i)
             block_id = self.hash_to_block.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
             hits.append(block_id)
         return hits
 
-    def _prefix_hits(self, seq: Sequence) -> list[int]:
-        return self.cached_blocks(self.block_keys(seq))
-
     def can_allocate(self, seq: Sequence) -> bool:
-        hits = self._prefix_hits(seq)
+        hits = self.prefix_hits(seq)
         in_use = sum(1 for b in hits if self.blocks[b].ref_count > 0)
         return self.blocks_for(seq.num_tokens) - in_use <= self.num_free_blocks
 
@@ -100,9 +109,8 @@ class BlockManager:
         """Give the sequence blocks for all its tokens, reusing prefix-cache hits."""
         assert not seq.block_table
         start = time.perf_counter()
-        keys = self.block_keys(seq)
-        hits = self.cached_blocks(keys)
-        self.stats.lookups += len(hits) + (len(hits) < len(keys))
+        hits = self.prefix_hits(seq)
+        self.stats.lookups += len(hits) + (len(hits) < self.num_block_keys(seq))
         self.stats.hits += len(hits)
         for block_id in hits:
             self._take(block_id)

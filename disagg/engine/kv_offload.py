@@ -5,11 +5,12 @@ Stores: a full block is copied device -> host when it is cached (`eager`) or whe
 evicts it (`lazy`); a host block is then written to disk in the background. Loads: a waiting
 request's prefix is looked up device -> host -> disk, stopping at the first miss; a request with
 lower-tier hits gets its blocks at once (Scheduler.start_loading) and the hits are copied into
-them (disk -> host first, a promotion to the host tier); when all have arrived they count as
-computed and join the prefix cache, and the request runs (Scheduler.finish_loading). Every other
-request keeps running meanwhile. On CUDA the copies run on their own stream and are polled
-through events, so neither stores nor loads wait inside a step; on the CPU a copy is a plain
-synchronous copy.
+them (disk -> host first, a promotion to the host tier), a few blocks first and then in larger
+copies, each looked up while the ones before it run; the leading blocks that have arrived count as
+computed and join the prefix cache at each poll, and when all have, the request runs
+(Scheduler.finish_loading). Every other request keeps running meanwhile. On CUDA the copies run on
+their own stream and are polled through events, so neither stores nor loads wait inside a step; on
+the CPU a copy is a plain synchronous copy.
 """
 
 import hashlib
@@ -59,6 +60,11 @@ def kv_identity(model_dir, config_json: bytes, dtype: torch.dtype, block_shape: 
 
 # Blocks staged at once in one contiguous device buffer (a copy's memory in flight, at most).
 STAGING_BYTES = 256 * 2**20
+# A prefix load copies FIRST_LOAD_BLOCKS blocks first, so the copy engine starts at once; each later
+# copy is as large as all the ones before it together, up to LOAD_COPY_BYTES, and is looked up while
+# they run. When the last copy ends, its blocks alone are left to let go of and commit.
+FIRST_LOAD_BLOCKS = 8
+LOAD_COPY_BYTES = 64 * 2**20
 
 
 class Copy:
@@ -73,7 +79,6 @@ class Copy:
     def __init__(self, stream: torch.cuda.Stream | None, kv_cache: KVCache, host: HostTier,
                  device_blocks: list[int], host_slots: list[int], to_host: bool):
         self.end = None
-        self.counted = False  # its time went into a latency histogram
         if stream is None:
             start = time.perf_counter()
             copy_blocks(kv_cache, host, device_blocks, host_slots, to_host)
@@ -104,7 +109,10 @@ def copy_blocks(kv_cache: KVCache, host: HostTier, device_blocks: list[int], hos
     non_blocking = blocks.device.type == "cuda"
     for first in range(0, len(device_blocks), per_batch):
         slots = host_slots[first:first + per_batch]
-        index = torch.tensor(device_blocks[first:first + per_batch], device=blocks.device)
+        # Pinned and sent without waiting: torch.tensor(..., device="cuda") would wait for every
+        # copy queued on the stream before it, and the copy engine would idle until the next one.
+        index = torch.tensor(device_blocks[first:first + per_batch], pin_memory=non_blocking)
+        index = index.to(blocks.device, non_blocking=non_blocking)
         if to_host:
             staging = blocks.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
             for i, j, slot in slot_runs(slots):
@@ -146,8 +154,14 @@ class LoadItem:
     key: BlockKey
     host: HostBlock  # pinned until the block is on the device
     state: str  # "reading" (disk -> host), "copying" (host -> device), "done", "failed"
-    device_block: int = -1  # the sequence's block it goes to, held by the load until it ends
-    copy: Copy | None = None
+    device_block: int = -1  # the sequence's block it goes to, held by the load until it arrives
+
+
+@dataclass
+class LoadCopy:
+    """Host -> device block copies started together: one event polled for all of them."""
+    items: list[LoadItem]
+    copy: Copy
 
 
 @dataclass
@@ -156,6 +170,7 @@ class PrefixLoad:
     first: int  # index of the sequence's first block loaded (the ones before were device hits)
     items: list[LoadItem]
     remote: bool = False  # a decode node's remote request's: its blocks are counted when reserved
+    arrived: int = 0  # leading items on the device, let go of by the load (and committed, if not remote)
 
 
 class KVOffload:
@@ -185,6 +200,7 @@ class KVOffload:
         self.stores: list[StoreBatch] = []
         self.storing: set[int] = set()  # hashes on their way device -> host
         self.loads: list[PrefixLoad] = []
+        self.load_copies: list[LoadCopy] = []
         self.loading: dict[int, PrefixLoad] = {}  # hash -> the load bringing it to the device
         self.blocked: list[Sequence] = []  # waiting for blocks another request's load brings
         self.max_pending_writes = max(1, num_host // 2)  # host blocks pinned by disk writes at most
@@ -269,7 +285,7 @@ class KVOffload:
 
     def _write_to_disk(self) -> None:
         """Queue disk writes of new host blocks while few are pending (each pins its host block);
-        a block the host tier evicts before its turn is not written."""
+        a block the host tier evicts before its turn is not written (docs/ARCHITECTURE.md says why)."""
         while self.unwritten and self.disk.num_in_flight < self.max_pending_writes:
             h = self.unwritten.popleft()
             host = self.host.blocks.get(h)
@@ -292,9 +308,8 @@ class KVOffload:
         i = 0
         while i < len(scheduler.waiting) and slots > 0:
             seq = scheduler.waiting[i]
-            keys = bm.block_keys(seq)
-            hits = bm.cached_blocks(keys)
-            misses = keys[len(hits):]
+            hits = bm.prefix_hits(seq)
+            misses = bm.block_keys(seq, len(hits) + FIRST_LOAD_BLOCKS)[len(hits):]  # the first ones
             if misses and misses[0][0] in self.loading:  # it will hit those blocks once they arrive
                 seq.tier_blocked = True
                 self.blocked.append(seq)
@@ -305,7 +320,7 @@ class KVOffload:
             if needed > room:
                 return
             room, slots = room - needed, slots - 1
-            items = [] if seq.tier_looked_up else self._find_below(misses)
+            items = [] if seq.tier_looked_up else self._find_below(misses, FIRST_LOAD_BLOCKS)
             seq.tier_looked_up = True  # once a wait: a lookup is counted in the tier's hit rate
             if items:
                 scheduler.start_loading(seq)  # out of the waiting queue
@@ -313,11 +328,11 @@ class KVOffload:
             else:
                 i += 1  # the scheduler admits it as usual
 
-    def _find_below(self, keys: list[BlockKey], disk: bool = True) -> list[LoadItem]:
-        """The leading keys found in the host tier (pinned) or, with `disk`, on disk (each given a
-        host block for the disk to fill), up to the first miss."""
+    def _find_below(self, keys: list[BlockKey], limit: int, disk: bool = True) -> list[LoadItem]:
+        """Up to `limit` leading keys found in the host tier (pinned) or, with `disk`, on disk (each
+        given a host block for the disk to fill), up to the first miss."""
         items = []
-        for h, tokens in keys:
+        for h, tokens in keys[:limit]:
             if h in self.loading:
                 break
             self.host.stats.lookups += 1
@@ -344,25 +359,47 @@ class KVOffload:
         that KV; its KV is loaded once they are in (is_loading). Not the disk tier: a read that
         failed after the prefill node was told to skip those tokens would leave a hole."""
         first = seq.num_cached_tokens // self.block_manager.block_size
-        items = self._find_below(self.block_manager.block_keys(seq)[first:], disk=False)
-        if items and self._start_load(seq, first, items, remote=True):
-            seq.num_cached_tokens += len(items) * self.block_manager.block_size
+        keys = self.block_manager.block_keys(seq, first + FIRST_LOAD_BLOCKS)[first:]
+        items = self._find_below(keys, FIRST_LOAD_BLOCKS, disk=False)
+        if items:
+            seq.num_cached_tokens += self._start_load(seq, first, items, remote=True) * self.block_manager.block_size
 
     def is_loading(self, seq: Sequence) -> bool:
         return any(load.seq is seq for load in self.loads)
 
-    def _start_load(self, seq: Sequence, first: int, items: list[LoadItem], remote: bool = False) -> bool:
-        """Load into the sequence's blocks from block `first` on; each is held by the load, so an
-        abort meanwhile does not free it under a copy. False if the host copies could not start."""
+    def _start_load(self, seq: Sequence, first: int, items: list[LoadItem], remote: bool = False) -> int:
+        """Load `items` (found for the sequence's blocks from block `first` on) and then the next
+        hits below the device into its blocks, a copy at a time: each copy starts before the next
+        blocks are hashed and looked up, so on CUDA the copy engine works while the host walks the
+        rest of the prefix. Returns how many blocks are loading (none after a copy that could not
+        start)."""
         self.store_new()  # lazy: blocks its allocation evicted are copied out before the loads overwrite them
-        load = PrefixLoad(seq, first, items, remote)
+        load = PrefixLoad(seq, first, [], remote)
         self.loads.append(load)  # first: whatever fails below, poll() ends the load and lets go of its blocks
-        for i, item in enumerate(items):
-            item.device_block = seq.block_table[first + i]
-            self.block_manager.hold(item.device_block)
+        per_copy = max(1, LOAD_COPY_BYTES // self.host.block_bytes)
+        limit = FIRST_LOAD_BLOCKS
+        while True:
+            if not self._add_to_load(load, items):
+                return len(load.items) - len(items)
+            if len(items) < limit:  # the prefix ended at a miss, or at its last block
+                return len(load.items)
+            limit = min(per_copy, len(load.items))
+            start = first + len(load.items)
+            items = self._find_below(self.block_manager.block_keys(seq, start + limit)[start:], limit, disk=not remote)
+            if not items:
+                return len(load.items)
+
+    def _add_to_load(self, load: PrefixLoad, items: list[LoadItem]) -> bool:
+        """Hold the device blocks the items go to (so an abort meanwhile does not free them under a
+        copy), start their disk reads and host copies; False if the host copies could not start."""
+        start = load.first + len(load.items)
+        for item, block_id in zip(items, load.seq.block_table[start:start + len(items)]):
+            item.device_block = block_id
+            self.block_manager.hold(block_id)
             self.loading[item.key[0]] = load
             if item.state == "reading":
                 self.disk.read(item.key[0], item.key[1], self.host.kv[item.host.slot], item)
+        load.items += items
         return self._copy_in([item for item in items if item.state == "copying"])
 
     def _copy_in(self, items: list[LoadItem]) -> bool:
@@ -378,26 +415,45 @@ class KVOffload:
                 item.state = "failed"
                 self.host.unpin(item.host)
             return False
-        for item in items:
-            item.state, item.copy = "copying", copy
+        self.load_copies.append(LoadCopy(items, copy))
         return True
 
-    def _finish_load(self, load: PrefixLoad) -> None:
-        """Every block arrived or failed: the leading ones that arrived count as computed (and join
-        the prefix cache); the sequence computes the rest."""
-        arrived = 0
-        while arrived < len(load.items) and load.items[arrived].state == "done":
+    def _advance(self, load: PrefixLoad) -> None:
+        """Let go of the leading blocks that arrived since the last poll: they count as computed and
+        join the prefix cache now, so when the last copy ends only its own blocks are left to do.
+        The load ends once every block arrived or failed."""
+        items, arrived = load.items, load.arrived
+        while arrived < len(items) and items[arrived].state == "done":
+            self.block_manager.release(items[arrived].device_block)
+            self.host.unpin(items[arrived].host)
             arrived += 1
-        for item in load.items:
+        if arrived > load.arrived:
+            load.arrived = arrived
+            if self._waiting_for(load):
+                seq = load.seq
+                seq.num_computed_tokens = seq.num_cached_tokens = (load.first + arrived) * self.block_manager.block_size
+                self.block_manager.commit(seq)
+        if arrived < len(items) and items[arrived].state != "failed":
+            return  # the next block is still on its way
+        if all(item.state in ("done", "failed") for item in items[arrived:]):
+            self.loads.remove(load)
+            self._finish_load(load)
+
+    def _waiting_for(self, load: PrefixLoad) -> bool:
+        """The load's sequence waits for it: not remote (counted when reserved), not aborted."""
+        return not load.remote and self.scheduler.loading.get(load.seq.request_id) is load.seq
+
+    def _finish_load(self, load: PrefixLoad) -> None:
+        """Every block arrived or failed: the ones after the leading arrived ones are let go of (the
+        sequence computes them), and the sequence runs."""
+        for item in load.items[load.arrived:]:
             self.block_manager.release(item.device_block)
             if item.state == "done":
                 self.host.unpin(item.host)
+        for item in load.items:
             del self.loading[item.key[0]]
-        seq = load.seq
-        if not load.remote and seq.request_id in self.scheduler.loading:  # not aborted meanwhile
-            seq.num_computed_tokens = seq.num_cached_tokens = (load.first + arrived) * self.block_manager.block_size
-            self.block_manager.commit(seq)
-            self.scheduler.finish_loading(seq)
+        if self._waiting_for(load):
+            self.scheduler.finish_loading(load.seq)
 
     # -- polling ------------------------------------------------------------------------
 
@@ -413,18 +469,18 @@ class KVOffload:
         if self.disk is not None:
             self._copy_in([item for result in self.disk.results() if (item := self._disk_done(result))])
             self._write_to_disk()
-        for load in self.loads:
-            for item in load.items:
-                if item.state == "copying" and item.copy.done():
+        still = []
+        for load_copy in self.load_copies:
+            if load_copy.copy.done():
+                for item in load_copy.items:
                     item.state = "done"
-                    self.host.stats.loaded_bytes += self.host.block_bytes
-                    if not item.copy.counted:
-                        item.copy.counted = True
-                        self.host.stats.load_latency.observe(item.copy.seconds)
-        finished = [load for load in self.loads if all(i.state in ("done", "failed") for i in load.items)]
-        for load in finished:
-            self.loads.remove(load)
-            self._finish_load(load)
+                self.host.stats.loaded_bytes += len(load_copy.items) * self.host.block_bytes
+                self.host.stats.load_latency.observe(load_copy.copy.seconds)
+            else:
+                still.append(load_copy)
+        self.load_copies = still
+        for load in list(self.loads):
+            self._advance(load)
 
     def _disk_done(self, result: DiskResult) -> LoadItem | None:
         """A finished disk job; a block read that is now to be copied to the device."""
