@@ -1,6 +1,7 @@
 """LookupBuffer over the tcp pipe: producers in their own processes (tests/lookup_peer.py),
 consumers in this one, all on loopback and CPU."""
 
+import asyncio
 import json
 import os
 import random
@@ -20,6 +21,7 @@ from lookup_peer import make_request
 from disagg.lookup_buffer import (
     BufferFullError,
     DigestMismatch,
+    EntryCancelled,
     KVEntry,
     LookupBufferConsumer,
     LookupBufferProducer,
@@ -473,21 +475,90 @@ def test_layer_parts_travel_as_they_are_put(make_consumer, make_producer):
 
 @pytest.mark.timeout(30)
 def test_an_entry_whose_parts_stop_coming_ends_alone(make_consumer, make_producer):
-    """The prefill failed after its first layer was sent: aborting the entry ends its lookup at once
-    (its connection is closed mid-entry) and frees its room; the next entry arrives on a new connection."""
+    """The prefill failed after its first layers were sent: aborting the entry cancels it on the wire
+    (a None message in place of its next part). Its lookup fails at once; another request's lookup
+    naming the same producer goes on and is answered on the same connection."""
     consumer, producer = make_consumer(), make_producer()
     kv = layer_kv()
     producer.open("failed", [1], [(0, 2), (2, 4)], kv.nbytes, consumer.address)
-    producer.put("failed", 0, 2, kv[0:2].clone())
-    wait_until(lambda: producer.stats().bytes_sent == 0 and consumer.stats().connections == 1, 5)
+    assert producer.put("failed", 0, 2, kv[0:2].clone())
+    wait_until(lambda: consumer.stats().connections == 1, 5)
+    answers = {}
+    other = threading.Thread(target=lambda: answers.update(
+        other=consumer.drop_select("other", [2], 10.0, source=producer.source)))
+    other.start()
     time.sleep(0.2)  # the first part is on its way
     start = time.monotonic()
     producer.abort("failed")
-    with pytest.raises(ProducerLost):
+    with pytest.raises(EntryCancelled):
         consumer.drop_select("failed", [1], timeout=10, source=producer.source)
     assert time.monotonic() - start < 3
+    assert not producer.put("failed", 2, 4, kv[2:4].clone())  # too late: dropped
+    producer.insert("other", [2], [torch.ones(2)], None, consumer.address)
+    other.join(10)
+    assert torch.equal(answers["other"].kv_tensors[0], torch.ones(2))
     wait_until(lambda: producer.stats().entries == 0, 5)
     stats = producer.stats()
-    assert (stats.aborts, stats.bytes, stats.sent) == (1, 0, 0)
-    producer.insert("next", [2], [torch.ones(2)], None, consumer.address)
-    assert torch.equal(consumer.drop_select("next", [2], timeout=5).kv_tensors[0], torch.ones(2))
+    assert (stats.aborts, stats.bytes, stats.sent) == (1, 0, 1)
+    assert (consumer.stats().connections, consumer.stats().cancelled) == (1, 1)
+
+
+@pytest.mark.timeout(30)
+def test_a_layer_wise_entry_beyond_the_buffer_is_refused_before_it_is_allocated(make_consumer):
+    """Each part passes the message limit, but their sum is checked against kv_buffer_size at the
+    first part, before the whole tensor is allocated: a peer claiming 1,024 layers of 2 MiB each
+    loses its connection, and the consumer holds nothing."""
+    consumer = make_consumer()
+    config = PipeConfig(timeout=10)
+    pipe = tcp.TcpPipe(sockets.connect_socket(config, *consumer.address), config)
+    pipe.send(encode_hello(Hello(("127.0.0.1", unused_port()))))
+    entry = KVEntry("big", token_digest([1]), [], layers=[(0, 1), (1, 1024)])
+    pipe.send(encode_entry(entry))
+    pipe.send([torch.zeros(1, 512 << 10)])  # layer 0: 2 MiB, so 1,024 layers would be 2 GiB
+    wait_until(lambda: consumer.stats().connections == 0, 10)
+    stats = consumer.stats()
+    assert (stats.received, stats.entries, stats.bytes) == (0, 0, 0)
+    pipe.close()
+
+
+@pytest.mark.timeout(60)
+def test_async_lookups_wait_on_the_event_loop_without_threads(make_consumer, make_producer):
+    """64 lookups wait at once on one event loop (more than a default thread pool's threads here),
+    holding no thread; entries arriving in reverse order answer each at once; a discard and a
+    timeout end theirs as drop_select's would."""
+    consumer, producer = make_consumer(), make_producer()
+    n = 64
+
+    async def scenario():
+        threads = threading.active_count()
+        tasks = [asyncio.create_task(consumer.drop_select_async(f"r{i}", [i], 20.0)) for i in range(n)]
+        discarded = asyncio.create_task(consumer.drop_select_async("gone", [1], 20.0))
+        start = time.monotonic()
+        with pytest.raises(LookupTimeout):
+            await consumer.drop_select_async("never", [1], 0.3)
+        assert 0.3 <= time.monotonic() - start < 2
+        assert threading.active_count() <= threads  # the waits took no thread
+        await asyncio.to_thread(consumer.discard, "gone")
+        with pytest.raises(LookupDiscarded):
+            await discarded
+        for i in reversed(range(n)):
+            producer.insert(f"r{i}", [i], [torch.full((4,), float(i))], None, consumer.address)
+        return await asyncio.gather(*tasks)
+
+    entries = asyncio.run(scenario())
+    assert [int(e.kv_tensors[0][0]) for e in entries] == list(range(n))
+    stats = consumer.stats()
+    assert (stats.hits, stats.timeouts, stats.entries) == (n, 1, 0)
+
+
+@pytest.mark.timeout(30)
+def test_an_opened_entry_waits_for_its_prefill_beyond_the_ttl(make_consumer, make_producer):
+    """buffer_ttl bounds how long sent-to-be KV waits for its consumer, not how long the prefill
+    computing it takes: it runs from the first part."""
+    consumer, producer = make_consumer(), make_producer(ttl=0.5)
+    kv = layer_kv()
+    producer.open("slow", [1], [(0, 4)], kv.nbytes, consumer.address)
+    time.sleep(1.0)  # a long prefill
+    assert producer.stats().expiries == 0
+    assert producer.put("slow", 0, 4, kv.clone())
+    assert torch.equal(consumer.drop_select("slow", [1], timeout=5).kv_tensors[0], kv)

@@ -128,8 +128,8 @@ class DecodeNode:
             # The reply means the KV is queued, not sent: if the node dies now, stop waiting at once.
             watch = asyncio.create_task(self._discard_when_unhealthy(client, request_id))
             try:
-                entry = await asyncio.to_thread(self.consumer.drop_select, request_id, prompt_token_ids,
-                                                self.lookup_timeout, source)
+                entry = await self.consumer.drop_select_async(request_id, prompt_token_ids, self.lookup_timeout,
+                                                              source)
             finally:
                 watch.cancel()
             received = time.perf_counter()
@@ -173,7 +173,7 @@ class DecodeNode:
 
     async def _discard(self, request_id: str) -> None:
         """consumer.discard, which waits only while it cuts off a receive into the request's blocks:
-        then in a thread, else at once (not queued behind the threads that wait in drop_select)."""
+        then in a thread, else at once."""
         if self.consumer.is_filling(request_id):
             await asyncio.to_thread(self.consumer.discard, request_id)
         else:

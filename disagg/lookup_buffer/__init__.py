@@ -11,6 +11,7 @@ from disagg.lookup_buffer.consumer import ConsumerStats, LookupBufferConsumer
 from disagg.lookup_buffer.errors import (
     BufferFullError,
     DigestMismatch,
+    EntryCancelled,
     LookupBufferError,
     LookupDiscarded,
     LookupTimeout,
@@ -23,6 +24,7 @@ __all__ = [
     "BufferFullError",
     "ConsumerStats",
     "DigestMismatch",
+    "EntryCancelled",
     "KVEntry",
     "LookupBufferConsumer",
     "LookupBufferError",

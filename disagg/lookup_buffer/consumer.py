@@ -17,6 +17,7 @@ entries already held would then exceed the buffer. A malformed message ends only
 connection that sent it.
 """
 
+import asyncio
 import logging
 import threading
 import time
@@ -29,6 +30,7 @@ from disagg import pipes
 from disagg.lookup_buffer.errors import (
     BufferFullError,
     DigestMismatch,
+    EntryCancelled,
     LookupBufferError,
     LookupDiscarded,
     LookupTimeout,
@@ -58,6 +60,16 @@ class ConsumerStats:
     refused: int = 0  # entries dropped on arrival: unclaimed entries already filled kv_buffer_size
     producer_losses: int = 0  # lookups failed because their producer's connection broke
     discards: int = 0
+    cancelled: int = 0  # layer-wise entries their producer cancelled on the way (its prefill failed)
+
+
+@dataclass
+class _Lookup:
+    request_id: str
+    timeout: float
+    deadline: float  # time.monotonic()
+    source: tuple[str, int] | None
+    losses_at_start: int  # broken connections from `source` when the lookup began
 
 
 @dataclass
@@ -93,8 +105,10 @@ class LookupBufferConsumer:
         self._discarded: dict[str, float] = {}  # request id -> deadline: late arrivals are dropped
         self._waiting: dict[str, int] = {}  # request id -> lookups waiting: its entry is never refused
         self._refused: dict[str, float] = {}  # request id -> deadline: its lookups fail at once
+        self._cancelled: dict[str, float] = {}  # request id -> deadline: its producer cancelled its entry
         self._destinations: dict[str, list[Destination]] = {}  # request id -> where its KV goes (expect)
         self._filling: dict[str, KVPipe] = {}  # request id -> the connection receiving into its destination
+        self._wakers: set[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = set()  # drop_select_async waits
         self._refusals = RateLimitedLog(log)
         self._pipes: set[KVPipe] = set()
         self._receivers: list[threading.Thread] = []
@@ -128,57 +142,107 @@ class LookupBufferConsumer:
         `source` names the producer expected to send it (its config's kv_ip, kv_port),
         ProducerLost as soon as a connection from that producer breaks during the wait.
         """
-        expected = token_digest(token_ids)
+        lookup = self._start_lookup(request_id, timeout, source)
+        with self._cond:
+            try:
+                while not self._arrived(lookup):
+                    self._cond.wait(lookup.deadline - time.monotonic())
+            finally:
+                self._end_lookup(request_id)
+            return self._take(request_id, token_ids)
+
+    async def drop_select_async(
+        self,
+        request_id: str,
+        token_ids: list[int] | torch.Tensor,
+        timeout: float,
+        source: tuple[str, int] | None = None,
+    ) -> KVEntry:
+        """drop_select for an event loop: the wait holds no thread, so any number of lookups wait at
+        once (in a thread pool they would queue behind each other once its threads are taken)."""
+        loop = asyncio.get_running_loop()
+        lookup = self._start_lookup(request_id, timeout, source)
+        try:
+            while True:
+                with self._cond:
+                    if self._arrived(lookup):
+                        return self._take(request_id, token_ids)
+                    woken = loop.create_future()
+                    self._wakers.add((loop, woken))
+                try:
+                    await asyncio.wait_for(woken, max(0.0, lookup.deadline - time.monotonic()))
+                except TimeoutError:
+                    pass  # _arrived raises LookupTimeout
+                finally:
+                    with self._cond:
+                        self._wakers.discard((loop, woken))
+        finally:
+            with self._cond:
+                self._end_lookup(request_id)
+
+    def _start_lookup(self, request_id: str, timeout: float, source: tuple[str, int] | None) -> _Lookup:
         source = (str(source[0]), int(source[1])) if source is not None else None
         with self._cond:
             self._waiting[request_id] = self._waiting.get(request_id, 0) + 1
-            try:
-                self._wait_for(request_id, timeout, source)
-            finally:
-                self._waiting[request_id] -= 1
-                if not self._waiting[request_id]:
-                    del self._waiting[request_id]
-            arrived = self._remove(request_id)
-            self._destinations.pop(request_id, None)
-            if arrived.entry.token_digest != expected:
-                self._stats.digest_mismatches += 1
-                raise DigestMismatch(
-                    f"KV for request {request_id!r} was computed for other tokens: entry digest "
-                    f"{arrived.entry.token_digest}, expected {expected}; the prefill and decode nodes "
-                    "tokenized the prompt differently (tokenizer or chat template mismatch?)"
-                )
-            self._stats.hits += 1
-            return arrived.entry
+            return _Lookup(request_id, timeout, time.monotonic() + timeout, source, self._losses.get(source, 0))
 
-    def _wait_for(self, request_id: str, timeout: float, source: tuple[str, int] | None) -> None:
-        """drop_select's wait, under the lock: returns once the entry is there, or raises why not."""
-        deadline = time.monotonic() + timeout
-        losses_at_start = self._losses.get(source, 0)
-        while request_id not in self._entries:
-            self._check_open()
-            if request_id in self._discarded:
-                raise LookupDiscarded(f"lookup for request {request_id!r} ended: the request was discarded")
-            if request_id in self._refused:
-                raise BufferFullError(
-                    f"KV for request {request_id!r} arrived before its lookup and was dropped: the decode node's "
-                    f"kv_buffer_size ({self.kv_buffer_size} bytes) was full of unclaimed entries; recompute the "
-                    "prefill, and raise kv_buffer_size if this recurs"
-                )
-            if source is not None and self._losses.get(source, 0) != losses_at_start:
-                self._stats.producer_losses += 1
-                raise ProducerLost(
-                    f"no KV for request {request_id!r}: the connection from producer {source[0]}:{source[1]} "
-                    f"broke while we waited ({self._loss_reasons[source]}); recompute the prefill or retry "
-                    "on another prefill node"
-                )
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self._stats.timeouts += 1
-                raise LookupTimeout(
-                    f"no KV for request {request_id!r} arrived within {timeout}s; the prefill node may be slow, "
-                    "overloaded or unable to reach this decode node: recompute the prefill or raise the timeout"
-                )
-            self._cond.wait(remaining)
+    def _end_lookup(self, request_id: str) -> None:
+        self._waiting[request_id] -= 1
+        if not self._waiting[request_id]:
+            del self._waiting[request_id]
+
+    def _arrived(self, lookup: _Lookup) -> bool:
+        """Under the lock: True once the lookup's entry is there; raises why it will not come."""
+        request_id, source = lookup.request_id, lookup.source
+        if request_id in self._entries:
+            return True
+        self._check_open()
+        if request_id in self._discarded:
+            raise LookupDiscarded(f"lookup for request {request_id!r} ended: the request was discarded")
+        if request_id in self._cancelled:
+            raise EntryCancelled(f"the prefill node cancelled the KV of request {request_id!r} on its way "
+                                 "(its prefill failed); recompute the prefill or retry")
+        if request_id in self._refused:
+            raise BufferFullError(
+                f"KV for request {request_id!r} arrived before its lookup and was dropped: the decode node's "
+                f"kv_buffer_size ({self.kv_buffer_size} bytes) was full of unclaimed entries; recompute the "
+                "prefill, and raise kv_buffer_size if this recurs"
+            )
+        if source is not None and self._losses.get(source, 0) != lookup.losses_at_start:
+            self._stats.producer_losses += 1
+            raise ProducerLost(
+                f"no KV for request {request_id!r}: the connection from producer {source[0]}:{source[1]} "
+                f"broke while we waited ({self._loss_reasons[source]}); recompute the prefill or retry "
+                "on another prefill node"
+            )
+        if time.monotonic() >= lookup.deadline:
+            self._stats.timeouts += 1
+            raise LookupTimeout(
+                f"no KV for request {request_id!r} arrived within {lookup.timeout}s; the prefill node may be slow, "
+                "overloaded or unable to reach this decode node: recompute the prefill or raise the timeout"
+            )
+        return False
+
+    def _take(self, request_id: str, token_ids: list[int] | torch.Tensor) -> KVEntry:
+        """Under the lock: remove the arrived entry and hand it over if computed for these tokens."""
+        expected = token_digest(token_ids)
+        arrived = self._remove(request_id)
+        self._destinations.pop(request_id, None)
+        if arrived.entry.token_digest != expected:
+            self._stats.digest_mismatches += 1
+            raise DigestMismatch(
+                f"KV for request {request_id!r} was computed for other tokens: entry digest "
+                f"{arrived.entry.token_digest}, expected {expected}; the prefill and decode nodes "
+                "tokenized the prompt differently (tokenizer or chat template mismatch?)"
+            )
+        self._stats.hits += 1
+        return arrived.entry
+
+    def _wake(self) -> None:
+        """Under the lock: every waiting lookup rechecks its request, threads and event loops alike."""
+        self._cond.notify_all()
+        for loop, woken in self._wakers:
+            loop.call_soon_threadsafe(_set_done, woken)
 
     def expect(self, request_id: str, into: list[Destination]) -> None:
         """Receive the KV of `request_id`, when it comes, into `into` (one destination per KV
@@ -197,7 +261,7 @@ class LookupBufferConsumer:
             self._discarded.pop(request_id, None)  # re-insert: the dict stays in deadline order
             self._discarded[request_id] = time.monotonic() + self.ttl
             self._destinations.pop(request_id, None)
-            self._cond.notify_all()
+            self._wake()
             filling = self._filling.get(request_id)
             dropped = request_id in self._entries
             if dropped:
@@ -223,7 +287,7 @@ class LookupBufferConsumer:
             if self._closed:
                 return
             self._closed = True
-            self._cond.notify_all()
+            self._wake()
             live = list(self._pipes)
         self._listener.close()
         for pipe in live:  # wakes its receiver's blocked recv
@@ -275,8 +339,10 @@ class LookupBufferConsumer:
                 entry = decode(self._recv(pipe))
                 if not isinstance(entry, KVEntry):
                     raise ProtocolError("a producer sent a second hello on one connection")
-                self._recv_kv(pipe, entry)
-                self._store(entry, source)
+                if self._recv_kv(pipe, entry):
+                    self._store(entry, source)
+                else:
+                    self._cancel(entry.request_id)
         except PipeError as e:  # a malformed message too: this connection ends, the consumer carries on
             reason = str(e)
         except Exception as e:  # a bug, not the peer; still only this connection ends
@@ -291,7 +357,7 @@ class LookupBufferConsumer:
                     self._stats.connections -= 1
                     self._losses[source] = self._losses.get(source, 0) + 1
                     self._loss_reasons[source] = reason
-                    self._cond.notify_all()
+                    self._wake()
                 if not self._closed:
                     log.warning("KV producer %s disconnected: %s", source or "(before its hello)", reason)
 
@@ -302,8 +368,9 @@ class LookupBufferConsumer:
             except PipeTimeout:  # an idle connection, not a dead one; a stalled message breaks the pipe
                 continue
 
-    def _recv_kv(self, pipe: KVPipe, entry: KVEntry) -> None:
-        """The message after an entry's header: its KV, into the request's destination if expected."""
+    def _recv_kv(self, pipe: KVPipe, entry: KVEntry) -> bool:
+        """The messages after an entry's header: its KV, into the request's destination if expected.
+        False if the producer cancelled a layer-wise entry on the way."""
         with self._cond:
             # Not in place: a discarded request; one whose blocks another receive is filling (a resend
             # on a new connection); a pipe whose peer writes on its own (it could still write into
@@ -320,12 +387,15 @@ class LookupBufferConsumer:
                 with self._cond:
                     del self._filling[entry.request_id]
                     self._cond.notify_all()
-        if kv is None:
+        if kv is None and entry.layers is None:
             raise ProtocolError("an entry's header must be followed by its KV tensors")
+        if kv is None:
+            return False
         if into is not None:
             entry.in_place = True
             kv = [view for dest in kv for view in (dest if isinstance(dest, list) else [dest])]
         entry.kv_tensors = kv
+        return True
 
     def _recv_part(self, pipe: KVPipe, out: list[Destination] | None) -> list[Destination] | None:
         kv = self._recv(pipe, out)
@@ -334,21 +404,49 @@ class LookupBufferConsumer:
         return kv
 
     def _recv_layers(self, pipe: KVPipe, layers: list[tuple[int, int]],
-                     into: list[Destination] | None) -> list[Destination]:
+                     into: list[Destination] | None) -> list[Destination] | None:
         """A layer-wise entry's KV, one part per group of layers: each straight into its layers' share
-        of the destination (views of the blocks are layer-major), else joined into one tensor."""
+        of the destination (views of the blocks are layer-major), else into its layers of one tensor
+        sized by the first part. None if a None message comes in place of a part (cancelled)."""
         if into is not None and len(into) != 1:
             raise ProtocolError(f"a layer-wise entry has one KV tensor; {len(into)} destinations were expected")
-        parts = []
+        num_layers = layers[-1][1]
+        whole: torch.Tensor | None = None
         for first, end in layers:
-            out = None if into is None else [_layer_share(into[0], first, end, layers[-1][1])]
+            if into is not None:
+                out = [_layer_share(into[0], first, end, num_layers)]
+            else:
+                out = None if whole is None else [whole[first:end]]
             part = self._recv_part(pipe, out)
-            if part is None or len(part) != 1:
+            if part is None:
+                return None
+            if len(part) != 1:
                 raise ProtocolError("each layer part of an entry must be one KV tensor")
-            parts.append(part[0])
-        if into is not None:
-            return into
-        return [torch.cat(parts)] if len(parts) > 1 else parts
+            if into is None and whole is None:
+                whole = self._whole(part[0], end, num_layers)
+        return into if into is not None else [whole]
+
+    def _whole(self, first_part: torch.Tensor, end: int, num_layers: int) -> torch.Tensor:
+        """The tensor a layer-wise entry not received in place is assembled in, refused before it is
+        allocated if it would exceed kv_buffer_size (each part alone passes the message limit)."""
+        if first_part.dim() < 1 or first_part.shape[0] != end:
+            raise ProtocolError(f"a part of layers [0, {end}) has shape {list(first_part.shape)}")
+        nbytes = first_part.nbytes // end * num_layers
+        if nbytes > self.kv_buffer_size:
+            raise ProtocolError(f"an entry of {nbytes} bytes of KV; kv_buffer_size is {self.kv_buffer_size}")
+        whole = torch.empty((num_layers, *first_part.shape[1:]), dtype=first_part.dtype)
+        whole[:end] = first_part
+        return whole
+
+    def _cancel(self, request_id: str) -> None:
+        """The producer cancelled the request's entry on the way (its prefill failed): its lookup fails now."""
+        with self._cond:
+            self._stats.cancelled += 1
+            self._cancelled.pop(request_id, None)  # re-insert: the dict stays in deadline order
+            self._cancelled[request_id] = time.monotonic() + self.ttl
+            if len(self._cancelled) > MAX_REFUSED_IDS:
+                del self._cancelled[next(iter(self._cancelled))]
+            self._wake()
 
     def _store(self, entry: KVEntry, source: tuple[str, int]) -> None:
         nbytes = 0 if entry.in_place else entry.nbytes  # in place, it takes no room in the buffer
@@ -364,10 +462,11 @@ class LookupBufferConsumer:
                 self._refuse(entry.request_id, nbytes, source)
                 return
             self._refused.pop(entry.request_id, None)
+            self._cancelled.pop(entry.request_id, None)
             self._entries[entry.request_id] = _Arrived(entry, nbytes, source, time.monotonic() + self.ttl)
             self._stats.entries += 1
             self._stats.bytes += nbytes
-            self._cond.notify_all()
+            self._wake()
 
     def _refuse(self, request_id: str, nbytes: int, source: tuple[str, int]) -> None:
         self._stats.refused += 1
@@ -396,7 +495,7 @@ class LookupBufferConsumer:
                         "dropped KV of request %r from %s:%d unclaimed after ttl %.1fs",
                         request_id, *arrived.source, self.ttl,
                     )
-                for ids in (self._discarded, self._refused):
+                for ids in (self._discarded, self._refused, self._cancelled):
                     while ids:
                         request_id, deadline = next(iter(ids.items()))
                         if deadline > now:
@@ -429,3 +528,8 @@ def _layer_share(dest: Destination, first: int, end: int, num_layers: int) -> De
 
 def _nbytes(dest: Destination) -> int:
     return sum(_nbytes(view) for view in dest) if isinstance(dest, list) else dest.nbytes
+
+
+def _set_done(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)

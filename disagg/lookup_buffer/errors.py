@@ -24,3 +24,7 @@ class ProducerLost(LookupBufferError):
 
 class LookupDiscarded(LookupBufferError):
     """`discard()` was called for the request while a lookup waited for it."""
+
+
+class EntryCancelled(LookupBufferError):
+    """The producer cancelled the entry after its first parts were sent (its prefill failed)."""

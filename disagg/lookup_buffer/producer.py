@@ -74,10 +74,6 @@ class _Pending:
     aborted: bool = False  # aborted while sending: not retried if that send fails
 
 
-class _PartMissing(LookupBufferError):
-    """A layer-wise entry's part never came: the receiver is mid-entry, so only a new connection helps."""
-
-
 class LookupBufferProducer:
     """Bounded outbox of KV entries, each pushed to the consumer it is addressed to.
 
@@ -141,19 +137,23 @@ class LookupBufferProducer:
         self._queue(entry, dest, nbytes, [], len(layers))
 
     def put(self, request_id: str, first: int, end: int, kv: torch.Tensor,
-            ready: torch.cuda.Event | None = None) -> None:
+            ready: torch.cuda.Event | None = None) -> bool:
         """The KV of layers [first, end) of an opened entry (kept as given, like insert's); with
-        `ready`, it holds its values once that event has happened. Ignored if the entry is gone
-        (aborted or expired). Never waits."""
+        `ready`, it holds its values once that event has happened. False, and dropped, if the entry
+        is gone (aborted). Never waits."""
         with self._cond:
             pending = self._pending.get(request_id)
-            if pending is None or pending.entry.layers is None:
-                return
+            if pending is None or pending.entry.layers is None or pending.aborted:
+                return False
             expected = pending.entry.layers[len(pending.parts)]
             if (first, end) != expected:
                 raise ValueError(f"put of layers [{first}, {end}) for {request_id!r}; layers {list(expected)} come next")
+            if not pending.parts:  # its ttl runs from now: the time it waited for its prefill is not the consumer's
+                pending.deadline = time.monotonic() + self.ttl
+                self._pending[request_id] = self._pending.pop(request_id)  # deadline order
             pending.parts.append(_Part([kv], ready))
             self._cond.notify_all()
+            return True
 
     def _queue(self, entry: KVEntry, dest: tuple[str, int], nbytes: int, parts: list[_Part],
                num_parts: int = 1) -> None:
@@ -266,8 +266,10 @@ class LookupBufferProducer:
                 check_tensors(pending.parts[0].tensors)
                 pipe.send(encode_entry(pending.entry))
                 started = True
-                for i in range(pending.num_parts):
-                    self._send_part(pipe, self._wait_part(pending, i), stream)
+                if not self._send_parts(pipe, pending, stream):
+                    with self._cond:
+                        self._drop_unfinished(pending)
+                    continue
             except Exception as e:  # noqa: BLE001  any failure (a name that cannot resolve, too) is retried until the entries expire
                 if isinstance(e, ProtocolError) and pending is not None and not started:
                     # The pipe refused to encode this entry (e.g. a dtype it cannot carry): a retry
@@ -282,8 +284,8 @@ class LookupBufferProducer:
                     self._pipes.pop(dest, None)
                     if self._closed:  # close() cut the pipe: not a failure
                         break
-                    if isinstance(e, _PartMissing | ProtocolError):  # the entry itself failed: drop it
-                        self._drop_unfinished(pending, e)
+                    if isinstance(e, ProtocolError) and pending is not None:  # a part it cannot carry: drop the entry
+                        self._reject(pending, e)
                         pipe = None
                         continue
                     if pending is not None:
@@ -301,15 +303,22 @@ class LookupBufferProducer:
         if pipe is not None:
             pipe.close()
 
-    def _wait_part(self, pending: _Pending, i: int) -> _Part:
-        """Part i of an entry being sent, once it is there; _PartMissing if it never comes (its
-        prefill failed and aborted it, or its ttl passed)."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._closed or pending.aborted or len(pending.parts) > i,
-                                max(0.0, pending.deadline - time.monotonic()))
-            if len(pending.parts) <= i:
-                raise _PartMissing(f"part {i} of the KV of {pending.entry.request_id!r} never came")
-            return pending.parts[i]
+    def _send_parts(self, pipe: KVPipe, pending: _Pending, stream: list[torch.cuda.Stream]) -> bool:
+        """Each part of an entry on the wire once it is there. False if one never comes (its prefill
+        failed and aborted the entry, or its ttl passed): a None message in its place tells the
+        receiver the entry is cancelled, and the connection goes on."""
+        for i in range(pending.num_parts):
+            with self._cond:
+                self._cond.wait_for(lambda: self._closed or pending.aborted or len(pending.parts) > i,
+                                    max(0.0, pending.deadline - time.monotonic()))
+                part = pending.parts[i] if len(pending.parts) > i else None
+                if part is None and self._closed:
+                    raise PipeClosed("the lookup-buffer producer is closed")
+            if part is None:
+                pipe.send(None)
+                return False
+            self._send_part(pipe, part, stream)
+        return True
 
     def _send_part(self, pipe: KVPipe, part: _Part, stream: list[torch.cuda.Stream]) -> None:
         check_tensors(part.tensors)
@@ -365,11 +374,9 @@ class LookupBufferProducer:
         else:
             self._queues[pending.dest].appendleft(pending)
 
-    def _drop_unfinished(self, pending: _Pending, error: Exception) -> None:
-        """An entry that failed after its header was sent (the connection is closed with it)."""
-        if isinstance(error, ProtocolError):
-            self._reject(pending, error)
-        elif pending.aborted:
+    def _drop_unfinished(self, pending: _Pending) -> None:
+        """An entry cancelled on the wire: aborted, or its ttl passed while a part was awaited."""
+        if pending.aborted:
             self._free(pending)
             self._stats.aborts += 1
         else:
@@ -387,6 +394,8 @@ class LookupBufferProducer:
             while not self._closed:
                 now, next_deadline, expired = time.monotonic(), None, []
                 for pending in self._pending.values():
+                    if not pending.parts:  # still computing: its prefill's end or abort settles it
+                        continue
                     if pending.deadline > now:
                         next_deadline = pending.deadline
                         break

@@ -108,20 +108,24 @@ class TcpPipe(KVPipe):
     def _recv_cuda_views(self, views: list[torch.Tensor]) -> None:
         """Through two pinned buffers in turn: the socket fills one while the GPU copies out of the
         other, one multi-tensor copy per buffer (a KV cache's views number thousands, and a
-        synchronous copy each cost more than the socket). Done when it returns."""
-        for group in _stage_groups(views):
-            nbytes = sum(view.nbytes for view in group)
-            buffer, copied = self._staging(nbytes)
-            copied.synchronize()  # the copies out of its previous contents are done
-            recv_exact_into(self._sock, byte_view(buffer[:nbytes]))
-            sources, offset = [], 0
-            for view in group:
-                sources.append(buffer[offset:offset + view.nbytes].view(view.dtype).view(view.shape))
-                offset += view.nbytes
-            torch._foreach_copy_(group, sources, non_blocking=True)
-            copied.record()
-        for _, copied in self._stages:
-            copied.synchronize()
+        synchronous copy each cost more than the socket). Done when it returns, even by an error."""
+        # The views' GPU, not the thread's current one: the events must be on the copies' stream.
+        with torch.cuda.device(views[0].device):
+            try:
+                for group in _stage_groups(views):
+                    nbytes = sum(view.nbytes for view in group)
+                    buffer, copied = self._staging(nbytes)
+                    copied.synchronize()  # the copies out of its previous contents are done
+                    recv_exact_into(self._sock, byte_view(buffer[:nbytes]))
+                    sources, offset = [], 0
+                    for view in group:
+                        sources.append(buffer[offset:offset + view.nbytes].view(view.dtype).view(view.shape))
+                        offset += view.nbytes
+                    torch._foreach_copy_(group, sources, non_blocking=True)
+                    copied.record()
+            finally:
+                for _, copied in self._stages:
+                    copied.synchronize()
 
     def _staging(self, nbytes: int) -> tuple[torch.Tensor, torch.cuda.Event]:
         """The next of the two pinned buffers (grown to nbytes) and the event after its last copies."""

@@ -42,7 +42,7 @@ class LayerSender:
         ready = None
         if kv.is_cuda:
             ready = torch.cuda.Event()
-            ready.record()  # the engine's stream: the gather of these layers
+            ready.record(torch.cuda.current_stream(kv.device))  # after the gather of these layers
             if self.copy_stream is not None:
                 host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
                 with torch.cuda.stream(self.copy_stream):
@@ -52,8 +52,8 @@ class LayerSender:
                     ready = torch.cuda.Event()
                     ready.record()
                 kv = host
-        self.producer.put(self.request_id, first, end, kv, ready)
-        self.layers_put += end - first
+        if self.producer.put(self.request_id, first, end, kv, ready):  # else the entry was aborted
+            self.layers_put += end - first
 
 
 class PrefillNode:
@@ -114,14 +114,24 @@ class PrefillNode:
         nbytes = num_layers * per_layer * (len(call.prompt_token_ids) - call.skip_tokens)
         step = 1 if self.layerwise else num_layers
         layers = [(first, min(first + step, num_layers)) for first in range(0, num_layers, step)]
-        # Opening may wait (bounded) for buffer space: keep that off the event loop.
-        await asyncio.to_thread(self.producer.open, call.request_id, call.prompt_token_ids, layers, nbytes,
-                                call.kv_dest)
+        # Opening may wait (bounded) for buffer space: off the event loop, and shielded, so that a call
+        # cancelled meanwhile (its decode node gave up) aborts the entry once it is open.
+        opening = asyncio.ensure_future(asyncio.to_thread(
+            self.producer.open, call.request_id, call.prompt_token_ids, layers, nbytes, call.kv_dest))
+        try:
+            await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            opening.add_done_callback(lambda task: self._abort_opened(task, call.request_id))
+            raise
         if engine.device.type == "cuda" and self.kv_buffer_device == "cpu" and self.copy_stream is None:
             self.copy_stream = torch.cuda.Stream(engine.device)
         copy_stream = self.copy_stream if self.kv_buffer_device == "cpu" else None
         sender = LayerSender(self.producer, call.request_id, copy_stream)
         return KVExport(call.skip_tokens, step, sender.put), sender, nbytes
+
+    def _abort_opened(self, opening: asyncio.Future, request_id: str) -> None:
+        if not opening.cancelled() and opening.exception() is None:
+            self.producer.abort(request_id)
 
     def register(self, dest: tuple[str, int]) -> None:
         self.destinations[dest] = None
