@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from disagg import pipes
+from disagg.lookup_buffer import EntryCancelled, LookupBufferConsumer, LookupBufferProducer
 from disagg.pipes import (
     AuthError,
     PipeClosed,
@@ -386,3 +387,38 @@ def _read_until_closed(s: socket.socket) -> int:
     except ConnectionResetError:
         pass
     return total
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pipe_name", ALL_PIPES)
+def test_layer_wise_entries_on_every_pipe(pipe_name):
+    """The lookup buffer's layer-wise entries on each transport, on one connection: parts into the
+    views of a cache (into a tensor of its own where the peer writes one-sided), an entry cancelled
+    after its first part, then a whole entry."""
+    config = PipeConfig(kv_port=0, timeout=20)
+    consumer = LookupBufferConsumer(pipe_name, config)
+    producer = LookupBufferProducer(pipe_name, config, 1 << 24, 30.0, 5.0)
+    try:
+        kv = torch.randn(4, 2, 5, 2, 3)
+        cache = torch.zeros(4, 2, 8, 2, 3)
+        consumer.expect("parts", [[cache[layer, k, row:row + rows] for layer in range(4) for k in (0, 1)
+                                   for row, rows in ((3, 2), (0, 3))]])
+        groups = [(0, 1), (1, 3), (3, 4)]
+        producer.open("parts", [1], groups, kv.nbytes, consumer.address)
+        producer.open("cancelled", [2], [(0, 2), (2, 4)], kv.nbytes, consumer.address)
+        for first, end in groups:
+            producer.put("parts", first, end, kv[first:end].clone())
+        producer.put("cancelled", 0, 2, kv[0:2].clone())
+        entry = consumer.drop_select("parts", [1], 20)
+        assert entry.in_place == (pipe_name != "nixl")
+        got = torch.cat([cache[:, :, 3:5], cache[:, :, 0:3]], dim=2) if entry.in_place else entry.kv_tensors[0]
+        assert torch.equal(got, kv)
+        producer.abort("cancelled")
+        with pytest.raises(EntryCancelled):
+            consumer.drop_select("cancelled", [2], 20)
+        producer.insert("whole", [3], [torch.ones(3)], None, consumer.address)
+        assert torch.equal(consumer.drop_select("whole", [3], 20).kv_tensors[0], torch.ones(3))
+        assert consumer.stats().connections == 1
+    finally:
+        producer.close()
+        consumer.close()

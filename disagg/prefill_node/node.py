@@ -87,7 +87,7 @@ class PrefillNode:
             if sender.layers_put != self.engine.engine.model_config.num_hidden_layers:
                 raise RuntimeError(f"prefill of {call.request_id} ended without its KV ({final and final.finish_reason})")
         except BaseException:
-            self.producer.abort(call.request_id)  # a part that never comes ends the entry, not the connection's wait
+            self.producer.abort(call.request_id)  # on the wire already, the decode node is told it is cancelled
             raise
         finally:
             self.callers.pop(call.request_id, None)
