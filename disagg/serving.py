@@ -1,7 +1,6 @@
 """Running a node: its HTTP server (and gRPC server) in one event loop, one ready line, clean shutdown,
 and the ASGI middlewares its API and the router's share."""
 
-import asyncio
 import importlib.metadata
 import logging
 import secrets
@@ -39,16 +38,26 @@ async def serve_http(app: FastAPI, host: str, port: int, ready_line: str, log_le
     """Serve until SIGINT/SIGTERM; print `ready_line` once the socket listens. On the signal the
     socket closes (new connections are refused) and requests in flight get `shutdown_timeout`
     seconds to finish before they are cancelled."""
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
-                                           access_log=False, timeout_graceful_shutdown=shutdown_timeout))
-    task = asyncio.create_task(server.serve())
-    while not server.started and not task.done():
-        await asyncio.sleep(0.05)
-    if task.done():  # it could not bind; uvicorn has logged why
-        await task
-        raise SystemExit(f"disagg: error: cannot serve HTTP on {host}:{port}")
-    print(ready_line, flush=True)
-    await task
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
+                                    access_log=False, timeout_graceful_shutdown=shutdown_timeout), ready_line)
+    try:
+        await server.serve()
+    except SystemExit:  # it could not start (a port in use, say); uvicorn has logged why
+        raise SystemExit(f"disagg: error: cannot serve HTTP on {host}:{port}") from None
+
+
+class _Server(uvicorn.Server):
+    """Prints its ready line as soon as the socket listens, before it has answered anything (a line
+    printed later could land in the middle of what a first client prints to the same terminal)."""
+
+    def __init__(self, config: uvicorn.Config, ready_line: str):
+        super().__init__(config)
+        self.ready_line = ready_line
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            print(self.ready_line, flush=True)
 
 
 MAX_REQUEST_ID_CHARS = 128

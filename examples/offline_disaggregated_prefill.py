@@ -4,22 +4,28 @@ The same idea as vLLM's examples/offline_inference/disaggregated_prefill.py, wir
 from disagg's parts so you can see how they fit:
 
     prefill process (producer)                      decode process (consumer)
-    LLMEngine                                       LLMEngine
-      add_request(export_kv=True, max_tokens=1)       add_request(remote_prefill=True): reserve blocks
-      step() -> output.kv + first token               ...
-    LookupBufferProducer.insert(kv, first token) --> LookupBufferConsumer.drop_select(request id, tokens)
-                         (a tcp pipe)                 finish_remote_prefill(kv, first token)
-                                                      step() ... -> completions
+                                                    LLMEngine.add_request(remote_prefill=True):
+                                                      reserve blocks; consumer.expect(their views)
+    LookupBufferProducer.open(request, layers)
+    LLMEngine.add_request(max_tokens=1,
+        kv_export=KVExport(put=producer.put))
+    step(): each layer's KV to put() as soon   -->  the consumer receives each layer into the blocks
+      as that layer has run (a tcp pipe)            LookupBufferConsumer.drop_select(request id, tokens)
+    -> first token                             -->  finish_remote_prefill(first token)
+                                                    step() ... -> completions
 
 The engine knows nothing of the network; the lookup buffer knows nothing of models. This file
-is the glue that `disagg serve` does with gRPC in between. Two multiprocessing Events order
-the processes: `consumer_ready` (the decode process listens; the prefill process may push) and
-`kv_received` (the decode process has every prompt's KV; the prefill process may exit).
+is the glue that `disagg serve` does with gRPC in between (there the first token is the Prefill
+call's answer; here it crosses a multiprocessing queue). Two multiprocessing Events order the
+processes: `consumer_ready` (the decode process listens and has reserved its blocks; the prefill
+process may push) and `kv_received` (the decode process has every prompt's KV; the prefill
+process may exit).
 
 Run it:  python examples/offline_disaggregated_prefill.py
 It prints the completions and whether they match a colocated run; exit code 0 iff they do.
 """
 
+import functools
 import multiprocessing as mp
 import queue
 import sys
@@ -31,6 +37,7 @@ from disagg.config import KVTransferConfig
 from disagg.engine.config import EngineConfig
 from disagg.engine.engine import LLMEngine
 from disagg.engine.output import RequestOutput
+from disagg.engine.sequence import KVExport
 from disagg.lookup_buffer import LookupBufferConsumer, LookupBufferProducer
 
 PROMPTS = [
@@ -51,7 +58,8 @@ def request_id(index: int) -> str:
     return f"prompt-{index}"
 
 
-def run_prefill(consumer_port: Synchronized, consumer_ready: Event, kv_received: Event) -> None:
+def run_prefill(consumer_port: Synchronized, consumer_ready: Event, kv_received: Event,
+                first_tokens: mp.Queue) -> None:
     # kv_ip/kv_port name this producer to the consumer; a producer listens on nothing.
     kv = KVTransferConfig(kv_role="producer", kv_ip="127.0.0.1", kv_port=0,
                           kv_connector_extra_config={"auth_token": AUTH_TOKEN})
@@ -62,19 +70,23 @@ def run_prefill(consumer_port: Synchronized, consumer_ready: Event, kv_received:
         if not consumer_ready.wait(KV_WAIT_S):
             raise RuntimeError(f"the decode process did not open its KV endpoint within {KV_WAIT_S}s")
         consumer = ("127.0.0.1", consumer_port.value)
-        # A prefill is a request for exactly one token whose output carries the prompt's KV; greedy,
-        # as the decode side samples.
+        # A prefill is a request for exactly one token; greedy, as the decode side samples.
         first_token_only = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        layers = [(layer, layer + 1) for layer in range(engine.model_config.num_hidden_layers)]
         for i, prompt in enumerate(PROMPTS):
-            engine.add_request(request_id(i), prompt, first_token_only, export_kv=True)
+            token_ids = engine.tokenize(prompt)
+            nbytes = engine.kv_cache.kv[:, :, :len(token_ids)].nbytes
+            # open() reserves the KV's room in the buffer; during the step that computes the prompt
+            # the engine hands each layer's KV to put() as soon as that layer has run, and a sender
+            # thread pushes it to the consumer while the next layers compute.
+            producer.open(request_id(i), token_ids, layers, nbytes, dest=consumer)
+            export = KVExport(start=0, layers_per_put=1, put=functools.partial(producer.put, request_id(i)))
+            engine.add_request(request_id(i), token_ids, first_token_only, kv_export=export)
         while engine.has_unfinished_requests():
             for out in engine.step():
-                # insert() only queues the KV; a sender thread pushes it to the consumer.
-                # The first token rides along in the entry's extras.
-                producer.insert(out.request_id, out.prompt_token_ids, [out.kv],
-                                {"first_token": out.token_ids[0]}, dest=consumer)
-                print(f"[prefill] {out.request_id}: {len(out.prompt_token_ids)} prompt tokens, "
-                      f"{out.kv.nbytes / 1024:.0f} KiB of KV sent", flush=True)
+                first_tokens.put((out.request_id, out.token_ids[0]))
+                print(f"[prefill] {out.request_id}: {len(out.prompt_token_ids)} prompt tokens, KV sent "
+                      f"layer by layer", flush=True)
         # Closing the producer drops what it has not sent yet: wait until the consumer has it all.
         if not kv_received.wait(KV_WAIT_S):
             raise RuntimeError(f"the decode process did not confirm receipt of the KV within {KV_WAIT_S}s")
@@ -83,23 +95,30 @@ def run_prefill(consumer_port: Synchronized, consumer_ready: Event, kv_received:
 
 
 def run_decode(consumer_port: Synchronized, consumer_ready: Event, kv_received: Event,
-               results: mp.Queue) -> None:
+               first_tokens: mp.Queue, results: mp.Queue) -> None:
     # kv_port 0: the OS picks a free port; the prefill process learns it through consumer_port.
     kv = KVTransferConfig(kv_role="consumer", kv_ip="127.0.0.1", kv_port=0,
                           kv_connector_extra_config={"auth_token": AUTH_TOKEN})
     engine = LLMEngine(ENGINE)
     consumer = LookupBufferConsumer(kv.kv_connector, kv.pipe_config(), ttl=kv.extra("buffer_ttl"))
     try:
-        consumer_port.value = consumer.address[1]
-        consumer_ready.set()
-        # Reserve KV blocks for each prompt; the engine will not compute these prompts itself.
+        # Reserve KV blocks for each prompt; the engine will not compute these prompts itself. Their
+        # KV is received straight into the reserved blocks (their views, in the KV's byte order).
         seqs = [engine.add_request(request_id(i), prompt, SAMPLING, remote_prefill=True)
                 for i, prompt in enumerate(PROMPTS)]
+        for seq in seqs:
+            into = engine.remote_kv_views(seq.request_id, 0)
+            if into is not None:  # None if the pool had no room yet: then it lands in a buffer first
+                consumer.expect(seq.request_id, [into])
+        consumer_port.value = consumer.address[1]
+        consumer_ready.set()
+        first = dict(first_tokens.get(timeout=KV_WAIT_S) for _ in seqs)
         for seq in seqs:
             # Blocks until this request's KV arrived; the digest check proves it was computed
             # for these very tokens.
             entry = consumer.drop_select(seq.request_id, seq.prompt_token_ids, timeout=KV_WAIT_S)
-            engine.finish_remote_prefill(seq.request_id, entry.kv_tensors[0], int(entry.extras["first_token"]))
+            kv = None if entry.in_place else entry.kv_tensors[0]
+            engine.finish_remote_prefill(seq.request_id, kv, first[seq.request_id])
     finally:
         # Closed before the prefill process exits, so its leaving is not reported as a lost producer.
         consumer.close()
@@ -116,9 +135,10 @@ def main() -> int:
     ctx = mp.get_context("spawn")
     consumer_port = ctx.Value("i", 0)
     consumer_ready, kv_received = ctx.Event(), ctx.Event()
-    results = ctx.Queue()
-    prefill = ctx.Process(target=run_prefill, args=(consumer_port, consumer_ready, kv_received), name="prefill")
-    decode = ctx.Process(target=run_decode, args=(consumer_port, consumer_ready, kv_received, results),
+    first_tokens, results = ctx.Queue(), ctx.Queue()
+    prefill = ctx.Process(target=run_prefill, args=(consumer_port, consumer_ready, kv_received, first_tokens),
+                          name="prefill")
+    decode = ctx.Process(target=run_decode, args=(consumer_port, consumer_ready, kv_received, first_tokens, results),
                          name="decode")
     prefill.start()
     decode.start()
