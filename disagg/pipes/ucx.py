@@ -19,7 +19,7 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine
 from concurrent.futures import Future
 
 import numpy as np
@@ -87,29 +87,28 @@ def _buffer(tensor: torch.Tensor) -> np.ndarray | torch.Tensor:
 
 
 async def _send_all(ep: "ucxx.Endpoint", buffers: list) -> None:
-    _check_open(ep)
     # gather starts the sends in list order, and UCX matches one tag's messages in the
     # order they were posted, so the receiver sees them in this order.
-    await asyncio.gather(*(ep.send(b) for b in buffers if len(b)))
+    await _torn_down_is_closed(asyncio.gather(*(ep.send(b) for b in buffers if len(b))))
 
 
 async def _recv_all(ep: "ucxx.Endpoint", buffers: list) -> None:
-    _check_open(ep)
-    await asyncio.gather(*(ep.recv(b) for b in buffers))
+    await _torn_down_is_closed(asyncio.gather(*(ep.recv(b) for b in buffers)))
 
 
-def _check_open(ep: "ucxx.Endpoint") -> None:
-    # ucxx's send and recv use the endpoint's handle before checking that it is closed: once the
-    # peer has gone they raise AttributeError, which would escape as a bug, not a closed pipe.
-    if ep.closed:
-        raise PipeClosed("the UCX endpoint is closed: the peer closed the pipe or died")
+async def _torn_down_is_closed(operation: Awaitable) -> None:
+    """ucxx's send and recv use an endpoint's handle before checking that it is open: once the
+    endpoint is torn down they raise AttributeError, which would escape as a bug, not a closed pipe."""
+    try:
+        await operation
+    except AttributeError:
+        raise PipeClosed("the UCX endpoint is closed: the peer closed the pipe or died") from None
 
 
 async def _recv_bytes(ep: "ucxx.Endpoint", nbytes: int) -> bytes:
     buf = np.empty(nbytes, dtype=np.uint8)
     if nbytes:
-        _check_open(ep)
-        await ep.recv(buf)
+        await _torn_down_is_closed(ep.recv(buf))
     return buf.tobytes()
 
 
