@@ -422,3 +422,34 @@ def test_layer_wise_entries_on_every_pipe(pipe_name):
     finally:
         producer.close()
         consumer.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pipe_name", ALL_PIPES)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_layer_wise_cuda_parts_between_two_gpus(pipe_name):
+    """Layer parts computed on cuda:0 by a stream still busy with later work, each handed over with
+    the event after its own layer (as a prefill node's do), land in views of a cache on cuda:1."""
+    torch.cuda.set_device(0)
+    config = PipeConfig(kv_port=0, timeout=60)
+    consumer = LookupBufferConsumer(pipe_name, config)
+    producer = LookupBufferProducer(pipe_name, config, 1 << 30, 30.0, 5.0)
+    try:
+        layers, kv = 8, torch.randn(8, 2, 4096, 8, 128, device="cuda:0")
+        cache = torch.zeros(8, 2, 4096, 8, 128, device="cuda:1")
+        consumer.expect("r", [[cache[layer, k] for layer in range(layers) for k in (0, 1)]])
+        producer.open("r", [1], [(layer, layer + 1) for layer in range(layers)], kv.nbytes, consumer.address)
+        big = torch.randn(8192, 8192, device="cuda:0")
+        for layer in range(layers):
+            part = kv[layer:layer + 1] * 1.0  # computed on the engine's stream
+            ready = torch.cuda.Event()
+            ready.record()
+            producer.put("r", layer, layer + 1, part, ready)
+            big = big @ big / 8192  # later work queued behind it
+        entry = consumer.drop_select("r", [1], 60)
+        torch.cuda.synchronize("cuda:1")
+        got = cache if entry.in_place else entry.kv_tensors[0]
+        assert torch.equal(got.cpu(), kv.cpu())
+    finally:
+        producer.close()
+        consumer.close()
