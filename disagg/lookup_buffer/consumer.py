@@ -443,10 +443,7 @@ class LookupBufferConsumer:
         """The producer cancelled the request's entry on the way (its prefill failed): its lookup fails now."""
         with self._cond:
             self._stats.cancelled += 1
-            self._cancelled.pop(request_id, None)  # re-insert: the dict stays in deadline order
-            self._cancelled[request_id] = time.monotonic() + self.ttl
-            if len(self._cancelled) > MAX_REFUSED_IDS:
-                del self._cancelled[next(iter(self._cancelled))]
+            self._remember(self._cancelled, request_id)
             self._wake()
 
     def _store(self, entry: KVEntry, source: tuple[str, int]) -> None:
@@ -471,15 +468,20 @@ class LookupBufferConsumer:
 
     def _refuse(self, request_id: str, nbytes: int, source: tuple[str, int]) -> None:
         self._stats.refused += 1
-        self._refused.pop(request_id, None)  # re-insert: the dict stays in deadline order
-        self._refused[request_id] = time.monotonic() + self.ttl
-        if len(self._refused) > MAX_REFUSED_IDS:
-            del self._refused[next(iter(self._refused))]
+        self._remember(self._refused, request_id)
         self._refusals.warning(
             "full",
             f"dropped KV of request {request_id!r} ({nbytes} bytes) from {source[0]}:{source[1]}: "
             f"{self._stats.bytes} bytes of unclaimed entries already held, kv_buffer_size is {self.kv_buffer_size}",
         )
+
+    def _remember(self, ids: dict[str, float], request_id: str) -> None:
+        """Under the lock: a request whose lookups fail at once, for ttl, the oldest forgotten past
+        MAX_REFUSED_IDS. Re-inserted, so that the dict stays in deadline order."""
+        ids.pop(request_id, None)
+        ids[request_id] = time.monotonic() + self.ttl
+        if len(ids) > MAX_REFUSED_IDS:
+            del ids[next(iter(ids))]
 
     def _expire_loop(self) -> None:
         with self._cond:

@@ -366,16 +366,14 @@ class LookupBufferProducer:
     def _requeue(self, pending: _Pending) -> None:
         """A failed send: retry the entry first, unless it was aborted or expired meanwhile."""
         pending.sending = False
-        if pending.aborted:
-            self._free(pending)
-            self._stats.aborts += 1
-        elif pending.deadline <= time.monotonic():
-            self._expire(pending)
+        if pending.aborted or pending.deadline <= time.monotonic():
+            self._drop_unfinished(pending)
         else:
             self._queues[pending.dest].appendleft(pending)
 
     def _drop_unfinished(self, pending: _Pending) -> None:
-        """An entry cancelled on the wire: aborted, or its ttl passed while a part was awaited."""
+        """An entry that will not be sent: aborted, or its ttl passed (while a send failed or a part
+        was awaited)."""
         if pending.aborted:
             self._free(pending)
             self._stats.aborts += 1
