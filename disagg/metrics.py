@@ -1,6 +1,6 @@
 """Prometheus metrics of a node, served at /metrics."""
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -79,15 +79,9 @@ class VLLMNames(Collector):
                 yield renamed
 
 
-_vllm_names: VLLMNames | None = None
-
-
 def register_vllm_names(model_name: str) -> None:
     """Serve the vLLM names too (once per process)."""
-    global _vllm_names
-    if _vllm_names is None:
-        _vllm_names = VLLMNames(model_name)
-        REGISTRY.register(_vllm_names)
+    _register_once("vllm_names", lambda: VLLMNames(model_name))
 
 
 class KVTiers(Collector):
@@ -160,12 +154,15 @@ def histogram(latencies: Latencies) -> tuple[list[tuple[str, float]], float]:
     return buckets, latencies.total
 
 
-_kv_tiers: KVTiers | None = None
-
-
 def register_kv_tiers(engine: LLMEngine) -> None:
     """Serve the engine's KV tier metrics (once per process: one engine per node)."""
-    global _kv_tiers
-    if _kv_tiers is None:
-        _kv_tiers = KVTiers(engine)
-        REGISTRY.register(_kv_tiers)
+    _register_once("kv_tiers", lambda: KVTiers(engine))
+
+
+_registered: set[str] = set()  # collectors registered in this process: registering one twice raises
+
+
+def _register_once(name: str, make: Callable[[], Collector]) -> None:
+    if name not in _registered:
+        _registered.add(name)
+        REGISTRY.register(make())
