@@ -48,16 +48,17 @@ class AuthError(PipeError):
 Destination = torch.Tensor | list[torch.Tensor]
 
 
-def fill(dest: Destination, tensor: torch.Tensor) -> None:
+def fill(dest: Destination, tensor: torch.Tensor, non_blocking: bool = False) -> None:
     """Copy a tensor received elsewhere into its destination."""
     if isinstance(dest, torch.Tensor):
-        dest.copy_(tensor)
+        dest.copy_(tensor, non_blocking=non_blocking)
         return
     if not dest:  # an empty tensor
         return
     chunks = tensor.reshape(-1).split([view.numel() for view in dest])
     # One multi-tensor copy, not a kernel per view: a KV cache's views can number thousands.
-    torch._foreach_copy_(dest, [chunk.view(view.shape) for chunk, view in zip(chunks, dest)])
+    torch._foreach_copy_(dest, [chunk.view(view.shape) for chunk, view in zip(chunks, dest)],
+                         non_blocking=non_blocking)
 
 
 @dataclass

@@ -14,7 +14,7 @@ import socket
 import torch
 
 from disagg.pipes import wire
-from disagg.pipes.base import Destination, KVPipe, PipeConfig, PipeError
+from disagg.pipes.base import Destination, KVPipe, PipeConfig, PipeError, fill
 from disagg.pipes.sockets import (
     Listener,
     byte_view,
@@ -117,11 +117,7 @@ class TcpPipe(KVPipe):
                     buffer, copied = self._staging(nbytes)
                     copied.synchronize()  # the copies out of its previous contents are done
                     recv_exact_into(self._sock, byte_view(buffer[:nbytes]))
-                    sources, offset = [], 0
-                    for view in group:
-                        sources.append(buffer[offset:offset + view.nbytes].view(view.dtype).view(view.shape))
-                        offset += view.nbytes
-                    torch._foreach_copy_(group, sources, non_blocking=True)
+                    fill(group, buffer[:nbytes].view(group[0].dtype), non_blocking=True)  # one tensor's views: one dtype
                     copied.record()
             finally:
                 for _, copied in self._stages:
