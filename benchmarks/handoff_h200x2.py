@@ -120,6 +120,7 @@ def goodput_phase(args: argparse.Namespace, model: Path) -> dict:
                     r = runs[name][rate]
                     print(f"  {name:13s} rate {rate:>5s}: {100 * r['goodput_fraction']:.0f}% within SLO, "
                           f"TTFT p50 {r['median_ttft_ms']:.0f} ms, TPOT p50 {r['median_tpot_ms']:.1f} ms", flush=True)
+            save_metrics(pair_and_first, log_dir)
         finally:
             router.terminate()
             router.wait(timeout=20)

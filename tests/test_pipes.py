@@ -432,7 +432,7 @@ def test_layer_wise_cuda_parts_between_two_gpus(pipe_name):
     the event after its own layer (as a prefill node's do), land in views of a cache on cuda:1."""
     torch.cuda.set_device(0)
     config = PipeConfig(kv_port=0, timeout=60)
-    consumer = LookupBufferConsumer(pipe_name, config)
+    consumer = LookupBufferConsumer(pipe_name, config, device="cuda:1")  # receives as a decode node on GPU 1
     producer = LookupBufferProducer(pipe_name, config, 1 << 30, 30.0, 5.0)
     try:
         layers, kv = 8, torch.randn(8, 2, 4096, 8, 128, device="cuda:0")

@@ -190,6 +190,8 @@ class LLMEngine:
             # Leading blocks hit in our own prefix cache already hold this KV.
             start = seq.num_cached_tokens
             self.kv_cache.scatter(seq.block_table, remote.kv[:, :, start - remote.kv_start:], start)
+            if remote.kv.is_cuda:  # received on another stream: not reused before this scatter has read it
+                remote.kv.record_stream(torch.cuda.current_stream(remote.kv.device))
         seq.num_computed_tokens = seq.num_prompt_tokens
         self.block_manager.commit(seq)
         seq.remote_prefill = None

@@ -85,11 +85,13 @@ class LookupBufferConsumer:
 
     def __init__(
         self, pipe_name: str, config: PipeConfig, ttl: float = 60.0, kv_buffer_size: int = 1 << 30,
-        on_received: Callable[[int], None] | None = None,
+        on_received: Callable[[int], None] | None = None, device: torch.device | str | None = None,
     ) -> None:
-        """on_received(nbytes) is called on a receiver thread for every KV message as it arrives."""
+        """on_received(nbytes) is called on a receiver thread for every KV message as it arrives.
+        device: where the KV cache lives; a CUDA one is where GPU transports receive."""
         if kv_buffer_size <= 0:
             raise ValueError(f"kv_buffer_size must be positive, got {kv_buffer_size}")
+        self.device = torch.device(device) if device is not None else None
         self.ttl = ttl
         self.on_received = on_received
         self.kv_buffer_size = kv_buffer_size
@@ -330,6 +332,7 @@ class LookupBufferConsumer:
         source: tuple[str, int] | None = None
         reason = "closed"
         try:
+            self._use_own_stream()
             hello = decode(self._recv(pipe))
             if not isinstance(hello, Hello):
                 raise ProtocolError("a producer must send a hello first; is the peer a disagg lookup-buffer producer?")
@@ -362,12 +365,24 @@ class LookupBufferConsumer:
                 if not self._closed:
                     log.warning("KV producer %s disconnected: %s", source or "(before its hello)", reason)
 
+    def _use_own_stream(self) -> None:
+        """This receiver thread's GPU work (NCCL receives, copies into the blocks) goes on a stream of
+        its own. On the engine's stream, NCCL would start each receive only after the decode steps
+        queued before it: a step (~7 ms) per layer part under load (docs/ARCHITECTURE.md, "KV on GPUs")."""
+        if self.device is not None and self.device.type == "cuda":
+            if self.device.index is not None:  # "cuda" alone: the current one, as the engine's
+                torch.cuda.set_device(self.device)
+            torch.cuda.set_stream(torch.cuda.Stream())
+
     def _recv(self, pipe: KVPipe, out: list[Destination] | None = None) -> list[Destination] | None:
         while True:
             try:
-                return pipe.recv(out)
+                received = pipe.recv(out)
             except PipeTimeout:  # an idle connection, not a dead one; a stalled message breaks the pipe
                 continue
+            if self.device is not None and self.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()  # in place once it is handed on, whatever reads it
+            return received
 
     def _recv_kv(self, pipe: KVPipe, entry: KVEntry) -> bool:
         """The messages after an entry's header: its KV, into the request's destination if expected.
@@ -435,7 +450,7 @@ class LookupBufferConsumer:
         nbytes = first_part.nbytes // end * num_layers
         if nbytes > self.kv_buffer_size:
             raise ProtocolError(f"an entry of {nbytes} bytes of KV; kv_buffer_size is {self.kv_buffer_size}")
-        whole = torch.empty((num_layers, *first_part.shape[1:]), dtype=first_part.dtype)
+        whole = torch.empty((num_layers, *first_part.shape[1:]), dtype=first_part.dtype, device=first_part.device)
         whole[:end] = first_part
         return whole
 

@@ -335,6 +335,9 @@ class LookupBufferProducer:
             with torch.cuda.stream(stream[0]):
                 stream[0].wait_event(part.ready)
                 pipe.send(part.tensors)
+            # Sent once the transport is done reading: the engine's allocator may reuse the part's
+            # memory as soon as it is dropped, and it knows nothing of this stream.
+            stream[0].synchronize()
         if self.on_sent is not None:
             self.on_sent(sum(t.nbytes for t in part.tensors))
 

@@ -46,12 +46,15 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 try:
     from nixl_cu12._api import nixl_agent, nixl_agent_config
 except ImportError:
-    try:
-        from nixl._api import nixl_agent, nixl_agent_config
-    except ImportError as e:
-        raise ImportError(
-            f"the nixl pipe needs NIXL ({e}): pip install nixl-cu12 (or pip install 'disagg[nixl]')"
-        ) from e
+    try:  # the CUDA 13 wheel
+        from nixl_cu13._api import nixl_agent, nixl_agent_config
+    except ImportError:
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config
+        except ImportError as e:
+            raise ImportError(
+                f"the nixl pipe needs NIXL ({e}): pip install nixl-cu12 or nixl-cu13 (or pip install 'disagg[nixl]')"
+            ) from e
 
 log = logging.getLogger(__name__)
 
