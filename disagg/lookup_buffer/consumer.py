@@ -368,7 +368,7 @@ class LookupBufferConsumer:
     def _use_own_stream(self) -> None:
         """This receiver thread's GPU work (NCCL receives, copies into the blocks) goes on a stream of
         its own. On the engine's stream, NCCL would start each receive only after the decode steps
-        queued before it: a step (~7 ms) per layer part under load (docs/ARCHITECTURE.md, "KV on GPUs")."""
+        queued before it (docs/ARCHITECTURE.md, "KV on GPUs: streams")."""
         if self.device is not None and self.device.type == "cuda":
             if self.device.index is not None:  # "cuda" alone: the current one, as the engine's
                 torch.cuda.set_device(self.device)
