@@ -39,6 +39,9 @@ PREFILL_COMPUTE = Histogram("disagg_prefill_compute_seconds", "A Prefill call's 
                             buckets=LATENCY_BUCKETS)
 KV_BUFFER_INSERT = Histogram("disagg_kv_buffer_insert_seconds", "Opening a prompt's entry in the lookup buffer "
                              "before its prefill runs: the wait for buffer space", buckets=LATENCY_BUCKETS)
+KV_PART_SEND = Histogram("disagg_kv_part_send_seconds", "One KV message (a layer part, or a whole prompt's KV) "
+                         "handed to the pipe until sent; a GPU part's until the transport is done with it",
+                         buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
 REMOTE_PREFILL = Counter("disagg_remote_prefill_total", "Remote prefills, by outcome",
                          ["outcome"])  # ok, recomputed, failed
 KV_BLOCKS_USED = Gauge("disagg_kv_blocks_used", "KV cache blocks in use")
@@ -48,6 +51,13 @@ BUFFER_BYTES = Gauge("disagg_lookup_buffer_bytes", "Bytes held in the lookup buf
 REQUESTS_RUNNING = Gauge("disagg_num_requests_running", "Requests in the engine's running batch")
 REQUESTS_WAITING = Gauge("disagg_num_requests_waiting", "Requests waiting for blocks, their turn, or their KV")
 KV_CACHE_USAGE = Gauge("disagg_kv_cache_usage", "Fraction of the KV cache blocks in use (0 to 1)")
+
+
+def kv_sent(nbytes: int, seconds: float) -> None:
+    """A prefill node's producer sent one KV message."""
+    KV_BYTES.labels("sent").inc(nbytes)
+    KV_PART_SEND.observe(seconds)
+
 
 # vLLM's names for the same series (counters without _total), so that dashboards, autoscalers and
 # `vllm bench` scrapers built for vLLM read ours; each also gets vLLM's model_name label.

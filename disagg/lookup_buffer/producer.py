@@ -84,9 +84,10 @@ class LookupBufferProducer:
 
     def __init__(
         self, pipe_name: str, config: PipeConfig, kv_buffer_size: int, ttl: float, insert_timeout: float,
-        idle_sender_s: float = IDLE_SENDER_S, on_sent: Callable[[int], None] | None = None,
+        idle_sender_s: float = IDLE_SENDER_S, on_sent: Callable[[int, float], None] | None = None,
     ) -> None:
-        """on_sent(nbytes) is called on a sender thread for every KV message it has sent."""
+        """on_sent(nbytes, seconds) is called on a sender thread for every KV message it has sent,
+        with the seconds the send took (for a GPU part: until the transport was done with it)."""
         if kv_buffer_size <= 0:
             raise ValueError(f"kv_buffer_size must be positive, got {kv_buffer_size}")
         self.pipe_name = pipe_name
@@ -322,10 +323,10 @@ class LookupBufferProducer:
 
     def _send_part(self, pipe: KVPipe, part: _Part, stream: list[torch.cuda.Stream]) -> None:
         check_tensors(part.tensors)
-        if part.ready is None:
-            pipe.send(part.tensors)
-        elif not part.tensors[0].is_cuda:
+        if part.ready is not None and not part.tensors[0].is_cuda:
             part.ready.synchronize()  # its copy to host memory is done
+        start = time.perf_counter()
+        if part.ready is None or not part.tensors[0].is_cuda:
             pipe.send(part.tensors)
         else:
             # On a stream of its own that waits for this part alone: on the engine's stream a GPU
@@ -339,7 +340,7 @@ class LookupBufferProducer:
             # memory as soon as it is dropped, and it knows nothing of this stream.
             stream[0].synchronize()
         if self.on_sent is not None:
-            self.on_sent(sum(t.nbytes for t in part.tensors))
+            self.on_sent(sum(t.nbytes for t in part.tensors), time.perf_counter() - start)
 
     def _connect(self, dest: tuple[str, int]) -> KVPipe:
         pipe = pipes.connect(self.pipe_name, self.config, dest[0], dest[1])

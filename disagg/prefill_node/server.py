@@ -43,7 +43,7 @@ async def run_prefill_node(engine: AsyncEngine, model_name: str, kv: KVTransferC
                            grpc_port: int, log_level: str) -> None:
     producer = LookupBufferProducer(kv.kv_connector, kv.pipe_config(), int(kv.kv_buffer_size),
                                     kv.extra("buffer_ttl"), kv.extra("insert_timeout"),
-                                    on_sent=metrics.KV_BYTES.labels("sent").inc)
+                                    on_sent=metrics.kv_sent)
     node = PrefillNode(engine, producer, node_info(engine, model_name, kv), kv.kv_buffer_device,
                        kv.extra("layerwise"))
     grpc_server = await start_grpc_server(node, host, grpc_port, kv.grpc_token())
