@@ -120,15 +120,27 @@ def goodput_phase(args: argparse.Namespace, model: Path) -> dict:
                     r = runs[name][rate]
                     print(f"  {name:13s} rate {rate:>5s}: {100 * r['goodput_fraction']:.0f}% within SLO, "
                           f"TTFT p50 {r['median_ttft_ms']:.0f} ms, TPOT p50 {r['median_tpot_ms']:.1f} ms", flush=True)
-            save_metrics(pair_and_first, log_dir)
+                # What is known so far, in case the GPU machine's time limit stops the run.
+                write_json(args, goodput_result(runs, ttft, tpot))
+                save_metrics(pair_and_first, log_dir)
         finally:
             router.terminate()
             router.wait(timeout=20)
+    return goodput_result(runs, ttft, tpot)
+
+
+def goodput_result(runs: dict, ttft: float, tpot: float) -> dict:
     best = {name: max([float(rate) for rate, r in by_rate.items() if r["goodput_fraction"] >= ATTAINMENT],
                       default=0.0) for name, by_rate in runs.items()}
     ratio = best["disagg_1p1d"] / best["colocated_x2"] if best["colocated_x2"] else None
     return {"slo": {"ttft_ms": 2 * ttft, "tpot_ms": 1.5 * tpot, "unloaded_ttft_ms": ttft, "unloaded_tpot_ms": tpot},
             "goodput_runs": runs, "goodput_rate": best, "goodput_ratio": ratio}
+
+
+def write_json(args: argparse.Namespace, result: dict) -> None:
+    args_key = f"{args.phase}_args"
+    Path(args.json).write_text(json.dumps({args_key: {k: v for k, v in vars(args).items() if k != "merge"}} | result,
+                                          indent=1))
 
 
 def main() -> int:
@@ -164,9 +176,7 @@ def main() -> int:
     start = time.time()
     model = write_model(args.shape, Path(args.work) / f"llama-{args.shape}", Path(args.tokenizer_dir),
                         "cuda" if args.device == "cuda" else "cpu")
-    result = {f"{args.phase}_args": {k: v for k, v in vars(args).items() if k != "merge"}}
-    result |= ttft_phase(args, model) if args.phase == "ttft" else goodput_phase(args, model)
-    Path(args.json).write_text(json.dumps(result, indent=1))
+    write_json(args, ttft_phase(args, model) if args.phase == "ttft" else goodput_phase(args, model))
     print(f"{args.phase} done in {time.time() - start:.0f} s", flush=True)
     return 0
 
