@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -106,6 +107,7 @@ def generate(args: argparse.Namespace) -> None:
 # Secrets may come from the environment instead of the command line, where `ps` shows them.
 API_KEY_ENV = "DISAGG_API_KEY"  # for --api-key
 KV_AUTH_TOKEN_ENV = "DISAGG_KV_AUTH_TOKEN"  # for kv_connector_extra_config.auth_token
+SWITCH_INTERVAL_S = 0.0005  # a served node's GIL switch interval (see serve)
 
 
 def transfer_config(args: argparse.Namespace) -> KVTransferConfig:
@@ -214,6 +216,11 @@ def serve(args: argparse.Namespace) -> None:
     if args.check_config:
         print(f"config ok: role {kv.kv_role}, pipe {kv.kv_connector} {kv.kv_ip}:{kv.kv_port}")
         return
+    # The engine thread, the event loop and the KV sender/receivers share one GIL. At Python's default
+    # 5 ms switch interval, a thread that wakes from a socket read or returns from a C call waits up
+    # to 5 ms for the GIL whenever another runs Python: a layer-wise KV entry took 12x longer to
+    # receive beside a busy thread, 2.5x at 0.5 ms (BENCHMARKS.md, "The GIL and the KV handoff").
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     engine = AsyncEngine(LLMEngine(EngineConfig(**engine_kwargs(args))))
     name = served_model_name(args)
     if kv.kv_role == "producer":
