@@ -377,12 +377,9 @@ class LookupBufferConsumer:
     def _recv(self, pipe: KVPipe, out: list[Destination] | None = None) -> list[Destination] | None:
         while True:
             try:
-                received = pipe.recv(out)
+                return pipe.recv(out)
             except PipeTimeout:  # an idle connection, not a dead one; a stalled message breaks the pipe
                 continue
-            if self.device is not None and self.device.type == "cuda":
-                torch.cuda.current_stream().synchronize()  # in place once it is handed on, whatever reads it
-            return received
 
     def _recv_kv(self, pipe: KVPipe, entry: KVEntry) -> bool:
         """The messages after an entry's header: its KV, into the request's destination if expected.
@@ -398,6 +395,14 @@ class LookupBufferConsumer:
                 self._filling[entry.request_id] = pipe
         try:
             kv = self._recv_part(pipe, into) if entry.layers is None else self._recv_layers(pipe, entry.layers, into)
+            if self.device is not None and self.device.type == "cuda":
+                # All of it in place before it is handed on, whatever reads it. Once per entry, not per
+                # part: each wait gives up the GIL, and getting it back costs (ARCHITECTURE.md).
+                torch.cuda.current_stream().synchronize()
+        except BaseException:
+            if into is not None:  # a GPU transfer cut off midway must stop writing before the blocks are given back
+                pipe.close()
+            raise
         finally:
             if into is not None:
                 with self._cond:
