@@ -75,7 +75,10 @@ def write_model(shape: str, out: Path, tokenizer_dir: Path, device: str) -> Path
                         p + "mlp.gate_proj.weight": rand(ff, h), p + "mlp.up_proj.weight": rand(ff, h),
                         p + "mlp.down_proj.weight": rand(h, ff), p + "input_layernorm.weight": ones(h),
                         p + "post_attention_layernorm.weight": ones(h)})
-    save_file(tensors, str(out / "model.safetensors"))
+    # Written under another name and renamed: a run killed mid-write leaves no file that the next
+    # run would take for the model.
+    save_file(tensors, str(out / "model.safetensors.tmp"))
+    (out / "model.safetensors.tmp").replace(out / "model.safetensors")
     return out
 
 
