@@ -92,6 +92,7 @@ class LookupBufferConsumer:
         if kv_buffer_size <= 0:
             raise ValueError(f"kv_buffer_size must be positive, got {kv_buffer_size}")
         self.device = torch.device(device) if device is not None else None
+        self._on_cuda = self.device is not None and self.device.type == "cuda"
         self.ttl = ttl
         self.on_received = on_received
         self.kv_buffer_size = kv_buffer_size
@@ -369,7 +370,7 @@ class LookupBufferConsumer:
         """This receiver thread's GPU work (NCCL receives, copies into the blocks) goes on a stream of
         its own. On the engine's stream, NCCL would start each receive only after the decode steps
         queued before it (docs/ARCHITECTURE.md, "KV on GPUs: streams")."""
-        if self.device is not None and self.device.type == "cuda":
+        if self._on_cuda:
             if self.device.index is not None:  # "cuda" alone: the current one, as the engine's
                 torch.cuda.set_device(self.device)
             torch.cuda.set_stream(torch.cuda.Stream())
@@ -395,9 +396,10 @@ class LookupBufferConsumer:
                 self._filling[entry.request_id] = pipe
         try:
             kv = self._recv_part(pipe, into) if entry.layers is None else self._recv_layers(pipe, entry.layers, into)
-            if self.device is not None and self.device.type == "cuda":
+            if self._on_cuda:
                 # All of it in place before it is handed on, whatever reads it. Once per entry, not per
-                # part: each wait gives up the GIL, and getting it back costs (ARCHITECTURE.md).
+                # part: each wait gives up the GIL, and getting it back costs (docs/ARCHITECTURE.md,
+                # "Threads and the GIL").
                 torch.cuda.current_stream().synchronize()
         except BaseException:
             if into is not None:  # a GPU transfer cut off midway must stop writing before the blocks are given back

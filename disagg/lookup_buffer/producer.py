@@ -323,10 +323,11 @@ class LookupBufferProducer:
 
     def _send_part(self, pipe: KVPipe, part: _Part, stream: list[torch.cuda.Stream]) -> None:
         check_tensors(part.tensors)
-        if part.ready is not None and not part.tensors[0].is_cuda:
+        on_gpu = part.ready is not None and part.tensors[0].is_cuda
+        if part.ready is not None and not on_gpu:
             part.ready.synchronize()  # its copy to host memory is done
         start = time.perf_counter()
-        if part.ready is None or not part.tensors[0].is_cuda:
+        if not on_gpu:
             pipe.send(part.tensors)
         else:
             # On a stream of its own that waits for this part alone: on the engine's stream a GPU
