@@ -7,10 +7,12 @@ scanned at start). A file is a header (magic, version, identity, hash, the block
 payload size, CRC-32 of the payload) and the block's bytes as the host tier holds them. A file
 whose header or checksum is wrong is a miss, never loaded, and is deleted.
 
-Writes and reads run on two background threads, never on the engine's step; the index (which
-files exist, least recently used first) is kept on the engine thread alone, which learns of
-finished jobs by polling `results()`. The total size is bounded: the least recently used files are
-deleted. A failed write (disk full, directory gone) stops writing, with one warning; reads go on.
+Writes and reads run on background threads, never on the engine's step: one writer (a block's
+write and its later delete stay in order) and READERS readers (a prefix's blocks arrive in any
+order; the engine waits for all of them). The index (which files exist, least recently used first)
+is kept on the engine thread alone, which learns of finished jobs by polling `results()`. The
+total size is bounded: the least recently used files are deleted. A failed write (disk full,
+directory gone) stops writing, with one warning; reads go on.
 """
 
 import contextlib
@@ -34,6 +36,9 @@ logger = logging.getLogger(__name__)
 MAGIC = b"DKVB"
 VERSION = 1
 HEADER = struct.Struct("<4sI32sQIQI")  # magic, version, identity, hash, tokens, payload bytes, crc32
+# One thread reads and checksums a prefix at ~1.4 GB/s on the H200 machine (BENCHMARKS.md, "KV tiers
+# on one H200"): slower than recomputing it. Both the read and zlib.crc32 let go of the GIL.
+READERS = 4
 
 
 @dataclass
@@ -79,8 +84,10 @@ class DiskTier:
                            max_bytes, self.file_bytes, self.path)
             self.writes_stopped = True
         self._scan()
+        workers = [(self.write_jobs, "kv-disk-writer")]
+        workers += [(self.read_jobs, f"kv-disk-reader-{i}") for i in range(READERS)]
         self.threads = [threading.Thread(target=self._work, args=(jobs,), name=name, daemon=True)
-                        for jobs, name in ((self.write_jobs, "kv-disk-writer"), (self.read_jobs, "kv-disk-reader"))]
+                        for jobs, name in workers]
         for thread in self.threads:
             thread.start()
 
@@ -181,8 +188,9 @@ class DiskTier:
             self._submit(self.write_jobs, DiskJob("delete", h))
 
     def close(self) -> None:
-        for jobs in (self.write_jobs, self.read_jobs):
-            jobs.put(None)
+        self.write_jobs.put(None)
+        for _ in range(READERS):
+            self.read_jobs.put(None)
         for thread in self.threads:
             thread.join(timeout=10)
 
