@@ -107,6 +107,8 @@ def goodput_phase(args: argparse.Namespace, model: Path) -> dict:
             urls = {"colocated_x2": router_url, "disagg_1p1d": pair_and_first["disagg"].front.url}
             for system in (pair_and_first["colocated"], second["colocated"], pair_and_first["disagg"]):
                 warm_up(system, args.vocab)
+            for name, url in urls.items():  # a few loaded batches of the sweep's shape: first-batch costs stay out
+                serve_once(url, args, "4", 8, 99, [])
             unloaded = [serve_once(pair_and_first["colocated"].front.url, args, "inf", 1, 100 + i, [])
                         for i in range(3)]
             ttft = statistics.median(r["median_ttft_ms"] for r in unloaded)

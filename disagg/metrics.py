@@ -40,7 +40,7 @@ PREFILL_COMPUTE = Histogram("disagg_prefill_compute_seconds", "A Prefill call's 
 KV_BUFFER_INSERT = Histogram("disagg_kv_buffer_insert_seconds", "Opening a prompt's entry in the lookup buffer "
                              "before its prefill runs: the wait for buffer space", buckets=LATENCY_BUCKETS)
 KV_PART_SEND = Histogram("disagg_kv_part_send_seconds", "One KV message (a layer part, or a whole prompt's KV) "
-                         "handed to the pipe until sent; a GPU part's until the transport is done with it",
+                         "handed to the pipe until sent (a GPU part over NCCL: until its transfer is queued)",
                          buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
 REMOTE_PREFILL = Counter("disagg_remote_prefill_total", "Remote prefills, by outcome",
                          ["outcome"])  # ok, recomputed, failed

@@ -317,9 +317,15 @@ class LookupBufferProducer:
                     raise PipeClosed("the lookup-buffer producer is closed")
             if part is None:
                 pipe.send(None)
-                return False
+                break
             self._send_part(pipe, part, stream)
-        return True
+        if stream:
+            # Sent once the transport is done reading its GPU parts: the engine's allocator may reuse
+            # their memory as soon as the entry is dropped, and it knows nothing of this stream. Once
+            # an entry, not a part, so that the next part's send never waits for the receiver. (After
+            # a failed send, closing the pipe ends its transfers.)
+            stream[0].synchronize()
+        return part is not None
 
     def _send_part(self, pipe: KVPipe, part: _Part, stream: list[torch.cuda.Stream]) -> None:
         check_tensors(part.tensors)
@@ -337,9 +343,6 @@ class LookupBufferProducer:
             with torch.cuda.stream(stream[0]):
                 stream[0].wait_event(part.ready)
                 pipe.send(part.tensors)
-            # Sent once the transport is done reading: the engine's allocator may reuse the part's
-            # memory as soon as it is dropped, and it knows nothing of this stream.
-            stream[0].synchronize()
         if self.on_sent is not None:
             self.on_sent(sum(t.nbytes for t in part.tensors), time.perf_counter() - start)
 

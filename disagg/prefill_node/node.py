@@ -25,6 +25,10 @@ from disagg.lookup_buffer import LookupBufferProducer, token_digest
 logger = logging.getLogger(__name__)
 
 MAX_REGISTERED_DESTINATIONS = 1024  # decode nodes' pipe endpoints remembered, least recently used dropped
+# A layer-wise entry goes in at most this many parts: each part costs the decode node's receiver thread
+# a fixed amount of Python, slow beside its busy engine and event loop (docs/ARCHITECTURE.md, "Threads
+# and the GIL"), while only the last part's transfer waits for the last layer (1/8 of the KV).
+LAYER_PARTS = 8
 
 
 class LayerSender:
@@ -112,7 +116,7 @@ class PrefillNode:
         num_layers = engine.model_config.num_hidden_layers
         per_layer = engine.kv_cache.kv[0, :, 0].nbytes  # one token's K and V in one layer
         nbytes = num_layers * per_layer * (len(call.prompt_token_ids) - call.skip_tokens)
-        step = 1 if self.layerwise else num_layers
+        step = -(-num_layers // LAYER_PARTS) if self.layerwise else num_layers
         layers = [(first, min(first + step, num_layers)) for first in range(0, num_layers, step)]
         # Opening may wait (bounded) for buffer space: off the event loop, and shielded, so that a call
         # cancelled meanwhile (its decode node gave up) aborts the entry once it is open.
