@@ -322,6 +322,34 @@ def test_close_wakes_both_sides(pipe_name):
         listener.close()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pipe_name", ALL_PIPES)
+def test_a_refused_send_keeps_the_pipe_and_a_cut_off_one_breaks_it(pipe_name):
+    """A message the wire cannot describe is refused before any byte leaves: the pipe carries on.
+    A send that fails once the message has started (the peer is gone) breaks the pipe for good."""
+    listener = pipes.listen(pipe_name, PipeConfig(kv_port=0, timeout=2))
+    try:
+        client = pipes.connect(pipe_name, PipeConfig(timeout=2), *listener.address)
+        server = listener.accept(timeout=10)
+        with pytest.raises(ProtocolError, match="cannot send dtype"):
+            client.send([torch.ones(2), torch.zeros(2, dtype=torch.complex64)])
+        got: list = []
+        receiver = threading.Thread(target=lambda: got.extend(server.recv()))  # gloo sends wait for the recv
+        receiver.start()
+        client.send([torch.arange(5)])
+        receiver.join(10)
+        assert len(got) == 1 and torch.equal(got[0], torch.arange(5))
+        server.close()
+        with pytest.raises(PipeError):
+            for _ in range(8):  # the first may still fit in the socket buffers
+                client.send([torch.ones(1 << 22)])
+        with pytest.raises(PipeError, match="broken"):
+            client.send([torch.arange(5)])
+        client.close()
+    finally:
+        listener.close()
+
+
 @pytest.mark.timeout(30)
 def test_idle_recv_times_out_and_pipe_stays_usable():
     listener = pipes.listen("tcp", PipeConfig(kv_port=0, timeout=0.5))

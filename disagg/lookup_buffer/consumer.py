@@ -37,7 +37,8 @@ from disagg.lookup_buffer.errors import (
     ProducerLost,
 )
 from disagg.lookup_buffer.messages import MAX_HEADER_BYTES, Hello, KVEntry, decode, token_digest
-from disagg.pipes.base import Destination, KVPipe, PipeConfig, PipeError, PipeTimeout, ProtocolError, RateLimitedLog
+from disagg.pipes.base import Destination, KVPipe, PipeConfig, RateLimitedLog
+from disagg.pipes.errors import PipeError, PipeTimeout, ProtocolError
 
 log = logging.getLogger(__name__)
 

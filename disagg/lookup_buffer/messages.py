@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from disagg.pipes import wire
-from disagg.pipes.base import ProtocolError
+from disagg.pipes.errors import ProtocolError
 
 PROTOCOL_VERSION = 3  # 2: an entry's header, then its KV in a message of its own; 3: or in layer parts
 MAX_HEADER_BYTES = 64 << 10  # a header is a few hundred bytes

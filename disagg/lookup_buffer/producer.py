@@ -31,7 +31,8 @@ from disagg.lookup_buffer.messages import (
     encode_hello,
     token_digest,
 )
-from disagg.pipes.base import KVPipe, PipeClosed, PipeConfig, PipeError, ProtocolError
+from disagg.pipes.base import KVPipe, PipeConfig
+from disagg.pipes.errors import PipeClosed, PipeError, ProtocolError
 
 log = logging.getLogger(__name__)
 

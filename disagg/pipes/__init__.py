@@ -10,16 +10,8 @@ whoever picks that pipe.
 
 import importlib
 
-from disagg.pipes.base import (
-    AuthError,
-    KVPipe,
-    PipeClosed,
-    PipeConfig,
-    PipeError,
-    PipeListener,
-    PipeTimeout,
-    ProtocolError,
-)
+from disagg.pipes.base import KVPipe, PipeConfig, PipeListener
+from disagg.pipes.errors import AuthError, PipeClosed, PipeError, PipeTimeout, ProtocolError
 
 PIPES = ("tcp", "torch_dist", "ucx", "nixl")
 

@@ -16,31 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from disagg.pipes import wire
+from disagg.pipes.errors import NoMessage, PipeClosed, PipeError, PipeTimeout
+
 logger = logging.getLogger(__name__)
-
-
-class PipeError(RuntimeError):
-    """The pipe cannot carry on: the peer is gone, timed out or spoke nonsense."""
-
-
-class PipeClosed(PipeError):
-    """The peer closed the connection or died."""
-
-
-class PipeTimeout(PipeError):
-    """A send or receive made no progress within the pipe's timeout."""
-
-
-class NoMessage(PipeTimeout):
-    """No message started within the timeout; nothing was consumed, the pipe stays usable."""
-
-
-class ProtocolError(PipeError):
-    """A malformed header, wrong magic or unsupported protocol version."""
-
-
-class AuthError(PipeError):
-    """The peer's shared secret did not match ours."""
 
 
 # Where recv puts one tensor of a message: a tensor of its shape, or views (a KV cache's blocks)
@@ -78,7 +57,10 @@ class KVPipe(ABC):
     """One connection. Messages arrive in the order they were sent.
 
     Every transport keeps the same state: one sender and one receiver at a time, and a
-    pipe that failed mid-message stays broken (its byte stream can no longer be trusted)."""
+    pipe that failed mid-message stays broken (its byte stream can no longer be trusted).
+    A message the wire cannot describe (a dtype or rank it does not carry) is refused before
+    any byte of it leaves, and the pipe stays usable; any other failure of a send breaks the
+    pipe, since the transport cannot always tell whether some of the message left."""
 
     # The peer writes into the receiving memory itself (one-sided): after a receive is cut off it
     # may still write there, so such a pipe never receives into memory someone else will reuse.
@@ -96,14 +78,14 @@ class KVPipe(ABC):
         if self._broken:
             raise PipeError(f"the pipe is broken and must be reconnected: {self._broken}")
 
-    def _fail(self, error: Exception) -> PipeError:
+    def _fail(self, error: Exception, doing: str) -> PipeError:
         """What to raise for an error mid-message: the stream can no longer be trusted, so
         the pipe is broken for good (or it was closed locally under a blocked call). Any
         exception counts (a tensor we could not allocate leaves its bytes on the wire)."""
         if self._closed:
             return PipeClosed("the pipe was closed locally")
         if not isinstance(error, PipeError):
-            error = PipeError(f"receiving a message failed: {error!r}")
+            error = PipeError(f"{doing} a message failed: {error!r}")
         self._broken = str(error)
         return error
 
@@ -118,9 +100,23 @@ class KVPipe(ABC):
             finally:
                 self._send_lock.release()
 
-    @abstractmethod
     def send(self, tensors: list[torch.Tensor] | None) -> None:
-        """Send a list of tensors (any dtype, shape, device; may be empty) or None."""
+        """Send a list of tensors (any dtype the wire carries, any shape, device; may be empty) or None."""
+        with self._send_lock:
+            self._check_usable()
+            if tensors is None:
+                header = wire.encode(wire.Kind.NONE)
+            else:  # ProtocolError here: nothing was sent, the pipe stays usable
+                header = wire.encode(wire.Kind.TENSORS, [wire.TensorMeta.of(t) for t in tensors])
+            try:
+                self._send(header, tensors)
+            except Exception as e:
+                raise self._fail(e, "sending") from None
+
+    @abstractmethod
+    def _send(self, header: bytes, tensors: list[torch.Tensor] | None) -> None:
+        """send's transport part, under the send lock: the message's wire header (kind and tensor
+        metadata) and its tensors; any error breaks the pipe."""
 
     def recv(self, out: list[Destination] | None = None) -> list[Destination] | None:
         """Receive the next message. With `out`, fill those destinations in place and return
@@ -132,7 +128,7 @@ class KVPipe(ABC):
             except NoMessage:
                 raise  # nothing was consumed: the pipe stays usable
             except Exception as e:
-                raise self._fail(e) from None
+                raise self._fail(e, "receiving") from None
 
     @abstractmethod
     def _recv(self, out: list[Destination] | None) -> list[Destination] | None:

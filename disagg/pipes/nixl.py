@@ -30,16 +30,8 @@ import uuid
 import torch
 
 from disagg.pipes import sockets, wire
-from disagg.pipes.base import (
-    Destination,
-    KVPipe,
-    PipeClosed,
-    PipeConfig,
-    PipeError,
-    PipeTimeout,
-    ProtocolError,
-    fill,
-)
+from disagg.pipes.base import Destination, KVPipe, PipeConfig, fill
+from disagg.pipes.errors import PipeClosed, PipeError, PipeTimeout, ProtocolError
 
 # NIXL logs each agent's creation at INFO on stdout: keep stdout for the program.
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -81,21 +73,11 @@ class NixlPipe(KVPipe):
         self._sent = 0  # tensor messages sent, which number their notifications
         self._received = 0
 
-    def send(self, tensors: list[torch.Tensor] | None) -> None:
-        with self._send_lock:
-            self._check_usable()
-            try:
-                self._send(tensors)
-            except Exception as e:
-                raise self._fail(e) from None
-
-    def _send(self, tensors: list[torch.Tensor] | None) -> None:
+    def _send(self, header: bytes, tensors: list[torch.Tensor] | None) -> None:
+        self._send_control(header)
         if tensors is None:
-            self._send_control(wire.encode(wire.Kind.NONE))
             return
-        metas = [wire.TensorMeta.of(t) for t in tensors]
         sources = [t.contiguous() for t in tensors if t.numel()]
-        self._send_control(wire.encode(wire.Kind.TENSORS, metas))
         number, self._sent = self._sent, self._sent + 1
         if not sources:
             return

@@ -14,16 +14,8 @@ from collections.abc import Callable
 import torch
 
 from disagg.pipes import wire
-from disagg.pipes.base import (
-    Destination,
-    KVPipe,
-    NoMessage,
-    PipeClosed,
-    PipeConfig,
-    PipeError,
-    PipeListener,
-    PipeTimeout,
-)
+from disagg.pipes.base import Destination, KVPipe, PipeConfig, PipeListener
+from disagg.pipes.errors import NoMessage, PipeClosed, PipeError, PipeTimeout
 
 IOV_MAX = 1024  # sendmsg() takes at most this many buffers per call on Linux
 

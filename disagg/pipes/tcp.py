@@ -14,7 +14,7 @@ import socket
 import torch
 
 from disagg.pipes import wire
-from disagg.pipes.base import Destination, KVPipe, PipeConfig, PipeError, fill
+from disagg.pipes.base import Destination, KVPipe, PipeConfig, fill
 from disagg.pipes.sockets import (
     Listener,
     byte_view,
@@ -61,25 +61,10 @@ class TcpPipe(KVPipe):
         self._stages: list[list] = []  # [pinned buffer, CUDA event] x 2, made by the first CUDA receive
         self._turn = 0
 
-    def send(self, tensors: list[torch.Tensor] | None) -> None:
-        with self._send_lock:
-            self._check_usable()
-            if tensors is None:
-                self._send(wire.encode(wire.Kind.NONE), [])
-                return
-            metas = [wire.TensorMeta.of(t) for t in tensors]
-            hosts = [to_host(t) for t in tensors]
-            self._send(
-                wire.encode(wire.Kind.TENSORS, metas), [byte_view(h) for h in hosts]
-            )
-
-    def _send(self, header: bytes, payload: list[memoryview]) -> None:
-        try:
-            with socket_errors("sending a message", self._config.timeout):
-                send_buffers(self._sock, [header, *payload])
-        except PipeError as e:
-            self._broken = str(e)
-            raise
+    def _send(self, header: bytes, tensors: list[torch.Tensor] | None) -> None:
+        payload = [byte_view(to_host(t)) for t in tensors or []]
+        with socket_errors("sending a message", self._config.timeout):
+            send_buffers(self._sock, [header, *payload])
 
     def _recv(self, out: list[Destination] | None) -> list[Destination] | None:
         metas = recv_tensor_metas(self._sock, self._config, out)

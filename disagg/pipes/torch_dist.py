@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from disagg.pipes import sockets, wire
-from disagg.pipes.base import Destination, KVPipe, NoMessage, PipeClosed, PipeConfig, PipeError, PipeTimeout, fill
+from disagg.pipes.base import Destination, KVPipe, PipeConfig, fill
+from disagg.pipes.errors import NoMessage, PipeClosed, PipeError, PipeTimeout
 
 INLINE, GLOO, NCCL = 0, 1, 2  # a tensor's route, one byte per tensor after the header
 RENDEZVOUS = struct.Struct("!HB")  # listener -> connector: store port, has_cuda
@@ -124,21 +125,11 @@ class TorchDistPipe(KVPipe):
         self._nccl = nccl
         self._peer = 1 - gloo.rank()
 
-    def send(self, tensors: list[torch.Tensor] | None) -> None:
-        with self._send_lock:
-            self._check_usable()
-            try:
-                self._send(tensors)
-            except PipeError as e:
-                self._broken = str(e)
-                raise
-
-    def _send(self, tensors: list[torch.Tensor] | None) -> None:
+    def _send(self, header: bytes, tensors: list[torch.Tensor] | None) -> None:
         if tensors is None:
-            self._send_control([wire.encode(wire.Kind.NONE)])
+            self._send_control([header])
             return
         # Lean on purpose: at 16 MiB NCCL needs ~60 us a message, and this runs per message.
-        metas = [wire.TensorMeta.of(t) for t in tensors]
         cuda = [t for t in tensors if t.is_cuda]
         if cuda and self._nccl is not None:
             device = cuda[0].get_device()  # the whole message goes through one GPU's communicator
@@ -149,7 +140,7 @@ class TorchDistPipe(KVPipe):
         else:
             routes, inline, backend = bytes([GLOO]) * len(tensors), [], GLOO
             bulk = [_flat_bytes(sockets.to_host(t)) for t in tensors if t.numel()]
-        self._send_control([wire.encode(wire.Kind.TENSORS, metas), routes, *inline])
+        self._send_control([header, routes, *inline])
         self._transfer(backend, bulk, send=True)
 
     def _send_control(self, buffers: list) -> None:

@@ -26,17 +26,8 @@ import numpy as np
 import torch
 
 from disagg.pipes import wire
-from disagg.pipes.base import (
-    Destination,
-    KVPipe,
-    NoMessage,
-    PipeClosed,
-    PipeConfig,
-    PipeError,
-    PipeListener,
-    PipeTimeout,
-    fill,
-)
+from disagg.pipes.base import Destination, KVPipe, PipeConfig, PipeListener, fill
+from disagg.pipes.errors import NoMessage, PipeClosed, PipeError, PipeTimeout
 
 os.environ.setdefault(
     "UCX_WARN_UNUSED_ENV_VARS", "n"
@@ -140,28 +131,13 @@ class UcxPipe(KVPipe):
         # recv(): cancelling it could lose a message that arrives just then.
         self._pending_header: Future | None = None
 
-    def send(self, tensors: list[torch.Tensor] | None) -> None:
-        with self._send_lock:
-            self._check_usable()
-            if tensors is None:
-                header, payload = wire.encode(wire.Kind.NONE), []
-            else:
-                metas = [wire.TensorMeta.of(t) for t in tensors]
-                header = wire.encode(wire.Kind.TENSORS, metas)
-                payload = [_buffer(t.contiguous()) for t in tensors if t.numel()]
-            buffers = [
-                np.frombuffer(header[: wire.HEADER.size], np.uint8),
-                np.frombuffer(header[wire.HEADER.size :], np.uint8),
-            ]
-            try:
-                _wait(
-                    _submit(_send_all(self._ep, buffers + payload)),
-                    "sending a message",
-                    self._config.timeout,
-                )
-            except PipeError as e:
-                self._broken = str(e)
-                raise
+    def _send(self, header: bytes, tensors: list[torch.Tensor] | None) -> None:
+        payload = [_buffer(t.contiguous()) for t in tensors or [] if t.numel()]
+        buffers = [
+            np.frombuffer(header[: wire.HEADER.size], np.uint8),
+            np.frombuffer(header[wire.HEADER.size :], np.uint8),
+        ]
+        _wait(_submit(_send_all(self._ep, buffers + payload)), "sending a message", self._config.timeout)
 
     def _recv(self, out: list[Destination] | None) -> list[Destination] | None:
         if self._pending_header is None:

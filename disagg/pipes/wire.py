@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from disagg.pipes.base import AuthError, PipeClosed, ProtocolError
+from disagg.pipes.errors import AuthError, PipeClosed, ProtocolError
 
 MAGIC = b"DKV1"
 PROTOCOL_VERSION = 1
