@@ -30,6 +30,9 @@ REMOTE_PREFILL_CALL = Histogram("disagg_remote_prefill_call_seconds", "Prefill c
                                 buckets=LATENCY_BUCKETS)
 KV_LOOKUP_WAIT = Histogram("disagg_kv_lookup_wait_seconds", "Prefill answered to its KV off the pipe",
                            buckets=LATENCY_BUCKETS)
+KV_ENTRY_RECEIVE = Histogram("disagg_kv_entry_receive_seconds", "An entry's header received to its last part in "
+                             "hand, on the receiver thread (layer-wise: from the first layer group computed)",
+                             buckets=LATENCY_BUCKETS)
 KV_LOAD = Histogram("disagg_kv_load_seconds", "Received KV into the engine's blocks", buckets=LATENCY_BUCKETS)
 FIRST_TOKEN_DELAY = Histogram("disagg_first_token_delay_seconds",
                               "KV in hand to the first token handed out (it does not wait for the load)",

@@ -25,6 +25,7 @@ async def run_decode_node(engine: AsyncEngine, model_name: str, kv: KVTransferCo
             consumer = LookupBufferConsumer(kv.kv_connector, kv.pipe_config(), ttl=kv.extra("buffer_ttl"),
                                             kv_buffer_size=int(kv.kv_buffer_size),
                                             on_received=metrics.KV_BYTES.labels("received").inc,
+                                            on_entry=metrics.KV_ENTRY_RECEIVE.observe,
                                             device=engine.engine.device)
             kv_advertise = (kv.kv_ip, consumer.address[1])  # the bound port, where kv_port is 0
             pool = PrefillPool(prefill_nodes, kv.grpc_token(), node_info(engine, model_name, kv), kv_advertise)

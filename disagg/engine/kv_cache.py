@@ -54,8 +54,8 @@ class KVCache:
         self.kv[:, :, slots] = kv.to(self.kv.device, self.kv.dtype)
 
     def views(self, block_ids: list[int], start: int, end: int) -> list[torch.Tensor]:
-        """Views of the cache rows that hold a request's tokens [start, end), in the byte order of
-        its KV as one tensor [layers, 2, end - start, kv_heads, head_dim]: a receiver fills them
+        """Flat views of the cache rows that hold a request's tokens [start, end), in the byte order
+        of its KV as one tensor [layers, 2, end - start, kv_heads, head_dim]: a receiver fills them
         in order and the KV is in the blocks, with no tensor of its own. Adjacent blocks merge."""
         runs: list[list[int]] = []  # [first row, rows] of each stretch of consecutive rows
         token = start
@@ -68,5 +68,10 @@ class KVCache:
             else:
                 runs.append([row, rows])
             token += rows
-        return [self.kv[layer, kv, row:row + rows] for layer in range(self.kv.shape[0]) for kv in (0, 1)
-                for row, rows in runs]
+        # Flat (1-D) views, made from a flat view of the cache in one step each: a receiver fills them
+        # without a reshape per view, each a torch call that lets go of the GIL (docs/ARCHITECTURE.md,
+        # "Threads and the GIL").
+        width = self.kv[0, 0, 0].numel()  # elements of one row
+        flat = self.kv.view(self.kv.shape[0], 2, -1)
+        return [flat[layer, kv, row * width:(row + rows) * width] for layer in range(self.kv.shape[0])
+                for kv in (0, 1) for row, rows in runs]

@@ -87,8 +87,10 @@ class LookupBufferConsumer:
     def __init__(
         self, pipe_name: str, config: PipeConfig, ttl: float = 60.0, kv_buffer_size: int = 1 << 30,
         on_received: Callable[[int], None] | None = None, device: torch.device | str | None = None,
+        on_entry: Callable[[float], None] | None = None,
     ) -> None:
-        """on_received(nbytes) is called on a receiver thread for every KV message as it arrives.
+        """on_received(nbytes) is called on a receiver thread for every KV message as it arrives, and
+        on_entry(seconds) for every entry received, with the seconds from its header to its last part.
         device: where the KV cache lives; a CUDA one is where GPU transports receive."""
         if kv_buffer_size <= 0:
             raise ValueError(f"kv_buffer_size must be positive, got {kv_buffer_size}")
@@ -96,6 +98,7 @@ class LookupBufferConsumer:
         self._on_cuda = self.device is not None and self.device.type == "cuda"
         self.ttl = ttl
         self.on_received = on_received
+        self.on_entry = on_entry
         self.kv_buffer_size = kv_buffer_size
         # No entry larger than the buffer can be kept: refuse its message before allocating it.
         max_message_bytes = min(config.max_message_bytes, kv_buffer_size + MAX_HEADER_BYTES)
@@ -345,7 +348,10 @@ class LookupBufferConsumer:
                 entry = decode(self._recv(pipe))
                 if not isinstance(entry, KVEntry):
                     raise ProtocolError("a producer sent a second hello on one connection")
+                start = time.perf_counter()
                 if self._recv_kv(pipe, entry):
+                    if self.on_entry is not None:
+                        self.on_entry(time.perf_counter() - start)
                     self._store(entry, source)
                 else:
                     self._cancel(entry.request_id)

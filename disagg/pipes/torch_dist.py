@@ -24,6 +24,7 @@ in one direction at a time: concurrent NCCL sends in opposite directions on one
 communicator can deadlock.
 """
 
+import math
 import socket
 import struct
 from datetime import timedelta
@@ -163,8 +164,9 @@ class TorchDistPipe(KVPipe):
             dest = out[i] if out is not None else None
             if isinstance(dest, torch.Tensor) and dest.get_device() == device and dest.is_contiguous():
                 target = dest  # else a buffer; views (a KV cache's blocks) are filled from it after the message
-            else:
-                target = torch.empty(meta.shape, dtype=meta.dtype, device=device if device >= 0 else "cpu")
+            else:  # flat for views: fill then needs no reshape
+                shape = (math.prod(meta.shape),) if isinstance(dest, list) else meta.shape
+                target = torch.empty(shape, dtype=meta.dtype, device=device if device >= 0 else "cpu")
             targets.append(target)
             if not target.numel():
                 continue
@@ -216,7 +218,8 @@ class TorchDistPipe(KVPipe):
 
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A uint8 view of a tensor's bytes (any shape will do for a p2p op, a 0-d one is made 1-d)."""
-    tensor = tensor.contiguous()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
     return tensor.view(torch.uint8) if tensor.dim() else tensor.reshape(1).view(torch.uint8)
 
 
