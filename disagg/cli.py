@@ -217,8 +217,8 @@ def serve(args: argparse.Namespace) -> None:
         print(f"config ok: role {kv.kv_role}, pipe {kv.kv_connector} {kv.kv_ip}:{kv.kv_port}")
         return
     # The engine thread, the event loop and the KV sender/receivers share one GIL. At Python's default
-    # 5 ms switch interval, a thread that wakes from a socket read or returns from a C call waits up
-    # to 5 ms for the GIL whenever another runs Python: a layer-wise KV entry took 12x longer to
+    # 5 ms switch interval, a thread that wakes from a socket read or returns from a C call that let
+    # go of the GIL waits up to 5 ms for it whenever another runs Python: a layer-wise KV entry took 12x longer to
     # receive beside a busy thread, 2.5x at 0.5 ms (BENCHMARKS.md, "The GIL and the KV handoff").
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     engine = AsyncEngine(LLMEngine(EngineConfig(**engine_kwargs(args))))

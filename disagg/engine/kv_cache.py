@@ -69,8 +69,8 @@ class KVCache:
                 runs.append([row, rows])
             token += rows
         # Flat (1-D) views, made from a flat view of the cache in one step each: a receiver fills them
-        # without a reshape per view, each a torch call that lets go of the GIL (docs/ARCHITECTURE.md,
-        # "Threads and the GIL").
+        # without a view of its own per view, less Python on a thread that shares the GIL with a busy
+        # engine (docs/ARCHITECTURE.md, "Threads and the GIL").
         width = self.kv[0, 0, 0].numel()  # elements of one row
         flat = self.kv.view(self.kv.shape[0], 2, -1)
         return [flat[layer, kv, row * width:(row + rows) * width] for layer in range(self.kv.shape[0])

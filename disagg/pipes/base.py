@@ -37,7 +37,7 @@ def fill(dest: Destination, tensor: torch.Tensor, non_blocking: bool = False) ->
     flat = tensor if tensor.dim() == 1 else tensor.reshape(-1)
     chunks = flat.split([view.numel() for view in dest])
     # One multi-tensor copy, not a kernel per view: a KV cache's views can number thousands. They are
-    # flat, so no chunk needs a view of its own (each a torch call, and a wait for the GIL).
+    # flat, so no chunk needs a view of its own (Python a receiver beside a busy engine pays for).
     sources = [chunk if chunk.shape == view.shape else chunk.view(view.shape) for chunk, view in zip(chunks, dest)]
     torch._foreach_copy_(dest, sources, non_blocking=non_blocking)
 
