@@ -6,9 +6,10 @@ from disagg.engine.sequence import KVExport
 
 
 class KVCollector:
-    def __init__(self, start: int = 0, layers_per_put: int = 1):
+    def __init__(self, num_layers: int, layers_per_put: int = 1, start: int = 0):
         self.parts: list[tuple[int, int, torch.Tensor]] = []
-        self.export = KVExport(start, layers_per_put, self.put)
+        groups = [(first, min(first + layers_per_put, num_layers)) for first in range(0, num_layers, layers_per_put)]
+        self.export = KVExport(start, groups, self.put)
 
     def put(self, first: int, end: int, kv: torch.Tensor) -> None:
         self.parts.append((first, end, kv))

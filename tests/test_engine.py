@@ -214,7 +214,7 @@ def test_remote_prefill_continues_like_local(llm, model_dir, hf_model):
     decode = llm.engine
     free = decode.block_manager.num_free_blocks
     prompts = [PROMPTS[2], PROMPTS[6], PROMPTS[5]]
-    exports = [KVCollector(layers_per_put=layers) for layers in (1, 7, 30)]  # 30 layers: whole, in groups, each
+    exports = [KVCollector(30, layers) for layers in (1, 7, 30)]  # 30 layers: each, in groups, whole
     for i, prompt in enumerate(prompts):
         prefill.engine.add_request(f"p{i}", prompt, greedy(1), kv_export=exports[i].export)
         decode.add_request(f"r{i}", prompt, greedy(32), remote_prefill=True)
@@ -238,7 +238,7 @@ def test_a_failing_kv_export_costs_its_own_layers_only(model_dir):
     """A put that raises (its receiver broke) ends that request's export; the step and the other
     request's export go on, and both get their first token."""
     prefill = LLM(str(model_dir), device="cpu").engine
-    good, bad = KVCollector(), KVCollector()
+    good, bad = KVCollector(30), KVCollector(30)
 
     def failing_put(first: int, end: int, kv: torch.Tensor) -> None:
         if first == 3:

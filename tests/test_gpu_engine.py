@@ -128,7 +128,7 @@ def test_layerwise_kv_over_tcp_lands_in_the_decode_engines_blocks(gpu_model_dir,
             producer.open(request_id, ids, [(layer, layer + 1) for layer in range(30)], nbytes, consumer.address)
             sender = LayerSender(producer, request_id, copy_stream)
             prefill.add_request(request_id, ids, SamplingParams(temperature=0.0, max_tokens=1),
-                                kv_export=KVExport(0, 1, sender.put))
+                                kv_export=KVExport(0, [(layer, layer + 1) for layer in range(30)], sender.put))
         first = {}
         while prefill.has_unfinished_requests():
             first |= {out.request_id: out.token_ids[0] for out in prefill.step()}

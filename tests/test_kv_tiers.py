@@ -198,7 +198,7 @@ def test_a_decode_engine_takes_its_host_tier_hits_and_needs_only_the_rest(model_
     engine.add_request("r", prompt, greedy(), remote_prefill=True)
     skip = engine.remote_cached_tokens("r")
     assert skip == PREFIX_TOKENS and engine.offload.host.stats.hits == 12
-    export = KVCollector(start=skip)  # what the prefill node sends: 195 - 192 = 3 tokens' KV
+    export = KVCollector(30, start=skip)  # what the prefill node sends: 195 - 192 = 3 tokens' KV
     prefill.engine.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=1), kv_export=export.export)
     out = None
     while out is None:

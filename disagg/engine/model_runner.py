@@ -79,22 +79,21 @@ class ModelRunner:
         """after_layer for a step that completes the prompts of `seqs`: each group of layers' KV goes
         to its KVExport as soon as the group has run, so it can travel while later layers compute
         (docs/ARCHITECTURE.md, "Layer-wise send")."""
-        num_layers = self.kv_cache.kv.shape[0]
         # Made once, before the forward: a host-to-device copy between two layers would wait for the
         # GPU to finish the work queued so far, so the host could no longer run ahead of it.
         slots = [self.kv_cache.slots(seq.block_table, seq.num_prompt_tokens)[seq.kv_export.start:] for seq in seqs]
 
+        firsts = [{end: first for first, end in seq.kv_export.layers} for seq in seqs]  # a group's end -> its first
         failed: set[str] = set()
 
         def after_layer(layer: int) -> None:
-            for seq, rows in zip(seqs, slots):
-                export = seq.kv_export
+            for seq, rows, first_of in zip(seqs, slots, firsts):
                 end = layer + 1
-                if seq.request_id in failed or not (end % export.layers_per_put == 0 or end == num_layers):
+                first = first_of.get(end)
+                if seq.request_id in failed or first is None:
                     continue
-                first = (layer // export.layers_per_put) * export.layers_per_put
                 try:
-                    export.put(first, end, self.kv_cache.kv[first:end, :, rows])
+                    seq.kv_export.put(first, end, self.kv_cache.kv[first:end, :, rows])
                 except Exception:  # noqa: BLE001  its receiver misses the later layers; the step goes on
                     logger.exception("handing out the KV of %s failed at layers %d-%d", seq.request_id, first, end)
                     failed.add(seq.request_id)

@@ -35,13 +35,13 @@ class RemotePrefill:
 @dataclass
 class KVExport:
     """Where a prefill node's request hands out its prompt's KV: during the step that completes the
-    prompt, right after each group of `layers_per_put` layers has run, `put(first_layer, end_layer,
-    kv)` gets those layers' KV of prompt tokens `start` on, [layers, 2, tokens, kv heads, head dim],
+    prompt, right after each group of `layers` ([first, end) pairs covering all layers in order) has
+    run, `put(first, end, kv)` gets those layers' KV of prompt tokens `start` on, [layers, 2, tokens, kv heads, head dim],
     on the engine's device; a put's CUDA work is queued on the engine thread's current stream, so
     the receiver waits for it there before reading (docs/ARCHITECTURE.md, "Layer-wise send")."""
 
     start: int  # prompt tokens before it are not exported (the decode node holds them)
-    layers_per_put: int
+    layers: list[tuple[int, int]]
     put: Callable[[int, int, torch.Tensor], None]
 
 

@@ -25,9 +25,10 @@ from disagg.lookup_buffer import LookupBufferProducer, token_digest
 logger = logging.getLogger(__name__)
 
 MAX_REGISTERED_DESTINATIONS = 1024  # decode nodes' pipe endpoints remembered, least recently used dropped
-# A layer-wise entry goes in at most this many parts: each part costs the decode node's receiver thread
-# a fixed amount of Python, slow beside its busy engine and event loop (docs/ARCHITECTURE.md, "Threads
-# and the GIL"), while only the last part's transfer waits for the last layer (1/8 of the KV).
+# A layer-wise entry goes in about this many groups of layers, and the last layer alone: each part costs
+# the decode node's receiver thread a wait and some Python, slow beside its busy engine and event loop
+# (docs/ARCHITECTURE.md, "Threads and the GIL"), while only the last part's transfer waits for the
+# prompt's last layer.
 LAYER_PARTS = 8
 
 
@@ -116,8 +117,7 @@ class PrefillNode:
         num_layers = engine.model_config.num_hidden_layers
         per_layer = engine.kv_cache.kv[0, :, 0].nbytes  # one token's K and V in one layer
         nbytes = num_layers * per_layer * (len(call.prompt_token_ids) - call.skip_tokens)
-        step = -(-num_layers // LAYER_PARTS) if self.layerwise else num_layers
-        layers = [(first, min(first + step, num_layers)) for first in range(0, num_layers, step)]
+        layers = layer_groups(num_layers) if self.layerwise else [(0, num_layers)]
         # Opening may wait (bounded) for buffer space: off the event loop, and shielded, so that a call
         # cancelled meanwhile (its decode node gave up) aborts the entry once it is open.
         opening = asyncio.ensure_future(asyncio.to_thread(
@@ -131,7 +131,7 @@ class PrefillNode:
             self.copy_stream = torch.cuda.Stream(engine.device)
         copy_stream = self.copy_stream if self.kv_buffer_device == "cpu" else None
         sender = LayerSender(self.producer, call.request_id, copy_stream)
-        return KVExport(call.skip_tokens, step, sender.put), sender, nbytes
+        return KVExport(call.skip_tokens, layers, sender.put), sender, nbytes
 
     def _abort_opened(self, opening: asyncio.Future, request_id: str) -> None:
         if not opening.cancelled() and opening.exception() is None:
@@ -158,3 +158,10 @@ class PrefillNode:
         in_engine = self.callers.get(request_id) == caller and await self.engine.abort(request_id)
         in_buffer = self.producer.abort(request_id, caller)
         return in_engine or in_buffer
+
+
+def layer_groups(num_layers: int) -> list[tuple[int, int]]:
+    """[first, end) groups of a layer-wise entry: LAYER_PARTS alike, the last layer on its own."""
+    step = -(-(num_layers - 1) // LAYER_PARTS) if num_layers > 1 else 1
+    groups = [(first, min(first + step, num_layers - 1)) for first in range(0, num_layers - 1, step)]
+    return groups + [(num_layers - 1, num_layers)]
