@@ -37,6 +37,9 @@ from disagg.bench.serve import run_benchmark
 from disagg.launch import wait_healthy
 
 ATTAINMENT = 0.9
+# The handoff's steps, timed by the nodes (histograms on /metrics): each 1P1D run reports their means.
+HANDOFF_STEPS = {"decode": ["remote_prefill_call", "kv_lookup_wait", "kv_entry_receive", "kv_load", "first_token_delay"],
+                 "prefill": ["prefill_compute", "kv_buffer_insert", "kv_part_send"]}
 
 
 def node_kwargs(args: argparse.Namespace, model: Path, mode: str) -> dict:
@@ -118,8 +121,13 @@ def goodput_phase(args: argparse.Namespace, model: Path) -> dict:
             runs = {name: {} for name in urls}
             for i, rate in enumerate(args.rates.split(",")):
                 for name in (list(urls) if i % 2 == 0 else list(urls)[::-1]):
+                    before = handoff_sums(pair_and_first["disagg"])
                     runs[name][rate] = serve_once(urls[name], args, rate, args.num_requests, 7 + i, slo)
                     r = runs[name][rate]
+                    if name == "disagg_1p1d":
+                        r["handoff_mean_ms"] = handoff_means(before, handoff_sums(pair_and_first["disagg"]))
+                        print("    handoff means, ms: " + ", ".join(f"{step} {ms:.1f}"
+                                                                  for step, ms in r["handoff_mean_ms"].items()))
                     print(f"  {name:13s} rate {rate:>5s}: {100 * r['goodput_fraction']:.0f}% within SLO, "
                           f"TTFT p50 {r['median_ttft_ms']:.0f} ms, TPOT p50 {r['median_tpot_ms']:.1f} ms", flush=True)
                 # What is known so far, in case the GPU machine's time limit stops the run.
@@ -129,6 +137,20 @@ def goodput_phase(args: argparse.Namespace, model: Path) -> dict:
             router.terminate()
             router.wait(timeout=20)
     return goodput_result(runs, ttft, tpot)
+
+
+def handoff_sums(disagg: System) -> dict[str, tuple[float, float]]:
+    """Each handoff step's histogram (sum, count) on the 1P1D pair's nodes."""
+    nodes = {"decode": disagg.front, "prefill": disagg.prefill}
+    return {name: (nodes[role].metric_sum(f"disagg_{name}_seconds_sum"),
+                   nodes[role].metric_sum(f"disagg_{name}_seconds_count"))
+            for role, names in HANDOFF_STEPS.items() for name in names}
+
+
+def handoff_means(before: dict, after: dict) -> dict[str, float]:
+    """Mean ms of each handoff step over one run (a kv_part_send is a part, the others a request)."""
+    return {name: 1e3 * (after[name][0] - before[name][0]) / max(1.0, after[name][1] - before[name][1])
+            for name in after}
 
 
 def goodput_result(runs: dict, ttft: float, tpot: float) -> dict:
