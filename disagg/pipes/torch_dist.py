@@ -52,7 +52,9 @@ def _make_groups(
     gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, 2, options)
     nccl = None
     if use_nccl:
-        nccl_options = dist.ProcessGroupNCCL.Options()
+        # A high-priority stream: a transfer's few blocks go ahead of the busy engine's queued compute
+        # (the prefill or decode steps running beside it), not behind it.
+        nccl_options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
         nccl_options._timeout = timeout
         nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, 2, nccl_options)
     return gloo, nccl
