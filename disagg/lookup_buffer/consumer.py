@@ -375,12 +375,13 @@ class LookupBufferConsumer:
 
     def _use_own_stream(self) -> None:
         """This receiver thread's GPU work (NCCL receives, copies into the blocks) goes on a stream of
-        its own. On the engine's stream, NCCL would start each receive only after the decode steps
-        queued before it (docs/ARCHITECTURE.md, "KV on GPUs: streams")."""
+        its own, of high priority. On the engine's stream, NCCL would start each receive only after
+        the decode steps queued before it, and at normal priority the copies into the blocks would
+        queue behind their kernels (docs/ARCHITECTURE.md, "KV on GPUs: streams")."""
         if self._on_cuda:
             if self.device.index is not None:  # "cuda" alone: the current one, as the engine's
                 torch.cuda.set_device(self.device)
-            torch.cuda.set_stream(torch.cuda.Stream())
+            torch.cuda.set_stream(torch.cuda.Stream(priority=-1))
 
     def _recv(self, pipe: KVPipe, out: list[Destination] | None = None) -> list[Destination] | None:
         while True:
