@@ -80,7 +80,7 @@ def run_prefill(consumer_port: Synchronized, consumer_ready: Event, kv_received:
             # the engine hands each layer's KV to put() as soon as that layer has run, and a sender
             # thread pushes it to the consumer while the next layers compute.
             producer.open(request_id(i), token_ids, layers, nbytes, dest=consumer)
-            export = KVExport(start=0, layers_per_put=1, put=functools.partial(producer.put, request_id(i)))
+            export = KVExport(start=0, layers=layers, put=functools.partial(producer.put, request_id(i)))
             engine.add_request(request_id(i), token_ids, first_token_only, kv_export=export)
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -143,13 +143,15 @@ def main() -> int:
     prefill.start()
     decode.start()
     # Read before join: a child blocks on exit until its queued data has been taken. Poll, so
-    # a decode process that died (its traceback is above) ends the wait at once.
+    # a process that died (its traceback is above) ends the wait at once.
     disaggregated = None
-    while disaggregated is None and (decode.is_alive() or not results.empty()):
+    while disaggregated is None and (decode.is_alive() or not results.empty()) and prefill.exitcode in (None, 0):
         try:
             disaggregated = results.get(timeout=1.0)
         except queue.Empty:
             pass
+    if disaggregated is None:
+        decode.terminate()
     decode.join()
     prefill.join()
     if disaggregated is None or prefill.exitcode != 0 or decode.exitcode != 0:
