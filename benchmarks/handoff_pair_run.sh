@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One call on the H200 pair (nvidia-h200-x2), after benchmarks/device_setup.sh here:
+#   bash benchmarks/handoff_pair_run.sh PHASE...     carry [".whl", ".whlnx", ".device"]
+# PHASE: tests (the 2-GPU handoff tests), ttft (layer-wise, then whole; 4 lengths), goodput
+# (layer-wise, rates $RATES), pipes (torch_dist beside nixl: 16 MiB, 256 MiB, a layer list).
+# Each writes its JSON and log under $OUT; the last lines are the summary.
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 DISAGG_TEST_TOKENIZER_DIR=.device/tok
+out=${OUT:-/tmp/out}
+common=(--tokenizer-dir .device/tok --gpus 2 --connector torch_dist --kv-buffer-device cuda --kv-cache-memory 24GiB)
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+for phase in "$@"; do
+    case $phase in
+    tests)
+        python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py tests/test_pipes.py -k gpu 2>&1 \
+            | tee "$out/tests.log" | tail -5 ;;
+    ttft)
+        for mode in layerwise whole; do
+            python3 benchmarks/handoff_h200x2.py "${common[@]}" --phase ttft --lens "${LENS:-512,2048,8192,16384}" \
+                --repeats 5 --kv-modes $mode --json "$out/ttft_$mode.json" 2>&1 | tee "$out/ttft_$mode.log" | tail -8
+        done ;;
+    goodput)
+        python3 benchmarks/handoff_h200x2.py "${common[@]}" --phase goodput --rates "${RATES:-2,3,4}" \
+            --num-requests "${NUM_REQUESTS:-64}" --kv-modes layerwise --json "$out/goodput.json" 2>&1 \
+            | tee "$out/goodput.log" | tail -12 ;;
+    pipes)
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whlnx/*.whl || exit 1
+        python3 benchmarks/pipe_bandwidth.py --pipes torch_dist,nixl --sizes 16M,256M --repeats 3 \
+            --json "$out/pipes.json" 2>&1 | tee "$out/pipes.log" | tail -12 ;;
+    *) echo "unknown phase $phase" >&2; exit 2 ;;
+    esac
+done
