@@ -3,8 +3,8 @@
 # the GPU machine lacks for disagg's nodes (its image has torch, triton, transformers, grpcio,
 # prometheus-client, tokenizers; not fastapi, uvicorn, gguf, llguidance, NIXL) as Python 3.12 wheels
 # into .whl/ and .whlnx/, and the embedded model's tokenizer into .device/tok. All three are
-# git-ignored; carry them: ["'.whl'", "'.whlnx'", "'.device'"]. On the GPU machine:
-#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+# git-ignored; carry [".whl", ".device"], or [".whlnx"] alone for the nixl pipe (64 MiB a call).
+# benchmarks/handoff_pair_run.sh installs them there.
 set -euo pipefail
 grep -qx '/.whl/' .git/info/exclude || printf '/.whl/\n/.whlnx/\n/.device/\n' >> .git/info/exclude
 platforms=()

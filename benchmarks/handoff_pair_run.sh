@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # One call on the H200 pair (nvidia-h200-x2), after benchmarks/device_setup.sh here:
-#   bash benchmarks/handoff_pair_run.sh PHASE...     carry [".whl", ".whlnx", ".device"]
+#   bash benchmarks/handoff_pair_run.sh PHASE...     carry [".whl", ".device"]
+#   bash benchmarks/handoff_pair_run.sh pipes        carry [".whlnx"] (NIXL's wheel alone is 57 MB of the 64 MiB)
 # PHASE: tests (the 2-GPU handoff tests), ttft (layer-wise, then whole; 4 lengths), goodput
 # (layer-wise, rates $RATES), pipes (torch_dist beside nixl: 16 MiB, 256 MiB, a layer list).
 # Each writes its JSON and log under $OUT; the last lines are the summary.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 DISAGG_TEST_TOKENIZER_DIR=.device/tok
 out=${OUT:-/tmp/out}
 common=(--tokenizer-dir .device/tok --gpus 2 --connector torch_dist --kv-buffer-device cuda --kv-cache-memory 24GiB)
