@@ -269,6 +269,23 @@ def test_remote_prefill_can_fall_back_to_local(llm, hf_model):
     assert decode.block_manager.num_free_blocks == free
 
 
+def test_blocks_a_peer_may_still_write_are_never_given_out_again(llm, hf_model):
+    """A remote request whose one-sided receive was cut off mid-write keeps its reserved blocks out
+    of use for good; recomputed here, it is still answered token-exact, in blocks of its own."""
+    decode = llm.engine
+    free = decode.block_manager.num_free_blocks
+    seq = decode.add_request("written-on", PROMPTS[2], greedy(8), remote_prefill=True)
+    reserved = set(seq.block_table)
+    assert decode.keep_remote_blocks_aside("written-on") == len(reserved)
+    decode.prefill_locally("written-on")
+    assert not reserved & set(seq.block_table)
+    outs = []
+    while decode.has_unfinished_requests():
+        outs += [o for o in decode.step() if o.finished]
+    assert outs[0].token_ids == reference(hf_model, outs[0].prompt_token_ids, 8)
+    assert decode.block_manager.num_free_blocks == free - len(reserved)
+
+
 def test_values_at_the_bounds_sample(llm):
     params = SamplingParams(temperature=1e-5, top_k=2**31 - 1, seed=2**63 - 1, stop=["x" * 256] * 16,
                             stop_token_ids=[2**31 - 1] * 64, max_tokens=8)

@@ -5,6 +5,7 @@ The test process listens; tests/pipe_peer.py is the connecting peer.
 
 import importlib.util
 import os
+import select
 import signal
 import socket
 import struct
@@ -21,6 +22,7 @@ from disagg import pipes
 from disagg.lookup_buffer import EntryCancelled, LookupBufferConsumer, LookupBufferProducer
 from disagg.pipes import (
     AuthError,
+    PeerMayWrite,
     PipeClosed,
     PipeConfig,
     PipeError,
@@ -198,7 +200,7 @@ def test_peer_killed_mid_transfer(pipe_name):
         def receive():
             start = time.monotonic()
             try:
-                pipe.recv()
+                pipe.recv([torch.empty(1024 << 20, dtype=torch.uint8)])
             except PipeError as e:
                 result["error"] = e
             result["elapsed"] = time.monotonic() - start
@@ -211,8 +213,39 @@ def test_peer_killed_mid_transfer(pipe_name):
         receiver.join(timeout + 10)
         assert not receiver.is_alive(), "recv hung after the peer died"
         assert isinstance(result.get("error"), PipeError), result
+        # A dead peer writes no more: its memory may be reused (nixl sees its socket close).
+        assert not isinstance(result["error"], PeerMayWrite), result
         assert result["elapsed"] < timeout + 5
     finally:
+        peer.kill()
+        peer.wait()
+        listener.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(NIXL_MISSING is not None, reason=f"nixl: {NIXL_MISSING}")
+def test_nixl_receive_cut_off_while_the_peer_may_still_write_is_said_so():
+    """A one-sided receive into our memory that times out while the peer is alive but stopped (it
+    could write any moment) raises PeerMayWrite once the drain time is up: that memory must not be
+    reused. The peer is stopped after its header arrived, before it could have written."""
+    timeout = 1.0
+    listener = pipes.listen("nixl", PipeConfig(kv_port=0, timeout=timeout))
+    peer = start_peer("nixl", "big", listener.address, "--count", "1", "--timeout", "30")
+    try:
+        pipe = listener.accept(timeout=30)
+        assert peer.stdout.readline().strip() == "sending"
+        readable, _, _ = select.select([pipe._sock], [], [], 30)  # the message's header is here
+        assert readable
+        peer.send_signal(signal.SIGSTOP)
+        dest = torch.zeros(1 << 20, dtype=torch.uint8)
+        start = time.monotonic()
+        with pytest.raises(PeerMayWrite, match="must not be reused"):
+            pipe.recv([dest])
+        assert time.monotonic() - start < 2 * timeout + 3  # the timeout, then the drain
+        with pytest.raises(PipeError, match="broken"):
+            pipe.recv()
+    finally:
+        peer.send_signal(signal.SIGCONT)
         peer.kill()
         peer.wait()
         listener.close()
@@ -438,7 +471,7 @@ def test_layer_wise_entries_on_every_pipe(pipe_name):
             producer.put("parts", first, end, kv[first:end].clone())
         producer.put("cancelled", 0, 2, kv[0:2].clone())
         entry = consumer.drop_select("parts", [1], 20)
-        assert entry.in_place == (pipe_name != "nixl")
+        assert entry.in_place
         got = torch.cat([cache[:, :, 3:5], cache[:, :, 0:3]], dim=2) if entry.in_place else entry.kv_tensors[0]
         assert torch.equal(got, kv)
         producer.abort("cancelled")

@@ -148,6 +148,9 @@ class AsyncEngine:
         self.engine.finish_remote_prefill(request_id, *args)
         self.first_token_sent.add(request_id)
 
+    async def keep_remote_blocks_aside(self, request_id: str) -> int:
+        return await self._call(self.engine.keep_remote_blocks_aside, request_id)
+
     async def prefill_locally(self, request_id: str) -> None:
         await self._call(self.engine.prefill_locally, request_id)
 

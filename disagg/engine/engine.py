@@ -171,6 +171,18 @@ class LLMEngine:
         if not 0 <= first_token < mc.vocab_size:
             raise ValueError(f"first token {first_token} of {seq.request_id} is outside the vocabulary")
 
+    def keep_remote_blocks_aside(self, request_id: str) -> int:
+        """A peer may still write into the blocks reserved for this remote request's KV (a one-sided
+        receive cut off before its writes ended): hold them for good, so that no other request is
+        given them. Returns how many; call it before the request is aborted or recomputed."""
+        seq = self._remote_seq(request_id)
+        blocks = seq.block_table[seq.num_cached_tokens // self.block_manager.block_size:]
+        for block_id in blocks:
+            self.block_manager.hold(block_id)
+        logger.warning("%d KV blocks of %s are kept out of use for good: a peer may still write into them",
+                       len(blocks), request_id)
+        return len(blocks)
+
     def prefill_locally(self, request_id: str) -> None:
         """The remote prefill failed: compute this request's prompt here instead."""
         seq = self._remote_seq(request_id)

@@ -9,7 +9,8 @@ Entries nobody claims expire after `ttl`.
 `expect(request_id, into)` names where a request's KV goes (views of the decode node's
 blocks for it): its bytes are then received straight there, never into a buffer of their
 own. `discard` ends such a receive (it closes that connection) before it returns, so the
-caller may give the blocks back afterwards.
+caller may give the blocks back afterwards, unless `peer_may_write` says that a peer writing
+one-sided (nixl) may still write there: then they must never be reused.
 
 Memory is bounded by `kv_buffer_size`: a message claiming more is refused before it is
 allocated, and an entry that arrives before any lookup asks for it is dropped if the
@@ -38,7 +39,7 @@ from disagg.lookup_buffer.errors import (
 )
 from disagg.lookup_buffer.messages import MAX_HEADER_BYTES, Hello, KVEntry, decode, token_digest
 from disagg.pipes.base import Destination, KVPipe, PipeConfig, RateLimitedLog
-from disagg.pipes.errors import PipeError, PipeTimeout, ProtocolError
+from disagg.pipes.errors import PeerMayWrite, PipeError, PipeTimeout, ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ class LookupBufferConsumer:
         self._waiting: dict[str, int] = {}  # request id -> lookups waiting: its entry is never refused
         self._refused: dict[str, float] = {}  # request id -> deadline: its lookups fail at once
         self._cancelled: dict[str, float] = {}  # request id -> deadline: its producer cancelled its entry
+        self._written_on: dict[str, float] = {}  # request id -> deadline: a peer may still write its destination
         self._destinations: dict[str, list[Destination]] = {}  # request id -> where its KV goes (expect)
         self._filling: dict[str, KVPipe] = {}  # request id -> the connection receiving into its destination
         self._wakers: set[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = set()  # drop_select_async waits
@@ -280,6 +282,12 @@ class LookupBufferConsumer:
                 self._cond.wait_for(lambda: request_id not in self._filling)
         return dropped
 
+    def peer_may_write(self, request_id: str) -> bool:
+        """A receive into the request's expect() destination was cut off while the peer's one-sided
+        writes into it may still be in flight: never reuse that memory. Known once discard returns."""
+        with self._cond:
+            return request_id in self._written_on
+
     def is_filling(self, request_id: str) -> bool:
         """A receive into the request's expect() destination is under way (discard would wait for it)."""
         with self._cond:
@@ -395,10 +403,9 @@ class LookupBufferConsumer:
         False if the producer cancelled a layer-wise entry on the way."""
         with self._cond:
             # Not in place: a discarded request; one whose blocks another receive is filling (a resend
-            # on a new connection); a pipe whose peer writes on its own (it could still write into
-            # the blocks after a discard gave them back).
+            # on a new connection), or a peer may still write (after a cut-off receive).
             request_id = entry.request_id
-            in_place = request_id not in self._discarded and request_id not in self._filling and not pipe.peer_writes
+            in_place = all(request_id not in ids for ids in (self._discarded, self._filling, self._written_on))
             into = self._destinations.get(request_id) if in_place else None
             if into is not None:
                 self._filling[entry.request_id] = pipe
@@ -409,9 +416,12 @@ class LookupBufferConsumer:
                 # part: each wait gives up the GIL, and getting it back costs (docs/ARCHITECTURE.md,
                 # "Threads and the GIL").
                 torch.cuda.current_stream().synchronize()
-        except BaseException:
+        except BaseException as e:
             if into is not None:  # a GPU transfer cut off midway must stop writing before the blocks are given back
                 pipe.close()
+                if isinstance(e, PeerMayWrite):
+                    with self._cond:
+                        self._remember(self._written_on, request_id)
             raise
         finally:
             if into is not None:
@@ -528,7 +538,7 @@ class LookupBufferConsumer:
                         "dropped KV of request %r from %s:%d unclaimed after ttl %.1fs",
                         request_id, *arrived.source, self.ttl,
                     )
-                for ids in (self._discarded, self._refused, self._cancelled):
+                for ids in (self._discarded, self._refused, self._cancelled, self._written_on):
                     while ids:
                         request_id, deadline = next(iter(ids.items()))
                         if deadline > now:

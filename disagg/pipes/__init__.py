@@ -11,7 +11,7 @@ whoever picks that pipe.
 import importlib
 
 from disagg.pipes.base import KVPipe, PipeConfig, PipeListener
-from disagg.pipes.errors import AuthError, PipeClosed, PipeError, PipeTimeout, ProtocolError
+from disagg.pipes.errors import AuthError, PeerMayWrite, PipeClosed, PipeError, PipeTimeout, ProtocolError
 
 PIPES = ("tcp", "torch_dist", "ucx", "nixl")
 
@@ -19,6 +19,7 @@ __all__ = [
     "PIPES",
     "AuthError",
     "KVPipe",
+    "PeerMayWrite",
     "PipeClosed",
     "PipeConfig",
     "PipeError",

@@ -64,10 +64,6 @@ class KVPipe(ABC):
     any byte of it leaves, and the pipe stays usable; any other failure of a send breaks the
     pipe, since the transport cannot always tell whether some of the message left."""
 
-    # The peer writes into the receiving memory itself (one-sided): after a receive is cut off it
-    # may still write there, so such a pipe never receives into memory someone else will reuse.
-    peer_writes: bool = False
-
     def __init__(self) -> None:
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()

@@ -23,3 +23,9 @@ class ProtocolError(PipeError):
 
 class AuthError(PipeError):
     """The peer's shared secret did not match ours."""
+
+
+class PeerMayWrite(PipeError):
+    """A receive into the caller's memory was cut off while the peer's one-sided writes into it
+    may still be in flight: that memory must never be reused (the peer neither finished nor closed
+    its connection within the drain time)."""

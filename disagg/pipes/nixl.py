@@ -17,13 +17,22 @@ A peer can write only into memory the receiver handed out for the message being 
 CPU tensors travel as DRAM, CUDA tensors as VRAM. Like gloo, a send waits for the receiver to
 take the message. A dead peer is noticed by its control socket closing while we wait, and any
 wait ends after config.timeout without progress (PipeTimeout).
+
+Writes outlive nothing they may land in (docs/ARCHITECTURE.md, "Pipes"): a pipe's control socket
+closes only once none of its own writes is in flight (close waits for them, a bounded time), so a
+peer's socket closing means its writes have ended, or its process has. A receive that is cut off
+(a local close, a timeout) waits up to DRAIN_S for its writes to end or the peer's socket to
+close; if neither happens, memory the pipe allocated is kept aside for good and a receive into
+the caller's destinations raises PeerMayWrite: the caller must never reuse them.
 """
 
+import contextlib
 import logging
 import os
 import select
 import socket
 import struct
+import threading
 import time
 import uuid
 
@@ -31,7 +40,7 @@ import torch
 
 from disagg.pipes import sockets, wire
 from disagg.pipes.base import Destination, KVPipe, PipeConfig, fill
-from disagg.pipes.errors import PipeClosed, PipeError, PipeTimeout, ProtocolError
+from disagg.pipes.errors import PeerMayWrite, PipeClosed, PipeError, PipeTimeout, ProtocolError
 
 # NIXL logs each agent's creation at INFO on stdout: keep stdout for the program.
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -63,7 +72,6 @@ _quarantined: list = []
 
 
 class NixlPipe(KVPipe):
-    peer_writes = True
     def __init__(self, sock: socket.socket, config: PipeConfig, agent: nixl_agent, peer: str):
         super().__init__()
         self._sock = sock
@@ -72,6 +80,11 @@ class NixlPipe(KVPipe):
         self._peer = peer  # the peer agent's name
         self._sent = 0  # tensor messages sent, which number their notifications
         self._received = 0
+        # Messages whose writes (ours, or the peer's into our memory) may be in flight: close()
+        # waits for them before the socket closes.
+        self._writing = 0
+        self._writes_done = threading.Condition()
+        self._cut_off = False  # a send ended mid-message: no goodbye may follow its header
 
     def _send(self, header: bytes, tensors: list[torch.Tensor] | None) -> None:
         self._send_control(header)
@@ -83,6 +96,11 @@ class NixlPipe(KVPipe):
             return
         self._agent.add_remote_agent(_read_metadata(self._sock, self._config, "the receiver's memory"))
         regions = [self._read_regions() for _ in sources]
+        with self._writes_in_flight():
+            self._write_all(number, sources, regions)
+
+    def _write_all(self, number: int, sources: list[torch.Tensor], regions: list) -> None:
+        """Write each source into its regions of the peer's memory and wait until all are done."""
         registered = self._agent.register_memory(sources)
         handles = []
         try:
@@ -94,10 +112,39 @@ class NixlPipe(KVPipe):
                     if state == "ERR":
                         raise PipeClosed("a NIXL write failed: the peer is gone")
                     self._wait(deadline, "sending tensor data")
+        except BaseException:
+            self._cut_off = True
+            if not self._settle(handles):  # still writing: neither the handles nor the sources may go
+                _quarantined.append((registered, sources, handles))
+                log.warning("a cut-off NIXL send's writes did not end within %ss; its memory is kept aside", DRAIN_S)
+                handles = registered = None
+            raise
         finally:
-            for handle in handles:
+            for handle in handles or []:
                 self._agent.release_xfer_handle(handle)
-            self._agent.deregister_memory(registered)
+            if registered is not None:
+                self._agent.deregister_memory(registered)
+
+    def _settle(self, handles: list) -> bool:
+        """After a cut-off send: wait a bounded time for its writes in flight to end."""
+        deadline = time.monotonic() + min(self._config.timeout, DRAIN_S)
+        while any(self._agent.check_xfer_state(handle) == "PROC" for handle in handles):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(POLL_S)
+        return True
+
+    @contextlib.contextmanager
+    def _writes_in_flight(self):
+        """Around a message's writes, ours or the peer's: close() waits for them to end."""
+        with self._writes_done:
+            self._writing += 1
+        try:
+            yield
+        finally:
+            with self._writes_done:
+                self._writing -= 1
+                self._writes_done.notify_all()
 
     def _write(self, source: torch.Tensor, vram: bool, dest: list[tuple[int, int, int]], notif: bytes):
         """Start a WRITE of `source`'s bytes, in order, into the peer's regions `dest`."""
@@ -140,26 +187,37 @@ class NixlPipe(KVPipe):
         written = [[v for v in target if v.numel()] for target in targets]
         written = [views for views in written if views]  # the tensors the sender writes, in order
         if written:
-            registered = self._agent.register_memory([v for views in written for v in views])
-            expected = {f"{number}:{i}".encode() for i in range(len(written))}
-            try:
-                metadata = self._agent.get_partial_agent_metadata(registered, False)
-                regions = b"".join(_regions(views) for views in written)
-                self._send_control(METADATA_LEN.pack(len(metadata)) + metadata + regions)
-                self._await_notifs(expected)
-            finally:
-                if not expected or self._drain_notifs(expected):
-                    self._agent.deregister_memory(registered)
-                else:  # cut off while the peer may still be writing: this memory is never used again
-                    _quarantined.append((registered, written))
-                    log.warning("a cut-off NIXL receive keeps %d bytes aside: the peer may still write there",
-                                sum(v.nbytes for views in written for v in views))
+            self._receive_writes(number, written, into_callers=out is not None)
         if out is None:
             return [target[0] for target in targets]
         for dest, target in zip(out, targets):
             if target is not dest and target[0] is not dest:
                 fill(dest, target[0])
         return out
+
+    def _receive_writes(self, number: int, written: list[list[torch.Tensor]], into_callers: bool) -> None:
+        """Register the memory the peer writes message `number` into, hand it its regions and wait
+        for every write's notification."""
+        registered = self._agent.register_memory([v for views in written for v in views])
+        expected = {f"{number}:{i}".encode() for i in range(len(written))}
+        with self._writes_in_flight():
+            try:
+                metadata = self._agent.get_partial_agent_metadata(registered, False)
+                regions = b"".join(_regions(views) for views in written)
+                self._send_control(METADATA_LEN.pack(len(metadata)) + metadata + regions)
+                self._await_notifs(expected)
+            except BaseException as e:
+                if self._drain_notifs(expected):
+                    self._agent.deregister_memory(registered)
+                    raise
+                _quarantined.append((registered, written))  # never deregistered, never freed
+                nbytes = sum(v.nbytes for views in written for v in views)
+                if into_callers:
+                    raise PeerMayWrite(f"{e}; the peer may still write into the {nbytes} bytes of the receive's "
+                                       "destinations: they must not be reused") from None
+                log.warning("a cut-off NIXL receive keeps %d bytes aside: the peer may still write there", nbytes)
+                raise
+        self._agent.deregister_memory(registered)
 
     def _await_notifs(self, expected: set[bytes]) -> None:
         deadline = time.monotonic() + self._config.timeout
@@ -172,33 +230,53 @@ class NixlPipe(KVPipe):
             self._wait(deadline, "receiving tensor data")
 
     def _drain_notifs(self, expected: set[bytes]) -> bool:
-        """After a cut-off receive: wait a bounded time for the writes already started to end."""
+        """After a cut-off receive: wait a bounded time for the writes already started to end, or
+        for the peer's socket to close (its writes have then ended, or its process has)."""
         deadline = time.monotonic() + min(self._config.timeout, DRAIN_S)
         while expected and time.monotonic() < deadline:
             for notif in self._agent.get_new_notifs().get(self._peer, []):
                 expected.discard(notif)
-            time.sleep(POLL_S)
+            if self._peer_gone():
+                return True
         return not expected
 
     def _wait(self, deadline: float, what: str) -> None:
-        """Between two polls: raise if the time is up or the peer's control socket closed."""
+        """Between two polls: raise if the time is up, the pipe was closed here or the peer's control
+        socket closed."""
+        if self._closed:
+            raise PipeClosed(f"{what}: the pipe was closed locally")
         if time.monotonic() > deadline:
             raise PipeTimeout(f"{what}: no progress for {self._config.timeout}s (pipe timeout); is the peer alive?")
+        try:
+            if self._peer_gone():
+                raise PipeClosed(f"{what}: the peer closed the connection (or died)")
+        except OSError as e:
+            raise PipeClosed(f"{what}: connection lost ({e})") from None
+
+    def _peer_gone(self) -> bool:
+        """Wait up to POLL_S for the control socket: True if the peer has closed it."""
         # select first: a socket with a timeout waits that long in recv, even with MSG_DONTWAIT.
         readable, _, _ = select.select([self._sock], [], [], POLL_S)
-        if readable:
-            try:
-                if self._sock.recv(1, socket.MSG_PEEK) == b"":
-                    raise PipeClosed(f"{what}: the peer closed the connection (or died)")
-            except OSError as e:
-                raise PipeClosed(f"{what}: connection lost ({e})") from None
-            time.sleep(POLL_S)  # the peer's next header may wait there: poll on
+        if not readable:
+            return False
+        try:
+            if self._sock.recv(1, socket.MSG_PEEK) == b"":
+                return True
+        except OSError:
+            return True
+        time.sleep(POLL_S)  # the peer's next header may wait there: poll on
+        return False
 
     def close(self) -> None:
+        """Close; a send or receive under way stops at its next poll, and the socket closes once
+        their writes have ended (at most DRAIN_S and a poll later)."""
         if self._closed:
             return
-        self._say_goodbye(lambda: sockets.send_close(self._sock))
         self._closed = True
+        with self._writes_done:
+            self._writes_done.wait_for(lambda: not self._writing, DRAIN_S + 1.0)
+        if not self._cut_off:
+            self._say_goodbye(lambda: sockets.send_close(self._sock))
         sockets.shut(self._sock)
 
 
