@@ -172,12 +172,10 @@ class DecodeNode:
         await self._discard(request_id)
 
     async def _discard(self, request_id: str) -> None:
-        """consumer.discard, which waits only while it cuts off a receive into the request's blocks:
-        then in a thread, else at once. Blocks a peer may still write into are never given back."""
-        if self.consumer.is_filling(request_id):
-            await asyncio.to_thread(self.consumer.discard, request_id)
-        else:
-            self.consumer.discard(request_id)
+        """consumer.discard, in a thread: it may wait while it cuts off a receive into the request's
+        blocks (for a nixl pipe, until the peer's writes in flight end). Blocks a peer may still write
+        into are never given back."""
+        await asyncio.to_thread(self.consumer.discard, request_id)
         if self.consumer.peer_may_write(request_id):
             with contextlib.suppress(KeyError):  # the engine ended the request already (it stopped)
                 await self.engine.keep_remote_blocks_aside(request_id)

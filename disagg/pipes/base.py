@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from disagg.pipes import wire
-from disagg.pipes.errors import NoMessage, PipeClosed, PipeError, PipeTimeout
+from disagg.pipes.errors import NoMessage, PeerMayWrite, PipeClosed, PipeError, PipeTimeout
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +79,9 @@ class KVPipe(ABC):
     def _fail(self, error: Exception, doing: str) -> PipeError:
         """What to raise for an error mid-message: the stream can no longer be trusted, so
         the pipe is broken for good (or it was closed locally under a blocked call). Any
-        exception counts (a tensor we could not allocate leaves its bytes on the wire)."""
-        if self._closed:
+        exception counts (a tensor we could not allocate leaves its bytes on the wire).
+        PeerMayWrite stays what it is, closed or not: its caller must keep the memory aside."""
+        if self._closed and not isinstance(error, PeerMayWrite):
             return PipeClosed("the pipe was closed locally")
         if not isinstance(error, PipeError):
             error = PipeError(f"{doing} a message failed: {error!r}")

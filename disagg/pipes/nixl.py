@@ -81,13 +81,21 @@ class NixlPipe(KVPipe):
         self._sent = 0  # tensor messages sent, which number their notifications
         self._received = 0
         # Messages whose writes (ours, or the peer's into our memory) may be in flight: close()
-        # waits for them before the socket closes.
+        # waits for them before the socket closes, and once it has begun no new one starts.
         self._writing = 0
-        self._writes_done = threading.Condition()
+        self._unsettled = False  # a write of ours never ended: the socket stays open for good
+        self._writes_done = threading.Condition()  # guards the two above and the setting of _closed
         self._cut_off = False  # a send ended mid-message: no goodbye may follow its header
 
     def _send(self, header: bytes, tensors: list[torch.Tensor] | None) -> None:
         self._send_control(header)
+        try:
+            self._send_tensors(tensors)
+        except BaseException:
+            self._cut_off = True
+            raise
+
+    def _send_tensors(self, tensors: list[torch.Tensor] | None) -> None:
         if tensors is None:
             return
         sources = [t.contiguous() for t in tensors if t.numel()]
@@ -113,8 +121,8 @@ class NixlPipe(KVPipe):
                         raise PipeClosed("a NIXL write failed: the peer is gone")
                     self._wait(deadline, "sending tensor data")
         except BaseException:
-            self._cut_off = True
             if not self._settle(handles):  # still writing: neither the handles nor the sources may go
+                self._unsettled = True
                 _quarantined.append((registered, sources, handles))
                 log.warning("a cut-off NIXL send's writes did not end within %ss; its memory is kept aside", DRAIN_S)
                 handles = registered = None
@@ -138,6 +146,8 @@ class NixlPipe(KVPipe):
     def _writes_in_flight(self):
         """Around a message's writes, ours or the peer's: close() waits for them to end."""
         with self._writes_done:
+            if self._closed:
+                raise PipeClosed("the pipe was closed locally")
             self._writing += 1
         try:
             yield
@@ -198,9 +208,9 @@ class NixlPipe(KVPipe):
     def _receive_writes(self, number: int, written: list[list[torch.Tensor]], into_callers: bool) -> None:
         """Register the memory the peer writes message `number` into, hand it its regions and wait
         for every write's notification."""
-        registered = self._agent.register_memory([v for views in written for v in views])
         expected = {f"{number}:{i}".encode() for i in range(len(written))}
         with self._writes_in_flight():
+            registered = self._agent.register_memory([v for views in written for v in views])
             try:
                 metadata = self._agent.get_partial_agent_metadata(registered, False)
                 regions = b"".join(_regions(views) for views in written)
@@ -217,7 +227,7 @@ class NixlPipe(KVPipe):
                                        "destinations: they must not be reused") from None
                 log.warning("a cut-off NIXL receive keeps %d bytes aside: the peer may still write there", nbytes)
                 raise
-        self._agent.deregister_memory(registered)
+            self._agent.deregister_memory(registered)
 
     def _await_notifs(self, expected: set[bytes]) -> None:
         deadline = time.monotonic() + self._config.timeout
@@ -269,14 +279,20 @@ class NixlPipe(KVPipe):
 
     def close(self) -> None:
         """Close; a send or receive under way stops at its next poll, and the socket closes once
-        their writes have ended (at most DRAIN_S and a poll later)."""
-        if self._closed:
-            return
-        self._closed = True
+        their writes have ended (at most DRAIN_S and a poll later). If ours never end, it stays open
+        for good: the peer must not take our writes for ended."""
         with self._writes_done:
+            if self._closed:
+                return
+            self._closed = True
             self._writes_done.wait_for(lambda: not self._writing, DRAIN_S + 1.0)
-        if not self._cut_off:
-            self._say_goodbye(lambda: sockets.send_close(self._sock))
+            settled = not self._writing and not self._unsettled
+        if not settled:
+            _quarantined.append(self._sock)
+            log.warning("a NIXL connection whose writes did not end is left open for good")
+            return
+        # Under the send lock, so that a send cut off meanwhile is seen: no goodbye after its header.
+        self._say_goodbye(lambda: None if self._cut_off else sockets.send_close(self._sock))
         sockets.shut(self._sock)
 
 
@@ -302,7 +318,10 @@ def _regions(views: list[torch.Tensor]) -> bytes:
 
 def _read_metadata(sock: socket.socket, config: PipeConfig, what: str) -> bytes:
     with sockets.socket_errors(f"receiving NIXL metadata of {what}", config.timeout):
-        (length,) = METADATA_LEN.unpack(sockets.recv_exact(sock, METADATA_LEN.size))
+        raw = sockets.recv_exact(sock, METADATA_LEN.size)
+        if raw == wire.MAGIC:  # a header where the answer should be: the peer's goodbye
+            raise PipeClosed(f"receiving NIXL metadata of {what}: the peer closed the pipe")
+        (length,) = METADATA_LEN.unpack(raw)
         if length > MAX_METADATA_BYTES:
             raise ProtocolError(f"NIXL metadata of {what} claims {length} bytes; at most {MAX_METADATA_BYTES}")
         return sockets.recv_exact(sock, length)
