@@ -39,7 +39,7 @@ def produce(pipe: str, port: int, n: int, parts: int, next_entry: mp.Queue) -> N
     step = LAYERS // parts
     layers = [(first, first + step) for first in range(0, LAYERS, step)]
     for i in range(n):
-        producer.open(f"r{i}", [1], layers, kv.nbytes, ("127.0.0.1", port))
+        producer.open(f"r{i}", [1], layers, kv.shape[2], kv.nbytes, ("127.0.0.1", port))
         for first, end in layers:
             producer.put(f"r{i}", first, end, kv[first:end], None)
         next_entry.get()

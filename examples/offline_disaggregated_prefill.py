@@ -79,7 +79,7 @@ def run_prefill(consumer_port: Synchronized, consumer_ready: Event, kv_received:
             # open() reserves the KV's room in the buffer; during the step that computes the prompt
             # the engine hands each layer's KV to put() as soon as that layer has run, and a sender
             # thread pushes it to the consumer while the next layers compute.
-            producer.open(request_id(i), token_ids, layers, nbytes, dest=consumer)
+            producer.open(request_id(i), token_ids, layers, len(token_ids), nbytes, dest=consumer)
             export = KVExport(start=0, layers=layers, put=functools.partial(producer.put, request_id(i)))
             engine.add_request(request_id(i), token_ids, first_token_only, kv_export=export)
         while engine.has_unfinished_requests():

@@ -209,8 +209,9 @@ def test_prompt_longer_than_the_cache_is_refused(model_dir):
 
 
 def test_remote_prefill_continues_like_local(llm, model_dir, hf_model):
-    """A prompt prefilled by one engine and decoded by another gives transformers' tokens."""
-    prefill = LLM(str(model_dir), device="cpu")
+    """A prompt prefilled by one engine, in chunks, and decoded by another gives transformers' tokens;
+    each chunk's KV is handed out in the step that computes it."""
+    prefill = LLM(str(model_dir), device="cpu", max_num_batched_tokens=32)
     decode = llm.engine
     free = decode.block_manager.num_free_blocks
     prompts = [PROMPTS[2], PROMPTS[6], PROMPTS[5]]
@@ -219,9 +220,12 @@ def test_remote_prefill_continues_like_local(llm, model_dir, hf_model):
         prefill.engine.add_request(f"p{i}", prompt, greedy(1), kv_export=exports[i].export)
         decode.add_request(f"r{i}", prompt, greedy(32), remote_prefill=True)
     assert decode.step() == []  # nothing to compute while the KV is away
-    done = {}
+    done, early = {}, False
     while prefill.engine.has_unfinished_requests():
-        for out in prefill.engine.step():
+        outs = prefill.engine.step()
+        # The long prompt's first chunks' KV is out while its later chunks are still to compute.
+        early |= bool(exports[1].parts) and "p1" not in [out.request_id for out in outs]
+        for out in outs:
             i = int(out.request_id[1:])
             decode.finish_remote_prefill(f"r{i}", exports[i].kv(), out.token_ids[0])
     while decode.has_unfinished_requests():
@@ -232,6 +236,7 @@ def test_remote_prefill_continues_like_local(llm, model_dir, hf_model):
         out = done[f"r{i}"]
         assert out.token_ids == reference(hf_model, out.prompt_token_ids, 32)
     assert decode.block_manager.num_free_blocks == free
+    assert early and all(len(export.chunks()) > 1 for export in exports[1:])
 
 
 def test_a_failing_kv_export_costs_its_own_layers_only(model_dir):

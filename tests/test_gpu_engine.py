@@ -125,8 +125,9 @@ def test_layerwise_kv_over_tcp_lands_in_the_decode_engines_blocks(gpu_model_dir,
             decode.add_request(request_id, ids, GREEDY, remote_prefill=True)
             consumer.expect(request_id, [decode.remote_kv_views(request_id, 0)])
             nbytes = prefill.kv_cache.kv[:, :, :len(ids)].nbytes
-            producer.open(request_id, ids, [(layer, layer + 1) for layer in range(30)], nbytes, consumer.address)
-            sender = LayerSender(producer, request_id, copy_stream)
+            producer.open(request_id, ids, [(layer, layer + 1) for layer in range(30)], len(ids), nbytes,
+                          consumer.address)
+            sender = LayerSender(producer, request_id, 30, copy_stream)
             prefill.add_request(request_id, ids, SamplingParams(temperature=0.0, max_tokens=1),
                                 kv_export=KVExport(0, [(layer, layer + 1) for layer in range(30)], sender.put))
         first = {}

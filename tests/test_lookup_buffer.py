@@ -453,7 +453,7 @@ def test_layer_parts_travel_as_they_are_put(make_consumer, make_producer):
     consumer.expect("in-place", [views])
     groups = [(0, 1), (1, 3), (3, 4)]
     for request_id in ("in-place", "buffered"):
-        producer.open(request_id, [1, 2], groups, kv.nbytes, consumer.address)
+        producer.open(request_id, [1, 2], groups, kv.shape[2], kv.nbytes, consumer.address)
     producer.insert("whole", [3], [torch.ones(3)], None, consumer.address)
     assert torch.equal(consumer.drop_select("whole", [3], timeout=5).kv_tensors[0], torch.ones(3))
     producer.put("in-place", 0, 1, kv[0:1].clone())
@@ -480,7 +480,7 @@ def test_an_entry_whose_parts_stop_coming_ends_alone(make_consumer, make_produce
     naming the same producer goes on and is answered on the same connection."""
     consumer, producer = make_consumer(), make_producer()
     kv = layer_kv()
-    producer.open("failed", [1], [(0, 2), (2, 4)], kv.nbytes, consumer.address)
+    producer.open("failed", [1], [(0, 2), (2, 4)], kv.shape[2], kv.nbytes, consumer.address)
     assert producer.put("failed", 0, 2, kv[0:2].clone())
     wait_until(lambda: consumer.stats().connections == 1, 5)
     answers = {}
@@ -504,21 +504,59 @@ def test_an_entry_whose_parts_stop_coming_ends_alone(make_consumer, make_produce
 
 
 @pytest.mark.timeout(30)
-def test_a_layer_wise_entry_beyond_the_buffer_is_refused_before_it_is_allocated(make_consumer):
+def test_a_layer_wise_entry_beyond_the_buffer_is_refused_before_it_is_allocated(make_consumer, caplog):
     """Each part passes the message limit, but their sum is checked against kv_buffer_size at the
     first part, before the whole tensor is allocated: a peer claiming 1,024 layers of 2 MiB each
-    loses its connection, and the consumer holds nothing."""
+    (the first part holding a chunk of half its tokens) loses its connection, and the consumer
+    holds nothing."""
     consumer = make_consumer()
     config = PipeConfig(timeout=10)
     pipe = tcp.TcpPipe(sockets.connect_socket(config, *consumer.address), config)
     pipe.send(encode_hello(Hello(("127.0.0.1", unused_port()))))
-    entry = KVEntry("big", token_digest([1]), [], layers=[(0, 1), (1, 1024)])
+    entry = KVEntry("big", token_digest([1]), [], layers=[(0, 1), (1, 1024)], tokens=1 << 15, chunk=1 << 14)
     pipe.send(encode_entry(entry))
-    pipe.send([torch.zeros(1, 512 << 10)])  # layer 0: 2 MiB, so 1,024 layers would be 2 GiB
-    wait_until(lambda: consumer.stats().connections == 0, 10)
+    pipe.send([torch.zeros(1, 2, 1 << 14, 2, 4)])  # layer 0's first chunk: 1 MiB, so 2 GiB in all
+    wait_until(lambda: "an entry of 2147483648 bytes of KV; kv_buffer_size is" in caplog.text, 10)
     stats = consumer.stats()
-    assert (stats.received, stats.entries, stats.bytes) == (0, 0, 0)
+    assert (stats.connections, stats.received, stats.entries, stats.bytes) == (0, 0, 0, 0)
     pipe.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_prompt_computed_in_chunks_travels_chunk_by_chunk(make_consumer, make_producer):
+    """Each chunk's layer groups travel as they are put: straight into the token share of the views
+    when expected (the first chunk's KV is in the blocks before the second is put), else assembled;
+    a put that breaks the chunk's size or overruns the entry's tokens is refused."""
+    consumer, producer = make_consumer(), make_producer()
+    kv = layer_kv(tokens=7)
+    cache = torch.zeros(4, 2, 8, 2, 3)
+    # Flat views, as a KV cache's: per layer K then V, rows [5, 7) of the cache for tokens 0-1, [0, 5) for 2-6.
+    views = [cache[layer, k, row:row + rows].reshape(-1) for layer in range(4) for k in (0, 1)
+             for row, rows in ((5, 2), (0, 5))]
+    consumer.expect("in-place", [views])
+    groups = [(0, 1), (1, 4)]
+    for request_id in ("in-place", "buffered"):
+        producer.open(request_id, [1, 2], groups, 7, kv.nbytes, consumer.address)
+        for first, end in groups:
+            producer.put(request_id, first, end, kv[first:end, :, :3].clone())
+    wait_until(lambda: torch.equal(cache[:, :, 5:7], kv[:, :, :2]) and torch.equal(cache[:, :, 0:1], kv[:, :, 2:3]), 5)
+    producer.open("bad", [3], groups, 7, kv.nbytes, consumer.address)
+    producer.put("bad", 0, 1, kv[0:1, :, :1].clone())
+    with pytest.raises(ValueError, match="put of 2 tokens for 'bad' in a chunk of 1"):
+        producer.put("bad", 1, 4, kv[1:4, :, :2].clone())
+    producer.put("bad", 1, 4, kv[1:4, :, :1].clone())
+    with pytest.raises(ValueError, match="put of 7 tokens for 'bad'; 6 are left"):
+        producer.put("bad", 0, 1, kv[0:1].clone())
+    producer.abort("bad")
+    for request_id in ("in-place", "buffered"):
+        for start, stop in ((3, 4), (4, 7)):
+            for first, end in groups:
+                producer.put(request_id, first, end, kv[first:end, :, start:stop].clone())
+    entry = consumer.drop_select("in-place", [1, 2], timeout=5)
+    assert entry.in_place and torch.equal(torch.cat([cache[:, :, 5:7], cache[:, :, 0:5]], dim=2), kv)
+    entry = consumer.drop_select("buffered", [1, 2], timeout=5)
+    assert not entry.in_place and torch.equal(entry.kv_tensors[0], kv)
+    wait_until(lambda: (producer.stats().entries, producer.stats().bytes) == (0, 0), 5)
 
 
 @pytest.mark.timeout(60)
@@ -557,7 +595,7 @@ def test_an_opened_entry_waits_for_its_prefill_beyond_the_ttl(make_consumer, mak
     computing it takes: it runs from the first part."""
     consumer, producer = make_consumer(), make_producer(ttl=0.5)
     kv = layer_kv()
-    producer.open("slow", [1], [(0, 4)], kv.nbytes, consumer.address)
+    producer.open("slow", [1], [(0, 4)], kv.shape[2], kv.nbytes, consumer.address)
     time.sleep(1.0)  # a long prefill
     assert producer.stats().expiries == 0
     assert producer.put("slow", 0, 4, kv.clone())

@@ -89,7 +89,7 @@ class LLMEngine:
                     *, kv_export: KVExport | None = None, remote_prefill: bool = False) -> Sequence:
         """Queue a request. Raises ValueError for bad input; other requests are unaffected.
 
-        kv_export: where the prompt's KV goes, layer group by layer group, as its last prompt step
+        kv_export: where the prompt's KV goes, layer group by layer group, as each of its prompt steps
         computes it (a prefill node's job).
         remote_prefill: reserve blocks and wait for `finish_remote_prefill` to bring the prompt's
         KV and first token, instead of computing the prompt here (a decode node's job)."""

@@ -39,7 +39,7 @@ class ModelRunner:
         batch = self.order(batch)
         inputs = self.attention.prepare(batch)
         scoring = any(scores_prompt(item.seq) for item in batch)
-        exports = [item.seq for item in batch if exports_now(item)]
+        exports = [item for item in batch if exports_now(item)]
         decode_only = all(item.num_new_tokens == 1 for item in batch)
         if (self.graphs is not None and decode_only and not scoring and not exports
                 and len(batch) <= self.graphs.max_batch):
@@ -75,13 +75,17 @@ class ModelRunner:
     def _forward(self, inputs: StepInputs, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         return self.model(inputs.input_ids, inputs.positions, self.attention, inputs.meta, after_layer)
 
-    def _exporter(self, seqs: list[Sequence]) -> Callable[[int], None]:
-        """after_layer for a step that completes the prompts of `seqs`: each group of layers' KV goes
-        to its KVExport as soon as the group has run, so it can travel while later layers compute
-        (docs/ARCHITECTURE.md, "Layer-wise send")."""
-        # Made once, before the forward: a host-to-device copy between two layers would wait for the
-        # GPU to finish the work queued so far, so the host could no longer run ahead of it.
-        slots = [self.kv_cache.slots(seq.block_table, seq.num_prompt_tokens)[seq.kv_export.start:] for seq in seqs]
+    def _exporter(self, items: list[ScheduledSeq]) -> Callable[[int], None]:
+        """after_layer for a step that computes prompt tokens of `items` whose KV is exported: each group
+        of layers' KV of the tokens not handed out yet goes to its KVExport as soon as the group has
+        run, so it can travel while later layers compute (docs/ARCHITECTURE.md, "Layer-wise send")."""
+        seqs, slots = [item.seq for item in items], []
+        for item in items:
+            export, end = item.seq.kv_export, item.seq.num_computed_tokens + item.num_new_tokens
+            # Made once, before the forward: a host-to-device copy between two layers would wait for the
+            # GPU to finish the work queued so far, so the host could no longer run ahead of it.
+            slots.append(self.kv_cache.slots(item.seq.block_table, end)[max(export.start, export.sent):])
+            export.sent = end
 
         firsts = [{end: first for first, end in seq.kv_export.layers} for seq in seqs]  # a group's end -> its first
         failed: set[str] = set()
@@ -106,9 +110,10 @@ class ModelRunner:
 
 
 def exports_now(item: ScheduledSeq) -> bool:
-    """This step completes the prompt of a sequence whose KV is exported."""
-    seq = item.seq
-    return seq.kv_export is not None and seq.num_computed_tokens + item.num_new_tokens == seq.num_prompt_tokens
+    """This step computes prompt tokens whose KV is exported and not handed out yet."""
+    seq, export = item.seq, item.seq.kv_export
+    end = seq.num_computed_tokens + item.num_new_tokens
+    return export is not None and end <= seq.num_prompt_tokens and end > max(export.start, export.sent)
 
 
 def scores_prompt(seq: Sequence) -> bool:

@@ -34,15 +34,18 @@ class RemotePrefill:
 
 @dataclass
 class KVExport:
-    """Where a prefill node's request hands out its prompt's KV: during the step that completes the
-    prompt, right after each group of `layers` ([first, end) pairs covering all layers in order) has
-    run, `put(first, end, kv)` gets those layers' KV of prompt tokens `start` on, [layers, 2, tokens, kv heads, head dim],
-    on the engine's device; a put's CUDA work is queued on the engine thread's current stream, so
-    the receiver waits for it there before reading (docs/ARCHITECTURE.md, "Layer-wise send")."""
+    """Where a prefill node's request hands out its prompt's KV: during each step that computes a
+    chunk of the prompt, right after each group of `layers` ([first, end) pairs covering all layers
+    in order) has run, `put(first, end, kv)` gets those layers' KV [layers, 2, tokens, kv heads,
+    head dim] of the prompt tokens from `start` (or from where the last chunk's ended) to the end of
+    the chunk, on the engine's device; a put's CUDA work is queued on the engine thread's current
+    stream, so the receiver waits for it there before reading (docs/ARCHITECTURE.md, "Layer-wise
+    send")."""
 
     start: int  # prompt tokens before it are not exported (the decode node holds them)
     layers: list[tuple[int, int]]
     put: Callable[[int, int, torch.Tensor], None]
+    sent: int = 0  # prompt tokens handed out so far (a preempted prompt computed again skips them)
 
 
 class Sequence:

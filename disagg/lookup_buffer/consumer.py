@@ -37,7 +37,7 @@ from disagg.lookup_buffer.errors import (
     LookupTimeout,
     ProducerLost,
 )
-from disagg.lookup_buffer.messages import MAX_HEADER_BYTES, Hello, KVEntry, decode, token_digest
+from disagg.lookup_buffer.messages import MAX_HEADER_BYTES, Hello, KVEntry, decode, decode_chunk, token_digest
 from disagg.pipes.base import Destination, KVPipe, PipeConfig, RateLimitedLog
 from disagg.pipes.errors import PeerMayWrite, PipeError, PipeTimeout, ProtocolError
 
@@ -288,11 +288,6 @@ class LookupBufferConsumer:
         with self._cond:
             return request_id in self._written_on
 
-    def is_filling(self, request_id: str) -> bool:
-        """A receive into the request's expect() destination is under way (discard would wait for it)."""
-        with self._cond:
-            return request_id in self._filling
-
     def stats(self) -> ConsumerStats:
         with self._cond:
             return replace(self._stats)
@@ -410,7 +405,7 @@ class LookupBufferConsumer:
             if into is not None:
                 self._filling[entry.request_id] = pipe
         try:
-            kv = self._recv_part(pipe, into) if entry.layers is None else self._recv_layers(pipe, entry.layers, into)
+            kv = self._recv_part(pipe, into) if entry.layers is None else self._recv_layers(pipe, entry, into)
             if self._on_cuda:
                 # All of it in place before it is handed on, whatever reads it. Once per entry, not per
                 # part: each wait gives up the GIL, and getting it back costs (docs/ARCHITECTURE.md,
@@ -444,39 +439,49 @@ class LookupBufferConsumer:
             self.on_received(sum(_nbytes(dest) for dest in kv))
         return kv
 
-    def _recv_layers(self, pipe: KVPipe, layers: list[tuple[int, int]],
-                     into: list[Destination] | None) -> list[Destination] | None:
-        """A layer-wise entry's KV, one part per group of layers: each straight into its layers' share
-        of the destination (views of the blocks are layer-major), else into its layers of one tensor
-        sized by the first part. None if a None message comes in place of a part (cancelled)."""
+    def _recv_layers(self, pipe: KVPipe, entry: KVEntry, into: list[Destination] | None) -> list[Destination] | None:
+        """A layer-wise entry's KV, one part per group of layers and chunk of tokens: each straight into
+        its share of the destination (views of the blocks are layer-major, then token-ordered), else
+        into its share of one tensor sized by the first part. None if a None message comes in place of
+        a message (cancelled)."""
         if into is not None and len(into) != 1:
             raise ProtocolError(f"a layer-wise entry has one KV tensor; {len(into)} destinations were expected")
-        num_layers = layers[-1][1]
+        num_layers = entry.layers[-1][1]
         whole: torch.Tensor | None = None
-        for first, end in layers:
-            if into is not None:
-                out = [_layer_share(into[0], first, end, num_layers)]
-            else:
-                out = None if whole is None else [whole[first:end]]
-            part = self._recv_part(pipe, out)
-            if part is None:
+        start, tokens = 0, entry.chunk
+        while True:
+            for first, end in entry.layers:
+                if into is not None:
+                    out = [_share(into[0], first, end, num_layers, start, start + tokens, entry.tokens)]
+                else:
+                    out = None if whole is None else [whole[first:end, :, start:start + tokens]]
+                part = self._recv_part(pipe, out)
+                if part is None:
+                    return None
+                if len(part) != 1:
+                    raise ProtocolError("each layer part of an entry must be one KV tensor")
+                if into is None and whole is None:
+                    whole = self._whole(part[0], end, num_layers, entry.tokens)
+            start += tokens
+            if start == entry.tokens:
+                return into if into is not None else [whole]
+            chunk = self._recv_part(pipe, None)
+            if chunk is None:
                 return None
-            if len(part) != 1:
-                raise ProtocolError("each layer part of an entry must be one KV tensor")
-            if into is None and whole is None:
-                whole = self._whole(part[0], end, num_layers)
-        return into if into is not None else [whole]
+            tokens = decode_chunk(chunk, entry.tokens - start)
 
-    def _whole(self, first_part: torch.Tensor, end: int, num_layers: int) -> torch.Tensor:
-        """The tensor a layer-wise entry not received in place is assembled in, refused before it is
-        allocated if it would exceed kv_buffer_size (each part alone passes the message limit)."""
-        if first_part.dim() < 1 or first_part.shape[0] != end:
-            raise ProtocolError(f"a part of layers [0, {end}) has shape {list(first_part.shape)}")
-        nbytes = first_part.nbytes // end * num_layers
+    def _whole(self, first_part: torch.Tensor, end: int, num_layers: int, tokens: int) -> torch.Tensor:
+        """The tensor [layers, 2, tokens, ...] a layer-wise entry not received in place is assembled in,
+        refused before it is allocated if it would exceed kv_buffer_size (each part alone passes the
+        message limit)."""
+        if first_part.dim() < 3 or first_part.shape[0] != end or first_part.shape[2] > tokens:
+            raise ProtocolError(f"a part of layers [0, {end}) of {tokens} tokens has shape {list(first_part.shape)}")
+        nbytes = first_part.nbytes // (end * first_part.shape[2]) * num_layers * tokens
         if nbytes > self.kv_buffer_size:
             raise ProtocolError(f"an entry of {nbytes} bytes of KV; kv_buffer_size is {self.kv_buffer_size}")
-        whole = torch.empty((num_layers, *first_part.shape[1:]), dtype=first_part.dtype, device=first_part.device)
-        whole[:end] = first_part
+        shape = (num_layers, first_part.shape[1], tokens, *first_part.shape[3:])
+        whole = torch.empty(shape, dtype=first_part.dtype, device=first_part.device)
+        whole[:end, :, :first_part.shape[2]] = first_part
         return whole
 
     def _cancel(self, request_id: str) -> None:
@@ -558,15 +563,30 @@ class LookupBufferConsumer:
             raise LookupBufferError("the lookup-buffer consumer is closed")
 
 
-def _layer_share(dest: Destination, first: int, end: int, num_layers: int) -> Destination:
-    """Layers [first, end) of a destination for [layers, ...]: a slice of a tensor, or the share of a
-    list of views that holds them (the same number of views for every layer)."""
+def _share(dest: Destination, first: int, end: int, num_layers: int, start: int, stop: int,
+           tokens: int) -> Destination:
+    """Layers [first, end), tokens [start, stop) of a destination for [layers, 2, tokens, ...]: a slice
+    of a tensor, or the pieces of a list of flat views that hold them (per layer, K then V, the same
+    number of views each, their tokens in order)."""
     if isinstance(dest, torch.Tensor):
-        return dest[first:end]
-    if len(dest) % num_layers:
+        return dest[first:end, :, start:stop]
+    if len(dest) % (2 * num_layers):
         raise ProtocolError(f"{len(dest)} destination views cannot hold {num_layers} layers alike")
-    per_layer = len(dest) // num_layers
-    return dest[first * per_layer:end * per_layer]
+    per_half = len(dest) // (2 * num_layers)  # the views of one layer's K (or V)
+    views = dest[2 * first * per_half:2 * end * per_half]
+    if (start, stop) == (0, tokens):
+        return views
+    row = sum(view.numel() for view in views[:per_half]) // tokens  # elements of one token
+    pieces = []
+    for i in range(0, len(views), per_half):
+        position = 0  # of the first token in the view
+        for view in views[i:i + per_half]:
+            length = view.numel() // row
+            lo, hi = max(start, position), min(stop, position + length)
+            if lo < hi:
+                pieces.append(view[(lo - position) * row:(hi - position) * row])
+            position += length
+    return pieces
 
 
 def _nbytes(dest: Destination) -> int:

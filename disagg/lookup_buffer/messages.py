@@ -4,15 +4,20 @@ A pipe carries lists of tensors and nothing else (no pickle), so every message s
 with a 1-d uint8 tensor holding a small JSON header; an entry's KV tensors follow it:
 
     hello  = [header {"kind": "hello", "version", "source": [host, port]}]
-    entry  = [header {"kind": "entry", "version", "request_id", "token_digest", "extras", "layers"}],
+    entry  = [header {"kind": "entry", "version", "request_id", "token_digest", "extras", "layers",
+                      "tokens", "chunk"}],
              then [*kv_tensors] if layers is null,
-             else one message [kv of layers first..end] for each [first, end] pair of layers
+             else, for each chunk of the prompt's tokens in order, one message [kv of layers
+             first..end, the chunk's tokens] for each [first, end] pair of layers; the first chunk
+             has `chunk` of the entry's `tokens`, each later one follows a chunk message
+             [int64 tensor [its tokens]]
 
 A producer sends one hello as the first message of each connection, so the consumer
 knows which producer a connection (and its failure) belongs to. An entry's header comes
 before its KV, so that the consumer knows the request before its KV arrives and can
 receive the KV straight into that request's blocks; a layer-wise entry's KV follows in
-parts, one per group of layers, sent as the prefill computes them. `decode` checks every field's type and size:
+parts, one per group of layers and chunk of a prompt computed in chunks, sent as the prefill
+computes them. `decode` checks every field's type and size:
 whatever a peer sends gives a Hello, a KVEntry (its header: no KV yet) or ProtocolError.
 """
 
@@ -27,7 +32,8 @@ import torch
 from disagg.pipes import wire
 from disagg.pipes.errors import ProtocolError
 
-PROTOCOL_VERSION = 3  # 2: an entry's header, then its KV in a message of its own; 3: or in layer parts
+# 2: an entry's header, then its KV in a message of its own; 3: or in layer parts; 4: per chunk too
+PROTOCOL_VERSION = 4
 MAX_HEADER_BYTES = 64 << 10  # a header is a few hundred bytes
 MAX_REQUEST_ID_CHARS = 256  # the decode node's API takes X-Request-Id of at most 128
 MAX_HOST_CHARS = 255
@@ -63,6 +69,8 @@ class KVEntry:
     # Layer-wise: its one KV tensor [layers, 2, tokens, kv heads, head dim] travels as a part per
     # [first, end) group of layers, in order from layer 0; None: kv_tensors travel in one message.
     layers: list[tuple[int, int]] | None = None
+    tokens: int = 0  # layer-wise: the tokens its KV holds
+    chunk: int = 0  # layer-wise: the tokens of its first chunk (all of them unless computed in chunks)
     # The consumer received the KV into the destination its expect() named: kv_tensors are those views.
     in_place: bool = False
 
@@ -115,8 +123,25 @@ def encode_entry(entry: KVEntry) -> list[torch.Tensor]:
         "token_digest": entry.token_digest,
         "extras": entry.extras,
         "layers": entry.layers,
+        "tokens": entry.tokens,
+        "chunk": entry.chunk,
     }
     return [_header(header)]
+
+
+def encode_chunk(tokens: int) -> list[torch.Tensor]:
+    """The message before each later chunk of a layer-wise entry: how many tokens it holds."""
+    return [torch.tensor([tokens], dtype=torch.int64)]
+
+
+def decode_chunk(message: list[torch.Tensor], tokens_left: int) -> int:
+    """A chunk message's tokens, at least one and at most `tokens_left`; else ProtocolError."""
+    if len(message) != 1 or message[0].dtype != torch.int64 or message[0].shape != (1,) or message[0].is_cuda:
+        raise ProtocolError("a chunk message is one int64 CPU tensor of one element")
+    tokens = int(message[0])
+    if not 0 < tokens <= tokens_left:
+        raise ProtocolError(f"a chunk of {tokens} tokens; 1 to {tokens_left} were left")
+    return tokens
 
 
 def decode(message: list[torch.Tensor] | None) -> Hello | KVEntry:
@@ -147,7 +172,10 @@ def decode(message: list[torch.Tensor] | None) -> Hello | KVEntry:
             if not isinstance(extras, dict):
                 raise TypeError(f"extras must be a map, got {type(extras).__name__}")
             check_extras(extras)
-            return KVEntry(request_id, digest, [], extras, _layers(header["layers"]))
+            entry = KVEntry(request_id, digest, [], extras, _layers(header["layers"]))
+            if entry.layers is not None:
+                entry.tokens, entry.chunk = _chunk(header["tokens"], header["chunk"])
+            return entry
     except (ValueError, KeyError, TypeError, RecursionError) as e:  # RecursionError: deeply nested JSON
         raise ProtocolError(f"malformed lookup-buffer header: {e!r:.300}") from None
     raise ProtocolError(f"unknown lookup-buffer message kind {kind!r:.40}")
@@ -167,6 +195,13 @@ def _layers(value: object) -> list[tuple[int, int]] | None:
         groups.append((first, last))
         end = last
     return groups
+
+
+def _chunk(tokens: object, chunk: object) -> tuple[int, int]:
+    """A layer-wise entry's tokens and its first chunk's: 0 < chunk <= tokens."""
+    if not (isinstance(tokens, int) and isinstance(chunk, int) and 0 < chunk <= tokens):
+        raise ValueError(f"an entry of {tokens!r:.20} tokens cannot have a first chunk of {chunk!r:.20}")
+    return tokens, chunk
 
 
 def _source(value: object) -> tuple[str, int]:

@@ -27,6 +27,7 @@ from disagg.lookup_buffer.messages import (
     check_extras,
     check_request_id,
     check_tensors,
+    encode_chunk,
     encode_entry,
     encode_hello,
     token_digest,
@@ -70,7 +71,11 @@ class _Pending:
     nbytes: int
     deadline: float  # time.monotonic() after which the entry expires unsent
     parts: list[_Part]  # the messages of its KV that are there, in order
-    num_parts: int  # how many there will be
+    num_parts: int | None  # how many there will be; None until a layer-wise entry's last part is put
+    # A layer-wise entry's puts so far: tokens of its chunks put whole, then its current chunk's.
+    tokens_put: int = 0
+    chunk_tokens: int = 0
+    groups_put: int = 0  # layer groups of the current chunk
     sending: bool = False  # on the wire right now: cannot be dropped until the send ends
     aborted: bool = False  # aborted while sending: not retried if that send fails
 
@@ -130,35 +135,59 @@ class LookupBufferProducer:
         entry = KVEntry(request_id, token_digest(token_ids), list(kv_tensors), dict(extras or {}))
         self._queue(entry, dest, entry.nbytes, [_Part(entry.kv_tensors, None)])
 
-    def open(self, request_id: str, token_ids: list[int], layers: list[tuple[int, int]], nbytes: int,
-             dest: tuple[str, int]) -> None:
-        """Queue the entry of a request whose KV is still being computed: it will come as one `put`
-        per layer group in `layers` ([first, end) pairs covering all layers in order, `nbytes` in
-        all). Waits for buffer space as insert does, so that put never waits."""
-        entry = KVEntry(request_id, token_digest(token_ids), [], {}, layers=list(layers))
-        self._queue(entry, dest, nbytes, [], len(layers))
+    def open(self, request_id: str, token_ids: list[int], layers: list[tuple[int, int]], tokens: int,
+             nbytes: int, dest: tuple[str, int]) -> None:
+        """Queue the entry of a request whose KV of `tokens` tokens is still being computed: it will
+        come as one `put` per layer group in `layers` ([first, end) pairs covering all layers in
+        order) for each chunk of those tokens, in order, `nbytes` in all. Waits for buffer space as
+        insert does, so that put never waits."""
+        entry = KVEntry(request_id, token_digest(token_ids), [], {}, layers=list(layers), tokens=tokens)
+        self._queue(entry, dest, nbytes, [], None)
 
     def put(self, request_id: str, first: int, end: int, kv: torch.Tensor,
             ready: torch.cuda.Event | None = None) -> bool:
-        """The KV of layers [first, end) of an opened entry (kept as given, like insert's); with
-        `ready`, it holds its values once that event has happened. False, and dropped, if the entry
-        is gone (aborted). Never waits."""
+        """The KV [end - first, 2, tokens, ...] of layers [first, end) for the next tokens of an
+        opened entry (kept as given, like insert's): a chunk's tokens begin with a put of its first
+        group. With `ready`, it holds its values once that event has happened. False, and dropped,
+        if the entry is gone (aborted). Never waits."""
         with self._cond:
             pending = self._pending.get(request_id)
             if pending is None or pending.entry.layers is None or pending.aborted:
                 return False
-            expected = pending.entry.layers[len(pending.parts)]
-            if (first, end) != expected:
-                raise ValueError(f"put of layers [{first}, {end}) for {request_id!r}; layers {list(expected)} come next")
-            if not pending.parts:  # its ttl runs from now: the time it waited for its prefill is not the consumer's
-                pending.deadline = time.monotonic() + self.ttl
-                self._pending[request_id] = self._pending.pop(request_id)  # deadline order
+            layers = pending.entry.layers
+            if (first, end) != layers[pending.groups_put]:
+                raise ValueError(f"put of layers [{first}, {end}) for {request_id!r}; "
+                                 f"layers {list(layers[pending.groups_put])} come next")
+            if pending.groups_put == 0:
+                self._start_chunk(pending, kv.shape[2])
+            elif kv.shape[2] != pending.chunk_tokens:
+                raise ValueError(f"put of {kv.shape[2]} tokens for {request_id!r} in a chunk of {pending.chunk_tokens}")
             pending.parts.append(_Part([kv], ready))
+            pending.groups_put += 1
+            if pending.groups_put == len(layers):
+                pending.groups_put, pending.tokens_put = 0, pending.tokens_put + pending.chunk_tokens
+                if pending.tokens_put == pending.entry.tokens:
+                    pending.num_parts = len(pending.parts)
             self._cond.notify_all()
             return True
 
+    def _start_chunk(self, pending: _Pending, tokens: int) -> None:
+        """Under the lock: the first put of a chunk of `tokens` tokens. The first chunk's size goes in
+        the entry's header, each later one's in a chunk message before its parts."""
+        left = pending.entry.tokens - pending.tokens_put
+        if not 0 < tokens <= left:
+            raise ValueError(f"put of {tokens} tokens for {pending.entry.request_id!r}; {left} are left")
+        pending.chunk_tokens = tokens
+        if pending.parts:
+            pending.parts.append(_Part(encode_chunk(tokens), None))
+            return
+        pending.entry.chunk = tokens
+        # Its ttl runs from now: the time it waited for its prefill is not the consumer's.
+        pending.deadline = time.monotonic() + self.ttl
+        self._pending[pending.entry.request_id] = self._pending.pop(pending.entry.request_id)  # deadline order
+
     def _queue(self, entry: KVEntry, dest: tuple[str, int], nbytes: int, parts: list[_Part],
-               num_parts: int = 1) -> None:
+               num_parts: int | None = 1) -> None:
         request_id = entry.request_id
         check_request_id(request_id)  # what the consumer would refuse is refused here, before it is sent
         check_extras(entry.extras)
@@ -309,7 +338,8 @@ class LookupBufferProducer:
         """Each part of an entry on the wire once it is there. False if one never comes (its prefill
         failed and aborted the entry, or its ttl passed): a None message in its place tells the
         receiver the entry is cancelled, and the connection goes on."""
-        for i in range(pending.num_parts):
+        i = 0
+        while pending.num_parts is None or i < pending.num_parts:
             with self._cond:
                 self._cond.wait_for(lambda: self._closed or pending.aborted or len(pending.parts) > i,
                                     max(0.0, pending.deadline - time.monotonic()))
@@ -320,6 +350,7 @@ class LookupBufferProducer:
                 pipe.send(None)
                 break
             self._send_part(pipe, part, stream)
+            i += 1
         if stream:
             # Sent once the transport is done reading its GPU parts: the engine's allocator may reuse
             # their memory as soon as the entry is dropped, and it knows nothing of this stream. Once

@@ -37,11 +37,13 @@ class LayerSender:
     to pinned host memory on a stream of its own unless the buffer is on the GPU. Runs on the
     engine thread and never waits for the GPU."""
 
-    def __init__(self, producer: LookupBufferProducer, request_id: str, copy_stream: torch.cuda.Stream | None):
+    def __init__(self, producer: LookupBufferProducer, request_id: str, num_layers: int,
+                 copy_stream: torch.cuda.Stream | None):
         self.producer = producer
         self.request_id = request_id
+        self.num_layers = num_layers
         self.copy_stream = copy_stream  # None: the KV stays where the engine computed it
-        self.layers_put = 0
+        self.tokens_put = 0  # of every layer
 
     def put(self, first: int, end: int, kv: torch.Tensor) -> None:
         ready = None
@@ -57,8 +59,8 @@ class LayerSender:
                     ready = torch.cuda.Event()
                     ready.record()
                 kv = host
-        if self.producer.put(self.request_id, first, end, kv, ready):  # else the entry was aborted
-            self.layers_put += end - first
+        if self.producer.put(self.request_id, first, end, kv, ready) and end == self.num_layers:  # else aborted
+            self.tokens_put += kv.shape[2]
 
 
 class PrefillNode:
@@ -89,7 +91,7 @@ class PrefillNode:
         try:
             async for out in self.engine.generate(call.request_id, call.prompt_token_ids, params, kv_export=export):
                 final = out
-            if sender.layers_put != self.engine.engine.model_config.num_hidden_layers:
+            if sender.tokens_put != len(call.prompt_token_ids) - call.skip_tokens:
                 raise RuntimeError(f"prefill of {call.request_id} ended without its KV ({final and final.finish_reason})")
         except BaseException:
             self.producer.abort(call.request_id)  # on the wire already, the decode node is told it is cancelled
@@ -116,12 +118,13 @@ class PrefillNode:
         engine = self.engine.engine
         num_layers = engine.model_config.num_hidden_layers
         per_layer = engine.kv_cache.kv[0, :, 0].nbytes  # one token's K and V in one layer
-        nbytes = num_layers * per_layer * (len(call.prompt_token_ids) - call.skip_tokens)
+        tokens = len(call.prompt_token_ids) - call.skip_tokens
+        nbytes = num_layers * per_layer * tokens
         layers = layer_groups(num_layers) if self.layerwise else [(0, num_layers)]
         # Opening may wait (bounded) for buffer space: off the event loop, and shielded, so that a call
         # cancelled meanwhile (its decode node gave up) aborts the entry once it is open.
         opening = asyncio.ensure_future(asyncio.to_thread(
-            self.producer.open, call.request_id, call.prompt_token_ids, layers, nbytes, call.kv_dest))
+            self.producer.open, call.request_id, call.prompt_token_ids, layers, tokens, nbytes, call.kv_dest))
         try:
             await asyncio.shield(opening)
         except asyncio.CancelledError:
@@ -130,7 +133,7 @@ class PrefillNode:
         if engine.device.type == "cuda" and self.kv_buffer_device == "cpu" and self.copy_stream is None:
             self.copy_stream = torch.cuda.Stream(engine.device)
         copy_stream = self.copy_stream if self.kv_buffer_device == "cpu" else None
-        sender = LayerSender(self.producer, call.request_id, copy_stream)
+        sender = LayerSender(self.producer, call.request_id, num_layers, copy_stream)
         return KVExport(call.skip_tokens, layers, sender.put), sender, nbytes
 
     def _abort_opened(self, opening: asyncio.Future, request_id: str) -> None:
