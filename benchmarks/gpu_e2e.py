@@ -34,6 +34,10 @@ SHAPES = {
            "head_dim": 64, "intermediate_size": 8192, "vocab_size": 49152, "tie_word_embeddings": True},
     "8b": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
            "head_dim": 128, "intermediate_size": 14336, "vocab_size": 49152, "tie_word_embeddings": False},
+    # Narrow and deep: on a CPU its KV is large beside its compute, as an 8B model's is beside an
+    # H200's across hosts, so moving it takes a share of the prefill's time (handoff_h200x2.py --device cpu).
+    "narrow": {"hidden_size": 256, "num_hidden_layers": 16, "num_attention_heads": 4, "num_key_value_heads": 4,
+               "head_dim": 64, "intermediate_size": 512, "vocab_size": 49152, "tie_word_embeddings": True},
     # A seconds-to-build shape for trying the script on a CPU.
     "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
              "head_dim": 16, "intermediate_size": 128, "vocab_size": 49152, "tie_word_embeddings": True},

@@ -44,6 +44,8 @@ HANDOFF_STEPS = {"decode": ["remote_prefill_call", "kv_lookup_wait", "kv_entry_r
 
 def node_kwargs(args: argparse.Namespace, model: Path, mode: str) -> dict:
     extra = ["--kv-cache-memory", args.kv_cache_memory, "--max-model-len", str(args.max_model_len)]
+    if args.max_num_batched_tokens:  # prompts longer than this are computed (and sent) in chunks
+        extra += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     return dict(model=str(model), dtype=args.dtype, connector=args.connector, extra=extra,
                 kv_buffer_device=args.kv_buffer_device if args.device == "cuda" else None,
                 kv_buffer_size=4e9,  # a 16k prompt's KV is 2 GiB (the default 1e9 bytes refuses 8k ones)
@@ -187,6 +189,7 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--kv-cache-memory", default="24GiB")
     ap.add_argument("--max-model-len", type=int, default=16384 + 64)
+    ap.add_argument("--max-num-batched-tokens", type=int, help="the nodes' chunk size (default: theirs, 2048)")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
     if args.merge:

@@ -210,12 +210,13 @@ def test_prompt_longer_than_the_cache_is_refused(model_dir):
 
 def test_remote_prefill_continues_like_local(llm, model_dir, hf_model):
     """A prompt prefilled by one engine, in chunks, and decoded by another gives transformers' tokens;
-    each chunk's KV is handed out in the step that computes it."""
+    each chunk's KV is handed out in the step that computes it, or all of it at the end (at_end)."""
     prefill = LLM(str(model_dir), device="cpu", max_num_batched_tokens=32)
     decode = llm.engine
     free = decode.block_manager.num_free_blocks
     prompts = [PROMPTS[2], PROMPTS[6], PROMPTS[5]]
     exports = [KVCollector(30, layers) for layers in (1, 7, 30)]  # 30 layers: each, in groups, whole
+    exports[2].export.at_end = True  # as layerwise: false sends it: once the whole prompt is computed
     for i, prompt in enumerate(prompts):
         prefill.engine.add_request(f"p{i}", prompt, greedy(1), kv_export=exports[i].export)
         decode.add_request(f"r{i}", prompt, greedy(32), remote_prefill=True)
@@ -236,7 +237,7 @@ def test_remote_prefill_continues_like_local(llm, model_dir, hf_model):
         out = done[f"r{i}"]
         assert out.token_ids == reference(hf_model, out.prompt_token_ids, 32)
     assert decode.block_manager.num_free_blocks == free
-    assert early and all(len(export.chunks()) > 1 for export in exports[1:])
+    assert early and len(exports[1].chunks()) > 1 and len(exports[2].chunks()) == 1
 
 
 def test_a_failing_kv_export_costs_its_own_layers_only(model_dir):

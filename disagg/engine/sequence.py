@@ -45,6 +45,7 @@ class KVExport:
     start: int  # prompt tokens before it are not exported (the decode node holds them)
     layers: list[tuple[int, int]]
     put: Callable[[int, int, torch.Tensor], None]
+    at_end: bool = False  # all of it in the step that completes the prompt, not chunk by chunk
     sent: int = 0  # prompt tokens handed out so far (a preempted prompt computed again skips them)
 
 

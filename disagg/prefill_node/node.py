@@ -134,7 +134,7 @@ class PrefillNode:
             self.copy_stream = torch.cuda.Stream(engine.device)
         copy_stream = self.copy_stream if self.kv_buffer_device == "cpu" else None
         sender = LayerSender(self.producer, call.request_id, num_layers, copy_stream)
-        return KVExport(call.skip_tokens, layers, sender.put), sender, nbytes
+        return KVExport(call.skip_tokens, layers, sender.put, at_end=not self.layerwise), sender, nbytes
 
     def _abort_opened(self, opening: asyncio.Future, request_id: str) -> None:
         if not opening.cancelled() and opening.exception() is None:
