@@ -235,11 +235,16 @@ def test_insert_into_full_buffer_raises_after_insert_timeout(make_producer):
     assert 0.3 <= time.monotonic() - start < 1.0
     with pytest.raises(BufferFullError, match="more than the whole kv_buffer_size"):
         producer.insert("huge", [3], [torch.zeros(251)], None, nowhere)
+    # An entry opened without waiting is refused at once while there is no room, and queues nothing.
+    start = time.monotonic()
+    assert not producer.open("c", [4], [(0, 1)], 1, 800, nowhere, wait=False)
+    assert time.monotonic() - start < 0.1
     # Aborting the unsent entry gives its bytes back.
     assert producer.abort("a")
     producer.insert("b", [2], [torch.zeros(200)], None, nowhere)
+    assert producer.open("c", [4], [(0, 1)], 1, 200, nowhere, wait=False)
     stats = producer.stats()
-    assert (stats.entries, stats.bytes, stats.aborts, stats.full_errors, stats.insert_waits) == (1, 800, 1, 2, 1)
+    assert (stats.entries, stats.bytes, stats.aborts, stats.full_errors, stats.insert_waits) == (2, 1000, 1, 2, 1)
 
 
 @pytest.mark.timeout(30)

@@ -136,13 +136,14 @@ class LookupBufferProducer:
         self._queue(entry, dest, entry.nbytes, [_Part(entry.kv_tensors, None)])
 
     def open(self, request_id: str, token_ids: list[int], layers: list[tuple[int, int]], tokens: int,
-             nbytes: int, dest: tuple[str, int]) -> None:
+             nbytes: int, dest: tuple[str, int], wait: bool = True) -> bool:
         """Queue the entry of a request whose KV of `tokens` tokens is still being computed: it will
         come as one `put` per layer group in `layers` ([first, end) pairs covering all layers in
         order) for each chunk of those tokens, in order, `nbytes` in all. Waits for buffer space as
-        insert does, so that put never waits."""
+        insert does, so that put never waits; with wait=False, returns False at once instead (nothing
+        queued). True once queued."""
         entry = KVEntry(request_id, token_digest(token_ids), [], {}, layers=list(layers), tokens=tokens)
-        self._queue(entry, dest, nbytes, [], None)
+        return self._queue(entry, dest, nbytes, [], None, wait)
 
     def put(self, request_id: str, first: int, end: int, kv: torch.Tensor,
             ready: torch.cuda.Event | None = None) -> bool:
@@ -187,7 +188,7 @@ class LookupBufferProducer:
         self._pending[pending.entry.request_id] = self._pending.pop(pending.entry.request_id)  # deadline order
 
     def _queue(self, entry: KVEntry, dest: tuple[str, int], nbytes: int, parts: list[_Part],
-               num_parts: int | None = 1) -> None:
+               num_parts: int | None = 1, wait: bool = True) -> bool:
         request_id = entry.request_id
         check_request_id(request_id)  # what the consumer would refuse is refused here, before it is sent
         check_extras(entry.extras)
@@ -204,6 +205,8 @@ class LookupBufferProducer:
             if request_id in self._pending:
                 raise ValueError(f"request {request_id!r} already has an unsent entry; request ids must be unique")
             if self._stats.bytes + nbytes > self.kv_buffer_size:
+                if not wait:
+                    return False
                 self._stats.insert_waits += 1
                 has_space = self._cond.wait_for(
                     lambda: self._closed or self._stats.bytes + nbytes <= self.kv_buffer_size, self.insert_timeout
@@ -230,6 +233,7 @@ class LookupBufferProducer:
                 self._senders[dest] = sender
                 sender.start()
             self._cond.notify_all()
+            return True
 
     def abort(self, request_id: str, dest: tuple[str, int] | None = None) -> bool:
         """Drop the request's entry (if `dest` is given, only one addressed there) if no byte of it

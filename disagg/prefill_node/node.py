@@ -121,15 +121,16 @@ class PrefillNode:
         tokens = len(call.prompt_token_ids) - call.skip_tokens
         nbytes = num_layers * per_layer * tokens
         layers = layer_groups(num_layers) if self.layerwise else [(0, num_layers)]
-        # Opening may wait (bounded) for buffer space: off the event loop, and shielded, so that a call
-        # cancelled meanwhile (its decode node gave up) aborts the entry once it is open.
-        opening = asyncio.ensure_future(asyncio.to_thread(
-            self.producer.open, call.request_id, call.prompt_token_ids, layers, tokens, nbytes, call.kv_dest))
-        try:
-            await asyncio.shield(opening)
-        except asyncio.CancelledError:
-            opening.add_done_callback(lambda task: self._abort_opened(task, call.request_id))
-            raise
+        entry = (call.request_id, call.prompt_token_ids, layers, tokens, nbytes, call.kv_dest)
+        if not self.producer.open(*entry, wait=False):  # at once when there is room: no thread hop
+            # Full: wait (bounded) for buffer space off the event loop, and shielded, so that a call
+            # cancelled meanwhile (its decode node gave up) aborts the entry once it is open.
+            opening = asyncio.ensure_future(asyncio.to_thread(self.producer.open, *entry))
+            try:
+                await asyncio.shield(opening)
+            except asyncio.CancelledError:
+                opening.add_done_callback(lambda task: self._abort_opened(task, call.request_id))
+                raise
         if engine.device.type == "cuda" and self.kv_buffer_device == "cpu" and self.copy_stream is None:
             self.copy_stream = torch.cuda.Stream(engine.device)
         copy_stream = self.copy_stream if self.kv_buffer_device == "cpu" else None
