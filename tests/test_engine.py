@@ -211,7 +211,7 @@ def test_prompt_longer_than_the_cache_is_refused(model_dir):
 def test_remote_prefill_continues_like_local(llm, model_dir, hf_model):
     """A prompt prefilled by one engine, in chunks, and decoded by another gives transformers' tokens;
     each chunk's KV is handed out in the step that computes it, or all of it at the end (at_end)."""
-    prefill = LLM(str(model_dir), device="cpu", max_num_batched_tokens=32)
+    prefill = LLM(str(model_dir), device="cpu", max_num_batched_tokens=32, enable_prefix_caching=False)
     decode = llm.engine
     free = decode.block_manager.num_free_blocks
     prompts = [PROMPTS[2], PROMPTS[6], PROMPTS[5]]
@@ -238,6 +238,13 @@ def test_remote_prefill_continues_like_local(llm, model_dir, hf_model):
         assert out.token_ids == reference(hf_model, out.prompt_token_ids, 32)
     assert decode.block_manager.num_free_blocks == free
     assert early and len(exports[1].chunks()) > 1 and len(exports[2].chunks()) == 1
+    # From token 100 on (the decode node holds the rest), still chunk by chunk: the chunks that end
+    # before it send nothing, the one across it sends from it.
+    tail = KVCollector(30, 7, start=100)
+    prefill.engine.add_request("tail", prompts[1], greedy(1), kv_export=tail.export)
+    while prefill.engine.has_unfinished_requests():
+        prefill.engine.step()
+    assert len(tail.chunks()) > 1 and torch.allclose(tail.kv(), exports[1].kv()[:, :, 100:], atol=1e-5)
 
 
 def test_a_failing_kv_export_costs_its_own_layers_only(model_dir):

@@ -195,6 +195,30 @@ def test_prefill_node_killed_between_two_layers(tmp_path, hf_model, hf_tokenizer
         prefill.kill()
 
 
+def test_a_prompt_prefilled_in_chunks_crosses_chunk_by_chunk(tmp_path, hf_model, hf_tokenizer):
+    """A prefill node that computes long prompts in chunks of 128 tokens sends each chunk's KV as it
+    computes it: a 640-token prompt crosses in 5 chunks of 9 layer parts, and the decode node's
+    answer equals transformers'; so does a second prompt whose leading blocks the decode node
+    holds already (only its tail crosses)."""
+    prefill = start_node("producer", tmp_path, extra_args=["--max-num-batched-tokens", "128"])
+    decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address],
+                        kv_extra={"prefill_policy": "fail"})
+    prompts = [PROMPTS[8] + f"\nQuestion {i}: what was the first topic?" for i in range(2)]
+    expected = [hf_tokenizer.decode(hf_greedy(hf_model, hf_tokenizer(p).input_ids, MAX_TOKENS),
+                                    skip_special_tokens=True) for p in prompts]
+    try:
+        first = post_completion(decode.url, prompts[0])
+        assert first.status_code == 200 and first.json()["choices"][0]["text"] == expected[0]
+        chunks = -(-first.json()["usage"]["prompt_tokens"] // 128)
+        assert chunks == 5 and prefill.metric("disagg_kv_part_send_seconds_count") >= chunks * 9
+        second = post_completion(decode.url, prompts[1])
+        assert second.status_code == 200 and second.json()["choices"][0]["text"] == expected[1]
+        assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 600
+    finally:
+        decode.kill()
+        prefill.kill()
+
+
 def test_prefill_slower_than_timeout(tmp_path, reference_texts):
     prefill = start_node("producer", tmp_path)
     decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address],
