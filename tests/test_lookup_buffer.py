@@ -479,6 +479,32 @@ def test_layer_parts_travel_as_they_are_put(make_consumer, make_producer):
 
 
 @pytest.mark.timeout(30)
+def test_a_prompt_still_computing_holds_up_no_entry_that_is_ready(make_consumer, make_producer):
+    """An entry on the wire whose next chunk is still being computed is withdrawn between two chunks
+    when an entry whose KV is all there waits for the connection: that one arrives at once, and the
+    withdrawn one comes again, from its start, into the same views, once its prefill goes on. Its ttl
+    runs from its latest part: a prefill longer than the ttl does not expire it."""
+    consumer, producer = make_consumer(), make_producer(ttl=1.0)
+    kv, groups = layer_kv(tokens=7), [(0, 1), (1, 4)]
+    cache = torch.zeros(4, 2, 8, 2, 3)
+    consumer.expect("computing", [[cache[layer, k, 0:7].reshape(-1) for layer in range(4) for k in (0, 1)]])
+    producer.open("computing", [1], groups, 7, kv.nbytes, consumer.address)
+    for first, end in groups:
+        producer.put("computing", first, end, kv[first:end, :, :3].clone())
+    wait_until(lambda: torch.equal(cache[:, :, :3], kv[:, :, :3]), 5)  # its first chunk is in the views
+    producer.insert("ready", [2], [torch.ones(3)], None, consumer.address)
+    assert torch.equal(consumer.drop_select("ready", [2], timeout=3).kv_tensors[0], torch.ones(3))
+    for start, stop in ((3, 4), (4, 7)):
+        time.sleep(0.6)  # 1.2 s in all since its first part, more than its ttl
+        for first, end in groups:
+            producer.put("computing", first, end, kv[first:end, :, start:stop].clone())
+    entry = consumer.drop_select("computing", [1], timeout=5)
+    assert entry.in_place and torch.equal(cache[:, :, :7], kv)
+    wait_until(lambda: producer.stats().entries == 0, 5)
+    assert (producer.stats().sent, producer.stats().expiries, consumer.stats().cancelled) == (2, 0, 0)
+
+
+@pytest.mark.timeout(30)
 def test_an_entry_whose_parts_stop_coming_ends_alone(make_consumer, make_producer):
     """The prefill failed after its first layers were sent: aborting the entry cancels it on the wire
     (a None message in place of its next part). Its lookup fails at once; another request's lookup

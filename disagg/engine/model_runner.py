@@ -88,19 +88,18 @@ class ModelRunner:
             export.sent = end
 
         firsts = [{end: first for first, end in seq.kv_export.layers} for seq in seqs]  # a group's end -> its first
-        failed: set[str] = set()
 
         def after_layer(layer: int) -> None:
             for seq, rows, first_of in zip(seqs, slots, firsts):
                 end = layer + 1
                 first = first_of.get(end)
-                if seq.request_id in failed or first is None:
+                if seq.kv_export.failed or first is None:
                     continue
                 try:
                     seq.kv_export.put(first, end, self.kv_cache.kv[first:end, :, rows])
                 except Exception:  # noqa: BLE001  its receiver misses the later layers; the step goes on
                     logger.exception("handing out the KV of %s failed at layers %d-%d", seq.request_id, first, end)
-                    failed.add(seq.request_id)
+                    seq.kv_export.failed = True
         return after_layer
 
     @staticmethod
@@ -113,7 +112,7 @@ def exports_now(item: ScheduledSeq) -> bool:
     """This step computes prompt tokens whose KV is exported and not handed out yet."""
     seq, export = item.seq, item.seq.kv_export
     end = seq.num_computed_tokens + item.num_new_tokens
-    if export is None or end > seq.num_prompt_tokens or (export.at_end and end < seq.num_prompt_tokens):
+    if export is None or export.failed or end > seq.num_prompt_tokens or (export.at_end and end < seq.num_prompt_tokens):
         return False
     return end > max(export.start, export.sent)
 

@@ -47,6 +47,7 @@ class KVExport:
     put: Callable[[int, int, torch.Tensor], None]
     at_end: bool = False  # all of it in the step that completes the prompt, not chunk by chunk
     sent: int = 0  # prompt tokens handed out so far (a preempted prompt computed again skips them)
+    failed: bool = False  # a put raised (its receiver broke): nothing more is handed out
 
 
 class Sequence:

@@ -44,6 +44,7 @@ from disagg.pipes.errors import PeerMayWrite, PipeError, PipeTimeout, ProtocolEr
 log = logging.getLogger(__name__)
 
 ACCEPT_POLL_S = 0.2  # how soon the accept thread notices close()
+RECEIVED, CANCELLED, WITHDRAWN = "received", "cancelled", "withdrawn"  # how an entry's receive ended
 MAX_REFUSED_IDS = 10_000  # dropped entries remembered so their lookups fail at once
 
 
@@ -352,12 +353,14 @@ class LookupBufferConsumer:
                 if not isinstance(entry, KVEntry):
                     raise ProtocolError("a producer sent a second hello on one connection")
                 start = time.perf_counter()
-                if self._recv_kv(pipe, entry):
+                outcome = self._recv_kv(pipe, entry)
+                if outcome == RECEIVED:
                     if self.on_entry is not None:
                         self.on_entry(time.perf_counter() - start)
                     self._store(entry, source)
-                else:
+                elif outcome == CANCELLED:
                     self._cancel(entry.request_id)
+                # WITHDRAWN: the producer sends it again, from its start, later
         except PipeError as e:  # a malformed message too: this connection ends, the consumer carries on
             reason = str(e)
         except Exception as e:  # a bug, not the peer; still only this connection ends
@@ -393,9 +396,10 @@ class LookupBufferConsumer:
             except PipeTimeout:  # an idle connection, not a dead one; a stalled message breaks the pipe
                 continue
 
-    def _recv_kv(self, pipe: KVPipe, entry: KVEntry) -> bool:
-        """The messages after an entry's header: its KV, into the request's destination if expected.
-        False if the producer cancelled a layer-wise entry on the way."""
+    def _recv_kv(self, pipe: KVPipe, entry: KVEntry) -> str:
+        """The messages after an entry's header: its KV, into the request's destination if expected:
+        RECEIVED; CANCELLED or WITHDRAWN if the producer cancelled or withdrew a layer-wise entry on
+        the way."""
         with self._cond:
             # Not in place: a discarded request; one whose blocks another receive is filling (a resend
             # on a new connection), or a peer may still write (after a cut-off receive).
@@ -426,12 +430,14 @@ class LookupBufferConsumer:
         if kv is None and entry.layers is None:
             raise ProtocolError("an entry's header must be followed by its KV tensors")
         if kv is None:
-            return False
+            return CANCELLED
+        if kv is WITHDRAWN:
+            return WITHDRAWN
         if into is not None:
             entry.in_place = True
             kv = [view for dest in kv for view in (dest if isinstance(dest, list) else [dest])]
         entry.kv_tensors = kv
-        return True
+        return RECEIVED
 
     def _recv_part(self, pipe: KVPipe, out: list[Destination] | None) -> list[Destination] | None:
         kv = self._recv(pipe, out)
@@ -439,11 +445,11 @@ class LookupBufferConsumer:
             self.on_received(sum(_nbytes(dest) for dest in kv))
         return kv
 
-    def _recv_layers(self, pipe: KVPipe, entry: KVEntry, into: list[Destination] | None) -> list[Destination] | None:
+    def _recv_layers(self, pipe: KVPipe, entry: KVEntry, into: list[Destination] | None) -> list[Destination] | str | None:
         """A layer-wise entry's KV, one part per group of layers and chunk of tokens: each straight into
         its share of the destination (views of the blocks are layer-major, then token-ordered), else
         into its share of one tensor sized by the first part. None if a None message comes in place of
-        a message (cancelled)."""
+        a message (cancelled), WITHDRAWN for a chunk message of 0 tokens (it comes again later)."""
         if into is not None and len(into) != 1:
             raise ProtocolError(f"a layer-wise entry has one KV tensor; {len(into)} destinations were expected")
         num_layers = entry.layers[-1][1]
@@ -461,7 +467,7 @@ class LookupBufferConsumer:
                 if len(part) != 1:
                     raise ProtocolError("each layer part of an entry must be one KV tensor")
                 if into is None and whole is None:
-                    whole = self._whole(part[0], end, num_layers, entry.tokens)
+                    whole = self._whole(part[0], end, num_layers, entry)
             start += tokens
             if start == entry.tokens:
                 return into if into is not None else [whole]
@@ -469,13 +475,17 @@ class LookupBufferConsumer:
             if chunk is None:
                 return None
             tokens = decode_chunk(chunk, entry.tokens - start)
+            if tokens == 0:
+                return WITHDRAWN
 
-    def _whole(self, first_part: torch.Tensor, end: int, num_layers: int, tokens: int) -> torch.Tensor:
+    def _whole(self, first_part: torch.Tensor, end: int, num_layers: int, entry: KVEntry) -> torch.Tensor:
         """The tensor [layers, 2, tokens, ...] a layer-wise entry not received in place is assembled in,
         refused before it is allocated if it would exceed kv_buffer_size (each part alone passes the
         message limit)."""
-        if first_part.dim() < 3 or first_part.shape[0] != end or first_part.shape[2] > tokens:
-            raise ProtocolError(f"a part of layers [0, {end}) of {tokens} tokens has shape {list(first_part.shape)}")
+        tokens = entry.tokens
+        if first_part.dim() < 3 or first_part.shape[0] != end or first_part.shape[2] != entry.chunk:
+            raise ProtocolError(f"the first part of layers [0, {end}) of a chunk of {entry.chunk} tokens has shape "
+                                f"{list(first_part.shape)}")
         nbytes = first_part.nbytes // (end * first_part.shape[2]) * num_layers * tokens
         if nbytes > self.kv_buffer_size:
             raise ProtocolError(f"an entry of {nbytes} bytes of KV; kv_buffer_size is {self.kv_buffer_size}")
@@ -576,7 +586,10 @@ def _share(dest: Destination, first: int, end: int, num_layers: int, start: int,
     views = dest[2 * first * per_half:2 * end * per_half]
     if (start, stop) == (0, tokens):
         return views
-    row = sum(view.numel() for view in views[:per_half]) // tokens  # elements of one token
+    total = sum(view.numel() for view in views[:per_half])
+    row = total // tokens  # elements of one token
+    if row == 0 or row * tokens != total:
+        raise ProtocolError(f"destination views of {total} elements a layer cannot hold {tokens} tokens alike")
     pieces = []
     for i in range(0, len(views), per_half):
         position = 0  # of the first token in the view

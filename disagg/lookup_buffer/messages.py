@@ -10,7 +10,8 @@ with a 1-d uint8 tensor holding a small JSON header; an entry's KV tensors follo
              else, for each chunk of the prompt's tokens in order, one message [kv of layers
              first..end, the chunk's tokens] for each [first, end] pair of layers; the first chunk
              has `chunk` of the entry's `tokens`, each later one follows a chunk message
-             [int64 tensor [its tokens]]
+             [int64 tensor [its tokens]]; a chunk message of 0 tokens withdraws the entry (it is
+             sent again, from its start, later), a None message in place of any cancels it
 
 A producer sends one hello as the first message of each connection, so the consumer
 knows which producer a connection (and its failure) belongs to. An entry's header comes
@@ -130,17 +131,18 @@ def encode_entry(entry: KVEntry) -> list[torch.Tensor]:
 
 
 def encode_chunk(tokens: int) -> list[torch.Tensor]:
-    """The message before each later chunk of a layer-wise entry: how many tokens it holds."""
+    """The message before each later chunk of a layer-wise entry: how many tokens it holds; 0
+    withdraws the entry (the receiver drops what it got; the entry comes again, from its start)."""
     return [torch.tensor([tokens], dtype=torch.int64)]
 
 
 def decode_chunk(message: list[torch.Tensor], tokens_left: int) -> int:
-    """A chunk message's tokens, at least one and at most `tokens_left`; else ProtocolError."""
+    """A chunk message's tokens, 0 (withdrawn) to `tokens_left`; else ProtocolError."""
     if len(message) != 1 or message[0].dtype != torch.int64 or message[0].shape != (1,) or message[0].is_cuda:
         raise ProtocolError("a chunk message is one int64 CPU tensor of one element")
     tokens = int(message[0])
-    if not 0 < tokens <= tokens_left:
-        raise ProtocolError(f"a chunk of {tokens} tokens; 1 to {tokens_left} were left")
+    if not 0 <= tokens <= tokens_left:
+        raise ProtocolError(f"a chunk of {tokens} tokens; 0 to {tokens_left} were left")
     return tokens
 
 

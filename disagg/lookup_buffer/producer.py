@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 RETRY_MIN_S = 0.05
 RETRY_MAX_S = 1.0
 IDLE_SENDER_S = 60.0  # a destination with nothing to send this long loses its thread and connection
+SENT, CANCELLED, WITHDRAWN = "sent", "cancelled", "withdrawn"  # how an entry's send ended
 
 
 @dataclass
@@ -62,6 +63,7 @@ class ProducerStats:
 class _Part:
     tensors: list[torch.Tensor]
     ready: torch.cuda.Event | None  # its tensors hold their values once this has happened
+    ends_chunk: bool = False  # the last layer group of a chunk: the entry may be withdrawn after it
 
 
 @dataclass
@@ -163,12 +165,15 @@ class LookupBufferProducer:
                 self._start_chunk(pending, kv.shape[2])
             elif kv.shape[2] != pending.chunk_tokens:
                 raise ValueError(f"put of {kv.shape[2]} tokens for {request_id!r} in a chunk of {pending.chunk_tokens}")
-            pending.parts.append(_Part([kv], ready))
             pending.groups_put += 1
+            pending.parts.append(_Part([kv], ready, ends_chunk=pending.groups_put == len(layers)))
             if pending.groups_put == len(layers):
                 pending.groups_put, pending.tokens_put = 0, pending.tokens_put + pending.chunk_tokens
                 if pending.tokens_put == pending.entry.tokens:
                     pending.num_parts = len(pending.parts)
+            # Its ttl bounds the wait for the consumer, not the prefill: it runs from its latest part.
+            pending.deadline = time.monotonic() + self.ttl
+            self._pending[request_id] = self._pending.pop(request_id)  # deadline order
             self._cond.notify_all()
             return True
 
@@ -181,11 +186,8 @@ class LookupBufferProducer:
         pending.chunk_tokens = tokens
         if pending.parts:
             pending.parts.append(_Part(encode_chunk(tokens), None))
-            return
-        pending.entry.chunk = tokens
-        # Its ttl runs from now: the time it waited for its prefill is not the consumer's.
-        pending.deadline = time.monotonic() + self.ttl
-        self._pending[pending.entry.request_id] = self._pending.pop(pending.entry.request_id)  # deadline order
+        else:
+            pending.entry.chunk = tokens
 
     def _queue(self, entry: KVEntry, dest: tuple[str, int], nbytes: int, parts: list[_Part],
                num_parts: int | None = 1, wait: bool = True) -> bool:
@@ -301,9 +303,13 @@ class LookupBufferProducer:
                 check_tensors(pending.parts[0].tensors)
                 pipe.send(encode_entry(pending.entry))
                 started = True
-                if not self._send_parts(pipe, pending, stream):
+                outcome = self._send_parts(pipe, pending, queue, stream)
+                if outcome != SENT:
                     with self._cond:
-                        self._drop_unfinished(pending)
+                        if outcome == WITHDRAWN:
+                            self._requeue(pending)
+                        else:
+                            self._drop_unfinished(pending)
                     continue
             except Exception as e:  # noqa: BLE001  any failure (a name that cannot resolve, too) is retried until the entries expire
                 if isinstance(e, ProtocolError) and pending is not None and not started:
@@ -338,20 +344,28 @@ class LookupBufferProducer:
         if pipe is not None:
             pipe.close()
 
-    def _send_parts(self, pipe: KVPipe, pending: _Pending, stream: list[torch.cuda.Stream]) -> bool:
-        """Each part of an entry on the wire once it is there. False if one never comes (its prefill
-        failed and aborted the entry, or its ttl passed): a None message in its place tells the
-        receiver the entry is cancelled, and the connection goes on."""
-        i = 0
+    def _send_parts(self, pipe: KVPipe, pending: _Pending, queue: deque[_Pending],
+                    stream: list[torch.cuda.Stream]) -> str:
+        """Each part of an entry on the wire once it is there: SENT. CANCELLED if one never comes (its
+        prefill failed and aborted the entry, or its ttl passed): a None message in its place tells
+        the receiver, and the connection goes on. WITHDRAWN if, between two chunks of a prompt still
+        computing, an entry whose parts are all there waits for this connection: a chunk message of
+        0 tokens tells the receiver to drop what it got, and the entry goes again, whole, later (a
+        prefill in progress must not hold up KV that is ready; docs/ARCHITECTURE.md, "Layer-wise send")."""
+        i, outcome = 0, SENT
         while pending.num_parts is None or i < pending.num_parts:
+            between_chunks = i > 0 and pending.parts[i - 1].ends_chunk
             with self._cond:
-                self._cond.wait_for(lambda: self._closed or pending.aborted or len(pending.parts) > i,
+                self._cond.wait_for(lambda: self._closed or pending.aborted or len(pending.parts) > i
+                                    or (between_chunks and _complete(queue) is not None),
                                     max(0.0, pending.deadline - time.monotonic()))
                 part = pending.parts[i] if len(pending.parts) > i else None
                 if part is None and self._closed:
                     raise PipeClosed("the lookup-buffer producer is closed")
+                withdraw = part is None and between_chunks and not pending.aborted and _complete(queue) is not None
             if part is None:
-                pipe.send(None)
+                pipe.send(encode_chunk(0) if withdraw else None)
+                outcome = WITHDRAWN if withdraw else CANCELLED
                 break
             self._send_part(pipe, part, stream)
             i += 1
@@ -361,7 +375,7 @@ class LookupBufferProducer:
             # an entry, not a part, so that the next part's send never waits for the receiver. (After
             # a failed send, closing the pipe ends its transfers.)
             stream[0].synchronize()
-        return part is not None
+        return outcome
 
     def _send_part(self, pipe: KVPipe, part: _Part, stream: list[torch.cuda.Stream]) -> None:
         check_tensors(part.tensors)
@@ -469,5 +483,9 @@ class LookupBufferProducer:
 
 
 def _next(queue: deque[_Pending]) -> _Pending | None:
-    """The first entry that can be sent now: whole, or with its first part there."""
-    return next((pending for pending in queue if pending.parts), None)
+    """The entry to send now: the first whose parts are all there, else the first with its first part there."""
+    return _complete(queue) or next((pending for pending in queue if pending.parts), None)
+
+
+def _complete(queue: deque[_Pending]) -> _Pending | None:
+    return next((pending for pending in queue if len(pending.parts) == pending.num_parts), None)
