@@ -309,7 +309,7 @@ class LookupBufferProducer:
                         if outcome == WITHDRAWN:
                             self._requeue(pending)
                         else:
-                            self._drop_unfinished(pending)
+                            self._drop_unfinished(pending, "cancelled on the wire: no next part came within the ttl")
                     continue
             except Exception as e:  # noqa: BLE001  any failure (a name that cannot resolve, too) is retried until the entries expire
                 if isinstance(e, ProtocolError) and pending is not None and not started:
@@ -429,14 +429,14 @@ class LookupBufferProducer:
         else:
             self._queues[pending.dest].appendleft(pending)
 
-    def _drop_unfinished(self, pending: _Pending) -> None:
+    def _drop_unfinished(self, pending: _Pending, reason: str | None = None) -> None:
         """An entry that will not be sent: aborted, or its ttl passed (while a send failed or a part
         was awaited)."""
         if pending.aborted:
             self._free(pending)
             self._stats.aborts += 1
         else:
-            self._expire(pending)
+            self._expire(pending, reason)
 
     def _reject(self, pending: _Pending, error: ProtocolError) -> None:
         self._free(pending)
@@ -462,10 +462,10 @@ class LookupBufferProducer:
                     self._expire(pending)
                 self._cond.wait(None if next_deadline is None else next_deadline - now)
 
-    def _expire(self, pending: _Pending) -> None:
+    def _expire(self, pending: _Pending, reason: str | None = None) -> None:
         self._free(pending)
         self._stats.expiries += 1
-        reason = self._last_error.get(pending.dest, "still queued")
+        reason = reason or self._last_error.get(pending.dest, "still queued")
         log.warning(
             "dropped KV of request %r for %s:%d unsent after ttl %.1fs (%s)",
             pending.entry.request_id, *pending.dest, self.ttl, reason,
