@@ -112,7 +112,9 @@ def exports_now(item: ScheduledSeq) -> bool:
     """This step computes prompt tokens whose KV is exported and not handed out yet."""
     seq, export = item.seq, item.seq.kv_export
     end = seq.num_computed_tokens + item.num_new_tokens
-    if export is None or export.failed or end > seq.num_prompt_tokens or (export.at_end and end < seq.num_prompt_tokens):
+    if export is None or export.failed or end > seq.num_prompt_tokens:
+        return False
+    if export.at_end and end < seq.num_prompt_tokens:
         return False
     return end > max(export.start, export.sent)
 

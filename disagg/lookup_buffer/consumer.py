@@ -445,7 +445,8 @@ class LookupBufferConsumer:
             self.on_received(sum(_nbytes(dest) for dest in kv))
         return kv
 
-    def _recv_layers(self, pipe: KVPipe, entry: KVEntry, into: list[Destination] | None) -> list[Destination] | str | None:
+    def _recv_layers(self, pipe: KVPipe, entry: KVEntry,
+                     into: list[Destination] | None) -> list[Destination] | str | None:
         """A layer-wise entry's KV, one part per group of layers and chunk of tokens: each straight into
         its share of the destination (views of the blocks are layer-major, then token-ordered), else
         into its share of one tensor sized by the first part. None if a None message comes in place of
@@ -576,8 +577,8 @@ class LookupBufferConsumer:
 def _share(dest: Destination, first: int, end: int, num_layers: int, start: int, stop: int,
            tokens: int) -> Destination:
     """Layers [first, end), tokens [start, stop) of a destination for [layers, 2, tokens, ...]: a slice
-    of a tensor, or the pieces of a list of flat views that hold them (per layer, K then V, the same
-    number of views each, their tokens in order)."""
+    of a tensor, or the pieces of a list of contiguous views that hold them (per layer, K then V, the
+    same number of views each, their tokens in order), cut flat."""
     if isinstance(dest, torch.Tensor):
         return dest[first:end, :, start:stop]
     if len(dest) % (2 * num_layers):
@@ -597,7 +598,7 @@ def _share(dest: Destination, first: int, end: int, num_layers: int, start: int,
             length = view.numel() // row
             lo, hi = max(start, position), min(stop, position + length)
             if lo < hi:
-                pieces.append(view[(lo - position) * row:(hi - position) * row])
+                pieces.append(view.view(-1)[(lo - position) * row:(hi - position) * row])
             position += length
     return pieces
 

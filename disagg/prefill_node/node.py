@@ -4,8 +4,8 @@ A Prefill call opens the prompt's entry in the LookupBuffer producer (reserving 
 addressed to the caller's pipe endpoint, and runs the prompt through the engine for exactly
 one token (prefix-cache hits skip what is cached). During each step that computes a chunk of
 the prompt, each layer group's KV goes to the producer as soon as those layers have run, so it
-crosses the pipe while later layers and chunks compute (docs/ARCHITECTURE.md, "Layer-wise send"); the call
-answers with the first token. The engine never waits on the network.
+crosses the pipe while later layers and chunks compute (docs/ARCHITECTURE.md, "Layer-wise
+send"); the call answers with the first token. The engine never waits on the network.
 """
 
 import asyncio
