@@ -26,8 +26,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from disagg.engine import triton_kernels  # noqa: E402
-from disagg.engine.triton_attention import MAX_SPLITS  # noqa: E402
+from disagg.engine.layers import triton_kernels  # noqa: E402
+from disagg.engine.layers.triton_attention import MAX_SPLITS  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 GROUP = HEADS // KV_HEADS

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run HERE (not on the GPU machine), from the repository root, before the device calls: fetches what
 # the GPU machine lacks for disagg's nodes (its image has torch, triton, transformers, grpcio,
-# prometheus-client, tokenizers; not fastapi, uvicorn, gguf, llguidance, NIXL) as Python 3.12 wheels
+# prometheus-client, tokenizers; not fastapi (nor the opentelemetry-api it imports), uvicorn, gguf,
+# llguidance, NIXL) as Python 3.12 wheels
 # into .whl/ and .whlnx/, and the embedded model's tokenizer into .device/tok. All three are
 # git-ignored; carry [".whl", ".device"], or [".whlnx"] alone for the nixl pipe (64 MiB a call).
 # benchmarks/handoff_pair_run.sh installs them there.
@@ -14,7 +15,7 @@ download() {
         --platform manylinux2014_x86_64 "${platforms[@]}" --platform any -d "$@"
 }
 download .whl fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection \
-    gguf llguidance grpcio-health-checking h11 anyio sniffio click
+    gguf llguidance grpcio-health-checking h11 anyio sniffio click opentelemetry-api importlib-metadata zipp
 download .whlnx nixl-cu13  # the nixl pipe on CUDA 13 (install it only in runs that use it)
 mkdir -p .device/tok
 model=$(ls -d "${DISAGG_CACHE:-$HOME/.cache/disagg}"/models/SmolLM2-135M-Instruct-* | head -1)

@@ -70,7 +70,7 @@ from gpu_e2e import write_model
 
 from disagg.engine.config import EngineConfig
 from disagg.engine.engine import LLMEngine
-from disagg.engine.kv_offload import LOAD_COPY_BYTES, copy_blocks, slot_runs
+from disagg.engine.kv_tiers.offload import LOAD_COPY_BYTES, copy_blocks, slot_runs
 from disagg.engine.loader import resolve_model
 from disagg.engine.sampling_params import SamplingParams
 

@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 
 from disagg.config import ROLES, KVTransferConfig
-from disagg.decode_node.tool_calls import TOOL_CALL_PARSERS, ToolOptions
+from disagg.api.tool_calls import TOOL_CALL_PARSERS, ToolOptions
 from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.builder import resolve_device, resolve_dtype
 from disagg.engine.config import EngineConfig
 from disagg.engine.engine import LLMEngine
-from disagg.engine.kv_offload import OFFLOADING_MODES, check_kv_tiers
+from disagg.engine.kv_tiers.offload import OFFLOADING_MODES, check_kv_tiers
 from disagg.engine.llm import LLM
 from disagg.engine.loader import DEFAULT_MODEL_NAME, resolve_model
 from disagg.engine.sampling_params import SamplingParams

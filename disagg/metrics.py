@@ -7,7 +7,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 from disagg.engine.engine import LLMEngine
-from disagg.engine.kv_stats import Latencies, TierStats
+from disagg.engine.kv_tiers.stats import Latencies, TierStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 

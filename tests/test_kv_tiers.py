@@ -19,9 +19,9 @@ from servers import start_node, wait_for
 
 from disagg import LLM, SamplingParams
 from disagg.engine.block_manager import BlockManager
-from disagg.engine.disk_tier import HEADER, DiskTier
-from disagg.engine.host_tier import HostTier
-from disagg.engine.kv_offload import slot_runs
+from disagg.engine.kv_tiers.disk import HEADER, DiskTier
+from disagg.engine.kv_tiers.host import HostTier
+from disagg.engine.kv_tiers.offload import slot_runs
 from disagg.engine.loader import DEFAULT_MODEL_NAME
 from disagg.engine.sequence import Sequence
 
@@ -274,7 +274,7 @@ def test_disk_write_error_stops_disk_offload_with_one_warning(model_dir, hf_mode
               kv_disk_path=str(disk_dir), kv_disk_size=gib(100))
     shutil.rmtree(disk_dir)
     disk_dir.write_text("not a directory")  # every write fails from now on
-    with caplog.at_level(logging.WARNING, logger="disagg.engine.disk_tier"):
+    with caplog.at_level(logging.WARNING, logger="disagg.engine.kv_tiers.disk"):
         generate_exact(llm, hf_model, CONVERSATIONS[:2])
         llm.engine.offload.drain()
         evict_device_cache(llm)
@@ -424,7 +424,7 @@ def test_cuda_tiers_bring_back_the_same_kv_bytes(tmp_path, mode):
 def test_a_tier_copy_that_cannot_start_leaves_nothing_behind(model_dir, hf_model, monkeypatch):
     """A copy between the pools failing to start (say, no device memory for its staging buffer):
     stores are not kept, loads are computed instead, and no hash, hold or pin is left behind."""
-    from disagg.engine import kv_offload
+    from disagg.engine.kv_tiers import offload as kv_offload
 
     llm = LLM(str(model_dir), device="cpu", kv_cache_memory=48 * BLOCK_BYTES, kv_offloading_size=gib(64))
     generate_exact(llm, hf_model, CONVERSATIONS[:2])  # their blocks are in the host tier
@@ -449,7 +449,7 @@ def test_a_load_whose_later_copy_cannot_start_keeps_the_blocks_before_it(model_d
     """A prefix load copies its first blocks, then looks up and copies the next ones: when a later
     copy cannot start, the blocks already copied count as cached, the rest is computed, and no
     hold or pin is left behind."""
-    from disagg.engine import kv_offload
+    from disagg.engine.kv_tiers import offload as kv_offload
 
     llm = LLM(str(model_dir), device="cpu", kv_cache_memory=48 * BLOCK_BYTES, kv_offloading_size=gib(64))
     generate_exact(llm, hf_model, CONVERSATIONS[:1])

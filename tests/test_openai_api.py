@@ -580,7 +580,7 @@ def test_lm_evaluation_harness_local_completions_runs_to_the_end(pair_1p1d, mode
 
 def test_unknown_field_names_logged_once_are_bounded():
     """Field names come from clients: remembering every one logged would grow without end."""
-    from disagg.decode_node import protocol
+    from disagg.api import protocol
     for i in range(protocol.MAX_WARNED_FIELDS + 50):
         protocol.CompletionRequest.model_validate({"prompt": "hi", f"unknown-{i}": 1})
     assert len(protocol._warned_fields) == protocol.MAX_WARNED_FIELDS

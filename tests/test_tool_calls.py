@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from disagg.decode_node.protocol import DeltaFunctionCall, DeltaToolCall
-from disagg.decode_node.tool_calls import (
+from disagg.api.protocol import DeltaFunctionCall, DeltaToolCall
+from disagg.api.tool_calls import (
     CallDelta,
     ToolCallStream,
     ToolOptions,

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are defined, so before the import
-triton_kernels = pytest.importorskip("disagg.engine.triton_kernels")
-from disagg.engine import fused_ops  # noqa: E402
+triton_kernels = pytest.importorskip("disagg.engine.layers.triton_kernels")
+from disagg.engine.layers import fused_ops  # noqa: E402
 from disagg.engine.models.llama import MLP, LlamaConfig, RMSNorm, RotaryEmbedding  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

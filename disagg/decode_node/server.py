@@ -5,10 +5,10 @@ import logging
 
 from disagg import metrics
 from disagg.config import KVTransferConfig
-from disagg.decode_node.api import build_app
+from disagg.api.app import build_app
 from disagg.decode_node.node import DecodeNode
 from disagg.decode_node.prefill_client import PrefillPool
-from disagg.decode_node.tool_calls import ToolOptions
+from disagg.api.tool_calls import ToolOptions
 from disagg.engine.async_engine import AsyncEngine
 from disagg.lookup_buffer import LookupBufferConsumer
 from disagg.serving import HTTPOptions, node_info, serve_http

@@ -14,7 +14,7 @@ import struct
 import time
 from collections import OrderedDict
 
-from disagg.engine.kv_stats import Latencies, TierStats
+from disagg.engine.kv_tiers.stats import Latencies, TierStats
 from disagg.engine.sequence import Sequence
 
 # A block key: its chained hash and its own tokens.

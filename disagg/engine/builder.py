@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from disagg.engine.attention import AttentionBackend, SdpaAttention
+from disagg.engine.layers.attention import AttentionBackend, SdpaAttention
 from disagg.engine.config import EngineConfig
 from disagg.engine.kv_cache import KVCache
 from disagg.engine.loader import load_weights
@@ -110,7 +110,7 @@ def make_attention(config: EngineConfig, model: LlamaForCausalLM, kv_cache: KVCa
     # Triton on the CPU only under its interpreter, which is how CI checks the kernels.
     if backend != "triton" or (device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
         raise ValueError(f"attention_backend must be 'sdpa', or 'triton' on CUDA; got {backend!r} on {device}")
-    from disagg.engine.triton_attention import TritonAttention
+    from disagg.engine.layers.triton_attention import TritonAttention
 
     model.fuse()
     return TritonAttention(kv_cache, model.config.num_attention_heads, config.max_num_seqs, max_model_len)

@@ -12,7 +12,7 @@ import time
 import torch
 
 from disagg.engine.models.llama import LlamaForCausalLM
-from disagg.engine.triton_attention import TritonAttention, TritonMetadata
+from disagg.engine.layers.triton_attention import TritonAttention, TritonMetadata
 
 logger = logging.getLogger(__name__)
 

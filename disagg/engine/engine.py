@@ -10,7 +10,7 @@ import torch
 from disagg.engine.block_manager import BlockManager
 from disagg.engine.builder import build_runner, resolve_device, resolve_dtype
 from disagg.engine.config import EngineConfig
-from disagg.engine.kv_offload import KVOffload, check_kv_tiers, kv_identity
+from disagg.engine.kv_tiers.offload import KVOffload, check_kv_tiers, kv_identity
 from disagg.engine.loader import load_config, resolve_model
 from disagg.engine.output import RequestOutput, TextState
 from disagg.engine.sampler import Sampler

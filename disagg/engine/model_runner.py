@@ -5,7 +5,7 @@ from collections.abc import Callable
 
 import torch
 
-from disagg.engine.attention import AttentionBackend, StepInputs
+from disagg.engine.layers.attention import AttentionBackend, StepInputs
 from disagg.engine.models.llama import LlamaForCausalLM
 from disagg.engine.sampler import logprob_entries
 from disagg.engine.scheduler import ScheduledSeq

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from disagg.engine.attention import AttentionBackend
+from disagg.engine.layers.attention import AttentionBackend
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -260,7 +260,7 @@ class LlamaForCausalLM(nn.Module):
         """The GPU path, after loading: q/k/v and gate/up each one product, and the Triton
         kernels for norms, rotary and SiLU. Not on the CPU, where outputs must equal
         transformers' float32 bit for bit."""
-        from disagg.engine import fused_ops
+        from disagg.engine.layers import fused_ops
 
         self.model.rotary.fused_ops = self.model.norm.fused_ops = fused_ops
         for layer in self.model.layers:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from disagg.engine.kv_stats import TierStats
+from disagg.engine.kv_tiers.stats import TierStats
 
 logger = logging.getLogger(__name__)
 

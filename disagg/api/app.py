@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from disagg import metrics
 from disagg.decode_node.node import DecodeNode, PrefillUnavailable
-from disagg.decode_node.protocol import (
+from disagg.api.protocol import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -62,7 +62,7 @@ from disagg.decode_node.protocol import (
     ToolCallOut,
     UsageInfo,
 )
-from disagg.decode_node.tool_calls import (
+from disagg.api.tool_calls import (
     CallDelta,
     ToolCall,
     ToolCallStream,

@@ -23,8 +23,8 @@ import torch
 
 from disagg.engine.block_manager import BlockKey
 from disagg.engine.config import EngineConfig
-from disagg.engine.disk_tier import DiskResult, DiskTier
-from disagg.engine.host_tier import HostBlock, HostTier
+from disagg.engine.kv_tiers.disk import DiskResult, DiskTier
+from disagg.engine.kv_tiers.host import HostBlock, HostTier
 from disagg.engine.kv_cache import KVCache
 from disagg.engine.scheduler import Scheduler
 from disagg.engine.sequence import Sequence

@@ -8,8 +8,8 @@ import numpy as np
 import torch
 import triton
 
-from disagg.engine import triton_kernels
-from disagg.engine.attention import StepInputs
+from disagg.engine.layers import triton_kernels
+from disagg.engine.layers.attention import StepInputs
 from disagg.engine.block_table import DeviceBlockTable
 from disagg.engine.kv_cache import KVCache
 from disagg.engine.scheduler import ScheduledSeq

@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from disagg.decode_node.tool_calls import forced_schema, function_names, named_function
+from disagg.api.tool_calls import forced_schema, function_names, named_function
 from disagg.engine.sampling_params import SamplingParamError, SamplingParams, StructuredOutputSpec
 
 logger = logging.getLogger(__name__)

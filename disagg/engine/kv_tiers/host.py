@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from disagg.engine.kv_stats import TierStats
+from disagg.engine.kv_tiers.stats import TierStats
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API, served by decode and colocated nodes."""
