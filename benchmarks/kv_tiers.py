@@ -179,8 +179,8 @@ def tier_load_bandwidth(engine: LLMEngine, prompt: list[int], device: str,
         seq = engine.add_request("bw", prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
         sync(device)
         start = time.perf_counter()
-        offload.start_loads()
-        while "bw" in engine.scheduler.loading:
+        assert engine.scheduler.admit(seq)  # its blocks, and the tiers start loading its prefix
+        while offload.pending(seq):
             offload.poll()
         seconds = time.perf_counter() - start
         num_blocks = seq.num_cached_tokens // engine.config.block_size

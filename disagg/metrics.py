@@ -6,6 +6,7 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from disagg.engine.async_engine import AsyncEngine, EngineStats
 from disagg.engine.engine import LLMEngine
 from disagg.engine.kv_tiers.stats import Latencies, TierStats
 
@@ -13,8 +14,6 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 REQUESTS = Counter("disagg_requests_total", "Requests finished, by how they ended", ["finish_reason"])
 REQUEST_ERRORS = Counter("disagg_request_errors_total", "Requests refused or failed, by HTTP status", ["status"])
-ENGINE_REQUEST_ERRORS = Counter("disagg_engine_request_errors_total",
-                                "Requests the engine failed (their sampling or their step's forward raised)")
 TTFT = Histogram("disagg_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS)
 ITL = Histogram("disagg_inter_token_latency_seconds", "Time between output tokens", buckets=LATENCY_BUCKETS)
 E2E = Histogram("disagg_e2e_request_latency_seconds", "Request latency, end to end", buckets=LATENCY_BUCKETS)
@@ -54,6 +53,30 @@ BUFFER_BYTES = Gauge("disagg_lookup_buffer_bytes", "Bytes held in the lookup buf
 REQUESTS_RUNNING = Gauge("disagg_num_requests_running", "Requests in the engine's running batch")
 REQUESTS_WAITING = Gauge("disagg_num_requests_waiting", "Requests waiting for blocks, their turn, or their KV")
 KV_CACHE_USAGE = Gauge("disagg_kv_cache_usage", "Fraction of the KV cache blocks in use (0 to 1)")
+
+
+def engine_gauges(stats: EngineStats) -> None:
+    """The engine's gauges as of its last step (set at each scrape)."""
+    KV_BLOCKS_TOTAL.set(stats.num_blocks)
+    KV_BLOCKS_USED.set(stats.num_blocks - stats.num_free_blocks)
+    KV_CACHE_USAGE.set((stats.num_blocks - stats.num_free_blocks) / max(1, stats.num_blocks))
+    REQUESTS_RUNNING.set(stats.num_running)
+    REQUESTS_WAITING.set(stats.num_waiting)
+
+
+class EngineErrors(Collector):
+    """Requests the engine failed, counted by the engine thread (EngineStats) and read at each scrape."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily("disagg_engine_request_errors", "Requests the engine failed (their sampling or "
+                                  "their step's forward raised)", value=self.engine.stats.num_request_errors)
+
+
+def register_engine(engine: AsyncEngine) -> None:
+    _register_once("engine_errors", lambda: EngineErrors(engine))
 
 
 def kv_sent(nbytes: int, seconds: float) -> None:

@@ -103,10 +103,10 @@ def request_label(given: str | None, prefix: str) -> str:
 
 def node_info(engine: AsyncEngine, model_name: str, kv: KVTransferConfig) -> NodeInfo:
     """What this node tells its peers at the handshake (and expects of them)."""
-    e = engine.engine
-    return NodeInfo(model_name=model_name, dtype=str(e.dtype).removeprefix("torch."),
-                    num_layers=e.model_config.num_hidden_layers, num_kv_heads=e.model_config.num_key_value_heads,
-                    head_dim=e.model_config.head_dim, block_size=e.config.block_size,
+    mc = engine.model_config
+    return NodeInfo(model_name=model_name, dtype=str(engine.dtype).removeprefix("torch."),
+                    num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads,
+                    head_dim=mc.head_dim, block_size=engine.block_size,
                     kv_connector=kv.kv_connector, kv_ip=kv.kv_ip, kv_port=kv.kv_port)
 
 

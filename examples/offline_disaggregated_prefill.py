@@ -104,12 +104,15 @@ def run_decode(consumer_port: Synchronized, consumer_ready: Event, kv_received: 
     try:
         # Reserve KV blocks for each prompt; the engine will not compute these prompts itself. Their
         # KV is received straight into the reserved blocks (their views, in the KV's byte order).
+        slots = {}
         seqs = [engine.add_request(request_id(i), prompt, SAMPLING, remote_prefill=True)
                 for i, prompt in enumerate(PROMPTS)]
         for seq in seqs:
-            into = engine.remote_kv_views(seq.request_id, 0)
-            if into is not None:  # None if the pool had no room yet: then it lands in a buffer first
-                consumer.expect(seq.request_id, [into])
+            slots[seq.request_id] = slot = engine.remote_slot(seq.request_id)
+            # No views if the pool had no room yet: then it lands in a buffer first. (The prefill
+            # process sends every prompt's KV from token 0, so views from a prefix hit on would not do.)
+            if slot.views is not None and slot.cached_tokens == 0:
+                consumer.expect(seq.request_id, [slot.views])
         consumer_port.value = consumer.address[1]
         consumer_ready.set()
         first = dict(first_tokens.get(timeout=KV_WAIT_S) for _ in seqs)
@@ -118,7 +121,9 @@ def run_decode(consumer_port: Synchronized, consumer_ready: Event, kv_received: 
             # for these very tokens.
             entry = consumer.drop_select(seq.request_id, seq.prompt_token_ids, timeout=KV_WAIT_S)
             kv = None if entry.in_place else entry.kv_tensors[0]
-            engine.finish_remote_prefill(seq.request_id, kv, first[seq.request_id])
+            first_token = slots[seq.request_id].first
+            first_token.output(first[seq.request_id], None)  # the first token's output (a server streams it now)
+            engine.finish_remote_prefill(seq.request_id, kv, first_token)
     finally:
         # Closed before the prefill process exits, so its leaving is not reported as a lost producer.
         consumer.close()

@@ -6,7 +6,6 @@ import json
 import pytest
 import torch
 from kv_export import KVCollector
-from prometheus_client import REGISTRY
 from prompts import PASSAGE, PROMPTS, hf_greedy, penalized_reference
 
 from disagg import LLM, SamplingParams
@@ -217,9 +216,11 @@ def test_remote_prefill_continues_like_local(llm, model_dir, hf_model):
     prompts = [PROMPTS[2], PROMPTS[6], PROMPTS[5]]
     exports = [KVCollector(30, layers) for layers in (1, 7, 30)]  # 30 layers: each, in groups, whole
     exports[2].export.at_end = True  # as layerwise: false sends it: once the whole prompt is computed
+    firsts = {}
     for i, prompt in enumerate(prompts):
         prefill.engine.add_request(f"p{i}", prompt, greedy(1), kv_export=exports[i].export)
         decode.add_request(f"r{i}", prompt, greedy(32), remote_prefill=True)
+        firsts[f"r{i}"] = decode.remote_slot(f"r{i}").first
     assert decode.step() == []  # nothing to compute while the KV is away
     done, early = {}, False
     while prefill.engine.has_unfinished_requests():
@@ -228,7 +229,8 @@ def test_remote_prefill_continues_like_local(llm, model_dir, hf_model):
         early |= bool(exports[1].parts) and "p1" not in [out.request_id for out in outs]
         for out in outs:
             i = int(out.request_id[1:])
-            decode.finish_remote_prefill(f"r{i}", exports[i].kv(), out.token_ids[0])
+            firsts[f"r{i}"].output(out.token_ids[0], None)
+            decode.finish_remote_prefill(f"r{i}", exports[i].kv(), firsts[f"r{i}"])
     while decode.has_unfinished_requests():
         for out in decode.step():
             if out.finished:
@@ -374,7 +376,6 @@ def test_a_forward_failure_fails_its_step_and_the_engine_goes_on(llm, hf_model, 
 
 def test_async_engine_ends_a_failed_request_alone_and_counts_it(llm, hf_model, monkeypatch):
     fail_sampling(llm.engine, "bad", 0, monkeypatch)
-    before = REGISTRY.get_sample_value("disagg_engine_request_errors_total")
     engine = AsyncEngine(llm.engine)
 
     async def last_output(request_id: str, params: SamplingParams):
@@ -391,7 +392,7 @@ def test_async_engine_ends_a_failed_request_alone_and_counts_it(llm, hf_model, m
         engine.stop()
     assert isinstance(bad, RequestFailed) and "injected sampling failure" in str(bad)
     assert good.token_ids == reference(hf_model, good.prompt_token_ids, 12)
-    assert REGISTRY.get_sample_value("disagg_engine_request_errors_total") == before + 1
+    assert engine.stats.num_request_errors == 1
 
 
 def test_penalties_and_logit_bias_match_a_reference(llm, hf_model):
@@ -446,15 +447,19 @@ def test_prompt_logprobs_match_transformers_chunked_and_cached(model_dir, hf_mod
 
 
 def test_a_remote_first_token_off_the_grammar_is_refused_before_it_is_sent(llm):
-    """The first token goes to the client before the KV loads (remote_first_output): one that breaks
-    the request's grammar (a prefill node that did not apply it) must fail there, not after it was sent."""
+    """The first token's output is made when it arrives with the KV, before the KV loads: one that
+    breaks the request's grammar (a prefill node that did not apply it) is refused there, before
+    anything changes."""
     engine = llm.engine
     params = greedy(4)
     params.structured = StructuredOutputSpec("choice", json.dumps(["Paris", "Lyon"]))
     engine.add_request("g", "The capital of France is", params, remote_prefill=True)
+    slot = engine.remote_slot("g")
     off_grammar = engine.tokenizer.encode(" 42")[0]
     with pytest.raises(ValueError, match="grammar"):
-        engine.remote_first_output("g", None, off_grammar)
+        slot.first.output(off_grammar, None)
     on_grammar = engine.tokenizer.encode("Paris")[0]
-    assert engine.remote_first_output("g", None, on_grammar).token_ids == [on_grammar]
+    assert slot.first.output(on_grammar, None).token_ids == [on_grammar]
+    engine.finish_remote_prefill("g", None, slot.first, kv_start=slot.cached_tokens)
+    assert engine.requests["g"].seq.output_token_ids == [on_grammar]
     assert engine.abort_request("g")

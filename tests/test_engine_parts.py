@@ -1,10 +1,12 @@
 """The engine's bookkeeping on its own, with no model: BlockManager, Scheduler, KVCache and the
 device block table (on the CPU)."""
 
+import pytest
 import torch
 
 from disagg.engine.block_manager import BlockManager
 from disagg.engine.block_table import DeviceBlockTable
+from disagg.engine.kv_arrival import KVArrival
 from disagg.engine.kv_cache import KVCache
 from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.scheduler import Scheduler
@@ -111,19 +113,106 @@ def test_scheduler_preempts_the_newest_when_blocks_run_out():
     assert scheduler.num_preemptions == 1
 
 
-def test_remote_sequences_reserve_blocks_in_arrival_order():
+class FakeArrival(KVArrival):
+    """A KV source whose KV arrives when the test says: every remote sequence waits for it."""
+
+    def __init__(self):
+        self.started: list[str] = []
+        self.arrived: set[str] = set()
+
+    def start(self, s: Sequence) -> None:
+        self.started.append(s.request_id)
+
+    def pending(self, s: Sequence) -> bool:
+        return s.remote and s.request_id not in self.arrived
+
+    def poll(self) -> None:
+        pass
+
+    def arrive(self, s: Sequence) -> None:
+        """Its whole prompt's KV is in its blocks, and its first token was appended."""
+        self.arrived.add(s.request_id)
+        s.num_computed_tokens = s.num_prompt_tokens
+        s.append_token(7)
+
+
+def remote_seq(request_id: str, tokens: list[int]) -> Sequence:
+    s = seq(request_id, tokens)
+    s.remote = True
+    return s
+
+
+def run_batch(scheduler: Scheduler) -> list[str]:
+    """Schedule and compute one batch; a sequence that computed its last token gets one more."""
+    batch = scheduler.schedule()
+    for s in scheduler.postprocess(batch):
+        s.append_token(1)
+    return [item.seq.request_id for item in batch]
+
+
+def test_remote_sequences_get_blocks_in_arrival_order_and_run_once_their_kv_arrived():
     manager = BlockManager(4, BS)
     scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=100)
-    a, b = seq("a", list(range(12))), seq("b", list(range(8)))
-    scheduler.add_remote(a)
-    scheduler.add_remote(b)
-    assert list(scheduler.waiting_for_kv) == ["a"] and list(scheduler.reserving) == [b]
+    arrival = FakeArrival()
+    scheduler.arrivals = [arrival]
+    a, b = remote_seq("a", list(range(12))), remote_seq("b", list(range(8)))
+    for s in (a, b):
+        scheduler.add(s)
+        scheduler.reserve()
+    assert a.status == SequenceStatus.WAITING_FOR_KV and len(a.block_table) == 3
+    assert b.status == SequenceStatus.WAITING and b.block_table == []  # one block left: it waits
+    assert run_batch(scheduler) == [] and not scheduler.has_work()  # nothing to compute while KV is away
     scheduler.finish(a)
     scheduler.reserve()
-    assert list(scheduler.waiting_for_kv) == ["b"]
-    b.num_computed_tokens = b.num_tokens
-    scheduler.start_remote(b)
+    assert b.status == SequenceStatus.WAITING_FOR_KV and arrival.started == ["a", "b"]
+    arrival.arrive(b)
+    assert scheduler.has_work()
+    assert run_batch(scheduler) == ["b"]  # its first token's decode
     assert scheduler.running == [b] and b.status == SequenceStatus.RUNNING
+
+
+def test_max_num_seqs_caps_every_sequence_that_holds_blocks():
+    """12 remote requests under max_num_seqs=4: at most 4 hold blocks (running or waiting for their
+    KV) at any time, so a batch never has more than 4 (the GPU's block table has rows for 2x4)."""
+    manager = BlockManager(64, BS)
+    scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=100)
+    arrival = FakeArrival()
+    scheduler.arrivals = [arrival]
+    seqs = [remote_seq(f"r{i}", list(range(100 * i, 100 * i + 6))) for i in range(12)]
+    for s in seqs:
+        scheduler.add(s)
+        scheduler.reserve()
+    finished = []
+    for step in range(200):
+        for s in seqs:
+            if s.status == SequenceStatus.WAITING_FOR_KV and s.request_id not in arrival.arrived and step % 3 == 0:
+                arrival.arrive(s)
+        batch = run_batch(scheduler)
+        holding = [s for s in seqs if s.block_table]
+        assert len(batch) <= 4 and len(scheduler.running) <= 4 and len(holding) <= 4
+        for s in list(scheduler.running):
+            if s.num_output_tokens >= 3:
+                scheduler.finish(s)
+                finished.append(s.request_id)
+        if len(finished) == 12:
+            break
+    assert sorted(finished) == sorted(s.request_id for s in seqs)
+    assert manager.num_free_blocks == 64
+
+
+def test_a_local_sequence_behind_remote_ones_keeps_its_place_in_the_queue():
+    manager = BlockManager(16, BS)
+    scheduler = Scheduler(manager, max_num_seqs=2, max_num_batched_tokens=100)
+    arrival = FakeArrival()
+    scheduler.arrivals = [arrival]
+    r, local, late = remote_seq("r", list(range(8))), seq("local", list(range(20, 28))), remote_seq("late", [1] * 8)
+    for s in (r, local, late):
+        scheduler.add(s)
+        scheduler.reserve()
+    # "late" overtakes nobody: the cap leaves one place, which the local sequence, ahead of it, takes.
+    assert r.status == SequenceStatus.WAITING_FOR_KV and late.block_table == []
+    assert run_batch(scheduler) == ["local"]
+    assert late.status == SequenceStatus.WAITING
 
 
 def test_kv_cache_gather_scatter_round_trip():
@@ -183,3 +272,19 @@ def test_reused_blocks_are_handed_out_in_ascending_order():
     bm.allocate(again)
     assert again.block_table == list(range(16))
     assert len(cache.views(again.block_table, 0, 64)) == 2 * 2
+
+
+def test_device_block_table_rows_suffice_for_any_batch_of_max_num_seqs():
+    """Rows are 2 x max_num_seqs: batches of up to max_num_seqs, whose members come and go, always
+    find one; a batch larger than the rows (a cap bypassed) is refused with the reason."""
+    max_num_seqs = 3
+    table = DeviceBlockTable(num_rows=2 * max_num_seqs, max_blocks=4, device=torch.device("cpu"))
+    seqs = [seq(f"s{i}", [i]) for i in range(20)]
+    for s in seqs:
+        s.block_table = [0]
+    for step in range(40):
+        batch = [seqs[(step * 2 + k) % 20] for k in range(max_num_seqs)]
+        rows, _ = table.assign(batch)
+        assert len(set(rows)) == len(batch)
+    with pytest.raises(RuntimeError, match="max_num_seqs"):
+        table.assign(seqs[:2 * max_num_seqs + 1])

@@ -120,10 +120,13 @@ def test_layerwise_kv_over_tcp_lands_in_the_decode_engines_blocks(gpu_model_dir,
     copy_stream = torch.cuda.Stream() if kv_buffer_device == "cpu" else None
     try:
         chosen = [6, 8, 9]  # 64, 700 and 1000 tokens
+        slots = {}
         for i in chosen:
             ids, request_id = prompts[i], f"r{i}"
             decode.add_request(request_id, ids, GREEDY, remote_prefill=True)
-            consumer.expect(request_id, [decode.remote_kv_views(request_id, 0)])
+            slots[request_id] = slot = decode.remote_slot(request_id)
+            assert slot.cached_tokens == 0
+            consumer.expect(request_id, [slot.views])
             nbytes = prefill.kv_cache.kv[:, :, :len(ids)].nbytes
             producer.open(request_id, ids, [(layer, layer + 1) for layer in range(30)], len(ids), nbytes,
                           consumer.address)
@@ -136,7 +139,8 @@ def test_layerwise_kv_over_tcp_lands_in_the_decode_engines_blocks(gpu_model_dir,
         for i in chosen:
             entry = consumer.drop_select(f"r{i}", prompts[i], timeout=30)
             assert entry.in_place
-            decode.finish_remote_prefill(f"r{i}", None, first[f"r{i}"])
+            slots[f"r{i}"].first.output(first[f"r{i}"], None)
+            decode.finish_remote_prefill(f"r{i}", None, slots[f"r{i}"].first)
         done = {}
         while decode.has_unfinished_requests():
             done |= {out.request_id: out.token_ids for out in decode.step() if out.finished}

@@ -23,7 +23,7 @@ from disagg.engine.kv_tiers.disk import HEADER, DiskTier
 from disagg.engine.kv_tiers.host import HostTier
 from disagg.engine.kv_tiers.offload import slot_runs
 from disagg.engine.loader import DEFAULT_MODEL_NAME
-from disagg.engine.sequence import Sequence
+from disagg.engine.sequence import Sequence, SequenceStatus
 
 BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4  # one 16-token block of the embedded model, float32
 MAX_TOKENS = 8
@@ -196,7 +196,8 @@ def test_a_decode_engine_takes_its_host_tier_hits_and_needs_only_the_rest(model_
     evict_device_cache(decode)
     engine = decode.engine
     engine.add_request("r", prompt, greedy(), remote_prefill=True)
-    skip = engine.remote_cached_tokens("r")
+    slot = engine.remote_slot("r")
+    skip = slot.cached_tokens
     assert skip == PREFIX_TOKENS and engine.offload.host.stats.hits == 12
     export = KVCollector(30, start=skip)  # what the prefill node sends: 195 - 192 = 3 tokens' KV
     prefill.engine.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=1), kv_export=export.export)
@@ -205,7 +206,8 @@ def test_a_decode_engine_takes_its_host_tier_hits_and_needs_only_the_rest(model_
         out = next((o for o in prefill.engine.step() if o.finished), None)
     kv = export.kv()
     assert kv.shape[2] == len(out.prompt_token_ids) - PREFIX_TOKENS
-    engine.finish_remote_prefill("r", kv, out.token_ids[0], kv_start=skip)
+    slot.first.output(out.token_ids[0], None)
+    engine.finish_remote_prefill("r", kv, slot.first, kv_start=skip)
     done = None
     while done is None:
         done = next((o for o in engine.step() if o.finished), None)
@@ -252,7 +254,8 @@ def test_restart_serves_disk_prefixes_and_corrupt_files_are_recomputed(model_dir
     engine.add_request("z", z, greedy())
     engine.add_request("w", "Hello", greedy())
     engine.step()
-    assert engine.offload.loads and "z" in engine.scheduler.loading
+    z_seq = engine.requests["z"].seq
+    assert engine.offload.loads and z_seq.status == SequenceStatus.WAITING_FOR_KV and engine.offload.pending(z_seq)
     assert [seq.request_id for seq in engine.scheduler.running] == ["w"]
     assert engine.abort_request("z")
     while "w" in engine.requests:

@@ -219,6 +219,34 @@ def test_a_prompt_prefilled_in_chunks_crosses_chunk_by_chunk(tmp_path, hf_model,
         prefill.kill()
 
 
+def test_max_num_seqs_caps_remote_requests(tmp_path, reference_texts):
+    """12 concurrent remote-prefill requests on a decode node with --max-num-seqs 4: all answered
+    token-exact, and never more than 4 running (remote requests once bypassed the cap, and the GPU
+    block table, sized by it, ran out of rows)."""
+    prefill = start_node("producer", tmp_path)
+    decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address], extra_args=["--max-num-seqs", "4"],
+                        kv_extra={"prefill_policy": "fail", "prefill_timeout": 240.0, "lookup_timeout": 120.0})
+    try:
+        indices = list(range(12))
+
+        async def run() -> tuple[list[str], float]:
+            answers = asyncio.ensure_future(complete_all(decode.url, [PROMPTS_20[i] for i in indices]))
+            most = 0.0
+            async with httpx.AsyncClient(timeout=10) as client:
+                while not answers.done():
+                    text = (await client.get(f"{decode.url}/metrics")).text
+                    most = max(most, float(re.search(r"^disagg_num_requests_running (\S+)", text, re.M).group(1)))
+                    await asyncio.sleep(0.02)
+            return await answers, most
+        texts, most_running = asyncio.run(run())
+        assert texts == [reference_texts[i] for i in indices]
+        assert 1 <= most_running <= 4
+        assert decode.metric("disagg_kv_blocks_used") == 0
+    finally:
+        decode.kill()
+        prefill.kill()
+
+
 def test_prefill_slower_than_timeout(tmp_path, reference_texts):
     prefill = start_node("producer", tmp_path)
     decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address],

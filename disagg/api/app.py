@@ -586,7 +586,7 @@ class OpenAIServing:
     async def tokenize_prompt(self, prompt: str | list[int]) -> Prompt:
         if isinstance(prompt, list):
             try:  # ids outside the vocabulary are bad input, and the tokenizer cannot decode them
-                self.node.engine.engine.validate_prompt(prompt)
+                self.node.engine.validate_prompt(prompt)
             except ValueError as e:
                 raise APIError(400, str(e), param="prompt") from e
             return Prompt(prompt, self.node.tokenizer.decode(prompt, skip_special_tokens=False))
@@ -637,9 +637,9 @@ class OpenAIServing:
         """The path completions and chat share: validate, start every choice, stream or answer."""
         try:
             if params.structured is not None:  # compiled off the event loop, once per distinct grammar: bad is a 400
-                await asyncio.to_thread(self.node.engine.engine.grammars.compile, params.structured)
+                await self.node.engine.compile_grammar(params.structured)
             for prompt in prompts:
-                self.node.validate(prompt.token_ids, params)
+                self.node.engine.validate(prompt.token_ids, params)
         except ValueError as e:
             raise request_error(request, e) from e
         # A router sets X-Request-Id so that one request can be followed through the router's and

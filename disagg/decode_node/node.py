@@ -23,7 +23,8 @@ from disagg.control_plane import PrefillCall
 from disagg.decode_node.prefill_client import PrefillClient, PrefillPool
 from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.output import RequestOutput
-from disagg.engine.sampling_params import SamplingParamError, SamplingParams
+from disagg.engine.remote_prefill import RemoteSlot
+from disagg.engine.sampling_params import SamplingParams
 from disagg.lookup_buffer import LookupBufferConsumer
 
 logger = logging.getLogger(__name__)
@@ -41,8 +42,8 @@ class DecodeNode:
                  prefill_policy: str = "recompute", prefill_timeout: float = 10.0, lookup_timeout: float = 30.0):
         self.engine = engine
         self.model_name = model_name
-        self.tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
         self.consumer = consumer
         self.pool = pool
         self.kv_advertise = kv_advertise  # the pipe endpoint prefill nodes push our KV to
@@ -56,23 +57,14 @@ class DecodeNode:
     def disaggregated(self) -> bool:
         return self.pool is not None
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        params.validate()
-        if params.max_tokens > self.max_model_len:
-            raise SamplingParamError("max_tokens", f"max_tokens must be at most max_model_len={self.max_model_len} "
-                                                   f"(the context holds prompt and output), got {params.max_tokens}")
-        self.engine.engine.validate_prompt(prompt_token_ids)
-        self.engine.engine.validate_token_ids(params)
-
     async def generate(self, label: str, prompt_token_ids: list[int], params: SamplingParams,
                        prefill_policy: str | None = None) -> AsyncIterator[RequestOutput]:
-        """`label` (the client's X-Request-Id or the API's id) only names the request in logs and
-        answers: the engines and the prefill node know it by an id this node makes, so clients
+        """The request was validated (AsyncEngine.validate) by the API. `label` (the client's
+        X-Request-Id or the API's id) only names the request in logs and answers: the engines and the prefill node know it by an id this node makes, so clients
         that reuse ids, or other decode nodes, can never touch each other's requests."""
         policy = prefill_policy or self.prefill_policy
         if policy not in POLICIES:
             raise ValueError(f"prefill_policy must be one of {POLICIES}, got {policy!r}")
-        self.validate(prompt_token_ids, params)
         request_id = f"{self.node_id}-{uuid.uuid4().hex}"
         logger.info("%s runs as %s", label, request_id)  # follows a request into the prefill node's log
         metrics.PROMPT_TOKENS.inc(len(prompt_token_ids))
@@ -82,8 +74,8 @@ class DecodeNode:
                 async for out in outputs:
                     yield out
             return
-        queue = await self.engine.add_request(request_id, prompt_token_ids, params, remote_prefill=True)
-        fetch = asyncio.create_task(self._fetch_kv(request_id, queue, prompt_token_ids, params, policy))
+        queue, slot = await self.engine.add_remote_request(request_id, prompt_token_ids, params)
+        fetch = asyncio.create_task(self._fetch_kv(request_id, queue, slot, prompt_token_ids, params, policy))
         outputs = self.engine.stream(request_id, queue)
         finished = False
         try:
@@ -108,18 +100,17 @@ class DecodeNode:
                 await fetch
         await outputs.aclose()
 
-    async def _fetch_kv(self, request_id: str, queue: asyncio.Queue, prompt_token_ids: list[int],
+    async def _fetch_kv(self, request_id: str, queue: asyncio.Queue, slot: RemoteSlot, prompt_token_ids: list[int],
                         params: SamplingParams, policy: str) -> None:
         client: PrefillClient | None = None
         start = time.perf_counter()
         try:
             client = self.pool.pick()
             # Our prefix cache's hits are held for this request: only the rest of its KV need come.
-            skip = self.engine.engine.remote_cached_tokens(request_id)
-            # Blocks reserved now: the KV is received straight into them (else into a buffer first).
-            into = self.engine.engine.remote_kv_views(request_id, skip)
-            if into is not None:
-                self.consumer.expect(request_id, [into])
+            skip = slot.cached_tokens
+            # Blocks reserved already: the KV is received straight into them (else into a buffer first).
+            if slot.views is not None:
+                self.consumer.expect(request_id, [slot.views])
             call = PrefillCall(request_id, prompt_token_ids, params, self.kv_advertise, skip)
             result = await client.prefill(call, idle_timeout=self.prefill_timeout)
             answered = time.perf_counter()
@@ -138,7 +129,7 @@ class DecodeNode:
                 raise RuntimeError(f"KV digest {entry.token_digest} differs from the prefill node's {result.token_digest}")
             self.kv_received_at[request_id] = received
             kv = None if entry.in_place else entry.kv_tensors[0]
-            await self.engine.finish_remote_prefill(request_id, queue, kv, result.first_token,
+            await self.engine.finish_remote_prefill(request_id, queue, slot, kv, result.first_token,
                                                     result.first_logprob, kv_start=skip)
             loaded = time.perf_counter()
             metrics.KV_LOAD.observe(loaded - received)
@@ -187,13 +178,7 @@ class DecodeNode:
         return status
 
     def update_gauges(self) -> None:
-        bm = self.engine.engine.block_manager
-        metrics.KV_BLOCKS_TOTAL.set(bm.num_blocks)
-        metrics.KV_BLOCKS_USED.set(bm.num_blocks - bm.num_free_blocks)
-        metrics.KV_CACHE_USAGE.set((bm.num_blocks - bm.num_free_blocks) / bm.num_blocks)
-        scheduler = self.engine.engine.scheduler  # lengths only: a stale read by one step is fine
-        metrics.REQUESTS_RUNNING.set(len(scheduler.running))
-        metrics.REQUESTS_WAITING.set(len(scheduler.waiting) + len(scheduler.reserving) + len(scheduler.waiting_for_kv))
+        metrics.engine_gauges(self.engine.stats)
         if self.consumer is not None:
             stats = self.consumer.stats()
             metrics.BUFFER_ENTRIES.set(stats.entries)

@@ -26,7 +26,7 @@ async def run_decode_node(engine: AsyncEngine, model_name: str, kv: KVTransferCo
                                             kv_buffer_size=int(kv.kv_buffer_size),
                                             on_received=metrics.KV_BYTES.labels("received").inc,
                                             on_entry=metrics.KV_ENTRY_RECEIVE.observe,
-                                            device=engine.engine.device)
+                                            device=engine.device)
             kv_advertise = (kv.kv_ip, consumer.address[1])  # the bound port, where kv_port is 0
             pool = PrefillPool(prefill_nodes, kv.grpc_token(), node_info(engine, model_name, kv), kv_advertise)
             await pool.start(timeout=10.0)
@@ -36,6 +36,7 @@ async def run_decode_node(engine: AsyncEngine, model_name: str, kv: KVTransferCo
         where = f"kv {kv.kv_connector} {kv.kv_ip}:{consumer.address[1]} prefill {','.join(prefill_nodes)}" if consumer else "colocated"
         role = "decode" if consumer else "colocated"
         metrics.register_vllm_names(model_name)
+        metrics.register_engine(engine)
         metrics.register_kv_tiers(engine.engine)
         await serve_http(build_app(node, http, model_name, tools, log_requests), host, port,
                          f"disagg {role} node ready: http://{host}:{port} {where} model {model_name}", log_level,

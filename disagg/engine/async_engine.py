@@ -9,6 +9,10 @@ seconds while the request kept its blocks.)
 
 A request the engine fails (its sampling, or its step's forward, raised) ends with RequestFailed
 for whoever waits on it, and is counted; the other requests go on.
+
+This is the one door into the engine for the nodes: what they need (validation, grammar compiles,
+remote requests and their KV, the engine's gauges) is here, and nothing outside the engine reads
+`LLMEngine` state; the engine thread publishes what others may read (`EngineStats`) after each step.
 """
 
 import asyncio
@@ -19,13 +23,14 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import torch
 
-from disagg import metrics
 from disagg.engine.engine import LLMEngine
 from disagg.engine.output import RequestOutput
-from disagg.engine.sampling_params import SamplingParams
+from disagg.engine.remote_prefill import RemoteSlot
+from disagg.engine.sampling_params import SamplingParams, StructuredOutputSpec
 from disagg.engine.sequence import KVExport, TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -45,16 +50,36 @@ class RequestFailed(RuntimeError):
     """The engine failed this request (its sampling or its step's forward raised); the others go on."""
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's gauges as of its last step, published by the engine thread for any thread to read."""
+    num_running: int = 0
+    num_waiting: int = 0  # for blocks, a place, or their KV
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    num_steps: int = 0  # batches run: a sign of life
+    num_request_errors: int = 0  # requests the engine failed (their sampling or forward raised)
+    num_preemptions: int = 0
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
+        # Fixed once the engine is built, so any thread may read them.
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.model_config = engine.model_config
+        self.device = engine.device
+        self.dtype = engine.dtype
+        self.block_size = engine.config.block_size
+        self.kv_bytes_per_token_layer = engine.kv_cache.kv[0, :, 0].nbytes  # one token's K and V in one layer
+        self.num_request_errors = 0  # engine thread only; published in stats
+        self.stats = self._stats()
         self.calls: queue.SimpleQueue[tuple[Callable, tuple, dict, concurrent.futures.Future]] = queue.SimpleQueue()
         self.wakeup = threading.Event()
         # Request id -> where its outputs go. Read and written on the engine thread only, so a
         # request's outputs can never reach another request's stream, whatever ids callers reuse.
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        # Remote requests whose first token finish_remote_prefill already put on their stream.
-        self.first_token_sent: set[str] = set()  # engine thread only
         self.stopped = False
         self.thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self.thread.start()
@@ -66,12 +91,25 @@ class AsyncEngine:
         if not self.thread.is_alive():
             self.engine.close()  # disk writes in flight finish, so a restart finds them
 
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """LLMEngine.validate: ValueError for a request this engine cannot serve. Any thread; it may
+        compile a grammar, so not on an event loop when params.structured is set."""
+        self.engine.validate(prompt_token_ids, params)
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        """LLMEngine.validate_prompt: ValueError for token ids this engine cannot take. Any thread."""
+        self.engine.validate_prompt(prompt_token_ids)
+
+    async def compile_grammar(self, spec: StructuredOutputSpec) -> None:
+        """Compile (and cache) a grammar off the event loop; ValueError if it is bad. The engine
+        thread then finds it cached."""
+        await asyncio.to_thread(self.engine.grammars.compile, spec)
+
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       kv_export: KVExport | None = None, remote_prefill: bool = False) -> AsyncIterator[RequestOutput]:
+                       kv_export: KVExport | None = None) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs until it finishes. Raises ValueError for bad input
         before the first output. Closing the iterator early (a client went away) aborts it."""
-        queue = await self.add_request(request_id, prompt_token_ids, params,
-                                       kv_export=kv_export, remote_prefill=remote_prefill)
+        queue = await self.add_request(request_id, prompt_token_ids, params, kv_export=kv_export)
         async with contextlib.aclosing(self.stream(request_id, queue)) as outputs:
             async for out in outputs:
                 yield out
@@ -94,24 +132,34 @@ class AsyncEngine:
                 await asyncio.shield(self._call(self._drop, request_id, None))
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                          kv_export: KVExport | None = None, remote_prefill: bool = False) -> asyncio.Queue:
+                          kv_export: KVExport | None = None) -> asyncio.Queue:
+        """Add a request; its outputs come on the queue returned (read them with `stream`)."""
         queue: asyncio.Queue = asyncio.Queue()
         await self._call(self._add, request_id, prompt_token_ids, params, (asyncio.get_running_loop(), queue),
-                         kv_export=kv_export, remote_prefill=remote_prefill)
+                         kv_export=kv_export)
         return queue
 
+    async def add_remote_request(self, request_id: str, prompt_token_ids: list[int],
+                                 params: SamplingParams) -> tuple[asyncio.Queue, RemoteSlot]:
+        """Add a request whose prompt KV and first token come from a prefill node
+        (`finish_remote_prefill`); also what it holds of its KV now (RemoteSlot)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        slot = await self._call(self._add, request_id, prompt_token_ids, params, (asyncio.get_running_loop(), queue),
+                                remote_prefill=True)
+        return queue, slot
+
     def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-             stream: tuple[asyncio.AbstractEventLoop, asyncio.Queue], **kwargs) -> None:
+             stream: tuple[asyncio.AbstractEventLoop, asyncio.Queue], **kwargs) -> RemoteSlot | None:
         """On the engine thread: the request and its stream, together."""
         if request_id in self.streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.engine.add_request(request_id, prompt_token_ids, params, **kwargs)
         self.streams[request_id] = stream
+        return self.engine.remote_slot(request_id) if kwargs.get("remote_prefill") else None
 
     def _drop(self, request_id: str, error: Exception | None) -> bool:
         """On the engine thread: abort the request; its stream gets `error`, or nothing more."""
         found = self.engine.abort_request(request_id)
-        self.first_token_sent.discard(request_id)
         if error is None:
             self.streams.pop(request_id, None)
         else:
@@ -125,28 +173,29 @@ class AsyncEngine:
         """Drop the request from the engine; whoever waits on its outputs gets `error`."""
         return await self._call(self._drop, request_id, error)
 
-    async def finish_remote_prefill(self, request_id: str, queue: asyncio.Queue, kv: torch.Tensor | None,
-                                    first_token: int, first_logprob: TokenLogprob | None = None,
-                                    kv_start: int = 0) -> None:
-        """Put the first token, which came with the KV, on the request's stream (`queue`, from
-        add_request) at once, then have the engine thread load the KV between two steps; the
-        engine's own output for that token is not sent again (docs/ARCHITECTURE.md, "A request,
-        end to end"). kv None: it is in the request's blocks already (LLMEngine.remote_kv_views). Raises
-        ValueError for KV or a token that does not fit, before any output."""
-        queue.put_nowait(self.engine.remote_first_output(request_id, kv, first_token, first_logprob, kv_start))
+    async def finish_remote_prefill(self, request_id: str, queue: asyncio.Queue, slot: RemoteSlot,
+                                    kv: torch.Tensor | None, first_token: int,
+                                    first_logprob: TokenLogprob | None = None, kv_start: int = 0) -> None:
+        """A remote request's first token and KV came (kv None: it is in its blocks, through the slot's
+        views). The token's output is made here (slot.first) and put on the request's stream (`queue`,
+        from add_remote_request) at once, not after the engine's step in flight; then the engine
+        thread takes the KV over between two steps (LLMEngine.finish_remote_prefill). Raises
+        ValueError for a token that does not fit, before anything is sent; for KV that does not fit
+        too, and then the request fails (its first token is out)."""
+        queue.put_nowait(slot.first.output(first_token, first_logprob))
         try:
             # Shielded: a request whose first token is out must be loaded (or aborted) in the engine,
             # never left holding its blocks because its caller went away meanwhile.
-            await asyncio.shield(self._call(self._load_remote, request_id, kv, first_token, first_logprob, kv_start))
+            await asyncio.shield(self._call(self._finish_remote, request_id, kv, slot.first, kv_start))
         except Exception as e:
-            # Its first token is out: computing the prompt again would send it twice. It ends here.
             await self.fail(request_id, RequestFailed(f"loading the KV of {request_id} failed: {e}"))
             raise
 
-    def _load_remote(self, request_id: str, *args) -> None:
+    def _finish_remote(self, request_id: str, *args) -> None:
         """On the engine thread."""
         self.engine.finish_remote_prefill(request_id, *args)
-        self.first_token_sent.add(request_id)
+        if request_id not in self.engine.requests:  # its first token ended it: that output was its last
+            self.streams.pop(request_id, None)
 
     async def keep_remote_blocks_aside(self, request_id: str) -> int:
         return await self._call(self.engine.keep_remote_blocks_aside, request_id)
@@ -196,27 +245,27 @@ class AsyncEngine:
                 outputs = []
             for out in outputs:
                 if out.error is not None:
-                    metrics.ENGINE_REQUEST_ERRORS.inc()
+                    self.num_request_errors += 1
                 self._deliver(out.request_id, out)
+            self.stats = self._stats()
             if not busy:
                 self.wakeup.wait(timeout=0.5)
                 self.wakeup.clear()
         self._run_calls(stopped=EngineDeadError("the engine was stopped"))  # whoever still waits gets an answer
 
     def _fail_all(self, error: Exception) -> None:
-        self.first_token_sent.clear()
         for request_id in list(self.engine.requests):
             self.engine.abort_request(request_id)
-            metrics.ENGINE_REQUEST_ERRORS.inc()
+            self.num_request_errors += 1
             self._deliver(request_id, EngineDeadError(f"engine step failed: {error}"))
 
+    def _stats(self) -> EngineStats:
+        """On the engine thread."""
+        scheduler, bm = self.engine.scheduler, self.engine.block_manager
+        return EngineStats(len(scheduler.running), len(scheduler.waiting), bm.num_blocks, bm.num_free_blocks,
+                           self.engine.num_steps, self.num_request_errors, scheduler.num_preemptions)
+
     def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
-        if isinstance(item, RequestOutput) and request_id in self.first_token_sent:
-            self.first_token_sent.remove(request_id)
-            if item.error is None:  # its stream already has this output (an error it has not)
-                if item.finished:
-                    self.streams.pop(request_id, None)
-                return
         stream = self.streams.get(request_id)
         if stream is None:
             return

@@ -67,4 +67,7 @@ class DeviceBlockTable:
                 if row.last_step < self.step:
                     del self.rows[request_id]
                     self.free_rows.append(row.index)
+        if not self.free_rows:  # the scheduler caps a batch at max_num_seqs, half the rows
+            raise RuntimeError(f"a batch has more sequences than the {len(self.table)} block table rows "
+                               "(2 x max_num_seqs) hold: the scheduler's max_num_seqs cap was bypassed")
         return self.free_rows.pop()

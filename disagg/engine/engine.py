@@ -1,6 +1,5 @@
 """LLMEngine: add_request / step / abort_request, the core every entrypoint drives."""
 
-import copy
 import logging
 import time
 from dataclasses import dataclass
@@ -10,11 +9,13 @@ import torch
 from disagg.engine.block_manager import BlockManager
 from disagg.engine.builder import build_runner, resolve_device, resolve_dtype
 from disagg.engine.config import EngineConfig
+from disagg.engine.kv_arrival import KVArrival
 from disagg.engine.kv_tiers.offload import KVOffload, check_kv_tiers, kv_identity
 from disagg.engine.loader import load_config, resolve_model
-from disagg.engine.output import RequestOutput, TextState
+from disagg.engine.output import RequestOutput, TextState, advance, make_output
 from disagg.engine.sampler import Sampler
 from disagg.engine.sampling_params import SamplingParamError, SamplingParams
+from disagg.engine.remote_prefill import FirstToken, RemotePrefills, RemoteSlot
 from disagg.engine.scheduler import Scheduler
 from disagg.engine.sequence import KVExport, RemotePrefill, Sequence, SequenceStatus, TokenLogprob
 from disagg.engine.structured_output import GrammarCompiler, StructuredOutput
@@ -43,16 +44,22 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        # Where KV comes from besides this engine's own compute, in the order it lies in a prompt.
+        arrivals: list[KVArrival] = []
         self.offload: KVOffload | None = None  # the host and disk KV tiers, when asked for
         if config.kv_offloading_size:
             identity = kv_identity(self.model_dir.resolve(), repr(self.model_config).encode(), self.dtype,
                                    tuple(self.kv_cache.block(0).shape))
-            self.offload = KVOffload(config, self.kv_cache, self.scheduler, identity)
+            self.offload = KVOffload(config, self.kv_cache, self.block_manager, identity)
+            arrivals.append(self.offload)
+        mc = self.model_config
+        self.remote = RemotePrefills(self.kv_cache, self.block_manager, mc.num_hidden_layers,
+                                     (mc.num_key_value_heads, mc.head_dim), list(arrivals))
+        self.scheduler.arrivals = arrivals + [self.remote]
         self.grammars = GrammarCompiler(self.tokenizer.json_path, self.model_config.vocab_size,
                                         sorted(self.tokenizer.eos_token_ids))
         self.sampler = Sampler(config.seed, self.tokenizer.eos_token_ids, StructuredOutput(self.grammars))
         self.requests: dict[str, _Request] = {}
-        self.pending_outputs: list[RequestOutput] = []  # produced outside step(), handed out by it
         self.num_steps = 0  # batches run: a sign of life that callers elsewhere can watch
 
     # -- requests ------------------------------------------------------------------------
@@ -74,9 +81,17 @@ class LLMEngine:
         if bad:
             raise ValueError(f"token ids must be integers in [0, {vocab}); got {bad[:5]}")
 
-    def validate_token_ids(self, params: SamplingParams) -> None:
-        """logit_bias indexes the logits: its token ids must be in the vocabulary (a stop token id
-        outside it is harmless, it never comes). A grammar must compile for this tokenizer."""
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Refuse a request this engine cannot serve, naming what is wrong (ValueError; a
+        SamplingParamError names the field). Safe from any thread: it reads only what never changes
+        after start, and the grammar cache, which has its own lock. A grammar is compiled here (once
+        per distinct spec), so call it off an event loop."""
+        params.validate()
+        if params.max_tokens > self.max_model_len:
+            raise SamplingParamError("max_tokens", f"max_tokens must be at most max_model_len={self.max_model_len} "
+                                                   f"(the context holds prompt and output), got {params.max_tokens}")
+        # logit_bias indexes the logits: its token ids must be in the vocabulary (a stop token id
+        # outside it is harmless, it never comes).
         vocab = self.model_config.vocab_size
         bad = [t for t in params.logit_bias if t >= vocab]
         if bad:
@@ -84,6 +99,7 @@ class LLMEngine:
                                                    f"{bad[:5]}")
         if params.structured is not None:
             self.grammars.compile(params.structured)  # cached: add_request's matcher copies it
+        self.validate_prompt(token_ids)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     *, kv_export: KVExport | None = None, remote_prefill: bool = False) -> Sequence:
@@ -91,127 +107,77 @@ class LLMEngine:
 
         kv_export: where the prompt's KV goes, layer group by layer group, as each of its prompt steps
         computes it (a prefill node's job).
-        remote_prefill: reserve blocks and wait for `finish_remote_prefill` to bring the prompt's
-        KV and first token, instead of computing the prompt here (a decode node's job)."""
+        remote_prefill: the prompt's KV and first token come from a prefill node (`finish_remote_prefill`)
+        instead of being computed here (a decode node's job); blocks are reserved for it now if the
+        cap and free blocks allow (`remote_slot` says what it holds)."""
         params = params or SamplingParams()
-        params.validate()
-        self.validate_token_ids(params)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.tokenize(prompt)
-        self.validate_prompt(token_ids)
+        self.validate(token_ids, params)
         seq = Sequence(request_id, token_ids, params)
         seq.kv_export = kv_export
+        seq.remote = remote_prefill
         if params.structured is not None:
             self.sampler.structured.add(request_id, params.structured)
         text = TextState(self.tokenizer, token_ids, params.stop, params.skip_special_tokens,
                          params.include_stop_str_in_output)
         self.requests[request_id] = _Request(seq, text)
+        self.scheduler.add(seq)
         if remote_prefill:
-            self._reserved(self.scheduler.add_remote(seq))
-        else:
-            self.scheduler.add(seq)
+            self.scheduler.reserve()
+            if self.offload is not None:
+                self.offload.store_new()  # lazy: blocks it evicted are copied out before its KV lands in them
         return seq
 
-    def remote_cached_tokens(self, request_id: str) -> int:
-        """Leading prompt tokens of a remote request whose KV its reserved blocks hold or are being
-        loaded with (its prefix-cache hits in the device pool, then in the host tier); 0 until it
-        has blocks. Once add_request has returned this does not change
-        until the KV is loaded (the blocks are held), so it may be read from another thread."""
-        return self._remote_seq(request_id).num_cached_tokens
-
-    def remote_kv_views(self, request_id: str, start: int) -> list[torch.Tensor] | None:
-        """Views of the blocks reserved for a remote request's prompt tokens from `start` on (see
-        KVCache.views), for its KV to be received straight into them; None unless the request holds
-        its blocks and `start` is where its prefix-cache hits end. Safe from another thread (as
-        remote_cached_tokens). Whoever fills them must be done before the request is aborted."""
+    def remote_slot(self, request_id: str) -> RemoteSlot:
+        """What a remote request holds (its cached leading tokens and, if it has blocks, their views),
+        and the maker of its first token's output, which belongs to the caller from now on."""
         seq = self._remote_seq(request_id)
-        if request_id not in self.scheduler.waiting_for_kv or start != seq.num_cached_tokens:
-            return None
-        return self.kv_cache.views(seq.block_table, start, seq.num_prompt_tokens)
+        spec = seq.params.structured
+        first = FirstToken(seq, self.requests[request_id].text, None if spec is None else self.grammars.matcher(spec),
+                           self.tokenizer.eos_token_ids, self.max_model_len, self.model_config.vocab_size)
+        return self.remote.slot(seq, first)
 
-    def finish_remote_prefill(self, request_id: str, kv: torch.Tensor | None, first_token: int,
-                              first_logprob: TokenLogprob | None = None, kv_start: int = 0) -> None:
-        """Hand over the KV (of prompt tokens kv_start on) and first token of a remote-prefilled
-        request; it decodes from the next step. kv None: it is already in the blocks, received
-        through remote_kv_views(request_id, kv_start)."""
+    def finish_remote_prefill(self, request_id: str, kv: torch.Tensor | None, first: FirstToken,
+                              kv_start: int = 0) -> None:
+        """Hand over the KV (of prompt tokens kv_start on) and the first token of a remote request,
+        whose output `first` made already; kv None: the KV is in its blocks (received through
+        remote_slot's views). The request takes over `first`'s state; its KV is loaded by the next
+        step (RemotePrefills.poll), and it decodes from the one after. Raises ValueError for KV
+        that does not fit, before anything changes."""
         seq = self._remote_seq(request_id)
-        self._check_remote(seq, kv, first_token, kv_start)
-        seq.remote_prefill = RemotePrefill(kv, first_token, first_logprob, kv_start)
-        if seq.request_id in self.scheduler.waiting_for_kv and not self._loading_from_tiers(seq):
-            self._load_remote(seq)  # else the next step does, once its host-tier blocks are in
-
-    def remote_first_output(self, request_id: str, kv: torch.Tensor | None, first_token: int,
-                            first_logprob: TokenLogprob | None = None, kv_start: int = 0) -> RequestOutput:
-        """The output that finish_remote_prefill with these arguments will give for the first token,
-        computed now on copies, so that a caller on another thread can hand the token to the client
-        before this engine (perhaps mid-step) loads the KV (docs/ARCHITECTURE.md, "A request, end to
-        end"). Safe from another thread: until finish_remote_prefill, the engine touches a remote
-        request only to reserve its blocks, never its tokens or text."""
-        seq = self._remote_seq(request_id)
-        self._check_remote(seq, kv, first_token, kv_start)
-        self.sampler.structured.check(request_id, first_token)  # once sent, a token cannot fail the request
-        preview = copy.copy(seq)
-        preview.token_ids, preview.logprobs = list(seq.token_ids), list(seq.logprobs)
-        text = self.requests[request_id].text.copy()
-        self._advance(preview, text, first_token, first_logprob)
-        return self._output(preview, text, first_token)
-
-    def _check_remote(self, seq: Sequence, kv: torch.Tensor | None, first_token: int, kv_start: int) -> None:
-        mc = self.model_config
-        expected = (mc.num_hidden_layers, 2, seq.num_prompt_tokens - kv_start, mc.num_key_value_heads, mc.head_dim)
-        if kv is None and (seq.request_id not in self.scheduler.waiting_for_kv or kv_start != seq.num_cached_tokens):
-            raise ValueError(f"KV for {seq.request_id} is said to be in its blocks, but they were not reserved "
-                             f"with {kv_start} cached tokens")
-        if kv is not None and tuple(kv.shape) != expected:
-            raise ValueError(f"KV for {seq.request_id} has shape {tuple(kv.shape)}, expected {expected}")
-        if kv_start > seq.num_cached_tokens:
-            raise ValueError(f"KV for {seq.request_id} starts at token {kv_start}, but only {seq.num_cached_tokens} "
-                             "are in this engine's cache")
-        if not 0 <= first_token < mc.vocab_size:
-            raise ValueError(f"first token {first_token} of {seq.request_id} is outside the vocabulary")
+        if first.token is None or first.seq.request_id != request_id:
+            raise ValueError(f"the first token of {request_id} was not made by its FirstToken")
+        self.remote.receive(seq, RemotePrefill(kv, kv_start))
+        request = self.requests[request_id]
+        self.sampler.structured.accept(request_id, first.token)  # FirstToken checked it against a copy
+        seq.token_ids, seq.logprobs = first.seq.token_ids, first.seq.logprobs
+        seq.finish_reason, seq.stop_reason = first.seq.finish_reason, first.seq.stop_reason
+        request.text = first.text
+        if seq.finish_reason is not None:  # the first token ended it: its output said so
+            self.remote.load_now(seq)
+            self.scheduler.finish(seq)
+            self.sampler.release(request_id)
+            del self.requests[request_id]
 
     def keep_remote_blocks_aside(self, request_id: str) -> int:
-        """A peer may still write into the blocks reserved for this remote request's KV (a one-sided
-        receive cut off before its writes ended): hold them for good, so that no other request is
-        given them. Returns how many; call it before the request is aborted or recomputed."""
-        seq = self._remote_seq(request_id)
-        blocks = seq.block_table[seq.num_cached_tokens // self.block_manager.block_size:]
-        for block_id in blocks:
-            self.block_manager.hold(block_id)
-        logger.warning("%d KV blocks of %s are kept out of use for good: a peer may still write into them",
-                       len(blocks), request_id)
-        return len(blocks)
+        """A peer may still write into this remote request's reserved blocks: hold them for good
+        (RemotePrefills.keep_blocks_aside). Call it before the request is aborted or recomputed."""
+        return self.remote.keep_blocks_aside(self._remote_seq(request_id))
 
     def prefill_locally(self, request_id: str) -> None:
         """The remote prefill failed: compute this request's prompt here instead."""
         seq = self._remote_seq(request_id)
-        self.scheduler.finish(seq)  # gives the reserved blocks back; the prefix cache keeps what it can
-        seq.remote_prefill = None
-        self.scheduler.add(seq)
+        seq.remote, seq.remote_prefill = False, None
+        if seq.status == SequenceStatus.WAITING_FOR_KV:
+            self.scheduler.requeue(seq)  # gives the reserved blocks back; the prefix cache keeps what it can
 
     def _remote_seq(self, request_id: str) -> Sequence:
         request = self.requests.get(request_id)
-        if request is None or request.seq.status != SequenceStatus.WAITING_FOR_KV:
+        if request is None or not request.seq.remote:
             raise KeyError(f"request {request_id!r} is not waiting for remote KV")
         return request.seq
-
-    def _load_remote(self, seq: Sequence) -> None:
-        remote = seq.remote_prefill
-        if remote.kv is not None:  # else it was received into the blocks
-            # Leading blocks hit in our own prefix cache already hold this KV.
-            start = seq.num_cached_tokens
-            self.kv_cache.scatter(seq.block_table, remote.kv[:, :, start - remote.kv_start:], start)
-            if remote.kv.is_cuda:  # received on another stream: not reused before this scatter has read it
-                remote.kv.record_stream(torch.cuda.current_stream(remote.kv.device))
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        self.block_manager.commit(seq)
-        seq.remote_prefill = None
-        self.scheduler.start_remote(seq)
-        try:  # a first token that breaks the grammar (a prefill node that did not apply it) fails the request
-            self.pending_outputs.append(self._append(seq, remote.first_token, remote.first_logprob))
-        except ValueError as e:
-            self.pending_outputs.append(self._fail(seq, str(e)))
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request and free its blocks; False if it is unknown or already finished."""
@@ -232,29 +198,20 @@ class LLMEngine:
         return bool(self.requests)
 
     def has_work(self) -> bool:
-        """Something for step() to do now (requests waiting for remote KV need no steps)."""
-        reserving = self.scheduler.reserving
-        return (self.scheduler.has_work() or bool(self.pending_outputs)
-                or (self.offload is not None and self.offload.busy)
-                or any(seq.remote_prefill is not None for seq in self.scheduler.waiting_for_kv.values())
-                or bool(reserving and self.block_manager.can_allocate(reserving[0])))
+        """Something for step() to do now (requests waiting for KV need no steps until it comes)."""
+        return (self.scheduler.has_work() or self.remote.has_loads()
+                or (self.offload is not None and self.offload.busy))
 
     # -- the loop ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return an output for every request that got a token."""
-        if self.offload is not None:
-            self.offload.poll()
-            self.offload.start_loads()
-        self._admit_remote()
-        if self.pending_outputs:  # first tokens that came with remote KV: out now, not after a batch
-            outputs, self.pending_outputs = self.pending_outputs, []
-            return outputs
+        """Take in arrived KV, run one batch; return an output for every request that got a token."""
+        outputs = self._poll_arrivals()  # failed loads
         batch = self.scheduler.schedule()
         if not batch:
             if self.offload is not None and self.offload.busy:
                 time.sleep(0.001)  # only copies or disk reads are under way: wait for them without spinning
-            return []
+            return outputs
         if self.offload is not None:
             self.offload.store_new()  # lazy: blocks the schedule evicted are copied out before the forward
         self.num_steps += 1
@@ -262,7 +219,8 @@ class LLMEngine:
             batch, logits, prompt_logprobs = self.runner.run(batch)
         except Exception as e:  # the step's requests fail; the next step runs as usual
             logger.exception("the model forward failed; failing the %d requests of this step", len(batch))
-            return [self._fail(item.seq, f"the model forward failed: {type(e).__name__}: {e}") for item in batch]
+            return outputs + [self._fail(item.seq, f"the model forward failed: {type(e).__name__}: {e}")
+                              for item in batch]
         for item in batch:
             if item.seq.request_id in prompt_logprobs:
                 add_prompt_logprobs(item.seq, *prompt_logprobs[item.seq.request_id])
@@ -270,7 +228,6 @@ class LLMEngine:
         if self.offload is not None:
             self.offload.store_new()  # eager: the blocks this step filled go to the host tier
         results = self.sampler(logits, sampled)
-        outputs = []
         for seq, result in zip(sampled, results):
             # A failure in one sequence's sampling or post-processing fails that request alone.
             try:
@@ -282,30 +239,13 @@ class LLMEngine:
                 outputs.append(self._fail(seq, f"sampling its next token failed: {type(e).__name__}: {e}"))
         return outputs
 
-    def _admit_remote(self) -> None:
-        """Reserve blocks for remote requests that waited for them; load KV that already came."""
-        self._reserved(self.scheduler.reserve())
-        for seq in list(self.scheduler.waiting_for_kv.values()):
-            if seq.remote_prefill is not None and not self._loading_from_tiers(seq):
-                try:
-                    self._load_remote(seq)
-                except Exception as e:  # noqa: BLE001  this request's KV alone: the others go on
-                    logger.exception("loading the received KV of %s failed", seq.request_id)
-                    self.pending_outputs.append(self._fail(seq, f"loading its KV failed: {e}"))
-
-    def _reserved(self, seqs: list[Sequence]) -> None:
-        """Remote sequences just got their blocks. Lazy offload: the blocks that evicted are copied
-        out now, before received KV (possibly straight into them, from another thread) overwrites
-        them. Then the host tier fills what it holds of their prefixes (remote_cached_tokens
-        counts it, so the prefill node does not send it)."""
-        if self.offload is None or not seqs:
-            return
-        self.offload.store_new()
-        for seq in seqs:
-            self.offload.load_host_hits(seq)
-
-    def _loading_from_tiers(self, seq: Sequence) -> bool:
-        return self.offload is not None and self.offload.is_loading(seq)
+    def _poll_arrivals(self) -> list[RequestOutput]:
+        """Let the KV sources take in what arrived; a load that failed fails its request alone."""
+        for arrival in self.scheduler.arrivals:
+            arrival.poll()
+        outputs = [self._fail(seq, f"loading its KV failed: {e}") for seq, e in self.remote.failed]
+        self.remote.failed = []
+        return outputs
 
     def _fail(self, seq: Sequence, error: str) -> RequestOutput:
         """End one request with an error: its blocks are freed, the others are untouched."""
@@ -331,47 +271,12 @@ class LLMEngine:
     def _append(self, seq: Sequence, token: int, logprob) -> RequestOutput:
         request = self.requests[seq.request_id]
         self.sampler.structured.accept(seq.request_id, token)
-        self._advance(seq, request.text, token, logprob)
+        advance(seq, request.text, token, logprob, self.tokenizer.eos_token_ids, self.max_model_len)
         if seq.finish_reason is not None:
             self.scheduler.finish(seq)
             self.sampler.release(seq.request_id)
             del self.requests[seq.request_id]
-        return self._output(seq, request.text, token)
-
-    def _advance(self, seq: Sequence, text: TextState, token: int, logprob: TokenLogprob | None) -> None:
-        """Add a token to a sequence and its text; set finish_reason if the request stops there."""
-        seq.append_token(token)
-        if logprob is not None:
-            seq.logprobs.append(logprob)
-        params = seq.params
-        may_stop = seq.num_output_tokens >= params.min_tokens  # sampling masked stop tokens before
-        stop_string = text.add(token, check_stop=may_stop)
-        if stop_string is not None:
-            seq.finish_reason, seq.stop_reason = "stop", stop_string
-        elif may_stop and not params.ignore_eos and token in self.tokenizer.eos_token_ids:
-            seq.finish_reason = "stop"
-        elif may_stop and token in params.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = "length"
-
-    def _output(self, seq: Sequence, text: TextState, token: int) -> RequestOutput:
-        finished = seq.finish_reason is not None
-        new_text = text.take_new_text(finished)
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=seq.output_token_ids,
-            text=text.text,
-            new_token_ids=[token],
-            new_text=new_text,
-            finished=finished,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            logprobs=list(seq.logprobs),
-            prompt_logprobs=seq.prompt_logprobs,
-            num_cached_tokens=seq.num_cached_tokens,
-        )
+        return make_output(seq, request.text, token)
 
 def add_prompt_logprobs(seq: Sequence, first: int, entries: list[TokenLogprob]) -> None:
     """Record a chunk's prompt logprobs, which start at prompt token `first`; a chunk computed again

@@ -3,7 +3,7 @@
 import copy
 from dataclasses import dataclass, field
 
-from disagg.engine.sequence import TokenLogprob
+from disagg.engine.sequence import Sequence, TokenLogprob
 from disagg.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -63,3 +63,42 @@ class TextState:
     @property
     def text(self) -> str:
         return self.detokenizer.text[:self.emitted]
+
+
+def advance(seq: Sequence, text: TextState, token: int, logprob: TokenLogprob | None, eos_token_ids: set[int],
+            max_model_len: int) -> None:
+    """Add a token to a sequence and its text; set finish_reason if the request stops there."""
+    seq.append_token(token)
+    if logprob is not None:
+        seq.logprobs.append(logprob)
+    params = seq.params
+    may_stop = seq.num_output_tokens >= params.min_tokens  # sampling masked stop tokens before
+    stop_string = text.add(token, check_stop=may_stop)
+    if stop_string is not None:
+        seq.finish_reason, seq.stop_reason = "stop", stop_string
+    elif may_stop and not params.ignore_eos and token in eos_token_ids:
+        seq.finish_reason = "stop"
+    elif may_stop and token in params.stop_token_ids:
+        seq.finish_reason, seq.stop_reason = "stop", token
+    elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
+        seq.finish_reason = "length"
+
+
+def make_output(seq: Sequence, text: TextState, token: int) -> RequestOutput:
+    """The output for the token just added by `advance`."""
+    finished = seq.finish_reason is not None
+    new_text = text.take_new_text(finished)
+    return RequestOutput(
+        request_id=seq.request_id,
+        prompt_token_ids=seq.prompt_token_ids,
+        token_ids=seq.output_token_ids,
+        text=text.text,
+        new_token_ids=[token],
+        new_text=new_text,
+        finished=finished,
+        finish_reason=seq.finish_reason,
+        stop_reason=seq.stop_reason,
+        logprobs=list(seq.logprobs),
+        prompt_logprobs=seq.prompt_logprobs,
+        num_cached_tokens=seq.num_cached_tokens,
+    )

@@ -1,16 +1,21 @@
 """Scheduler: continuous batching of prompt chunks and decodes under a token budget.
 
 Every step is one batch. Running sequences go first (a decode is one token, a long prompt
-continues with its next chunk), then waiting ones are admitted while blocks, the sequence
-cap and the token budget allow. When a running sequence needs a block and none is free,
-the newest running sequence is preempted: its blocks are freed and it goes back to the
-head of the queue, to be recomputed from its tokens later.
+continues with its next chunk), then waiting ones, in arrival order, while the sequence cap,
+blocks and the token budget allow. A waiting sequence that gets its blocks asks each KV source
+(`KVArrival`: the KV tiers, remote prefill) for what it holds of its KV; if any of it is still on
+its way, the sequence stays in the queue as WAITING_FOR_KV, holding its blocks, until it has
+arrived, and then runs. max_num_seqs caps every sequence that holds blocks, running or waiting for
+its KV, so a batch never has more. When a running sequence needs a block and none is free, the
+newest running sequence is preempted: its blocks are freed and it goes back to the head of the
+queue, to be recomputed from its tokens later.
 """
 
 from collections import deque
 from dataclasses import dataclass
 
 from disagg.engine.block_manager import BlockManager
+from disagg.engine.kv_arrival import KVArrival
 from disagg.engine.sequence import Sequence, SequenceStatus
 
 
@@ -25,55 +30,59 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: deque[Sequence] = deque()  # WAITING, or WAITING_FOR_KV (holding blocks)
         self.running: list[Sequence] = []
-        # Sequences whose KV is computed elsewhere: first they wait for blocks, then for the KV.
-        self.reserving: deque[Sequence] = deque()
-        self.waiting_for_kv: dict[str, Sequence] = {}
-        # Sequences with blocks whose prefix is being loaded from a lower KV tier (KVOffload).
-        self.loading: dict[str, Sequence] = {}
+        self.arrivals: list[KVArrival] = []  # in the order their KV lies in a prompt: tiers, then remote
         self.num_preemptions = 0
+
+    @property
+    def num_holding(self) -> int:
+        """Sequences that hold blocks: running, or waiting for their KV. Capped by max_num_seqs."""
+        return len(self.running) + sum(1 for seq in self.waiting if seq.status == SequenceStatus.WAITING_FOR_KV)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def add_remote(self, seq: Sequence) -> list[Sequence]:
-        """Queue a remote sequence for blocks; the sequences that got blocks now (see reserve)."""
-        seq.status = SequenceStatus.WAITING_FOR_KV
-        self.reserving.append(seq)
-        return self.reserve()
-
-    def reserve(self) -> list[Sequence]:
-        """Give blocks to remote sequences, in arrival order, while blocks are free; those that got them."""
-        reserved = []
-        while self.reserving and self.block_manager.can_allocate(self.reserving[0]):
-            seq = self.reserving.popleft()
-            self.block_manager.allocate(seq)
-            self.waiting_for_kv[seq.request_id] = seq
-            reserved.append(seq)
-        return reserved
-
-    def start_remote(self, seq: Sequence) -> None:
-        """Its KV has been loaded into its blocks: decode it from now on."""
-        del self.waiting_for_kv[seq.request_id]
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
-
-    def start_loading(self, seq: Sequence) -> None:
-        """Give a waiting sequence its blocks now: a lower KV tier fills its prefix, then it runs."""
-        self.waiting.remove(seq)
+    def admit(self, seq: Sequence) -> bool:
+        """Give a waiting sequence its blocks if the cap and the free blocks allow, and start the KV
+        sources on it; it runs now if none of its KV is on its way, else waits for it. False: it
+        must wait for blocks or a place."""
+        if (self.num_holding >= self.max_num_seqs or any(a.blocked(seq) for a in self.arrivals)
+                or not self.block_manager.can_allocate(seq)):
+            return False
         self.block_manager.allocate(seq)
-        self.loading[seq.request_id] = seq
+        for arrival in self.arrivals:
+            arrival.start(seq)
+        seq.status = SequenceStatus.WAITING_FOR_KV if self.kv_pending(seq) else SequenceStatus.RUNNING
+        return True
 
-    def finish_loading(self, seq: Sequence) -> None:
-        """Its prefix is loaded: it computes the rest from the next step, as a running sequence."""
-        del self.loading[seq.request_id]
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+    def kv_pending(self, seq: Sequence) -> bool:
+        return any(arrival.pending(seq) for arrival in self.arrivals)
+
+    def reserve(self) -> None:
+        """Between steps: give blocks, in arrival order, to the waiting sequences whose KV comes from
+        elsewhere (remote prefill), so that it lands in them as it comes. Stops at the first that must
+        wait, or that computes its prompt (the next schedule admits that one): nobody is overtaken."""
+        for seq in self.waiting:
+            if seq.status == SequenceStatus.WAITING and not (seq.remote and self.admit(seq)):
+                return
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """A step would run something: a running sequence, one whose KV has arrived, or the first
+        waiting one, if it can get its blocks (else the loop would spin until blocks are freed)."""
+        if self.running:
+            return True
+        first = True
+        for seq in self.waiting:
+            if seq.status == SequenceStatus.WAITING_FOR_KV:
+                if not self.kv_pending(seq):
+                    return True
+            elif first:
+                first = False
+                if self.num_holding < self.max_num_seqs and self.block_manager.can_allocate(seq):
+                    return True
+        return False
 
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
@@ -96,19 +105,27 @@ class Scheduler:
                 i += 1
         # Admitting new work right after a preemption would only evict it again.
         i = 0
-        while (i < len(self.waiting) and not preempted and budget > 0
-               and len(self.running) + len(self.loading) < self.max_num_seqs):
+        while i < len(self.waiting) and not preempted and budget > 0:
             seq = self.waiting[i]
-            if seq.tier_blocked:  # its prefix is being loaded for another request: the others go on
-                i += 1
+            if seq.status == SequenceStatus.WAITING_FOR_KV and self.kv_pending(seq):
+                i += 1  # the others go on meanwhile
                 continue
-            if not self.block_manager.can_allocate(seq):
-                break
+            if seq.status == SequenceStatus.WAITING:
+                if not self.admit(seq):
+                    if self.num_holding >= self.max_num_seqs or not any(a.blocked(seq) for a in self.arrivals):
+                        break  # no place or no blocks: the ones behind it do not overtake it
+                    i += 1
+                    continue
+                if seq.status == SequenceStatus.WAITING_FOR_KV:
+                    i += 1
+                    continue
             del self.waiting[i]
-            self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.block_manager.can_append(seq, n):  # a remote first token's slot: the next step preempts
+                break
+            self.block_manager.append_slots(seq, n)
             batch.append(ScheduledSeq(seq, n))
             budget -= n
         return batch
@@ -128,9 +145,15 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
-        seq.tier_looked_up = False  # its blocks may be in a lower KV tier by now
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def requeue(self, seq: Sequence) -> None:
+        """A sequence waiting for its KV is to compute its prompt instead: its blocks go back (the
+        prefix cache keeps what it can) and it waits for new ones where it stood in the queue."""
+        self.block_manager.free(seq)
+        seq.num_cached_tokens = 0
+        seq.status = SequenceStatus.WAITING
 
     def finish(self, seq: Sequence) -> None:
         """Drop a sequence wherever it is and free its blocks."""
@@ -138,9 +161,5 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        elif seq in self.reserving:
-            self.reserving.remove(seq)
-        self.waiting_for_kv.pop(seq.request_id, None)
-        self.loading.pop(seq.request_id, None)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED

@@ -11,8 +11,8 @@ from disagg.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = "waiting"  # queued for (re)computation of its prompt
-    WAITING_FOR_KV = "waiting_for_kv"  # blocks reserved; its KV comes from a prefill node
+    WAITING = "waiting"  # queued for blocks, to compute its prompt or receive its KV
+    WAITING_FOR_KV = "waiting_for_kv"  # holds its blocks; some of its KV is on its way (a KVArrival)
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -27,8 +27,6 @@ class TokenLogprob:
 @dataclass
 class RemotePrefill:
     kv: torch.Tensor | None  # [layers, 2, prompt tokens from kv_start on, kv heads, head dim]; None: in the blocks
-    first_token: int
-    first_logprob: TokenLogprob | None
     kv_start: int = 0  # the prompt tokens before it were in this engine's prefix cache: not sent
 
 
@@ -68,11 +66,8 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.arrival_time = time.monotonic()
         self.kv_export: KVExport | None = None  # prefill node: where its prompt's KV goes
-        self.remote_prefill: RemotePrefill | None = None  # decode node: KV and first token from a prefill node
-        # KV tiers: its prefix goes on in blocks another request is loading from a lower tier; it is
-        # not scheduled before they arrive (it would compute them again).
-        self.tier_blocked = False
-        self.tier_looked_up = False  # since it last started waiting (a preemption looks it up again)
+        self.remote = False  # decode node: its prompt's KV and first token come from a prefill node
+        self.remote_prefill: RemotePrefill | None = None  # ... the KV has come, not loaded yet
         self.block_keys: list[tuple[int, tuple[int, ...]]] = []  # BlockManager.block_keys, kept as they are made
 
     @property

@@ -73,6 +73,7 @@ class PrefillNode:
         self.layerwise = layerwise  # else a prompt's KV goes as one message once all layers have run
         self.copy_stream: torch.cuda.Stream | None = None  # KV to host memory, off the engine's stream
         self.callers: dict[str, tuple[str, int]] = {}  # request id -> the kv_dest of the call computing it
+        self.senders: dict[str, LayerSender] = {}  # request id -> where its KV goes, as it is computed
         # Pipe endpoints decode nodes registered at their Info handshake: the only places KV goes,
         # so a caller cannot make this node connect anywhere it likes.
         self.destinations: OrderedDict[tuple[str, int], None] = OrderedDict()
@@ -82,12 +83,13 @@ class PrefillNode:
         # Only the first token is sampled here; stop rules and lengths are the decode node's.
         params = dataclasses.replace(call.params, max_tokens=1, min_tokens=min(call.params.min_tokens, 1), stop=[])
         if params.structured is not None:  # compiled here, off the engine thread, which then finds it cached
-            await asyncio.to_thread(self.engine.engine.grammars.compile, params.structured)
+            await self.engine.compile_grammar(params.structured)
         export, sender, nbytes = await self._open_entry(call)
         opened = time.perf_counter()
         metrics.KV_BUFFER_INSERT.observe(opened - start)
         final = None
         self.callers[call.request_id] = call.kv_dest
+        self.senders[call.request_id] = sender
         try:
             async for out in self.engine.generate(call.request_id, call.prompt_token_ids, params, kv_export=export):
                 final = out
@@ -98,6 +100,7 @@ class PrefillNode:
             raise
         finally:
             self.callers.pop(call.request_id, None)
+            self.senders.pop(call.request_id, None)
         seconds = time.perf_counter() - start
         metrics.PREFILL_COMPUTE.observe(time.perf_counter() - opened)
         logger.info("prefill %s: %d prompt tokens (%d cached), %.1f KiB KV to %s:%d in %.3fs",
@@ -115,9 +118,9 @@ class PrefillNode:
     async def _open_entry(self, call: PrefillCall) -> tuple[KVExport, LayerSender, int]:
         """The producer's entry for the prompt's KV from call.skip_tokens on (the decode node holds
         the rest), its room reserved before the prefill runs, and the export that fills it."""
-        engine = self.engine.engine
+        engine = self.engine
         num_layers = engine.model_config.num_hidden_layers
-        per_layer = engine.kv_cache.kv[0, :, 0].nbytes  # one token's K and V in one layer
+        per_layer = engine.kv_bytes_per_token_layer
         tokens = len(call.prompt_token_ids) - call.skip_tokens
         nbytes = num_layers * per_layer * tokens
         layers = layer_groups(num_layers) if self.layerwise else [(0, num_layers)]
@@ -151,11 +154,10 @@ class PrefillNode:
         return dest in self.destinations
 
     def progress(self, request_id: str) -> PrefillProgress:
-        """Read from the event loop while the engine thread runs: a snapshot for a heartbeat,
-        not a synchronized view (both numbers only grow)."""
-        engine = self.engine.engine
-        request = engine.requests.get(request_id)
-        return PrefillProgress(engine.num_steps, request.seq.num_computed_tokens if request else 0)
+        """A heartbeat: the engine's steps and the prompt tokens whose KV was handed out (each
+        chunk's once its last layer has run; both only grow)."""
+        sender = self.senders.get(request_id)
+        return PrefillProgress(self.engine.stats.num_steps, sender.tokens_put if sender else 0)
 
     async def abort(self, request_id: str, caller: tuple[str, int]) -> bool:
         """Drop a request, only for the decode node (by its pipe endpoint) that asked for it."""

@@ -28,9 +28,7 @@ def build_health_app(node: PrefillNode) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
-        bm = node.engine.engine.block_manager
-        metrics.KV_BLOCKS_TOTAL.set(bm.num_blocks)
-        metrics.KV_BLOCKS_USED.set(bm.num_blocks - bm.num_free_blocks)
+        metrics.engine_gauges(node.engine.stats)
         stats = node.producer.stats()
         metrics.BUFFER_ENTRIES.set(stats.entries)
         metrics.BUFFER_BYTES.set(stats.bytes)
@@ -47,6 +45,7 @@ async def run_prefill_node(engine: AsyncEngine, model_name: str, kv: KVTransferC
     node = PrefillNode(engine, producer, node_info(engine, model_name, kv), kv.kv_buffer_device,
                        kv.extra("layerwise"))
     grpc_server = await start_grpc_server(node, host, grpc_port, kv.grpc_token())
+    metrics.register_engine(engine)
     metrics.register_kv_tiers(engine.engine)
     try:
         await serve_http(build_health_app(node), host, port,

@@ -2,13 +2,13 @@
 (docs/ARCHITECTURE.md, "Engine (as built)").
 
 Stores: a full block is copied device -> host when it is cached (`eager`) or when the device pool
-evicts it (`lazy`); a host block is then written to disk in the background. Loads: a waiting
-request's prefix is looked up device -> host -> disk, stopping at the first miss; a request with
-lower-tier hits gets its blocks at once (Scheduler.start_loading) and the hits are copied into
-them (disk -> host first, a promotion to the host tier), a few blocks first and then in larger
-copies, each looked up while the ones before it run; the leading blocks that have arrived count as
-computed and join the prefix cache at each poll, and when all have, the request runs
-(Scheduler.finish_loading). Every other request keeps running meanwhile. On CUDA the copies run on
+evicts it (`lazy`); a host block is then written to disk in the background. Loads (as a KVArrival):
+when the scheduler gives a waiting request its blocks (`start`), its prefix after the device hits
+is looked up host -> disk, stopping at the first miss, and the hits are copied into its blocks
+(disk -> host first, a promotion to the host tier), a few blocks first and then in larger copies,
+each looked up while the ones before it run; the leading blocks that have arrived count as computed
+and join the prefix cache at each poll, and when all have, the request is no longer `pending` and
+runs. Every other request keeps running meanwhile. On CUDA the copies run on
 their own stream and are polled through events, so neither stores nor loads wait inside a step; on
 the CPU a copy is a plain synchronous copy.
 """
@@ -21,13 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from disagg.engine.block_manager import BlockKey
+from disagg.engine.block_manager import BlockKey, BlockManager
 from disagg.engine.config import EngineConfig
+from disagg.engine.kv_arrival import KVArrival
 from disagg.engine.kv_tiers.disk import DiskResult, DiskTier
 from disagg.engine.kv_tiers.host import HostBlock, HostTier
 from disagg.engine.kv_cache import KVCache
-from disagg.engine.scheduler import Scheduler
-from disagg.engine.sequence import Sequence
+from disagg.engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -173,12 +173,11 @@ class PrefixLoad:
     arrived: int = 0  # leading items on the device, let go of by the load (and committed, if not remote)
 
 
-class KVOffload:
-    def __init__(self, config: EngineConfig, kv_cache: KVCache, scheduler: Scheduler, identity: bytes):
+class KVOffload(KVArrival):
+    def __init__(self, config: EngineConfig, kv_cache: KVCache, block_manager: BlockManager, identity: bytes):
         check_kv_tiers(config)
         self.kv_cache = kv_cache
-        self.scheduler = scheduler
-        self.block_manager = block_manager = scheduler.block_manager
+        self.block_manager = block_manager
         self.mode = config.kv_offloading_mode
         cuda = kv_cache.kv.device.type == "cuda"
         self.stream = torch.cuda.Stream(kv_cache.kv.device) if cuda else None
@@ -202,7 +201,6 @@ class KVOffload:
         self.loads: list[PrefixLoad] = []
         self.load_copies: list[LoadCopy] = []
         self.loading: dict[int, PrefixLoad] = {}  # hash -> the load bringing it to the device
-        self.blocked: list[Sequence] = []  # waiting for blocks another request's load brings
         self.max_pending_writes = max(1, num_host // 2)  # host blocks pinned by disk writes at most
         self.unwritten: deque[int] = deque()  # host blocks to write to disk once writes are fewer
         logger.info("KV tiers: host %d blocks (%.1f MiB%s), %s offload%s", num_host, num_host * block_bytes / 2**20,
@@ -294,39 +292,31 @@ class KVOffload:
 
     # -- loads: disk -> host -> device ----------------------------------------------------
 
-    def start_loads(self) -> None:
-        """Look up, in the lower tiers, the prefixes of the waiting requests that the scheduler could
-        admit next (in queue order, while their blocks fit the free ones and max_num_seqs allows),
-        and give those with hits their blocks now, the hits loading into them."""
-        bm, scheduler = self.block_manager, self.scheduler
-        self.store_new()  # lazy: blocks evicted since the last step are in the host tier before any lookup
-        for seq in self.blocked:
-            seq.tier_blocked = False
-        self.blocked.clear()
-        room = bm.num_free_blocks
-        slots = scheduler.max_num_seqs - len(scheduler.running) - len(scheduler.loading)
-        i = 0
-        while i < len(scheduler.waiting) and slots > 0:
-            seq = scheduler.waiting[i]
-            hits = bm.prefix_hits(seq)
-            misses = bm.block_keys(seq, len(hits) + FIRST_LOAD_BLOCKS)[len(hits):]  # the first ones
-            if misses and misses[0][0] in self.loading:  # it will hit those blocks once they arrive
-                seq.tier_blocked = True
-                self.blocked.append(seq)
-                i += 1
-                continue
-            # As can_allocate counts: cached blocks nobody holds are free blocks it will take.
-            needed = bm.blocks_for(seq.num_tokens) - sum(1 for b in hits if bm.blocks[b].ref_count > 0)
-            if needed > room:
-                return
-            room, slots = room - needed, slots - 1
-            items = [] if seq.tier_looked_up else self._find_below(misses, FIRST_LOAD_BLOCKS)
-            seq.tier_looked_up = True  # once a wait: a lookup is counted in the tier's hit rate
-            if items:
-                scheduler.start_loading(seq)  # out of the waiting queue
-                self._start_load(seq, len(hits), items)
-            else:
-                i += 1  # the scheduler admits it as usual
+    def blocked(self, seq: Sequence) -> bool:
+        """Its prefix goes on in blocks another request is loading: it waits for them (it would
+        compute them again), and hits them in the device cache once they arrive."""
+        hits = len(self.block_manager.prefix_hits(seq))
+        misses = self.block_manager.block_keys(seq, hits + 1)[hits:]
+        return bool(misses) and misses[0][0] in self.loading
+
+    def start(self, seq: Sequence) -> None:
+        """The sequence just got its blocks: copy the leading ones the device pool missed but the
+        tiers hold into them. A remote sequence's count as cached at once, so the prefill node
+        does not send that KV, and come from the host tier only: a disk read that failed after the
+        prefill node was told to skip those tokens would leave a hole. A local sequence's count as
+        computed as they arrive."""
+        self.store_new()  # lazy: blocks its allocation evicted are copied out before anything overwrites them
+        bs = self.block_manager.block_size
+        first = seq.num_cached_tokens // bs
+        keys = self.block_manager.block_keys(seq, first + FIRST_LOAD_BLOCKS)[first:]
+        items = self._find_below(keys, FIRST_LOAD_BLOCKS, disk=not seq.remote)
+        if items:
+            loading = self._start_load(seq, first, items, remote=seq.remote)
+            if seq.remote:
+                seq.num_cached_tokens += loading * bs
+
+    def pending(self, seq: Sequence) -> bool:
+        return any(load.seq is seq for load in self.loads)
 
     def _find_below(self, keys: list[BlockKey], limit: int, disk: bool = True) -> list[LoadItem]:
         """Up to `limit` leading keys found in the host tier (pinned) or, with `disk`, on disk (each
@@ -352,20 +342,6 @@ class KVOffload:
             self.disk.stats.hits += 1
             items.append(LoadItem((h, tokens), host, "reading"))
         return items
-
-    def load_host_hits(self, seq: Sequence) -> None:
-        """A remote sequence just got its blocks: the leading ones the device pool missed but the
-        host tier holds are copied into them and count as cached, so the prefill node does not send
-        that KV; its KV is loaded once they are in (is_loading). Not the disk tier: a read that
-        failed after the prefill node was told to skip those tokens would leave a hole."""
-        first = seq.num_cached_tokens // self.block_manager.block_size
-        keys = self.block_manager.block_keys(seq, first + FIRST_LOAD_BLOCKS)[first:]
-        items = self._find_below(keys, FIRST_LOAD_BLOCKS, disk=False)
-        if items:
-            seq.num_cached_tokens += self._start_load(seq, first, items, remote=True) * self.block_manager.block_size
-
-    def is_loading(self, seq: Sequence) -> bool:
-        return any(load.seq is seq for load in self.loads)
 
     def _start_load(self, seq: Sequence, first: int, items: list[LoadItem], remote: bool = False) -> int:
         """Load `items` (found for the sequence's blocks from block `first` on) and then the next
@@ -441,19 +417,17 @@ class KVOffload:
 
     def _waiting_for(self, load: PrefixLoad) -> bool:
         """The load's sequence waits for it: not remote (counted when reserved), not aborted."""
-        return not load.remote and self.scheduler.loading.get(load.seq.request_id) is load.seq
+        return not load.remote and load.seq.status == SequenceStatus.WAITING_FOR_KV
 
     def _finish_load(self, load: PrefixLoad) -> None:
         """Every block arrived or failed: the ones after the leading arrived ones are let go of (the
-        sequence computes them), and the sequence runs."""
+        sequence computes them); it is no longer pending, so it runs."""
         for item in load.items[load.arrived:]:
             self.block_manager.release(item.device_block)
             if item.state == "done":
                 self.host.unpin(item.host)
         for item in load.items:
             del self.loading[item.key[0]]
-        if self._waiting_for(load):
-            self.scheduler.finish_loading(load.seq)
 
     # -- polling ------------------------------------------------------------------------
 
