@@ -63,6 +63,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="directory with tokenizer.json (and tokenizer_config.json) to use instead of the model's")
     parser.add_argument("--chat-template", default=None,
                         help="chat template to use instead of the tokenizer's: a file, or the jinja template itself")
+    parser.add_argument("--grammar-cache-mb", type=float, default=256,
+                        help="MiB of memory for compiled structured-output grammars (least recently used out first)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="accepted for vLLM's command lines and ignored: disagg runs no code from the model directory")
 
@@ -86,7 +88,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_offloading_size=args.kv_offloading_size, kv_offloading_backend=args.kv_offloading_backend,
                 kv_offloading_mode=args.kv_offloading_mode, kv_disk_path=args.kv_disk_path,
                 kv_disk_size=args.kv_disk_size, tokenizer=args.tokenizer,
-                chat_template=args.chat_template)
+                chat_template=args.chat_template, grammar_cache_bytes=int(args.grammar_cache_mb * 2**20))
 
 
 def generate(args: argparse.Namespace) -> None:
@@ -139,6 +141,8 @@ def check_engine_args(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    if args.grammar_cache_mb <= 0:
+        raise ValueError(f"--grammar-cache-mb must be > 0, got {args.grammar_cache_mb}")
     try:
         check_kv_tiers(EngineConfig(**engine_kwargs(args)))
     except ValueError as e:  # named as the flags are

@@ -49,7 +49,7 @@ class LLMEngine:
                                    tuple(self.kv_cache.block(0).shape))
             self.offload = KVOffload(config, self.kv_cache, self.scheduler, identity)
         self.grammars = GrammarCompiler(self.tokenizer.json_path, self.model_config.vocab_size,
-                                        sorted(self.tokenizer.eos_token_ids))
+                                        sorted(self.tokenizer.eos_token_ids), config.grammar_cache_bytes)
         self.sampler = Sampler(config.seed, self.tokenizer.eos_token_ids, StructuredOutput(self.grammars))
         self.requests: dict[str, _Request] = {}
         self.pending_outputs: list[RequestOutput] = []  # produced outside step(), handed out by it
