@@ -29,13 +29,13 @@ from disagg.engine.sequence import Sequence
 # llguidance's own limits bound that work; tightened here where its defaults let one grammar cost
 # hundreds of MB (every grammar we and vLLM's tests use needs far less: JSON schemas of 60 fields,
 # tool schemas, dates, e-mails all build their lexer in under 10,000 fuel).
-GRAMMAR_LIMITS = dict(
-    initial_lexer_fuel=200_000,  # the lexer's build at the first mask: <= ~0.15 s, ~40 MB (default 1M: 0.75 s, 180 MB)
-    step_lexer_fuel=200_000,  # each later mask (llguidance's default)
-    max_lexer_states=50_000,  # 1-2 kB each: <= ~100 MB of DFA (default 250,000)
-    max_grammar_size=200_000,  # symbols in the grammar (default 500,000)
-    verbose_errors=False,  # errors go to the client: no dump of the parser's state
-)
+GRAMMAR_LIMITS = {
+    "initial_lexer_fuel": 200_000,  # the lexer's build at the first mask: <= ~0.15 s, ~40 MB (default 1M: 0.75 s, 180 MB)
+    "step_lexer_fuel": 200_000,  # each later mask (llguidance's default)
+    "max_lexer_states": 50_000,  # 1-2 kB each: <= ~100 MB of DFA (default 250,000)
+    "max_grammar_size": 200_000,  # symbols in the grammar (default 500,000)
+    "verbose_errors": False,  # errors go to the client: no dump of the parser's state
+}
 DEFAULT_GRAMMAR_CACHE_BYTES = 256 * 2**20  # --grammar-cache-mb
 # An entry's smallest cost: its RSS growth reads 0 when it reused memory freed before.
 MIN_GRAMMAR_BYTES = 256 * 2**10
