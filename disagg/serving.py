@@ -110,8 +110,13 @@ def node_info(engine: AsyncEngine, model_name: str, kv: KVTransferConfig) -> Nod
                     kv_connector=kv.kv_connector, kv_ip=kv.kv_ip, kv_port=kv.kv_port)
 
 
+# What load balancers, probes and scrapers call without a key; every other path needs it when
+# --api-key is set (issue 24: /tokenize, unguarded, let anyone feed the node chat templates).
+OPEN_PATHS = frozenset({"/health", "/metrics", "/ping"})
+
+
 class APIKeyMiddleware:
-    """`Authorization: Bearer KEY` on /v1/*; /health, /metrics and /version stay open for probes.
+    """`Authorization: Bearer KEY` on every path but OPEN_PATHS.
 
     A plain ASGI middleware: Starlette's BaseHTTPMiddleware would wrap streamed responses and
     hide the client's disconnect from them. `error_response(status, message, code)` builds the
@@ -123,7 +128,7 @@ class APIKeyMiddleware:
         self.error_response = error_response
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 message = ("missing API key: send the header 'Authorization: Bearer <key>'" if not given
