@@ -3,9 +3,12 @@ pathological grammar is a 400 at compile, never a 500 mid-generation, and distin
 memory behind on either node."""
 
 import json
+import time
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from servers import Node
 
 from disagg.engine.sampling_params import SamplingParamError, StructuredOutputSpec
@@ -89,3 +92,34 @@ def test_pathological_grammars_on_1p1d_are_400_and_hold_no_memory(pair_1p1d):
     assert all(g < MAX_RSS_GROWTH for g in growth.values()), growth
     r = httpx.post(f"{decode.url}/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
+
+
+# --- fuzzed grammars: compiled or refused with a SamplingParamError, never anything else ----------
+
+ATOMS = st.sampled_from(["a", "b", "[a-z]", r"\d", ".", "(ab|ba)", "x?", r"\w"])
+
+
+def regexes() -> st.SearchStrategy[str]:
+    def grow(inner: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
+        count = st.integers(0, 2000)
+        return st.one_of(
+            st.tuples(inner, count).map(lambda t: f"({t[0]}){{{t[1]}}}"),
+            st.tuples(inner, count, count).map(lambda t: f"({t[0]}){{{min(t[1:])},{max(t[1:])}}}"),
+            st.tuples(inner, st.sampled_from("*+?")).map("".join),
+            st.lists(inner, min_size=2, max_size=4).map("".join),
+            st.lists(inner, min_size=2, max_size=4).map(lambda parts: "(" + "|".join(parts) + ")"))
+
+    return st.recursive(ATOMS, grow, max_leaves=6)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(regex=regexes())
+def test_fuzzed_regexes_compile_or_are_refused(compiler, regex):
+    start = time.monotonic()
+    try:
+        assert not compiler.compile(StructuredOutputSpec("regex", regex)).is_error()
+    except SamplingParamError as e:
+        assert e.param == "structured"
+    assert time.monotonic() - start < 5.0, regex
+    assert compiler.cached_bytes <= compiler.cache_bytes

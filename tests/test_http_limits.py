@@ -14,7 +14,12 @@ import time
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from servers import Node, free_port, start_node, wait_ready
+
+from disagg.api.app import MAX_PROBLEMS, APIError, parse_request
+from disagg.api.protocol import MAX_MESSAGES, ChatCompletionRequest
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -208,3 +213,38 @@ def test_router_closes_slow_connections_and_guards_its_paths(node, tmp_path):
         assert took is not None and took < TIMEOUTS["--timeout-request-headers"] + 2, took
     finally:
         router.kill()
+
+
+# --- fuzzed chat bodies, parsed as the node parses them: a model or a 400, never anything else ----
+
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                       max_size=4), max_leaves=12)
+MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"])},
+                                          optional={"content": st.one_of(st.text(max_size=8), st.none(), st.lists(
+                                              st.fixed_dictionaries({"type": st.just("text"), "text": st.text()}),
+                                              max_size=3), JSON_VALUES), "tool_calls": JSON_VALUES}),
+                    max_size=6)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(body=st.one_of(JSON_VALUES, st.fixed_dictionaries({"messages": MESSAGES}, optional={
+    "tools": JSON_VALUES, "tool_choice": JSON_VALUES, "n": JSON_VALUES, "response_format": JSON_VALUES})))
+def test_fuzzed_chat_bodies_parse_or_are_400(body):
+    try:
+        request = parse_request(ChatCompletionRequest, json.dumps(body).encode())
+    except APIError as e:
+        assert e.status == 400 and e.message
+        return
+    for message in request.messages:
+        message.to_template()
+
+
+def test_size_limits_are_counted_before_validation():
+    many = json.dumps({"messages": [{}] * (MAX_MESSAGES + 1)}).encode()
+    with pytest.raises(APIError) as raised:
+        parse_request(ChatCompletionRequest, many)
+    assert raised.value.param == "messages" and str(MAX_MESSAGES) in raised.value.message
+    with pytest.raises(APIError) as raised:  # a validation error per message: at most MAX_PROBLEMS named
+        parse_request(ChatCompletionRequest, json.dumps({"messages": [{}] * 100}).encode())
+    assert raised.value.message.endswith("more") and raised.value.message.count("messages.") == MAX_PROBLEMS
