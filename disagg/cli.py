@@ -23,6 +23,7 @@ from disagg.engine.loader import DEFAULT_MODEL_NAME, resolve_model
 from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.tokenizer import load_chat_template
 from disagg.help_format import HelpFormatter
+from disagg.http_limits import HTTPLimits, add_http_limit_args
 from disagg.router import DEFAULT_MAX_REQUEST_BODY_BYTES
 from disagg.serving import HTTPOptions
 
@@ -63,6 +64,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="directory with tokenizer.json (and tokenizer_config.json) to use instead of the model's")
     parser.add_argument("--chat-template", default=None,
                         help="chat template to use instead of the tokenizer's: a file, or the jinja template itself")
+    parser.add_argument("--grammar-cache-mb", type=float, default=256,
+                        help="MiB of memory for compiled structured-output grammars (least recently used out first)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="accepted for vLLM's command lines and ignored: disagg runs no code from the model directory")
 
@@ -86,7 +89,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_offloading_size=args.kv_offloading_size, kv_offloading_backend=args.kv_offloading_backend,
                 kv_offloading_mode=args.kv_offloading_mode, kv_disk_path=args.kv_disk_path,
                 kv_disk_size=args.kv_disk_size, tokenizer=args.tokenizer,
-                chat_template=args.chat_template)
+                chat_template=args.chat_template, grammar_cache_bytes=int(args.grammar_cache_mb * 2**20))
 
 
 def generate(args: argparse.Namespace) -> None:
@@ -139,6 +142,8 @@ def check_engine_args(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    if args.grammar_cache_mb <= 0:
+        raise ValueError(f"--grammar-cache-mb must be > 0, got {args.grammar_cache_mb}")
     try:
         check_kv_tiers(EngineConfig(**engine_kwargs(args)))
     except ValueError as e:  # named as the flags are
@@ -168,6 +173,7 @@ def check_serve_args(args: argparse.Namespace, kv: KVTransferConfig) -> list[str
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
     if args.max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be at least 1, got {args.max_request_body_bytes}")
+    HTTPLimits.from_args(args)  # its ValueError names the flag
     prefill_nodes = [a.strip() for a in (args.prefill_nodes or "").split(",") if a.strip()]
     if kv.kv_role == "consumer" and not prefill_nodes:
         raise ValueError("a consumer (decode node) needs --prefill-nodes HOST:GRPC_PORT[,...]")
@@ -223,17 +229,18 @@ def serve(args: argparse.Namespace) -> None:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     engine = AsyncEngine(LLMEngine(EngineConfig(**engine_kwargs(args))))
     name = served_model_name(args)
+    limits = HTTPLimits.from_args(args)
     if kv.kv_role == "producer":
         from disagg.prefill_node.server import run_prefill_node
 
-        asyncio.run(run_prefill_node(engine, name, kv, args.host, args.port, args.grpc_port, args.log_level))
+        asyncio.run(run_prefill_node(engine, name, kv, args.host, args.port, args.grpc_port, args.log_level, limits))
     else:
         from disagg.decode_node.server import run_decode_node
 
         http = HTTPOptions(args.api_key, args.max_request_body_bytes, args.enable_docs)
         tools = ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser)
         asyncio.run(run_decode_node(engine, name, kv, prefill_nodes, args.host, args.port, http, tools,
-                                    args.log_requests, args.shutdown_timeout, args.log_level))
+                                    args.log_requests, args.shutdown_timeout, args.log_level, limits))
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -252,11 +259,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-nodes", default=None, help="decode node: HOST:GRPC_PORT[,HOST:GRPC_PORT...] of its prefill nodes")
     parser.add_argument("--served-model-name", default=None, help="model name in the API (default: the model's)")
     parser.add_argument("--api-key", default=None,
-                        help=f"require 'Authorization: Bearer KEY' on the OpenAI API (default: ${API_KEY_ENV})")
+                        help=f"require 'Authorization: Bearer KEY' on every path but /health, /metrics and /ping "
+                             f"(default: ${API_KEY_ENV})")
     parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         help="decode/colocated node: larger request bodies are refused with 413")
     parser.add_argument("--enable-docs", action="store_true",
                         help="serve /docs and /openapi.json (off: they map the API for anyone who reaches the port)")
+    add_http_limit_args(parser)
     parser.add_argument("--insecure", action="store_true",
                         help="allow node-to-node ports beyond loopback with no auth_token (a trusted network only)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",

@@ -1,21 +1,28 @@
 """Running a node: its HTTP server (and gRPC server) in one event loop, one ready line, clean shutdown,
 and the ASGI middlewares its API and the router's share."""
 
+import asyncio
 import importlib.metadata
 import logging
+import resource
 import secrets
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import h11
 import uvicorn
 from fastapi import FastAPI
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from disagg.config import KVTransferConfig
 from disagg.control_plane import NodeInfo
 from disagg.engine.async_engine import AsyncEngine
+from disagg.http_limits import HTTPLimits
+from disagg.pipes.base import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +41,19 @@ def openai_error_response(status: int, message: str, param: str | None = None,
 
 
 async def serve_http(app: FastAPI, host: str, port: int, ready_line: str, log_level: str,
-                     shutdown_timeout: float = 5.0) -> None:
+                     shutdown_timeout: float = 5.0, limits: HTTPLimits | None = None) -> None:
     """Serve until SIGINT/SIGTERM; print `ready_line` once the socket listens. On the signal the
     socket closes (new connections are refused) and requests in flight get `shutdown_timeout`
-    seconds to finish before they are cancelled."""
-    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
-                                    access_log=False, timeout_graceful_shutdown=shutdown_timeout), ready_line)
+    seconds to finish before they are cancelled. Connections are bounded by `limits`
+    (BoundedH11Protocol)."""
+    limits = limits or HTTPLimits()
+    cap, backlog = connection_bounds(limits)
+    protocol = type("BoundedH11Protocol", (BoundedH11Protocol,), {"pool": ConnectionPool(cap, limits)})
+    asyncio.get_running_loop().set_exception_handler(rate_limited_accept_errors)
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
+                                    timeout_graceful_shutdown=shutdown_timeout, http=protocol,
+                                    backlog=backlog, timeout_keep_alive=limits.timeout_keep_alive),
+                     ready_line)
     try:
         await server.serve()
     except SystemExit:  # it could not start (a port in use, say); uvicorn has logged why
@@ -58,6 +72,141 @@ class _Server(uvicorn.Server):
         await super().startup(sockets)
         if self.started:
             print(self.ready_line, flush=True)
+
+
+# Descriptors left for what is not an HTTP connection: KV pipes, gRPC, model and log files.
+FD_RESERVE = 256
+MAX_OPEN_FILES = 65536  # the soft limit is raised to this, within the hard one (vLLM does the same)
+
+
+def connection_bounds(limits: HTTPLimits) -> tuple[int, int]:
+    """(connections, backlog): --limit-concurrency and --backlog, lowered so that HTTP
+    connections never use up the open-file limit (raised first, as far as the hard limit allows):
+    past it, accept() fails for every socket of the process, /health included. asyncio accepts up
+    to `backlog` connections at once before any of them is handled (and the ones over the cap
+    closed), so those count too."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = MAX_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, MAX_OPEN_FILES)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        soft = wanted
+    if soft == resource.RLIM_INFINITY:
+        return limits.limit_concurrency, limits.backlog
+    room = max(2, soft - FD_RESERVE)
+    backlog = min(limits.backlog, max(1, room // 4))
+    cap = min(limits.limit_concurrency, room - backlog)
+    if (cap, backlog) != (limits.limit_concurrency, limits.backlog):
+        logger.warning("the open-file limit (%d) leaves room for %d HTTP connections and a backlog of %d "
+                       "(--limit-concurrency %d, --backlog %d); raise it with ulimit -n", soft, cap, backlog,
+                       limits.limit_concurrency, limits.backlog)
+    return cap, backlog
+
+
+class ConnectionPool:
+    """One server's connections that have no request in progress, the longest idle first, and
+    the log lines about connections it closed (at most one per reason every 10 s)."""
+
+    def __init__(self, cap: int, limits: HTTPLimits):
+        self.cap = cap
+        self.limits = limits
+        self.idle: OrderedDict[BoundedH11Protocol, None] = OrderedDict()
+        self.log = RateLimitedLog(logger)
+
+
+class BoundedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with bounds on what a client holds (issue 24):
+
+    - at most `pool.cap` connections: a new one past it closes the connection idle longest (no
+      request in progress), or itself if every other has one, so that a flood of idle
+      connections cannot lock out a probe, and descriptors never run out;
+    - a request's headers must arrive within `timeout_request_headers` of the connection's opening
+      or, on a kept-alive connection, of their first byte (uvicorn's `timeout_keep_alive` covers
+      the silence before), and its body within `timeout_request_body` of its headers; else the
+      connection is closed (a request in progress sees the client disconnect).
+
+    h11's view of the client (`conn.their_state`) says which deadline applies: IDLE (headers to
+    come), SEND_BODY, or DONE (none: the app has the request)."""
+
+    pool: ConnectionPool  # one per server (serve_http)
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)
+        self.deadline: asyncio.TimerHandle | None = None
+        self.waiting_for: str | None = None  # "headers" or "body"
+        pool = self.pool
+        pool.idle[self] = None
+        if len(self.connections) > pool.cap:
+            victim = next(iter(pool.idle))  # self, when every other connection has a request in progress
+            closed = "the new one (every other has a request in progress)" if victim is self else "the one idle longest"
+            pool.log.warning("cap", f"{len(self.connections)} HTTP connections, over --limit-concurrency={pool.cap}: "
+                                    f"closed {closed}")
+            victim.close_now()
+            if victim is self:
+                return
+        self.expect("headers")
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        state = self.conn.their_state
+        if state is h11.IDLE:  # headers still to come (a kept-alive connection's first byte starts them)
+            if self.waiting_for != "headers":
+                self.expect("headers")
+            return
+        self.pool.idle.pop(self, None)
+        if state is h11.SEND_BODY:
+            if self.waiting_for != "body":
+                self.expect("body")
+        else:  # the request is whole (or the connection is closing)
+            self.stop_waiting()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # uvicorn's keep-alive timer runs until the next byte
+        self.stop_waiting()
+        if not self.transport.is_closing():
+            self.pool.idle[self] = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.stop_waiting()
+        self.pool.idle.pop(self, None)
+        super().connection_lost(exc)
+
+    def expect(self, what: str) -> None:
+        self.stop_waiting()
+        timeout = self.pool.limits.timeout_request_headers if what == "headers" else self.pool.limits.timeout_request_body
+        self.waiting_for = what
+        self.deadline = self.loop.call_later(timeout, self.expired, what, timeout)
+
+    def stop_waiting(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+        self.deadline = self.waiting_for = None
+
+    def expired(self, what: str, timeout: float) -> None:
+        self.deadline = None
+        client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+        self.pool.log.warning(what, f"closed the HTTP connection of {client}: its request {what} did not arrive "
+                                    f"within {timeout:g}s (--timeout-request-{what})")
+        self.close_now()
+
+    def close_now(self) -> None:
+        self.pool.idle.pop(self, None)
+        self.stop_waiting()
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
+ACCEPT_ERRORS = RateLimitedLog(logger)
+
+
+def rate_limited_accept_errors(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """asyncio logs a traceback for every failed accept(); out of descriptors that is thousands
+    a second (issue 24: 219 MB of log in 45 s). One line every 10 s instead; other errors as usual."""
+    message = context.get("message", "")
+    if "out of system resource" in message:
+        ACCEPT_ERRORS.warning("accept", f"{message}: {context.get('exception')!r}; lower --limit-concurrency "
+                                        "or raise the open-file limit (ulimit -n)")
+    else:
+        loop.default_exception_handler(context)
 
 
 MAX_REQUEST_ID_CHARS = 128
@@ -110,8 +259,13 @@ def node_info(engine: AsyncEngine, model_name: str, kv: KVTransferConfig) -> Nod
                     kv_connector=kv.kv_connector, kv_ip=kv.kv_ip, kv_port=kv.kv_port)
 
 
+# What load balancers, probes and scrapers call without a key; every other path needs it when
+# --api-key is set (issue 24: /tokenize, unguarded, let anyone feed the node chat templates).
+OPEN_PATHS = frozenset({"/health", "/metrics", "/ping"})
+
+
 class APIKeyMiddleware:
-    """`Authorization: Bearer KEY` on /v1/*; /health, /metrics and /version stay open for probes.
+    """`Authorization: Bearer KEY` on every path but OPEN_PATHS.
 
     A plain ASGI middleware: Starlette's BaseHTTPMiddleware would wrap streamed responses and
     hide the client's disconnect from them. `error_response(status, message, code)` builds the
@@ -123,7 +277,7 @@ class APIKeyMiddleware:
         self.error_response = error_response
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 message = ("missing API key: send the header 'Authorization: Bearer <key>'" if not given

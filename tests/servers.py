@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -68,8 +69,9 @@ class Node:
 
 def start_node(role: str, tmp_dir: Path, *, model: str | None = None, connector: str = "tcp",
                prefill_nodes: list[str] | None = None, kv_extra: dict | None = None,
-               extra_args: list[str] = (), wait: bool = True) -> Node:
-    """Start `disagg serve` for role producer, consumer or both, and wait until /health answers."""
+               extra_args: list[str] = (), wait: bool = True, max_open_files: int | None = None) -> Node:
+    """Start `disagg serve` for role producer, consumer or both, and wait until /health answers.
+    max_open_files: the process's RLIMIT_NOFILE (soft and hard), to run it out of descriptors."""
     port = free_port()
     args = [sys.executable, "-m", "disagg.cli", "serve"] + ([model] if model else [])
     args += ["--kv-role", role, "--port", str(port), "--device", "cpu", "--log-level", "INFO"]
@@ -88,7 +90,11 @@ def start_node(role: str, tmp_dir: Path, *, model: str | None = None, connector:
     log_path = tmp_dir / f"{role}-{port}.log"
     # One thread each: the suite shares two cores between several node processes.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(args, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
+    def limit_open_files() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max_open_files, max_open_files))
+
+    proc = subprocess.Popen(args, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env,
+                            preexec_fn=limit_open_files if max_open_files else None)
     node = Node(role, proc, port, log_path, grpc_port, kv_port, args)
     if wait:
         wait_ready(node)

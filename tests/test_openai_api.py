@@ -216,15 +216,19 @@ def test_docs_are_off_by_default(server):
         assert httpx.get(server.url + path, timeout=10).status_code == 404
 
 
-def test_api_key_is_required_on_the_api_only(server):
+def test_api_key_is_required_everywhere_but_the_probes(server):
     body = {"prompt": "Hello", "max_tokens": 2}
     assert_openai_error(post(server, "/v1/completions", body, headers={}), 401, "missing API key")
     assert_openai_error(post(server, "/v1/completions", body, headers={"Authorization": "Bearer wrong"}), 401,
                         "invalid API key")
-    assert httpx.get(f"{server.url}/v1/models").status_code == 401
+    for path in ("/tokenize", "/detokenize"):
+        assert_openai_error(post(server, path, {"prompt": "Hello", "tokens": [1]}, headers={}), 401, "missing API key")
+    for path in ("/v1/models", "/version", "/load"):
+        assert httpx.get(f"{server.url}{path}").status_code == 401, path
+    assert "version" in httpx.get(f"{server.url}/version", headers=AUTH).json()
     assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
     assert httpx.get(f"{server.url}/metrics").status_code == 200
-    assert "version" in httpx.get(f"{server.url}/version").json()
+    assert httpx.get(f"{server.url}/ping").status_code == 200
 
 
 def wait_for_free_blocks(server: Node, timeout: float = 5.0) -> float:
@@ -529,7 +533,7 @@ def test_tokenize_detokenize_ping_load_and_vllm_metrics(server, llm, model_name)
     assert post(server, "/detokenize", {"tokens": tokenized["tokens"]}).json() == {"prompt": PROMPTS[1]}
     assert_openai_error(post(server, "/detokenize", {"tokens": [10**9]}), 400, "tokens")
     assert httpx.get(f"{server.url}/ping").status_code == 200 and httpx.post(f"{server.url}/ping").status_code == 200
-    assert httpx.get(f"{server.url}/load").json() == {"server_load": 0}
+    assert httpx.get(f"{server.url}/load", headers=AUTH).json() == {"server_load": 0}
     metrics = httpx.get(f"{server.url}/metrics").text
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",

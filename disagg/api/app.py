@@ -16,6 +16,7 @@ error event, then [DONE].
 
 import asyncio
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -25,7 +26,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from disagg import metrics
@@ -36,6 +38,7 @@ from disagg.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
+    ChatMessage,
     ChatResponseMessage,
     ChatStreamChoice,
     ChatTokenLogprob,
@@ -61,6 +64,7 @@ from disagg.api.protocol import (
     TokenizeResponse,
     ToolCallOut,
     UsageInfo,
+    check_request_size,
 )
 from disagg.api.tool_calls import (
     CallDelta,
@@ -585,26 +589,37 @@ class OpenAIServing:
     # works): a long prompt must not hold up the event loop, which answers /health and streams tokens.
     async def tokenize_prompt(self, prompt: str | list[int]) -> Prompt:
         if isinstance(prompt, list):
-            try:  # ids outside the vocabulary are bad input, and the tokenizer cannot decode them
+            def check_and_decode() -> str:
                 self.node.engine.validate_prompt(prompt)
+                return self.node.tokenizer.decode(prompt, skip_special_tokens=False)
+
+            try:  # ids outside the vocabulary are bad input, and the tokenizer cannot decode them
+                return Prompt(prompt, await asyncio.to_thread(check_and_decode))
             except ValueError as e:
                 raise APIError(400, str(e), param="prompt") from e
-            return Prompt(prompt, self.node.tokenizer.decode(prompt, skip_special_tokens=False))
         self.check_prompt_chars(prompt, "prompt")
         return Prompt(await asyncio.to_thread(self.node.tokenizer.encode, prompt), prompt)
 
-    async def render_chat(self, messages: list[dict], tools: list[dict] | None,
+    async def render_chat(self, messages: list[ChatMessage], tools: list[dict] | None,
                           add_generation_prompt: bool = True) -> str:
+        def render() -> str:
+            return self.node.tokenizer.apply_chat_template([m.to_template() for m in messages],
+                                                           add_generation_prompt, tools)
+
         try:
-            text = await asyncio.to_thread(self.node.tokenizer.apply_chat_template, messages, add_generation_prompt,
-                                           tools)
+            text = await asyncio.to_thread(render)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
         self.check_prompt_chars(text, "messages")
         return text
 
-    async def completions(self, request: CompletionRequest, raw_request: Request) -> Response | BaseModel:
+    async def completions(self, raw_request: Request) -> Response | BaseModel:
+        request = await read_request(CompletionRequest, raw_request)
         self.check_model(request.model)
+        try:
+            request.check_supported()  # n times the prompts, before any is tokenized
+        except ValueError as e:
+            raise request_error(request, e) from e
         prompts = [await self.tokenize_prompt(p) for p in request.prompts]
         longest = max(len(p.token_ids) for p in prompts)
         try:
@@ -614,14 +629,15 @@ class OpenAIServing:
         fmt = CompletionFormat(request, self.node.tokenizer, self.model)
         return await self.serve(request, raw_request, "cmpl", prompts, params, fmt)
 
-    async def chat(self, request: ChatCompletionRequest, raw_request: Request) -> Response | BaseModel:
+    async def chat(self, raw_request: Request) -> Response | BaseModel:
+        request = await read_request(ChatCompletionRequest, raw_request)
         self.check_model(request.model)
         if request.tool_mode == "auto":
             try:
                 self.tool_options.check_auto()
             except ValueError as e:
                 raise APIError(400, str(e), param="tool_choice") from e
-        text = await self.render_chat([m.to_template() for m in request.messages], request.template_tools)
+        text = await self.render_chat(request.messages, request.template_tools)
         # The rendered template already holds the special tokens (BOS included) it wants.
         prompt = Prompt(await asyncio.to_thread(self.node.tokenizer.encode, text, add_special_tokens=False), text)
         try:
@@ -635,11 +651,12 @@ class OpenAIServing:
     async def serve(self, request: SamplingFields, raw_request: Request, prefix: str, prompts: list[Prompt],
                     params: SamplingParams, fmt: Format) -> Response | BaseModel:
         """The path completions and chat share: validate, start every choice, stream or answer."""
-        try:
-            if params.structured is not None:  # compiled off the event loop, once per distinct grammar: bad is a 400
-                await self.node.engine.compile_grammar(params.structured)
+        def validate() -> None:  # each prompt's ids are scanned; the first compiles the grammar, if any
             for prompt in prompts:
                 self.node.engine.validate(prompt.token_ids, params)
+
+        try:  # off the event loop: a grammar takes up to ~0.15 s to compile (once per distinct one); bad is a 400
+            await asyncio.to_thread(validate)
         except ValueError as e:
             raise request_error(request, e) from e
         # A router sets X-Request-Id so that one request can be followed through the router's and
@@ -690,27 +707,79 @@ class OpenAIServing:
             self.num_requests -= 1
         yield SSE_DONE
 
-    async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(self, raw_request: Request) -> TokenizeResponse:
+        request = await read_request(TokenizeRequest, raw_request)
         self.check_model(request.model)
         if request.messages is not None:
-            text = await self.render_chat([m.to_template() for m in request.messages], request.tools,
-                                          request.add_generation_prompt)
+            text = await self.render_chat(request.messages, request.tools, request.add_generation_prompt)
             add_special_tokens = bool(request.add_special_tokens)  # the template has its own
         else:
             self.check_prompt_chars(request.prompt, "prompt")
             text = request.prompt
             add_special_tokens = request.add_special_tokens is not False
-        ids = await asyncio.to_thread(self.node.tokenizer.encode, text, add_special_tokens)
-        strs = self.node.tokenizer.token_strings(ids) if request.return_token_strs else None
-        return TokenizeResponse(count=len(ids), max_model_len=self.node.max_model_len, tokens=ids, token_strs=strs)
+        def encode() -> TokenizeResponse:
+            ids = self.node.tokenizer.encode(text, add_special_tokens)
+            strs = self.node.tokenizer.token_strings(ids) if request.return_token_strs else None
+            return TokenizeResponse(count=len(ids), max_model_len=self.node.max_model_len, tokens=ids,
+                                    token_strs=strs)
 
-    async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        return await asyncio.to_thread(encode)
+
+    async def detokenize(self, raw_request: Request) -> DetokenizeResponse:
+        request = await read_request(DetokenizeRequest, raw_request)
         self.check_model(request.model)
         vocab = self.node.tokenizer.vocab_size
-        bad = [t for t in request.tokens if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"tokens must be token ids in [0, {vocab}), got {bad[:5]}", param="tokens")
-        return DetokenizeResponse(prompt=self.node.tokenizer.decode(request.tokens, skip_special_tokens=False))
+
+        def decode() -> DetokenizeResponse:
+            bad = [t for t in request.tokens if not 0 <= t < vocab]
+            if bad:
+                raise APIError(400, f"tokens must be token ids in [0, {vocab}), got {bad[:5]}", param="tokens")
+            return DetokenizeResponse(prompt=self.node.tokenizer.decode(request.tokens, skip_special_tokens=False))
+
+        return await asyncio.to_thread(decode)
+
+
+# Parsing and validating a body near --max-request-body-bytes takes tens to hundreds of ms (400,000
+# token ids: 100 ms; 100,000 messages: 2.4 s with its errors); on the event loop that would hold
+# up /health and every stream, so it runs in a worker thread, after cheap size limits.
+async def read_request(model: type[BaseModel], raw_request: Request) -> BaseModel:
+    body = await raw_request.body()
+    return await asyncio.to_thread(parse_request, model, body)
+
+
+MAX_PROBLEMS = 8  # validation problems named in one 400
+
+
+def parse_request(model: type[BaseModel], body: bytes) -> BaseModel:
+    """The body as `model`, or an APIError 400 saying what is wrong with it."""
+    try:
+        data = json.loads(body)
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise APIError(400, f"the body is not valid JSON: {e}") from None
+    try:
+        check_request_size(data)
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise APIError(400, *validation_problems(e.errors(include_url=False))) from None
+    except ValueError as e:
+        raise api_error_from(e) from None
+
+
+def validation_problems(errors: list[dict]) -> tuple[str, str | None]:
+    """A 400's message and param (the field, when only one is wrong) from pydantic's errors."""
+    problems, params = [], []
+    for err in errors:
+        loc = [str(part) for part in err["loc"] if part != "body"]
+        if err["type"] == "json_invalid":
+            problems.append(f"the body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
+            continue
+        field = ".".join(loc)
+        if field:
+            params.append(field)
+        problems.append(f"{field}: {err['msg']}" if field else err["msg"])
+    if len(problems) > MAX_PROBLEMS:
+        problems = problems[:MAX_PROBLEMS] + [f"and {len(problems) - MAX_PROBLEMS} more"]
+    return "; ".join(problems), params[0] if len(params) == 1 else None
 
 
 async def on_api_error(_: Request, e: APIError) -> JSONResponse:
@@ -728,17 +797,32 @@ async def on_unexpected_error(_: Request, e: Exception) -> JSONResponse:
 
 async def on_validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
     """OpenAI and vLLM answer 400 for a malformed request; FastAPI's default would be 422."""
-    problems, params = [], []
-    for err in e.errors():
-        loc = [str(part) for part in err["loc"] if part != "body"]
-        if err["type"] == "json_invalid":
-            problems.append(f"the body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
-            continue
-        field = ".".join(loc)
-        if field:
-            params.append(field)
-        problems.append(f"{field}: {err['msg']}" if field else err["msg"])
-    return error_response(400, "; ".join(problems), param=params[0] if len(params) == 1 else None)
+    return error_response(400, *validation_problems(e.errors()))
+
+
+BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+
+
+def body_schema(path: str) -> dict:
+    """The OpenAPI request body of an endpoint that parses its own (read_request), for /docs and the fuzzers."""
+    ref = {"$ref": f"#/components/schemas/{BODIES[path].__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def add_body_schemas(app: FastAPI) -> None:
+    """Puts the models of BODIES into /openapi.json's components, where body_schema points."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = generate()
+            _, defs = models_json_schema([(model, "validation") for model in BODIES.values()],
+                                         ref_template="#/components/schemas/{model}")
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 def build_app(node: DecodeNode, options: HTTPOptions, served_model_name: str,
@@ -750,11 +834,14 @@ def build_app(node: DecodeNode, options: HTTPOptions, served_model_name: str,
     app.add_exception_handler(Exception, on_unexpected_error)
 
     serving = OpenAIServing(node, served_model_name, tool_options, log_requests)
-    app.add_api_route("/v1/completions", serving.completions, methods=["POST"], response_model=None)
-    app.add_api_route("/v1/chat/completions", serving.chat, methods=["POST"], response_model=None)
+    add_body_schemas(app)
+    app.add_api_route("/v1/completions", serving.completions, methods=["POST"], response_model=None,
+                      openapi_extra=body_schema("/v1/completions"))
+    app.add_api_route("/v1/chat/completions", serving.chat, methods=["POST"], response_model=None,
+                      openapi_extra=body_schema("/v1/chat/completions"))
     # vLLM serves these at the root, not under /v1.
-    app.add_api_route("/tokenize", serving.tokenize, methods=["POST"])
-    app.add_api_route("/detokenize", serving.detokenize, methods=["POST"])
+    app.add_api_route("/tokenize", serving.tokenize, methods=["POST"], openapi_extra=body_schema("/tokenize"))
+    app.add_api_route("/detokenize", serving.detokenize, methods=["POST"], openapi_extra=body_schema("/detokenize"))
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -10,6 +10,7 @@ from disagg.decode_node.node import DecodeNode
 from disagg.decode_node.prefill_client import PrefillPool
 from disagg.api.tool_calls import ToolOptions
 from disagg.engine.async_engine import AsyncEngine
+from disagg.http_limits import HTTPLimits
 from disagg.lookup_buffer import LookupBufferConsumer
 from disagg.serving import HTTPOptions, node_info, serve_http
 
@@ -18,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 async def run_decode_node(engine: AsyncEngine, model_name: str, kv: KVTransferConfig, prefill_nodes: list[str],
                           host: str, port: int, http: HTTPOptions, tools: ToolOptions, log_requests: bool,
-                          shutdown_timeout: float, log_level: str) -> None:
+                          shutdown_timeout: float, log_level: str, limits: HTTPLimits | None = None) -> None:
     consumer = pool = kv_advertise = None
     try:
         if kv.kv_role == "consumer":
@@ -40,7 +41,7 @@ async def run_decode_node(engine: AsyncEngine, model_name: str, kv: KVTransferCo
         metrics.register_kv_tiers(engine.engine)
         await serve_http(build_app(node, http, model_name, tools, log_requests), host, port,
                          f"disagg {role} node ready: http://{host}:{port} {where} model {model_name}", log_level,
-                         shutdown_timeout)
+                         shutdown_timeout, limits)
     finally:
         if pool is not None:
             await pool.close()

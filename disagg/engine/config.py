@@ -27,3 +27,4 @@ class EngineConfig:
     kv_disk_size: float | None = None  # GiB the disk tier may hold
     tokenizer: str | None = None  # a directory with tokenizer.json; None: the model's
     chat_template: str | None = None  # a jinja template or a file holding one; None: the tokenizer's
+    grammar_cache_bytes: int = 256 * 2**20  # compiled grammars kept (structured_output.GrammarCompiler)

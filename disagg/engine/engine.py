@@ -57,7 +57,7 @@ class LLMEngine:
                                      (mc.num_key_value_heads, mc.head_dim), list(arrivals))
         self.scheduler.arrivals = arrivals + [self.remote]
         self.grammars = GrammarCompiler(self.tokenizer.json_path, self.model_config.vocab_size,
-                                        sorted(self.tokenizer.eos_token_ids))
+                                        sorted(self.tokenizer.eos_token_ids), config.grammar_cache_bytes)
         self.sampler = Sampler(config.seed, self.tokenizer.eos_token_ids, StructuredOutput(self.grammars))
         self.requests: dict[str, _Request] = {}
         self.num_steps = 0  # batches run: a sign of life that callers elsewhere can watch

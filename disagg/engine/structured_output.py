@@ -6,6 +6,8 @@ batch 32 on CPU it fills the masks about 4x faster, compiles a schema in about a
 instead of hundreds, and reads tokenizer.json itself, with no dependency on transformers.
 """
 
+import ctypes
+import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -16,22 +18,55 @@ import torch
 from disagg.engine.sampling_params import SamplingParamError, StructuredOutputSpec
 from disagg.engine.sequence import Sequence
 
-MAX_CACHED_GRAMMARS = 256  # distinct specs kept compiled; the oldest goes first
+# Where a grammar's memory goes (measured on the embedded 49k-token tokenizer, scripts in the commit
+# that added this): not the grammar, nor the matcher, which cost nothing when built, but the lexer
+# llguidance builds lazily at the first token mask (regex derivatives and DFA states, for the whole
+# token trie) and grows at later masks. Every deep copy of a matcher shares that lexer, so the
+# cached template owns what its requests' masks built. `a{1000}{1000}` at llguidance's default
+# limits: 0.75 s and +180 MB at the first mask, then its first token runs out of step fuel ("too
+# many expressions constructed"), the request failed (a 500), and the template kept ~165 MB.
+#
+# llguidance's own limits bound that work; tightened here where its defaults let one grammar cost
+# hundreds of MB (every grammar we and vLLM's tests use needs far less: JSON schemas of 60 fields,
+# tool schemas, dates, e-mails all build their lexer in under 10,000 fuel).
+GRAMMAR_LIMITS = {
+    "initial_lexer_fuel": 200_000,  # the lexer's build at the first mask: <= ~0.15 s, ~40 MB (default 1M: 0.75 s, 180 MB)
+    "step_lexer_fuel": 200_000,  # each later mask (llguidance's default)
+    "max_lexer_states": 50_000,  # 1-2 kB each: <= ~100 MB of DFA (default 250,000)
+    "max_grammar_size": 200_000,  # symbols in the grammar (default 500,000)
+    "verbose_errors": False,  # errors go to the client: no dump of the parser's state
+}
+DEFAULT_GRAMMAR_CACHE_BYTES = 256 * 2**20  # --grammar-cache-mb
+# An entry's smallest cost: its RSS growth reads 0 when it reused memory freed before.
+MIN_GRAMMAR_BYTES = 256 * 2**10
+
+
+def parser_limits() -> llguidance.LLParserLimits:
+    return llguidance.LLParserLimits(**GRAMMAR_LIMITS)
 
 
 class GrammarCompiler:
-    """Specs -> matchers for this tokenizer, compiled once per distinct spec.
+    """Specs -> matchers for this tokenizer, compiled once per distinct spec, the compiled ones
+    kept up to `cache_bytes` (least recently used out first).
 
-    The API thread compiles (to answer a bad grammar with a 400) and the engine thread copies
-    matchers out of the cache: a lock keeps the two apart."""
+    Compiling builds the matcher and its lexer (the first mask, then one token on a copy), so that
+    a grammar over llguidance's limits is refused here, as a 400 naming the field, not in the middle
+    of generating; what that took in resident memory is the entry's cost. Compiles run one at a
+    time, in the caller's thread (the API's or a prefill node's worker thread), so that two of them
+    neither add up their peaks nor blur each other's cost. The engine thread copies matchers out
+    of the cache: a second lock keeps the two apart."""
 
-    def __init__(self, tokenizer_json: Path, vocab_size: int, eos_token_ids: list[int]):
+    def __init__(self, tokenizer_json: Path, vocab_size: int, eos_token_ids: list[int],
+                 cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES):
         self.tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.cache_bytes = cache_bytes
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self.compiled: OrderedDict[StructuredOutputSpec, llguidance.LLMatcher] = OrderedDict()
-        self.lock = threading.Lock()
+        self.compiled: OrderedDict[StructuredOutputSpec, tuple[llguidance.LLMatcher, int]] = OrderedDict()
+        self.cached_bytes = 0  # the sum of the entries' costs
+        self.lock = threading.Lock()  # the cache
+        self.compile_lock = threading.Lock()  # one compile at a time
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -42,30 +77,119 @@ class GrammarCompiler:
                                                          eos_token=self.eos_token_ids)
             return self._tokenizer
 
+    def cached(self, spec: StructuredOutputSpec) -> llguidance.LLMatcher | None:
+        with self.lock:
+            if spec not in self.compiled:
+                return None
+            self.compiled.move_to_end(spec)
+            return self.compiled[spec][0]
+
     def compile(self, spec: StructuredOutputSpec) -> llguidance.LLMatcher:
         """The spec's matcher at its start, shared: copy it before use. Raises SamplingParamError
-        ("structured") with llguidance's reason when the spec does not compile."""
+        ("structured") with llguidance's reason when the spec does not compile, or when it is too
+        large or complex for llguidance's limits or the cache."""
+        matcher = self.cached(spec)
+        if matcher is not None:
+            return matcher
+        tokenizer = self.tokenizer  # before the RSS is read: built once, shared by every grammar
+        with self.compile_lock:
+            matcher = self.cached(spec)  # another thread may have compiled it meanwhile
+            if matcher is not None:
+                return matcher
+            before = resident_bytes()
+            matcher, problem = self._build(spec, tokenizer)
+            cost = max(resident_bytes() - before, MIN_GRAMMAR_BYTES)
+            if problem is None and cost > self.cache_bytes:
+                problem = (f"building it took {cost / 2**20:.0f} MB, more than this server's grammar cache of "
+                           f"{self.cache_bytes / 2**20:.0f} MB (--grammar-cache-mb)")
+            if problem is not None:
+                del matcher
+                release_freed_memory()
+                raise SamplingParamError("structured", f"the {spec.kind} is too large or complex for this server's "
+                                                       f"grammar limits ({problem}); send a smaller or simpler one")
         with self.lock:
-            if spec in self.compiled:
-                self.compiled.move_to_end(spec)
-                return self.compiled[spec]
+            self.compiled[spec] = (matcher, cost)
+            self.cached_bytes += cost
+            evicted = []
+            while self.cached_bytes > self.cache_bytes:
+                _, (old, old_cost) = self.compiled.popitem(last=False)
+                self.cached_bytes -= old_cost
+                evicted.append(old)  # freed outside the lock: the engine thread waits on it
+        if evicted:
+            del evicted, old
+            release_freed_memory()
+        return matcher
+
+    def _build(self, spec: StructuredOutputSpec, tokenizer: llguidance.LLTokenizer) \
+            -> tuple[llguidance.LLMatcher | None, str | None]:
+        """The matcher with its lexer built, or the limit it ran into. Raises SamplingParamError
+        when the spec does not compile."""
         try:
             grammar = llguidance.grammar_from(spec.kind, spec.value)
         except Exception as e:  # noqa: BLE001  not JSON, not GBNF, ...: the client's text, the client's 400
             raise SamplingParamError("structured", f"the {spec.kind} does not compile: {e}") from None
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
+        if matcher.is_error():  # a syntax error, or a grammar over max_grammar_size
+            raise SamplingParamError("structured", f"the {spec.kind} does not compile: {llguidance_error(matcher)}")
+        # The first mask builds the lexer; one token more on a copy shows a grammar whose first
+        # step already runs out of fuel (the attack above), which would otherwise fail its request
+        # after the response started.
+        bitmask = torch.full(((self.vocab_size + 31) // 32,), -1, dtype=torch.int32)
+        matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * bitmask.element_size())
         if matcher.is_error():
-            raise SamplingParamError("structured", f"the {spec.kind} does not compile: {matcher.get_error()}")
-        with self.lock:
-            self.compiled[spec] = matcher
-            if len(self.compiled) > MAX_CACHED_GRAMMARS:
-                self.compiled.popitem(last=False)
-        return matcher
+            return matcher, llguidance_error(matcher)
+        allowed = allowed_tokens(bitmask, self.vocab_size)
+        first = next((t for t in allowed if t not in self.eos_token_ids), None)
+        if first is not None:
+            probe = matcher.deep_copy()
+            if probe.consume_token(first):
+                probe.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * bitmask.element_size())
+            if probe.is_error():
+                return matcher, llguidance_error(probe)
+        return matcher, None
 
     def matcher(self, spec: StructuredOutputSpec) -> llguidance.LLMatcher:
         template = self.compile(spec)
         with self.lock:
             return template.deep_copy()
+
+
+def llguidance_error(matcher: llguidance.LLMatcher) -> str:
+    return matcher.get_error().removesuffix("<non-verbose/>").strip()
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> list[int]:
+    """The token ids whose bit is set in one bitmask row (llguidance's layout, apply_token_bitmask's)."""
+    bits = bitmask.view(torch.uint8)[:, None] & BIT_VALUES
+    return bits.flatten()[:vocab_size].nonzero().flatten().tolist()
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux; 0 elsewhere, where every grammar costs MIN_GRAMMAR_BYTES)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+MALLOC_TRIM = _malloc_trim()
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed by llguidance back to the system. glibc keeps freed memory in its arenas
+    (one per thread that allocated it, and compiles run in worker threads): measured, a cache of
+    five pathological grammars dropped from 1116 to 595 MB of RSS when cleared, and to 300 MB only
+    after malloc_trim."""
+    if MALLOC_TRIM is not None:
+        MALLOC_TRIM(0)
 
 
 class StructuredOutput:

@@ -9,6 +9,7 @@ from prometheus_client import generate_latest
 from disagg import metrics
 from disagg.config import KVTransferConfig
 from disagg.engine.async_engine import AsyncEngine
+from disagg.http_limits import HTTPLimits
 from disagg.lookup_buffer import LookupBufferProducer
 from disagg.prefill_node.node import PrefillNode
 from disagg.prefill_node.service import start_grpc_server
@@ -38,7 +39,7 @@ def build_health_app(node: PrefillNode) -> FastAPI:
 
 
 async def run_prefill_node(engine: AsyncEngine, model_name: str, kv: KVTransferConfig, host: str, port: int,
-                           grpc_port: int, log_level: str) -> None:
+                           grpc_port: int, log_level: str, limits: HTTPLimits | None = None) -> None:
     producer = LookupBufferProducer(kv.kv_connector, kv.pipe_config(), int(kv.kv_buffer_size),
                                     kv.extra("buffer_ttl"), kv.extra("insert_timeout"),
                                     on_sent=metrics.kv_sent)
@@ -50,7 +51,8 @@ async def run_prefill_node(engine: AsyncEngine, model_name: str, kv: KVTransferC
     try:
         await serve_http(build_health_app(node), host, port,
                          f"disagg prefill node ready: http://{host}:{port} grpc {host}:{grpc_port} "
-                         f"kv {kv.kv_connector} {kv.kv_ip}:{kv.kv_port} model {model_name}", log_level)
+                         f"kv {kv.kv_connector} {kv.kv_ip}:{kv.kv_port} model {model_name}", log_level,
+                         limits=limits)
     finally:
         await grpc_server.stop(grace=2)
         producer.close()

@@ -5,6 +5,7 @@ Only the command line lives here, so that `disagg --help` does not load the rout
 import argparse
 
 from disagg.help_format import HelpFormatter
+from disagg.http_limits import add_http_limit_args
 
 # The request body limit of the router and of the decode nodes' API (`disagg serve` uses it too);
 # it lives here because this module must stay light. Prompts of a full context fit with room to spare.
@@ -19,12 +20,13 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address the router's HTTP server binds")
     parser.add_argument("--port", type=int, default=8000, help="the router's HTTP port")
     parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on /v1/* (forwarded to the decode nodes; "
-                             "default: $DISAGG_API_KEY)")
+                        help="require 'Authorization: Bearer KEY' on every path but /health and /metrics "
+                             "(forwarded to the decode nodes; default: $DISAGG_API_KEY)")
     parser.add_argument("--health-interval", type=float, default=2.0,
                         help="seconds between health checks of each decode node")
     parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         help="larger request bodies are refused with 413 before they are forwarded")
     parser.add_argument("--enable-docs", action="store_true",
                         help="serve /docs and /openapi.json (off: they map the API for anyone who reaches the port)")
+    add_http_limit_args(parser)
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")

@@ -36,6 +36,7 @@ from disagg.router.router import (
     describe,
     parse_decode_nodes,
 )
+from disagg.http_limits import HTTPLimits
 from disagg.serving import STATUS_CLIENT_CLOSED, HTTPOptions, make_app, openai_error_response, request_label, serve_http
 
 logger = logging.getLogger(__name__)
@@ -254,7 +255,7 @@ def build_app(router: Router, client: httpx.AsyncClient, options: HTTPOptions) -
 
 
 async def run_router(decode_nodes: list[str], host: str, port: int, options: HTTPOptions, health_interval: float,
-                     log_level: str) -> None:
+                     log_level: str, limits: HTTPLimits | None = None) -> None:
     router = Router(decode_nodes, health_interval)
     client = proxy_client()
     try:
@@ -264,7 +265,7 @@ async def run_router(decode_nodes: list[str], host: str, port: int, options: HTT
             logger.warning("no decode node is healthy yet (%s); answering 503 until one is", router.unavailable_reason())
         await serve_http(build_app(router, client, options), host, port,
                          f"disagg router ready: http://{host}:{port} decode {','.join(decode_nodes)} "
-                         f"({healthy} healthy)", log_level)
+                         f"({healthy} healthy)", log_level, limits=limits)
     finally:
         await client.aclose()
         await router.close()
@@ -279,5 +280,6 @@ def main(args: argparse.Namespace) -> None:
     # httpx logs every request at INFO: the health checks would drown the router's own lines.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     options = HTTPOptions(args.api_key, args.max_request_body_bytes, args.enable_docs)
+    limits = HTTPLimits.from_args(args)
     asyncio.run(run_router(parse_decode_nodes(args.decode_nodes), args.host, args.port, options,
-                           args.health_interval, args.log_level))
+                           args.health_interval, args.log_level, limits))
