@@ -7,6 +7,7 @@ import secrets
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI
@@ -15,7 +16,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from disagg.config import KVTransferConfig
 from disagg.control_plane import NodeInfo
-from disagg.engine.async_engine import AsyncEngine
+
+if TYPE_CHECKING:  # a type only: the router serves with this module and never loads torch
+    from disagg.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +104,7 @@ def request_label(given: str | None, prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def node_info(engine: AsyncEngine, model_name: str, kv: KVTransferConfig) -> NodeInfo:
+def node_info(engine: "AsyncEngine", model_name: str, kv: KVTransferConfig) -> NodeInfo:
     """What this node tells its peers at the handshake (and expects of them)."""
     e = engine.engine
     return NodeInfo(model_name=model_name, dtype=str(e.dtype).removeprefix("torch."),
