@@ -1,4 +1,7 @@
-"""`disagg` command line: serve (prefill, decode or colocated node) and generate (offline)."""
+"""`disagg` command line: serve (prefill, decode or colocated node) and generate (offline).
+
+Building the parser imports no torch (nor the servers): `disagg --help`, `disagg router` and
+`disagg bench` never load it; `serve` and `generate` import the engine when they run."""
 
 import argparse
 import asyncio
@@ -11,21 +14,12 @@ import sys
 import time
 from pathlib import Path
 
+from disagg.api.tool_calls import TOOL_CALL_PARSERS
 from disagg.config import ROLES, KVTransferConfig
-from disagg.api.tool_calls import TOOL_CALL_PARSERS, ToolOptions
-from disagg.engine.async_engine import AsyncEngine
-from disagg.engine.builder import resolve_device, resolve_dtype
-from disagg.engine.config import EngineConfig
-from disagg.engine.engine import LLMEngine
-from disagg.engine.kv_tiers.offload import OFFLOADING_MODES, check_kv_tiers
-from disagg.engine.llm import LLM
-from disagg.engine.loader import DEFAULT_MODEL_NAME, resolve_model
-from disagg.engine.sampling_params import SamplingParams
-from disagg.engine.tokenizer import load_chat_template
 from disagg.help_format import HelpFormatter
 from disagg.http_limits import HTTPLimits, add_http_limit_args
 from disagg.router import DEFAULT_MAX_REQUEST_BODY_BYTES
-from disagg.serving import HTTPOptions
+from disagg.vllm_flags import add_vllm_flags, check_vllm_flags, normalize_argv
 
 logger = logging.getLogger(__name__)
 
@@ -38,16 +32,22 @@ SAMPLE_PROMPTS = [
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None,
-                        help="local Hugging Face model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+                        help="a local Hugging Face model directory, a .gguf file, or a Hugging Face Hub id (ORG/NAME: "
+                             "found in the Hugging Face cache or downloaded, as vLLM does) (default: the embedded "
+                             "SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if present)")
-    parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or auto")
+    parser.add_argument("--dtype", default=None,
+                        help="float32 (float), bfloat16, float16 (half), or auto: bfloat16 on CUDA, float32 on the CPU")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (longer prompts are chunked)")
     parser.add_argument("--kv-cache-memory", type=parse_memory, default=None,
                         help="KV cache size: bytes (e.g. 2GiB) or a fraction of free memory (e.g. 0.8)")
-    parser.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    parser.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=True,
+                        help="reuse the KV of prompt prefixes computed before (on by default, as in vLLM)")
+    parser.add_argument("--no-enable-prefix-caching", "--no-prefix-caching", dest="enable_prefix_caching",
+                        action="store_false", help="turn the prefix cache off")
     parser.add_argument("--seed", type=int, default=0, help="seed for requests that set none")
     parser.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode without CUDA graphs")
     parser.add_argument("--attention-backend", choices=["sdpa", "triton"], default=None,
@@ -55,7 +55,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-offloading-size", type=float, default=0.0,
                         help="GiB of host memory (pinned on CUDA) for a KV tier under the device cache; 0: none")
     parser.add_argument("--kv-offloading-backend", default="native", help="KV offloading backend: native (the only one)")
-    parser.add_argument("--kv-offloading-mode", choices=OFFLOADING_MODES, default="eager",
+    parser.add_argument("--kv-offloading-mode", default="eager",
                         help="copy a KV block to the host tier when it is full (eager) or when the device evicts it (lazy)")
     parser.add_argument("--kv-disk-path", default=None,
                         help="directory of a disk KV tier under the host tier (kept across restarts)")
@@ -68,6 +68,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="MiB of memory for compiled structured-output grammars (least recently used out first)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="accepted for vLLM's command lines and ignored: disagg runs no code from the model directory")
+    parser.add_argument("--revision", default=None,
+                        help="the branch, tag or commit of a MODEL given as a Hugging Face Hub id (ORG/NAME)")
+    parser.add_argument("--download-dir", default=None,
+                        help="the Hugging Face cache that Hub models are found in and downloaded to "
+                             "(default: $HF_HUB_CACHE)")
 
 
 def parse_memory(text: str) -> int | float:
@@ -84,7 +89,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-                enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+                gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
+                enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
                 enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
                 kv_offloading_size=args.kv_offloading_size, kv_offloading_backend=args.kv_offloading_backend,
                 kv_offloading_mode=args.kv_offloading_mode, kv_disk_path=args.kv_disk_path,
@@ -92,9 +98,22 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 chat_template=args.chat_template, grammar_cache_bytes=int(args.grammar_cache_mb * 2**20))
 
 
+def local_model(args: argparse.Namespace) -> str | None:
+    """MODEL as the engine opens it: a Hugging Face Hub id is found in the cache or downloaded first
+    (at --revision, into --download-dir)."""
+    from disagg.engine.loader import is_hub_id, resolve_model
+
+    if args.model is None or not is_hub_id(args.model):
+        return args.model
+    return str(resolve_model(args.model, args.revision, args.download_dir))
+
+
 def generate(args: argparse.Namespace) -> None:
+    from disagg.engine.llm import LLM
+    from disagg.engine.sampling_params import SamplingParams
+
     start = time.perf_counter()
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**engine_kwargs(args) | {"model": local_model(args)})
     print(f"loaded {llm.engine.model_dir.name} on {llm.engine.device} in {time.perf_counter() - start:.1f}s")
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     conversations = [[{"role": "user", "content": p}] for p in (args.prompt or SAMPLE_PROMPTS)]
@@ -111,12 +130,19 @@ def generate(args: argparse.Namespace) -> None:
 API_KEY_ENV = "DISAGG_API_KEY"  # for --api-key
 KV_AUTH_TOKEN_ENV = "DISAGG_KV_AUTH_TOKEN"  # for kv_connector_extra_config.auth_token
 SWITCH_INTERVAL_S = 0.0005  # a served node's GIL switch interval (see serve)
+# A decode node given no --prefill-nodes asks the prefill node on this host at its default --grpc-port,
+# so that vLLM's 1P1D command lines (two nodes on one host, a role each in kv_role) start unchanged.
+LOCAL_PREFILL_NODE = "127.0.0.1:50051"
 
 
 def transfer_config(args: argparse.Namespace) -> KVTransferConfig:
-    """--kv-transfer-config JSON; --kv-role sets kv_role, and must agree with one the JSON gives.
-    The auth token comes from $DISAGG_KV_AUTH_TOKEN when the JSON has none."""
-    text = args.kv_transfer_config
+    """--kv-transfer-config JSON (with --kv-connector and --kv-connector-extra-config folded in; vLLM's
+    connector names mapped onto pipes and tiers); --kv-role sets kv_role, and must agree with one the
+    JSON gives. The auth token comes from $DISAGG_KV_AUTH_TOKEN when the JSON has none."""
+    from disagg.vllm_connectors import merge_fields
+
+    text = merge_fields(args.kv_transfer_config, getattr(args, "kv_connector", None),
+                        getattr(args, "kv_connector_extra_config", None))
     kv = KVTransferConfig.from_json(text) if text else KVTransferConfig()
     if kv.extra("auth_token") is None and os.environ.get(KV_AUTH_TOKEN_ENV):
         kv.kv_connector_extra_config["auth_token"] = os.environ[KV_AUTH_TOKEN_ENV]
@@ -125,11 +151,38 @@ def transfer_config(args: argparse.Namespace) -> KVTransferConfig:
         if text and "kv_role" in json.loads(text) and kv.kv_role != role:
             raise ValueError(f"--kv-role {args.kv_role} disagrees with kv_role {kv.kv_role!r} in --kv-transfer-config")
         kv.kv_role = role
+    apply_kv_tiers(args, kv)
     return kv
 
 
-def check_engine_args(args: argparse.Namespace) -> None:
-    """Every engine flag, without loading anything: a ValueError names the flag."""
+def apply_kv_tiers(args: argparse.Namespace, kv: KVTransferConfig) -> None:
+    """The KV tiers a vLLM connector asked for (OffloadingConnector, LMCache...) set the engine's tier
+    flags; a flag given too must agree."""
+    defaults = {"kv_offloading_size": 0.0, "kv_offloading_mode": "eager", "kv_disk_path": None, "kv_disk_size": None}
+    for name, default in defaults.items():
+        wanted = getattr(kv.tiers, name)
+        if wanted is None:
+            continue
+        given = getattr(args, name)
+        if given != default and given != wanted:
+            raise ValueError(f"--{name.replace('_', '-')} {given} disagrees with the {wanted} that "
+                             "--kv-transfer-config's connector asks for; give one")
+        setattr(args, name, wanted)
+    if kv.tiers.asks() and not args.kv_offloading_size:
+        raise ValueError("--kv-transfer-config names an offloading connector but no host memory for it: give "
+                         "kv_connector_extra_config.cpu_bytes_to_use or --kv-offloading-size GIB")
+
+
+def check_engine_args(args: argparse.Namespace) -> str:
+    """Every engine flag, without loading anything: a ValueError names the flag. Returns where the
+    model comes from."""
+    from disagg.engine.builder import (GPU_MEMORY_UTILIZATION_ON_CPU, check_memory_settings, resolve_device,
+                                       resolve_dtype)
+    from disagg.engine.config import EngineConfig
+    from disagg.engine.kv_tiers.offload import check_kv_tiers
+    from disagg.engine.loader import DEFAULT_MODEL_NAME, check_hub_model, is_hub_id, resolve_model
+    from disagg.engine.tokenizer import load_chat_template
+
     try:
         device = resolve_device(args.device)
     except ValueError as e:
@@ -144,11 +197,18 @@ def check_engine_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
     if args.grammar_cache_mb <= 0:
         raise ValueError(f"--grammar-cache-mb must be > 0, got {args.grammar_cache_mb}")
+    gpu_memory_utilization = getattr(args, "gpu_memory_utilization", None)
+    check_memory_settings(args.kv_cache_memory, gpu_memory_utilization)
+    if gpu_memory_utilization is not None and device.type != "cuda" and args.check_config:
+        logger.warning(GPU_MEMORY_UTILIZATION_ON_CPU)
     try:
         check_kv_tiers(EngineConfig(**engine_kwargs(args)))
     except ValueError as e:  # named as the flags are
         raise ValueError(re.sub(r"\bkv_[a-z_]+", lambda m: "--" + m.group().replace("_", "-"), str(e))) from None
-    if args.model is not None and not Path(args.model).expanduser().is_file():
+    where = DEFAULT_MODEL_NAME if args.model is None else args.model
+    if args.model is not None and is_hub_id(args.model):
+        where = check_hub_model(args.model, args.revision, args.download_dir)  # downloads nothing
+    elif args.model is not None and not Path(args.model).expanduser().is_file():
         try:
             resolve_model(args.model)  # a directory is checked for what the engine needs; a .gguf only exists
         except ValueError as e:
@@ -162,21 +222,31 @@ def check_engine_args(args: argparse.Namespace) -> None:
         load_chat_template(args.chat_template)  # its ValueError names the flag
     if args.trust_remote_code:
         logger.info("--trust-remote-code is accepted and ignored: disagg runs no code from the model directory")
+    return where
 
 
 def check_serve_args(args: argparse.Namespace, kv: KVTransferConfig) -> list[str]:
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be at least 0 seconds, got {args.shutdown_timeout}")
     if args.tool_call_parser not in (None, *TOOL_CALL_PARSERS):  # a --config file's value is not checked by argparse
-        raise ValueError(f"--tool-call-parser must be one of {TOOL_CALL_PARSERS}, got {args.tool_call_parser!r}")
+        raise ValueError(f"--tool-call-parser {args.tool_call_parser}: the parsers built are "
+                         f"{', '.join(TOOL_CALL_PARSERS)} (<tool_call>{{...}}</tool_call>, Hermes and Qwen models)")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
     if args.max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be at least 1, got {args.max_request_body_bytes}")
     HTTPLimits.from_args(args)  # its ValueError names the flag
+    if len(served_model_names(args)) > 1:
+        raise ValueError(f"--served-model-name {' '.join(served_model_names(args))}: one name is served (aliases "
+                         "are not built yet); give one")
+    if args.override_generation_config is not None:
+        generation_overrides(args)  # its ValueError names the flag
+    if args.generation_config not in ("auto", "vllm") and not Path(args.generation_config).expanduser().is_dir():
+        raise ValueError(f"--generation-config {args.generation_config!r} is none of auto, vllm or a directory")
     prefill_nodes = [a.strip() for a in (args.prefill_nodes or "").split(",") if a.strip()]
     if kv.kv_role == "consumer" and not prefill_nodes:
-        raise ValueError("a consumer (decode node) needs --prefill-nodes HOST:GRPC_PORT[,...]")
+        logger.info("no --prefill-nodes: this decode node asks the prefill node on this host (%s)", LOCAL_PREFILL_NODE)
+        prefill_nodes = [LOCAL_PREFILL_NODE]
     if kv.kv_role != "consumer" and prefill_nodes:
         raise ValueError(f"--prefill-nodes is for consumer nodes; this node's kv_role is {kv.kv_role!r}")
     for address in prefill_nodes:
@@ -209,55 +279,115 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def served_model_names(args: argparse.Namespace) -> list[str]:
+    names = args.served_model_name  # a list from the command line, a string from $DISAGG_SERVED_MODEL_NAME
+    return [names] if isinstance(names, str) else list(names or [])
+
+
 def served_model_name(args: argparse.Namespace) -> str:
-    if args.served_model_name:
-        return args.served_model_name
-    return DEFAULT_MODEL_NAME if args.model is None else Path(args.model).name
+    """--served-model-name, else a Hub id as given (as vLLM names it), a local path's last part, or the
+    embedded model's name."""
+    from disagg.engine.loader import DEFAULT_MODEL_NAME, is_hub_id
+
+    if served_model_names(args):
+        return served_model_names(args)[0]
+    if args.model is None:
+        return DEFAULT_MODEL_NAME
+    return args.model if is_hub_id(args.model) else Path(args.model).name
+
+
+def generation_overrides(args: argparse.Namespace) -> dict:
+    try:
+        overrides = json.loads(args.override_generation_config)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--override-generation-config is not valid JSON: {e}") from None
+    if not isinstance(overrides, dict):
+        raise ValueError("--override-generation-config must be a JSON object")
+    return overrides
+
+
+def sampling_options(args: argparse.Namespace, model_dir: Path):
+    """--generation-config (the model's generation_config.json, vllm: none, or a directory's),
+    --override-generation-config over it, and --max-logprobs: what the API applies to each request."""
+    from disagg.api.protocol import ServerSamplingOptions
+    from disagg.engine.loader import generation_defaults
+
+    defaults = {}
+    if args.generation_config != "vllm":
+        directory = model_dir if args.generation_config == "auto" else Path(args.generation_config).expanduser()
+        defaults = generation_defaults(directory)
+    if args.override_generation_config is not None:
+        defaults |= generation_defaults(None, generation_overrides(args))
+    if defaults:
+        logger.info("sampling defaults from the generation config (for requests that leave them out): %s", defaults)
+    return ServerSamplingOptions(defaults=defaults, max_logprobs=args.max_logprobs)
 
 
 def serve(args: argparse.Namespace) -> None:
+    check_vllm_flags(args)
     kv = transfer_config(args)
     prefill_nodes = check_serve_args(args, kv)
-    check_engine_args(args)
+    where = check_engine_args(args)
     if args.check_config:
-        print(f"config ok: role {kv.kv_role}, pipe {kv.kv_connector} {kv.kv_ip}:{kv.kv_port}")
+        tiers = ""
+        if args.kv_offloading_size:
+            tiers += f", host KV tier {args.kv_offloading_size:g} GiB {args.kv_offloading_mode}"
+        if args.kv_disk_path:
+            tiers += f", disk KV tier {args.kv_disk_path} {args.kv_disk_size:g} GiB"
+        print(f"config ok: role {kv.kv_role}, pipe {kv.kv_connector} {kv.kv_ip}:{kv.kv_port}{tiers}, model {where}")
         return
+    from disagg.api.tool_calls import ToolOptions
+    from disagg.engine.async_engine import AsyncEngine
+    from disagg.engine.config import EngineConfig
+    from disagg.engine.engine import LLMEngine
+    from disagg.serving import HTTPOptions
+
+    if args.disable_log_stats:  # the engine thread's only INFO line is its periodic stats summary
+        logging.getLogger("disagg.engine.async_engine").setLevel(logging.WARNING)
+    http_log_level = args.uvicorn_log_level or args.log_level
     # The engine thread, the event loop and the KV sender/receivers share one GIL. At Python's default
     # 5 ms switch interval, a thread that wakes from a socket read or returns from a C call that let
     # go of the GIL waits up to 5 ms for it whenever another runs Python: a layer-wise KV entry took 12x longer to
     # receive beside a busy thread, 2.5x at 0.5 ms (BENCHMARKS.md, "The GIL and the KV handoff").
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    engine = AsyncEngine(LLMEngine(EngineConfig(**engine_kwargs(args))))
     name = served_model_name(args)
     limits = HTTPLimits.from_args(args)
+    engine = AsyncEngine(LLMEngine(EngineConfig(**engine_kwargs(args) | {"model": local_model(args)})))
     if kv.kv_role == "producer":
         from disagg.prefill_node.server import run_prefill_node
 
-        asyncio.run(run_prefill_node(engine, name, kv, args.host, args.port, args.grpc_port, args.log_level, limits))
+        asyncio.run(run_prefill_node(engine, name, kv, args.host, args.port, args.grpc_port, http_log_level, limits))
     else:
         from disagg.decode_node.server import run_decode_node
 
         http = HTTPOptions(args.api_key, args.max_request_body_bytes, args.enable_docs)
         tools = ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser)
+        sampling = sampling_options(args, engine.model_dir)
         asyncio.run(run_decode_node(engine, name, kv, prefill_nodes, args.host, args.port, http, tools,
-                                    args.log_requests, args.shutdown_timeout, args.log_level, limits))
+                                    args.log_requests, args.shutdown_timeout, http_log_level, limits, sampling))
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-role", choices=["producer", "consumer", "both", "kv_producer", "kv_consumer", "kv_both"],
                         default=None, help="producer = prefill node, consumer = decode node, both = colocated (default)")
     parser.add_argument("--kv-transfer-config", default=None,
-                        help='JSON with vLLM\'s fields: {"kv_connector": "tcp|torch_dist|ucx|nixl", "kv_role": ..., '
+                        help='JSON with vLLM\'s fields: {"kv_connector": "tcp|torch_dist|ucx|nixl" or vLLM\'s '
+                             'connector names (PyNcclConnector, P2pNcclConnector, NixlConnector, OffloadingConnector, '
+                             'SimpleCPUOffloadConnector, LMCacheConnectorV1, MultiConnector), "kv_role": ..., '
                              '"kv_rank": ..., "kv_ip": ..., "kv_port": ..., "kv_buffer_size": bytes, '
                              '"kv_buffer_device": "cpu|cuda", "kv_connector_extra_config": {"auth_token": ... (default: '
                              f'${KV_AUTH_TOKEN_ENV}), '
                              '"prefill_policy": "recompute|fail", "lookup_timeout": s, "prefill_timeout": s, '
-                             '"pipe_timeout": s, "buffer_ttl": s, "insert_timeout": s}}')
+                             '"pipe_timeout": s, "buffer_ttl": s, "insert_timeout": s}}; kv_role sets the node\'s role')
     parser.add_argument("--host", default="127.0.0.1", help="address the HTTP (and gRPC) servers bind")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port: OpenAI API (decode/colocated), health, metrics")
     parser.add_argument("--grpc-port", type=int, default=50051, help="prefill node: control-plane gRPC port")
-    parser.add_argument("--prefill-nodes", default=None, help="decode node: HOST:GRPC_PORT[,HOST:GRPC_PORT...] of its prefill nodes")
-    parser.add_argument("--served-model-name", default=None, help="model name in the API (default: the model's)")
+    parser.add_argument("--prefill-nodes", default=None,
+                        help=f"decode node: HOST:GRPC_PORT[,HOST:GRPC_PORT...] of its prefill nodes (default: "
+                             f"{LOCAL_PREFILL_NODE}, the prefill node on this host)")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="the model's name in the API (default: MODEL as given for a Hub id, else the "
+                             "directory's name); one name")
     parser.add_argument("--api-key", default=None,
                         help=f"require 'Authorization: Bearer KEY' on every path but /health, /metrics and /ping "
                              f"(default: ${API_KEY_ENV})")
@@ -271,13 +401,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='chat: answer tool_choice "auto" (the default with tools), reading tool calls out of '
                              "the model's text with --tool-call-parser (vLLM's flag)")
-    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+    parser.add_argument("--tool-call-parser", default=None,
                         help="the format of the model's tool calls: hermes (<tool_call>{...}</tool_call>, Hermes "
-                             "and Qwen)")
+                             "and Qwen); vLLM's other parsers (llama3_json, mistral, ...) are refused")
     parser.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=True,
-                        help="log a line when each request starts and when it ends")
-    parser.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
-                        help="do not log each request (vLLM's flag)")
+                        help="log a line as each request starts and as it ends (the default here; vLLM's is off)")
+    parser.add_argument("--disable-log-requests", "--disable-log-request", dest="log_requests", action="store_false",
+                        help="turn off the line per request that --enable-log-requests describes (the spelling "
+                             "--disable-log-request is in vLLM's own scripts)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM or Ctrl-C, seconds that requests in flight get to finish while new "
                              "connections are refused")
@@ -285,7 +416,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="YAML file of flags (keys are flag names without --, as in vLLM); flags given on "
                              "the command line win")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
-    parser.add_argument("--check-config", action="store_true", help="validate the flags and exit")
+    parser.add_argument("--check-config", action="store_true",
+                        help="validate the flags and exit, loading no model (a Hub model is looked up, not downloaded)")
 
 
 ENV_PREFIX = "DISAGG_"
@@ -329,35 +461,57 @@ def config_file_defaults(parser: argparse.ArgumentParser, path: str) -> dict:
     return defaults
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="disagg", description="Disaggregated prefill/decode LLM serving")
+def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The `disagg` parser and its `serve` subparser. No flag may be abbreviated (`--kv-rol` is refused)."""
+    parser = argparse.ArgumentParser(prog="disagg", description="Disaggregated prefill/decode LLM serving",
+                                     allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
-    srv = sub.add_parser("serve", help="run a prefill, decode or colocated node",
+    srv = sub.add_parser("serve", help="run a prefill, decode or colocated node (takes vLLM's `vllm serve` flags)",
                          formatter_class=HelpFormatter)
     add_engine_args(srv)
     add_serve_args(srv)
+    add_vllm_flags(srv)
     upp = sub.add_parser("up", help="start 1 prefill + 1 decode node on localhost and send a sample request",
                          formatter_class=HelpFormatter)
-    upp.add_argument("model", nargs="?", default=None, help="model directory or .gguf (default: embedded SmolLM2)")
+    upp.add_argument("model", nargs="?", default=None,
+                     help="model directory, .gguf file or Hub id (default: the embedded SmolLM2-135M-Instruct)")
     upp.add_argument("--port", type=int, default=8000, help="decode node's HTTP port (the prefill node takes port+1)")
     upp.add_argument("--grpc-port", type=int, default=50051, help="prefill node's gRPC port")
     upp.add_argument("--kv-port", type=int, default=14579, help="prefill node's pipe port (decode takes kv-port+1)")
     upp.add_argument("--kv-connector", default="tcp", help="pipe: tcp, torch_dist, ucx or nixl")
-    upp.add_argument("--device", default=None, help="cpu or cuda")
+    upp.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     upp.add_argument("--once", action="store_true", help="stop both nodes after the sample request")
-    upp.add_argument("--log-level", default="WARNING")
-    gen = sub.add_parser("generate", help="offline generation with the engine, printed with timings")
+    upp.add_argument("--log-level", default="WARNING", help="the nodes' log level: DEBUG, INFO, WARNING or ERROR")
+    gen = sub.add_parser("generate", help="offline generation with the engine, printed with timings",
+                         formatter_class=HelpFormatter)
     add_engine_args(gen)
     gen.add_argument("--prompt", action="append", help="a user message (repeatable; default: three samples)")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--log-level", default="INFO")
+    gen.add_argument("--max-tokens", type=int, default=64, help="the most tokens generated per prompt")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    gen.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     from disagg.bench import add_bench_parser  # argparse only: the load generator loads when it runs
 
     add_bench_parser(sub)
     from disagg.router import add_router_parser  # argparse only: the router's server loads when it runs
 
     add_router_parser(sub)
+    for subparser in all_parsers(parser):
+        subparser.allow_abbrev = False
+    return parser, srv
+
+
+def all_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    found = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                found += all_parsers(child)
+    return found
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser, srv = build_parser()
+    argv = normalize_argv(sys.argv[1:] if argv is None else argv)
     try:
         srv.set_defaults(**environment_defaults(srv))
     except ValueError as e:

@@ -4,9 +4,13 @@ import hashlib
 import hmac
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from disagg.pipes.base import PipeConfig
+from disagg.vllm_connectors import VLLM_CONNECTORS, KVTiers, translate
+
+if TYPE_CHECKING:  # the pipes import torch; the command line reads this module without it
+    from disagg.pipes.base import PipeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +71,8 @@ class KVTransferConfig:
     kv_load_failure_policy: str | None = None  # vLLM's name for kv_connector_extra_config.prefill_policy
     engine_id: str | None = None  # ignored
     kv_connector_module_path: str | None = None  # ignored
+    # The KV tiers a vLLM connector name asked for (OffloadingConnector, LMCache...): engine settings.
+    tiers: KVTiers = field(default_factory=KVTiers, init=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in IGNORED:
@@ -78,7 +84,8 @@ class KVTransferConfig:
         self.kv_port = number("kv_port", self.kv_port, int)
         self.kv_buffer_size = number("kv_buffer_size", self.kv_buffer_size, float)
         if self.kv_connector not in PIPE_NAMES:
-            raise ValueError(f"kv_connector {self.kv_connector!r} is not a known pipe; choose one of {', '.join(PIPE_NAMES)}")
+            raise ValueError(f"kv_connector {self.kv_connector!r} is not a known pipe; choose one of "
+                             f"{', '.join(PIPE_NAMES)}, or one of vLLM's connectors {', '.join(VLLM_CONNECTORS)}")
         if self.kv_role not in ROLES:
             raise ValueError(f"kv_role {self.kv_role!r} is not a role; choose producer, consumer or both")
         self.kv_role = ROLES[self.kv_role]
@@ -111,8 +118,10 @@ class KVTransferConfig:
     def extra(self, key: str):
         return self.kv_connector_extra_config[key]
 
-    def pipe_config(self) -> PipeConfig:
+    def pipe_config(self) -> "PipeConfig":
         """This node's own pipe endpoint, with the pipe's key and stall timeout."""
+        from disagg.pipes.base import PipeConfig
+
         return PipeConfig(self.kv_ip, self.kv_port, derived_key(self.extra("auth_token"), "pipe"),
                           self.extra("pipe_timeout"))
 
@@ -122,14 +131,22 @@ class KVTransferConfig:
 
     @classmethod
     def from_json(cls, text: str) -> "KVTransferConfig":
-        try:
-            fields = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--kv-transfer-config is not valid JSON: {e}") from e
+        """vLLM's JSON, its connector names included (vllm_connectors.py maps them onto pipes and tiers)."""
+        fields = parse_json(text)
         if not isinstance(fields, dict):
             raise ValueError("--kv-transfer-config must be a JSON object")
-        known = set(cls.__dataclass_fields__)
+        fields, tiers = translate(fields)
+        known = set(cls.__dataclass_fields__) - {"tiers"}
         unknown = set(fields) - known
         if unknown:
             raise ValueError(f"--kv-transfer-config has unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**fields)
+        config = cls(**fields)
+        config.tiers = tiers
+        return config
+
+
+def parse_json(text: str) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--kv-transfer-config is not valid JSON: {e}") from None

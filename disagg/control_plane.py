@@ -5,9 +5,12 @@ converted to and from protobuf at the gRPC boundary only.
 """
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 from disagg.engine.sampling_params import SamplingParams
-from disagg.engine.sequence import TokenLogprob
+
+if TYPE_CHECKING:  # engine/sequence.py imports torch; the router reads NodeInfo through serving.py without it
+    from disagg.engine.sequence import TokenLogprob
 
 PROTOCOL_VERSION = 2  # 2: Prefill streams progress; penalties, logit_bias and min_tokens in SamplingFields
 # Fields two nodes must agree on before KV can move between them.
@@ -49,7 +52,7 @@ class PrefillCall:
 @dataclass
 class PrefillResult:
     first_token: int
-    first_logprob: TokenLogprob | None
+    first_logprob: "TokenLogprob | None"
     token_digest: str  # of the prompt whose KV was sent
     num_cached_tokens: int  # prompt tokens the prefill node's prefix cache already had
     kv_bytes: int

@@ -10,6 +10,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import h11
 import uvicorn
@@ -20,9 +21,11 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from disagg.config import KVTransferConfig
 from disagg.control_plane import NodeInfo
-from disagg.engine.async_engine import AsyncEngine
 from disagg.http_limits import HTTPLimits
-from disagg.pipes.base import RateLimitedLog
+from disagg.rate_limited_log import RateLimitedLog
+
+if TYPE_CHECKING:  # a type only: the router serves with this module and never loads torch
+    from disagg.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
 
@@ -250,7 +253,7 @@ def request_label(given: str | None, prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def node_info(engine: AsyncEngine, model_name: str, kv: KVTransferConfig) -> NodeInfo:
+def node_info(engine: "AsyncEngine", model_name: str, kv: KVTransferConfig) -> NodeInfo:
     """What this node tells its peers at the handshake (and expects of them)."""
     mc = engine.model_config
     return NodeInfo(model_name=model_name, dtype=str(engine.dtype).removeprefix("torch."),

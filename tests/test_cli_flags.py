@@ -67,7 +67,7 @@ def test_config_file_gives_defaults_that_the_command_line_overrides(tmp_path: Pa
     assert "needs --tool-call-parser" in check(["--config", str(config)], capsys)
     assert "config ok" in check(["--config", str(config), "--tool-call-parser", "hermes"], capsys)
     config.write_text("tool-call-parser: bogus\n")
-    assert "--tool-call-parser must be one of" in check(["--config", str(config)], capsys)
+    assert "--tool-call-parser bogus: the parsers built are hermes" in check(["--config", str(config)], capsys)
     config.write_text("no-such-flag: 1\n")
     assert "'no-such-flag' is not a flag of disagg serve" in check(["--config", str(config)], capsys)
     assert "--shutdown-timeout must be at least 0" in check(["--shutdown-timeout", "-1"], capsys)

@@ -60,6 +60,7 @@ from disagg.api.protocol import (
     PromptLogprob,
     PromptTokensDetails,
     SamplingFields,
+    ServerSamplingOptions,
     TokenizeRequest,
     TokenizeResponse,
     ToolCallOut,
@@ -566,10 +567,12 @@ def tool_finish_reason(finish_reason: str, calls: list[ToolCall]) -> str:
 class OpenAIServing:
     """The endpoints' handlers, over one node and its served model name."""
 
-    def __init__(self, node: DecodeNode, served_model_name: str, tool_options: ToolOptions, log_requests: bool):
+    def __init__(self, node: DecodeNode, served_model_name: str, tool_options: ToolOptions, log_requests: bool,
+                 sampling: ServerSamplingOptions):
         self.node = node
         self.model = served_model_name
         self.tool_options = tool_options
+        self.sampling = sampling  # --generation-config defaults, --max-logprobs
         self.log_requests = log_requests  # a line as each request starts and ends
         self.num_requests = 0  # in flight, for /load
 
@@ -623,7 +626,7 @@ class OpenAIServing:
         prompts = [await self.tokenize_prompt(p) for p in request.prompts]
         longest = max(len(p.token_ids) for p in prompts)
         try:
-            params = request.to_sampling_params(default_max_tokens=max(1, self.node.max_model_len - longest))
+            params = request.to_sampling_params(max(1, self.node.max_model_len - longest), self.sampling)
         except ValueError as e:
             raise request_error(request, e) from e
         fmt = CompletionFormat(request, self.node.tokenizer, self.model)
@@ -641,8 +644,8 @@ class OpenAIServing:
         # The rendered template already holds the special tokens (BOS included) it wants.
         prompt = Prompt(await asyncio.to_thread(self.node.tokenizer.encode, text, add_special_tokens=False), text)
         try:
-            params = request.to_sampling_params(default_max_tokens=max(1, self.node.max_model_len
-                                                                       - len(prompt.token_ids)))
+            params = request.to_sampling_params(max(1, self.node.max_model_len - len(prompt.token_ids)),
+                                                self.sampling)
         except ValueError as e:
             raise request_error(request, e) from e
         fmt = ChatFormat(request, self.node.tokenizer, self.model)
@@ -826,14 +829,15 @@ def add_body_schemas(app: FastAPI) -> None:
 
 
 def build_app(node: DecodeNode, options: HTTPOptions, served_model_name: str,
-              tool_options: ToolOptions = ToolOptions(), log_requests: bool = True) -> FastAPI:
+              tool_options: ToolOptions = ToolOptions(), log_requests: bool = True,
+              sampling: ServerSamplingOptions = ServerSamplingOptions()) -> FastAPI:
     app = make_app("disagg", options, error_response)
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(Exception, on_unexpected_error)
 
-    serving = OpenAIServing(node, served_model_name, tool_options, log_requests)
+    serving = OpenAIServing(node, served_model_name, tool_options, log_requests, sampling)
     add_body_schemas(app)
     app.add_api_route("/v1/completions", serving.completions, methods=["POST"], response_model=None,
                       openapi_extra=body_schema("/v1/completions"))

@@ -12,7 +12,7 @@ StructuredOutputSpec, and the field it came from names the 400 when its grammar 
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import (
@@ -26,7 +26,7 @@ from pydantic import (
 )
 
 from disagg.api.tool_calls import forced_schema, function_names, named_function
-from disagg.engine.sampling_params import SamplingParamError, SamplingParams, StructuredOutputSpec
+from disagg.engine.sampling_params import MAX_LOGPROBS, SamplingParamError, SamplingParams, StructuredOutputSpec
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +133,18 @@ UNSUPPORTED = {
 }
 
 
+@dataclass(frozen=True)
+class ServerSamplingOptions:
+    """vLLM's server flags over sampling: --generation-config's defaults (temperature, top_p, top_k, min_p,
+    repetition_penalty, max_tokens) for the fields a request leaves out, and --max-logprobs."""
+    defaults: dict = field(default_factory=dict)
+    max_logprobs: int = MAX_LOGPROBS
+
+    def default_max_tokens(self, room: int) -> int:
+        """max_tokens for a request that sets none: what is left of the context, or the config's if less."""
+        return min(room, self.defaults.get("max_tokens", room))
+
+
 @dataclass
 class Prompt:
     """One prompt of a request, tokenized; `text` is what echo sends back."""
@@ -230,13 +242,19 @@ class SamplingFields(OpenAIRequest):
         """vLLM's continuous_usage_stats: usage in every chunk (with include_usage, as there)."""
         return self.include_usage and self.stream_options.continuous_usage_stats
 
-    def _sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
+                         options: ServerSamplingOptions) -> SamplingParams:
         """SamplingParams checks the values; its ValueError is the 400's message."""
         self.check_supported()
         _, structured = self.structured()
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if value is not None and value > options.max_logprobs:
+                raise SamplingParamError(name, f"{name} {value} is more than the {options.max_logprobs} this server "
+                                               "allows (--max-logprobs)")
         optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
                     "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                     "repetition_penalty": self.repetition_penalty}
+        optional = {name: options.defaults.get(name) if value is None else value for name, value in optional.items()}
         return SamplingParams(
             **{name: value for name, value in optional.items() if value is not None},  # None: the default
             seed=self.seed,
@@ -306,19 +324,20 @@ class CompletionRequest(SamplingFields):
                                      f"prompts must be at most {MAX_CHOICES}, got {self.num_candidates} x "
                                      f"{len(self.prompts)}")
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def to_sampling_params(self, default_max_tokens: int,
+                           options: ServerSamplingOptions = ServerSamplingOptions()) -> SamplingParams:
         """default_max_tokens applies when max_tokens is null: what is left of the context."""
         if self.max_tokens == 0 and not self.echo:
             raise SamplingParamError("max_tokens", "max_tokens must be at least 1 (0 only with echo)")
         # With echo and max_tokens 0 one token is generated and dropped, as vLLM does.
-        max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens or 1
+        max_tokens = options.default_max_tokens(default_max_tokens) if self.max_tokens is None else self.max_tokens or 1
         prompt_logprobs = self.prompt_logprobs
         if prompt_logprobs is None and self.echo:
             prompt_logprobs = self.logprobs
         logprobs = self.logprobs
         if logprobs is None and self.num_candidates > self.n:
             logprobs = 0  # best_of ranks by them; the answer shows them only when asked
-        return self._sampling_params(max_tokens, logprobs, prompt_logprobs)
+        return self._sampling_params(max_tokens, logprobs, prompt_logprobs, options)
 
 
 class TextPart(OpenAIRequest):
@@ -419,16 +438,17 @@ class ChatCompletionRequest(SamplingFields):
             specs["tool_choice"] = StructuredOutputSpec("json", json.dumps(schema))
         return specs
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def to_sampling_params(self, default_max_tokens: int,
+                           options: ServerSamplingOptions = ServerSamplingOptions()) -> SamplingParams:
         """default_max_tokens applies when neither max_completion_tokens nor max_tokens is set."""
         if self.max_completion_tokens is not None:
             max_tokens = self.max_completion_tokens
         elif self.max_tokens is not None:
             max_tokens = self.max_tokens
         else:
-            max_tokens = default_max_tokens
+            max_tokens = options.default_max_tokens(default_max_tokens)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs)
+        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs, options)
 
 
 class TokenizeRequest(OpenAIRequest):

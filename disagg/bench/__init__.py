@@ -26,7 +26,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (…/v1 is appended)")
     parser.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
-    parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                        help="the API the requests go to: /v1/completions or /v1/chat/completions")
     parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     parser.add_argument("--qps", default="inf", help="mean request rate of the Poisson arrivals; inf = all at once")
     parser.add_argument("--qps-sweep", default=None, help="comma-separated rates, one run each (e.g. 0.5,1,2,inf)")
@@ -47,11 +48,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              'optional "max_tokens"; used in order, cycled')
     parser.add_argument("--no-ignore-eos", action="store_true",
                         help="do not send ignore_eos (for servers that refuse it)")
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="the requests' sampling temperature; 0 is greedy")
     parser.add_argument("--goodput", nargs="*", default=[], metavar="METRIC:MS",
                         help="SLOs for goodput, e.g. ttft:500 tpot:50 e2e:5000 (all must hold)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts and arrival times")
     parser.add_argument("--label", default=None, help="name of this system in plots (default: the base URL)")
     parser.add_argument("--save-json", default=None, help="write the results (summary and per request) here")
     parser.add_argument("--plot", default=None, help="write latency vs QPS to this PNG (needs matplotlib)")

@@ -6,6 +6,7 @@ import logging
 from disagg import metrics
 from disagg.config import KVTransferConfig
 from disagg.api.app import build_app
+from disagg.api.protocol import ServerSamplingOptions
 from disagg.decode_node.node import DecodeNode
 from disagg.decode_node.prefill_client import PrefillPool
 from disagg.api.tool_calls import ToolOptions
@@ -19,7 +20,8 @@ logger = logging.getLogger(__name__)
 
 async def run_decode_node(engine: AsyncEngine, model_name: str, kv: KVTransferConfig, prefill_nodes: list[str],
                           host: str, port: int, http: HTTPOptions, tools: ToolOptions, log_requests: bool,
-                          shutdown_timeout: float, log_level: str, limits: HTTPLimits | None = None) -> None:
+                          shutdown_timeout: float, log_level: str, limits: HTTPLimits | None = None,
+                          sampling: ServerSamplingOptions = ServerSamplingOptions()) -> None:
     consumer = pool = kv_advertise = None
     try:
         if kv.kv_role == "consumer":
@@ -39,7 +41,7 @@ async def run_decode_node(engine: AsyncEngine, model_name: str, kv: KVTransferCo
         metrics.register_vllm_names(model_name)
         metrics.register_engine(engine)
         metrics.register_kv_tiers(engine.engine)
-        await serve_http(build_app(node, http, model_name, tools, log_requests), host, port,
+        await serve_http(build_app(node, http, model_name, tools, log_requests, sampling), host, port,
                          f"disagg {role} node ready: http://{host}:{port} {where} model {model_name}", log_level,
                          shutdown_timeout, limits)
     finally:

@@ -67,6 +67,7 @@ class AsyncEngine:
         self.engine = engine
         # Fixed once the engine is built, so any thread may read them.
         self.tokenizer = engine.tokenizer
+        self.model_dir = engine.model_dir
         self.max_model_len = engine.max_model_len
         self.model_config = engine.model_config
         self.device = engine.device

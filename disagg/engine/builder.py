@@ -48,6 +48,61 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return DTYPES[dtype]
 
 
+GPU_MEMORY_UTILIZATION_ON_CPU = ("--gpu-memory-utilization is for GPUs and is ignored on the CPU: there the KV "
+                                  "cache takes --kv-cache-memory (default 512 MiB)")
+
+
+def check_memory_settings(kv_cache_memory: int | float | None, gpu_memory_utilization: float | None) -> None:
+    if gpu_memory_utilization is None:
+        return
+    if kv_cache_memory is not None:
+        raise ValueError("give --kv-cache-memory or --gpu-memory-utilization, not both: both size the KV cache")
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(f"--gpu-memory-utilization is a fraction of the GPU's memory in (0, 1], got "
+                         f"{gpu_memory_utilization}")
+
+
+def gpu_free_at_start(config: EngineConfig, device: torch.device) -> int | None:
+    """Before the model loads, with --gpu-memory-utilization: the device's free memory, checked to hold what
+    the flag asks for (vLLM refuses to start otherwise)."""
+    check_memory_settings(config.kv_cache_memory, config.gpu_memory_utilization)
+    if config.gpu_memory_utilization is None or device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    wanted = total * config.gpu_memory_utilization
+    if free < wanted:
+        raise ValueError(f"free memory on {device} ({free / 2**30:.1f} GiB of {total / 2**30:.1f} GiB) is less than "
+                         f"--gpu-memory-utilization {config.gpu_memory_utilization} asks for "
+                         f"({wanted / 2**30:.1f} GiB); lower it, or stop what else uses the GPU")
+    return free
+
+
+def step_activation_bytes(config: EngineConfig, mc: LlamaConfig, dtype: torch.dtype) -> int:
+    """An estimate of a step's peak activations beside the weights: a layer's hidden states, q/k/v and MLP
+    for max_num_batched_tokens tokens, and float32 logits for max_num_seqs rows (vLLM measures a dummy
+    step instead)."""
+    per_token = (6 * mc.hidden_size + 3 * mc.intermediate_size) * dtype.itemsize
+    return config.max_num_batched_tokens * per_token + 2 * config.max_num_seqs * mc.vocab_size * 4
+
+
+def gpu_kv_cache_budget(config: EngineConfig, mc: LlamaConfig, device: torch.device, dtype: torch.dtype,
+                        free_at_start: int) -> int:
+    """vLLM's --gpu-memory-utilization: this process may use that fraction of the GPU's total memory; the KV
+    cache gets what the loaded model (measured) and a step's activations (estimated) leave of it."""
+    free, total = torch.cuda.mem_get_info(device)
+    model_bytes = free_at_start - free
+    activations = step_activation_bytes(config, mc, dtype)
+    budget = int(total * config.gpu_memory_utilization) - model_bytes - activations
+    if budget <= 0:
+        raise ValueError(f"--gpu-memory-utilization {config.gpu_memory_utilization} gives this process "
+                         f"{total * config.gpu_memory_utilization / 2**30:.1f} GiB, and the model takes "
+                         f"{model_bytes / 2**30:.1f} GiB and a step about {activations / 2**30:.1f} GiB: nothing is "
+                         "left for the KV cache; raise it")
+    logger.info("KV cache budget %.1f GiB: %.2f of %.1f GiB, less %.1f GiB for the model and %.1f GiB for a step",
+                budget / 2**30, config.gpu_memory_utilization, total / 2**30, model_bytes / 2**30, activations / 2**30)
+    return budget
+
+
 def kv_cache_budget(memory: int | float | None, device: torch.device) -> int:
     """Bytes for the KV cache: given as bytes, or as a fraction of free memory."""
     if memory is None:
@@ -72,6 +127,9 @@ def build_runner(config: EngineConfig, model_dir: Path, mc: LlamaConfig, device:
     max_model_len = config.max_model_len or mc.max_position_embeddings
     if max_model_len < 2:
         raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
+    free_at_start = gpu_free_at_start(config, device)
+    if config.gpu_memory_utilization is not None and device.type != "cuda":
+        logger.warning(GPU_MEMORY_UTILIZATION_ON_CPU)
     model = LlamaForCausalLM(mc, max_positions=max(max_model_len, mc.max_position_embeddings))
     model.load_weights(load_weights(model_dir, dtype, "cpu"))
     model.to(device=device, dtype=dtype).eval()
@@ -80,7 +138,9 @@ def build_runner(config: EngineConfig, model_dir: Path, mc: LlamaConfig, device:
 
     block_bytes = KVCache.bytes_per_block(mc.num_hidden_layers, config.block_size, mc.num_key_value_heads,
                                           mc.head_dim, dtype)
-    num_blocks = kv_cache_budget(config.kv_cache_memory, device) // block_bytes
+    budget = (gpu_kv_cache_budget(config, mc, device, dtype, free_at_start) if free_at_start is not None
+              else kv_cache_budget(config.kv_cache_memory, device))
+    num_blocks = budget // block_bytes
     if num_blocks < 2:
         raise ValueError(f"kv_cache_memory holds {num_blocks} blocks of {block_bytes} bytes; give it more memory")
     capacity = (num_blocks - 1) * config.block_size  # one block of headroom for the next token

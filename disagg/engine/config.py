@@ -15,6 +15,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # per step; longer prompts are prefilled in chunks
     kv_cache_memory: int | float | None = None  # bytes, or a fraction of free memory
+    # vLLM's: the fraction of the GPU's total memory this process may use in all (weights, activations,
+    # KV cache); the KV cache gets what the rest leaves. Ignored on the CPU. Not with kv_cache_memory.
+    gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
     enforce_eager: bool = False  # CUDA: no decode graphs

