@@ -148,3 +148,38 @@ def test_layerwise_kv_over_tcp_lands_in_the_decode_engines_blocks(gpu_model_dir,
     finally:
         producer.close()
         consumer.close()
+
+
+def test_remote_requests_under_max_num_seqs_on_cuda(gpu_model_dir, prompts, reference):
+    """12 remote requests on a decode engine with max_num_seqs=4, each prompt's KV (computed by a
+    prefill engine) handed over as it is ready: at most 4 ever hold blocks, so the device block
+    table's 2 x 4 rows suffice (remote requests once bypassed the cap and ran it out of rows,
+    failing every request of that step), and every answer is transformers'."""
+    from kv_export import KVCollector
+
+    kwargs = dict(device="cuda", dtype="float32", kv_cache_memory=2**30)
+    prefill = LLM(str(gpu_model_dir), **kwargs).engine
+    decode = LLM(str(gpu_model_dir), max_num_seqs=4, **kwargs).engine
+    chosen = [i for i in range(len(prompts)) if len(prompts[i]) > 1] * 2  # 18 requests, some prompts twice
+    firsts, exports = {}, {}
+    for k, i in enumerate(chosen):
+        request_id = f"r{k}"
+        decode.add_request(request_id, prompts[i], GREEDY, remote_prefill=True)
+        slot = decode.remote_slot(request_id)
+        firsts[request_id] = slot.first
+        exports[request_id] = KVCollector(30, start=slot.cached_tokens)
+        prefill.add_request(request_id, prompts[i], SamplingParams(temperature=0.0, max_tokens=1),
+                            kv_export=exports[request_id].export)
+    done, most = {}, 0
+    while prefill.has_unfinished_requests() or decode.has_unfinished_requests():
+        for out in prefill.step():
+            first = firsts[out.request_id]
+            first.output(out.token_ids[0], None)
+            decode.finish_remote_prefill(out.request_id, exports[out.request_id].kv(), first,
+                                         kv_start=exports[out.request_id].export.start)
+        done |= {out.request_id: out.token_ids for out in decode.step() if out.finished}
+        holding = sum(1 for r in decode.requests.values() if r.seq.block_table)
+        most = max(most, holding)
+        assert len(decode.scheduler.running) <= 4 and holding <= 4
+    assert most == 4
+    assert [done[f"r{k}"] for k in range(len(chosen))] == [reference[i] for i in chosen]

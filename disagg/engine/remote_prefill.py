@@ -140,9 +140,9 @@ class RemotePrefills(KVArrival):
 
     def _load(self, seq: Sequence) -> None:
         remote = seq.remote_prefill
-        if remote.kv is not None:  # else it was received into the blocks
+        start = seq.num_cached_tokens
+        if remote.kv is not None and start < seq.num_prompt_tokens:  # else it is in the blocks already
             # Leading blocks hit in our own prefix cache (or the host tier) already hold this KV.
-            start = seq.num_cached_tokens
             self.kv_cache.scatter(seq.block_table, remote.kv[:, :, start - remote.kv_start:], start)
             if remote.kv.is_cuda:  # received on another stream: not reused before this scatter has read it
                 remote.kv.record_stream(torch.cuda.current_stream(remote.kv.device))

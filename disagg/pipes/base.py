@@ -9,7 +9,6 @@ one prefill node feed several decode nodes and the reverse (xPyD).
 import logging
 import queue
 import threading
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
