@@ -1,6 +1,6 @@
 """What a first token costs outside the model, and the decode step, on one GPU (8B shape, bf16).
 
-    python benchmarks/engine_overhead.py --tokenizer-dir DIR --label NAME --json out.json
+    python benchmarks/engine_overhead.py --tokenizer-dir DIR --versions base=OLD_TREE,new=. --json out.json
 
 - `prefill_ms_512`: the engine alone (in process, no HTTP), one 512-token prompt from add_request
   to its first token (median of 9 prompts, no prefix cache).
@@ -11,8 +11,9 @@
 - `decode_step_ms_b32`: 32 prompts of 512 tokens decoding together, the time per step over 63
   steps (median of 3 runs).
 
-Run it once per code version with PYTHONPATH naming that version's tree, in one call, so that the
-numbers compare on one machine.
+`--versions` starts one node per code version (a tree on its PYTHONPATH), all at once, and takes
+their requests in turn: the versions compare side by side on one machine. The engine phase runs
+in this process, on whatever `disagg` it imports.
 """
 
 import argparse
@@ -54,49 +55,86 @@ def engine_phase(model_dir: Path) -> dict:
             "decode_step_ms_b32": statistics.median(steps) * 1e3, "decode_step_samples_ms": [s * 1e3 for s in steps]}
 
 
-def server_phase(model_dir: Path, log: Path) -> dict:
-    port = 18123
-    argv = [sys.executable, "-m", "disagg.cli", "serve", str(model_dir), "--device", "cuda", "--dtype", "bfloat16",
-            "--port", str(port), "--kv-cache-memory", "16GiB", "--max-model-len", "4096", "--log-level", "WARNING"]
-    proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ})
-    url = f"http://127.0.0.1:{port}"
+def metric_sum_count(url: str, name: str) -> tuple[float, float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith(name)}
+    return values[f"{name}_sum"], values[f"{name}_count"]
+
+
+def server_phase(model_dir: Path, versions: dict[str, str], log_dir: Path, repeats: int) -> dict:
+    """One colocated node per code version (its PYTHONPATH), all up at once on the GPU, their requests
+    taken in turn, so that every version sees the same machine state."""
+    procs, urls = {}, {}
+    for i, (label, path) in enumerate(versions.items()):
+        port = 18123 + i
+        argv = [sys.executable, "-m", "disagg.cli", "serve", str(model_dir), "--device", "cuda", "--dtype", "bfloat16",
+                "--port", str(port), "--kv-cache-memory", "16GiB", "--max-model-len", "4096", "--log-level", "WARNING"]
+        env = {**os.environ, "PYTHONPATH": path}
+        procs[label] = subprocess.Popen(argv, stdout=(log_dir / f"server_{label}.log").open("w"),
+                                        stderr=subprocess.STDOUT, env=env)
+        urls[label] = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the node exited: {log.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the node did not start")
-            time.sleep(1)
-        for prompt in random_prompts(3, 512, 3):
-            ttft_of(url, prompt)
-        ttft = [ttft_of(url, prompt) for prompt in random_prompts(9, 512, 4)]
+        for label, url in urls.items():
+            while True:
+                if procs[label].poll() is not None:
+                    raise RuntimeError(f"{label}'s node exited: see {log_dir}/server_{label}.log")
+                try:
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the nodes did not start")
+                time.sleep(1)
+        for url in urls.values():
+            for prompt in random_prompts(3, 512, 3):
+                ttft_of(url, prompt)
+        before = {label: metric_sum_count(url, "disagg_time_to_first_token_seconds") for label, url in urls.items()}
+        ttft: dict[str, list[float]] = {label: [] for label in urls}
+        for prompt in random_prompts(repeats, 512, 4):
+            for label, url in urls.items():
+                ttft[label].append(ttft_of(url, prompt))
+        out = {}
+        for label, url in urls.items():
+            total, count = metric_sum_count(url, "disagg_time_to_first_token_seconds")
+            server_mean = (total - before[label][0]) / (count - before[label][1])
+            out[label] = {"ttft_ms_512": statistics.median(ttft[label]) * 1e3,
+                          "ttft_mean_ms_512": statistics.mean(ttft[label]) * 1e3,
+                          "server_ttft_mean_ms_512": server_mean * 1e3,  # the API's own: request parsed -> first token
+                          "ttft_samples_ms": [s * 1e3 for s in ttft[label]]}
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-    return {"ttft_ms_512": statistics.median(ttft) * 1e3, "ttft_samples_ms": [s * 1e3 for s in ttft]}
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            proc.wait(timeout=60)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokenizer-dir", required=True)
     ap.add_argument("--model-dir", default="/tmp/disagg-overhead-8b")
-    ap.add_argument("--label", required=True, help="names this code version in the JSON")
+    ap.add_argument("--versions", required=True,
+                    help="LABEL=PYTHONPATH[,LABEL=PYTHONPATH...]: the code versions compared; the engine phase "
+                         "runs in this process, so give it the PYTHONPATH of the first")
+    ap.add_argument("--phases", default="engine,server", help="engine and/or server")
+    ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
+    versions = dict(v.split("=", 1) for v in args.versions.split(","))
     model_dir = write_model("8b", Path(args.model_dir), Path(args.tokenizer_dir), "cuda")
-    result = engine_phase(model_dir) | server_phase(model_dir, Path(args.json).with_suffix(".log"))
-    result["ttft_fixed_ms_512"] = result["ttft_ms_512"] - result["prefill_ms_512"]
-    result["gpu"] = torch.cuda.get_device_name()
-    print(f"[{args.label}] prefill {result['prefill_ms_512']:.1f} ms, TTFT {result['ttft_ms_512']:.1f} ms, "
-          f"fixed {result['ttft_fixed_ms_512']:.1f} ms, decode step b32 {result['decode_step_ms_b32']:.2f} ms",
-          flush=True)
-    Path(args.json).write_text(json.dumps({args.label: result}, indent=1))
+    result: dict = {"gpu": torch.cuda.get_device_name(), "versions": versions}
+    if "engine" in args.phases:
+        result["engine"] = engine_phase(model_dir)
+        print(f"engine ({next(iter(versions))}): prefill {result['engine']['prefill_ms_512']:.2f} ms, decode step "
+              f"b32 {result['engine']['decode_step_ms_b32']:.2f} ms", flush=True)
+    if "server" in args.phases:
+        result["server"] = server_phase(model_dir, versions, Path(args.json).parent, args.repeats)
+        for label, r in result["server"].items():
+            print(f"{label}: TTFT median {r['ttft_ms_512']:.2f} ms, mean {r['ttft_mean_ms_512']:.2f}, "
+                  f"server-side mean {r['server_ttft_mean_ms_512']:.2f}", flush=True)
+    Path(args.json).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
