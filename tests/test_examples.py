@@ -13,7 +13,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def run_example(args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], check=False, capture_output=True, text=True, timeout=timeout, env=ENV)
+    return subprocess.run([sys.executable, *args], check=False, capture_output=True, text=True, timeout=timeout,
+                          env=ENV)
 
 
 def test_offline_disaggregated_prefill_matches_colocated():

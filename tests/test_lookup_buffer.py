@@ -138,7 +138,7 @@ def test_shuffled_lookups_with_backpressure(make_consumer, spawn_producer):
         try:
             for i in indices:
                 results[i] = lookup(consumer, i, source=("127.0.0.1", 1001))
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001  the main thread raises it
             errors.append(e)
 
     threads = [threading.Thread(target=worker, args=(order[k::4],)) for k in range(4)]
@@ -330,14 +330,14 @@ def test_producer_killed_mid_transfer(make_consumer, make_producer, spawn_produc
         try:
             for i in range(3, 10**6):
                 lookup(consumer, i, timeout=2.0, source=victim_source)
-        except BaseException:
+        except BaseException:  # noqa: BLE001  ends when the consumer is closed under it
             pass
 
     def expect_error(name: str, request_id: str, timeout: float, **kwargs) -> None:
         start = time.monotonic()
         try:
             consumer.drop_select(request_id, [1], timeout, **kwargs)
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001  the test asserts on it
             outcome[name] = e
         waited[name] = time.monotonic() - start
 

@@ -231,7 +231,8 @@ def header(obj: object) -> torch.Tensor:
 
 
 def good_header(**fields: object) -> dict:
-    return {"kind": "entry", "version": PROTOCOL_VERSION, "request_id": "r", "token_digest": "0" * 64, "extras": {}, **fields}
+    return {"kind": "entry", "version": PROTOCOL_VERSION, "request_id": "r", "token_digest": "0" * 64, "extras": {},
+            **fields}
 
 
 MALFORMED = {
@@ -253,7 +254,7 @@ def test_malformed_messages_drop_only_their_connection():
     try:
         producer.insert("before", [1], [torch.ones(8)], None, consumer.address)
         assert torch.equal(consumer.drop_select("before", [1], timeout=10).kv_tensors[0], torch.ones(8))
-        for port, (name, message) in enumerate(MALFORMED.items(), start=2000):
+        for port, message in enumerate(MALFORMED.values(), start=2000):
             sock, pipe = authenticated_producer_pipe(consumer.address, port)
             if isinstance(message, bytes):
                 sock.sendall(message)

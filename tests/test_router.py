@@ -34,7 +34,8 @@ PROMPTS = [
 ]
 KINDS = ("completion", "completion-stream", "chat", "chat-stream")
 NUM_REQUESTS = 40
-PREFILL_LOG_LINE = re.compile(r"prefill d[0-9a-f]{8}-[0-9a-f]{32}:")  # a prefill node's line for each prompt (decode node ids)
+# a prefill node's line for each prompt (decode node ids)
+PREFILL_LOG_LINE = re.compile(r"prefill d[0-9a-f]{8}-[0-9a-f]{32}:")
 
 
 def start_router(tmp_dir: Path, decode_nodes: list[str], extra_args: list[str] = (), wait: bool = True) -> Node:

@@ -261,7 +261,8 @@ async def run_router(decode_nodes: list[str], host: str, port: int, options: HTT
         await router.start()
         healthy = sum(n.healthy for n in router.nodes)
         if not healthy:
-            logger.warning("no decode node is healthy yet (%s); answering 503 until one is", router.unavailable_reason())
+            logger.warning("no decode node is healthy yet (%s); answering 503 until one is",
+                           router.unavailable_reason())
         await serve_http(build_app(router, client, options), host, port,
                          f"disagg router ready: http://{host}:{port} decode {','.join(decode_nodes)} "
                          f"({healthy} healthy)", log_level)
