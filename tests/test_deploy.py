@@ -232,6 +232,7 @@ def wait_healthy(service: Service, proc: subprocess.Popen, check: list[str], log
     raise AssertionError(f"{service.name} not healthy in {timeout}s:\n{log.read_text()[-3000:]}")
 
 
+@pytest.mark.slow
 def test_compose_services_answer_through_the_router(tmp_path: Path):
     services = load("docker-compose.yml")
     ports = {}

@@ -5,11 +5,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from servers import free_port, start_node
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # One thread per process: the examples start several engines on a shared two-core machine.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+pytestmark = pytest.mark.slow
 
 
 def run_example(args: list[str], timeout: float) -> subprocess.CompletedProcess:

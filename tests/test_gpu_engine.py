@@ -16,7 +16,7 @@ from disagg.engine.loader import resolve_model
 from disagg.engine.scheduler import ScheduledSeq
 from disagg.engine.sequence import KVExport, Sequence
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 MAX_TOKENS = 16
 PROMPT_LENGTHS = (1, 2, 15, 16, 17, 64, 100, 333, 700, 1000)

@@ -19,7 +19,7 @@ from servers import Node, read_sse_text, start_node
 from disagg import LLM, SamplingParams
 from disagg.engine.sampling_params import SamplingParamError, StructuredOutputSpec
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -89,6 +89,7 @@ def exchange(listener: pipes.PipeListener, pipe_name: str, config: PipeConfig, w
     served.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("pipe_name", ["tcp", "torch_dist"])
 def test_idle_connections_cost_bounded_threads_fds_and_log_lines(pipe_name, flood, caplog):
