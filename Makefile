@@ -1,15 +1,18 @@
-# The two commands of the quick start; each sets up .venv by itself on a fresh machine.
+# The two commands of the quick start, and CI's lint; each sets up .venv by itself on a fresh machine.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test setup
+.PHONY: run test lint setup
 
 run: $(VENV)/.ready
 	$(BIN)/disagg up
 
 test: $(VENV)/.ready
 	$(BIN)/python -m pytest -q --durations=25 tests
+
+lint: $(VENV)/.ready
+	$(BIN)/ruff check .
 
 setup: $(VENV)/.ready
 

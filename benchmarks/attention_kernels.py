@@ -6,12 +6,14 @@ shape's attention (32 query heads, 8 KV heads, head_dim 128, bfloat16).
 - prefill, causal, one 4,096-token prompt and 16 x 512: ours reads K/V from the paged cache
   through a shuffled block table; torch's SDPA (its flash backend) and FlexAttention (compiled,
   a causal block mask) get contiguous K/V, which an engine with a paged cache would first have
-  to gather (SDPA's flash kernel with each KV head already repeated for its query heads). Reported as TFLOP/s of causal attention (4 x heads x head_dim x n(n+1)/2 a prompt).
+  to gather (SDPA's flash kernel with each KV head already repeated for its query heads).
+  Reported as TFLOP/s of causal attention (4 x heads x head_dim x n(n+1)/2 a prompt).
 - decode, one token a sequence: batch 1, 32, 128 at context 512 and batch 1 at 32k. Ours is the
   split-K paged kernel (+ its merge); SDPA gets contiguous K/V again. Reported as GB/s of K/V read.
 
-Each kernel timed inside a CUDA graph of 20 calls (as the engine runs decode), median of 20 replays. FlashInfer is not in the comparison:
-its wheel (62 MB) and its CUTLASS DSL dependency are over what the GPU machine can be sent.
+Each kernel timed inside a CUDA graph of 20 calls (as the engine runs decode), median of 20 replays.
+FlashInfer is not in the comparison: its wheel (62 MB) and its CUTLASS DSL dependency are over
+what the GPU machine can be sent.
 """
 
 import argparse
@@ -26,8 +28,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from disagg.engine.layers import triton_kernels  # noqa: E402
-from disagg.engine.layers.triton_attention import MAX_SPLITS  # noqa: E402
+from disagg.engine.layers import triton_kernels
+from disagg.engine.layers.triton_attention import MAX_SPLITS
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 GROUP = HEADS // KV_HEADS
@@ -139,7 +141,8 @@ def main() -> int:
         print(f"{case:10s} {r['ours']:10.0f} {r['torch_sdpa_flash']:11.0f} {r['flex_attention']:10.0f}")
     print(f"{'decode':10s} {'ours':>10s} {'sdpa flash':>11s}  GB/s of K/V read (ms)")
     for case, r in result["decode_kv_gb_per_s"].items():
-        print(f"{case:10s} {r['ours']:10.0f} {r['torch_sdpa_flash']:11.0f}  ({r['ours_ms']:.3f} / {r['torch_sdpa_flash_ms']:.3f})")
+        print(f"{case:10s} {r['ours']:10.0f} {r['torch_sdpa_flash']:11.0f}"
+              f"  ({r['ours_ms']:.3f} / {r['torch_sdpa_flash_ms']:.3f})")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0

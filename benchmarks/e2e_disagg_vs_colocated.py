@@ -29,9 +29,9 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from disagg.bench import add_serve_args
-from disagg.bench.serve import run_benchmark
-from disagg.launch import wait_healthy
+from disagg.bench import add_serve_args  # noqa: E402
+from disagg.bench.serve import run_benchmark  # noqa: E402
+from disagg.launch import wait_healthy  # noqa: E402
 
 # `disagg serve` without building the whole CLI parser: the node's own flags and nothing else.
 SERVE = ("import argparse, logging, sys; from disagg import cli; p = argparse.ArgumentParser(); "

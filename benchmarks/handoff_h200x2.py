@@ -8,11 +8,12 @@ The random-weight 8B shape of gpu_e2e.py's write_model, bfloat16, KV over torch_
 the KV buffer on the GPU. Each phase fits one 10-minute call of the GPU machine.
 
 - ttft: a colocated node on GPU 0 and a 1P1D pair (prefill node on GPU 0, decode node on GPU 1;
-  with --gpus 1 on GPU 0 too, over a pipe other than NCCL), one request at a time, prompts of --lens tokens, alternating which system goes first, medians of
-  --repeats. `ttft_ratio` = TTFT 1P1D / TTFT colocated per length; the exposed handoff at 8k =
-  TTFT 1P1D - TTFT colocated (the prefill node's compute equals the colocated node's, same GPU
-  kind, same engine, same prompt), for each --kv-modes value (`whole`: the prompt's KV sent after
-  its last layer; `layerwise`: each layer's as soon as it is computed; kv_connector_extra_config.layerwise).
+  with --gpus 1 on GPU 0 too, over a pipe other than NCCL), one request at a time, prompts of
+  --lens tokens, alternating which system goes first, medians of --repeats. `ttft_ratio` =
+  TTFT 1P1D / TTFT colocated per length; the exposed handoff at 8k = TTFT 1P1D - TTFT colocated
+  (the prefill node's compute equals the colocated node's, same GPU kind, same engine, same
+  prompt), for each --kv-modes value (`whole`: the prompt's KV sent after its last layer;
+  `layerwise`: each layer's as soon as it is computed; kv_connector_extra_config.layerwise).
 - goodput: 1P1D against two colocated nodes (one a GPU) behind `disagg router`, all four nodes up
   at once; first the unloaded colocated TTFT and TPOT of one --input-len/--output-len request,
   which set the SLO (TTFT <= 2x, TPOT <= 1.5x); then Poisson arrivals at each --rates value on
@@ -38,7 +39,8 @@ from disagg.launch import wait_healthy
 
 ATTAINMENT = 0.9
 # The handoff's steps, timed by the nodes (histograms on /metrics): each 1P1D run reports their means.
-HANDOFF_STEPS = {"decode": ["remote_prefill_call", "kv_lookup_wait", "kv_entry_receive", "kv_load", "first_token_delay"],
+HANDOFF_STEPS = {"decode": ["remote_prefill_call", "kv_lookup_wait", "kv_entry_receive", "kv_load",
+                            "first_token_delay"],
                  "prefill": ["prefill_compute", "kv_buffer_insert", "kv_part_send"]}
 
 
@@ -112,7 +114,7 @@ def goodput_phase(args: argparse.Namespace, model: Path) -> dict:
             urls = {"colocated_x2": router_url, "disagg_1p1d": pair_and_first["disagg"].front.url}
             for system in (pair_and_first["colocated"], second["colocated"], pair_and_first["disagg"]):
                 warm_up(system, args.vocab)
-            for name, url in urls.items():  # a few loaded batches of the sweep's shape: first-batch costs stay out
+            for url in urls.values():  # a few loaded batches of the sweep's shape: first-batch costs stay out
                 serve_once(url, args, "4", 8, 99, [])
             unloaded = [serve_once(pair_and_first["colocated"].front.url, args, "inf", 1, 100 + i, [])
                         for i in range(3)]

@@ -289,7 +289,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--phases", default=",".join(PHASES), help=f"comma list of {', '.join(PHASES)} (default: all)")
     ap.add_argument("--model-dir", default=None,
                     help="the random-weight model: reused if it holds one, else written there (default: under /tmp)")
-    ap.add_argument("--tokenizer-dir", default=None, help="a directory with tokenizer.json (default: the embedded model's)")
+    ap.add_argument("--tokenizer-dir", default=None,
+                    help="a directory with tokenizer.json (default: the embedded model's)")
     ap.add_argument("--disk-path", default=None, help="disk tier directory (default: a temporary one)")
     ap.add_argument("--out", required=True, help="JSON results, rewritten after every step")
     args = ap.parse_args()

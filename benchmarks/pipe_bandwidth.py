@@ -110,7 +110,7 @@ def sender(
     for case in case_list:
         tensors = case.tensors(device)
         times = []
-        for r in range(WARMUP + repeats):
+        for _ in range(WARMUP + repeats):
             start = time.perf_counter()
             for _ in range(case.burst):
                 link.send(tensors)

@@ -41,7 +41,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (longer prompts are chunked)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="tokens per step (longer prompts are chunked)")
     parser.add_argument("--kv-cache-memory", type=parse_memory, default=None,
                         help="KV cache size: bytes (e.g. 2GiB) or a fraction of free memory (e.g. 0.8)")
     parser.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=True,
@@ -54,9 +55,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="default: triton on CUDA, sdpa on the CPU")
     parser.add_argument("--kv-offloading-size", type=float, default=0.0,
                         help="GiB of host memory (pinned on CUDA) for a KV tier under the device cache; 0: none")
-    parser.add_argument("--kv-offloading-backend", default="native", help="KV offloading backend: native (the only one)")
+    parser.add_argument("--kv-offloading-backend", default="native",
+                        help="KV offloading backend: native (the only one)")
     parser.add_argument("--kv-offloading-mode", default="eager",
-                        help="copy a KV block to the host tier when it is full (eager) or when the device evicts it (lazy)")
+                        help="copy a KV block to the host tier when it is full (eager) or "
+                             "when the device evicts it (lazy)")
     parser.add_argument("--kv-disk-path", default=None,
                         help="directory of a disk KV tier under the host tier (kept across restarts)")
     parser.add_argument("--kv-disk-size", type=float, default=None, help="GiB the disk KV tier may hold")
@@ -67,7 +70,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grammar-cache-mb", type=float, default=256,
                         help="MiB of memory for compiled structured-output grammars (least recently used out first)")
     parser.add_argument("--trust-remote-code", action="store_true",
-                        help="accepted for vLLM's command lines and ignored: disagg runs no code from the model directory")
+                        help="accepted for vLLM's command lines and ignored: disagg runs "
+                             "no code from the model directory")
     parser.add_argument("--revision", default=None,
                         help="the branch, tag or commit of a MODEL given as a Hugging Face Hub id (ORG/NAME)")
     parser.add_argument("--download-dir", default=None,
@@ -176,8 +180,12 @@ def apply_kv_tiers(args: argparse.Namespace, kv: KVTransferConfig) -> None:
 def check_engine_args(args: argparse.Namespace) -> str:
     """Every engine flag, without loading anything: a ValueError names the flag. Returns where the
     model comes from."""
-    from disagg.engine.builder import (GPU_MEMORY_UTILIZATION_ON_CPU, check_memory_settings, resolve_device,
-                                       resolve_dtype)
+    from disagg.engine.builder import (
+        GPU_MEMORY_UTILIZATION_ON_CPU,
+        check_memory_settings,
+        resolve_device,
+        resolve_dtype,
+    )
     from disagg.engine.config import EngineConfig
     from disagg.engine.kv_tiers.offload import check_kv_tiers
     from disagg.engine.loader import DEFAULT_MODEL_NAME, check_hub_model, is_hub_id, resolve_model
@@ -369,18 +377,21 @@ def serve(args: argparse.Namespace) -> None:
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-role", choices=["producer", "consumer", "both", "kv_producer", "kv_consumer", "kv_both"],
-                        default=None, help="producer = prefill node, consumer = decode node, both = colocated (default)")
+                        default=None,
+                        help="producer = prefill node, consumer = decode node, both = colocated (default)")
     parser.add_argument("--kv-transfer-config", default=None,
                         help='JSON with vLLM\'s fields: {"kv_connector": "tcp|torch_dist|ucx|nixl" or vLLM\'s '
                              'connector names (PyNcclConnector, P2pNcclConnector, NixlConnector, OffloadingConnector, '
                              'SimpleCPUOffloadConnector, LMCacheConnectorV1, MultiConnector), "kv_role": ..., '
                              '"kv_rank": ..., "kv_ip": ..., "kv_port": ..., "kv_buffer_size": bytes, '
-                             '"kv_buffer_device": "cpu|cuda", "kv_connector_extra_config": {"auth_token": ... (default: '
+                             '"kv_buffer_device": "cpu|cuda", "kv_connector_extra_config": {"auth_token": ... '
+                             '(default: '
                              f'${KV_AUTH_TOKEN_ENV}), '
                              '"prefill_policy": "recompute|fail", "lookup_timeout": s, "prefill_timeout": s, '
                              '"pipe_timeout": s, "buffer_ttl": s, "insert_timeout": s}}; kv_role sets the node\'s role')
     parser.add_argument("--host", default="127.0.0.1", help="address the HTTP (and gRPC) servers bind")
-    parser.add_argument("--port", type=int, default=8000, help="HTTP port: OpenAI API (decode/colocated), health, metrics")
+    parser.add_argument("--port", type=int, default=8000,
+                        help="HTTP port: OpenAI API (decode/colocated), health, metrics")
     parser.add_argument("--grpc-port", type=int, default=50051, help="prefill node: control-plane gRPC port")
     parser.add_argument("--prefill-nodes", default=None,
                         help=f"decode node: HOST:GRPC_PORT[,HOST:GRPC_PORT...] of its prefill nodes (default: "

@@ -110,7 +110,8 @@ class KVTransferConfig:
             extra["prefill_policy"] = self.kv_load_failure_policy
         self.kv_connector_extra_config = {**EXTRA_DEFAULTS, **extra}
         if not isinstance(self.extra("layerwise"), bool):
-            raise ValueError(f"kv_connector_extra_config.layerwise must be true or false, got {self.extra('layerwise')!r}")
+            raise ValueError("kv_connector_extra_config.layerwise must be true or false, "
+                             f"got {self.extra('layerwise')!r}")
         if self.extra("prefill_policy") not in ("recompute", "fail"):
             raise ValueError("kv_load_failure_policy (kv_connector_extra_config.prefill_policy) must be "
                              "'recompute' or 'fail'")

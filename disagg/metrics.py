@@ -110,8 +110,8 @@ class VLLMNames(Collector):
             for family in source.collect():
                 renamed = Metric(name, family.documentation, family.type)
                 for s in family.samples:
-                    renamed.add_sample(name + s.name.removeprefix(family.name), {**s.labels, "model_name": self.model_name},
-                                       s.value, s.timestamp, s.exemplar)
+                    renamed.add_sample(name + s.name.removeprefix(family.name),
+                                       {**s.labels, "model_name": self.model_name}, s.value, s.timestamp, s.exemplar)
                 yield renamed
 
 

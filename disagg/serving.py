@@ -175,7 +175,8 @@ class BoundedH11Protocol(H11Protocol):
 
     def expect(self, what: str) -> None:
         self.stop_waiting()
-        timeout = self.pool.limits.timeout_request_headers if what == "headers" else self.pool.limits.timeout_request_body
+        limits = self.pool.limits
+        timeout = limits.timeout_request_headers if what == "headers" else limits.timeout_request_body
         self.waiting_for = what
         self.deadline = self.loop.call_later(timeout, self.expired, what, timeout)
 

@@ -1,5 +1,10 @@
 """Shared fixtures: the embedded model converted once (into the default cache, so reruns are fast),
-its transformers twin as the reference, and tiny random Llama directories for fast engine tests."""
+its transformers twin as the reference, and tiny random Llama directories for fast engine tests.
+
+Two lanes: a test that starts processes or loads the real model is marked `slow`, and
+`pytest -m "not slow"` runs the rest in under a minute. A test that uses one of SLOW_FIXTURES
+(model_dir, and so hf_model, hf_tokenizer and tiny_llama_dir, which build on it) is marked here;
+one that starts processes otherwise is marked in its module."""
 
 import shutil
 from collections.abc import Callable
@@ -14,6 +19,14 @@ from disagg.engine.loader import resolve_model
 # Small matrix products run faster on one thread than on two that wait on each other, and the
 # suite shares two cores with the server processes it starts.
 torch.set_num_threads(1)
+
+SLOW_FIXTURES = {"model_dir", "pair_1p1d"}  # the real model; a 1P1D pair of node processes
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if SLOW_FIXTURES & set(item.fixturenames):  # fixturenames: those it uses through other fixtures too
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

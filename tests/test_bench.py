@@ -29,6 +29,7 @@ def bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           timeout=timeout, env=env)
 
 
+@pytest.mark.slow
 def test_serve_sweep_json_and_plot(node, tmp_path: Path):
     out_json, out_png = tmp_path / "run.json", tmp_path / "run.png"
     done = bench("serve", "--base-url", node.url, "--qps-sweep", "4,inf", "--num-requests", "3",
@@ -55,6 +56,7 @@ def test_serve_sweep_json_and_plot(node, tmp_path: Path):
     assert out_png.read_bytes()[:8] == PNG_MAGIC
 
 
+@pytest.mark.slow
 def test_serve_chat_and_plot_of_two_files(node, tmp_path: Path):
     out_json = tmp_path / "chat.json"
     done = bench("serve", "--base-url", node.url, "--endpoint", "chat", "--qps", "inf", "--num-requests", "2",

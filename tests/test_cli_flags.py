@@ -91,6 +91,7 @@ def test_environment_variables_give_every_flag_below_the_config_file_and_the_com
     assert "--shutdown-timeout: invalid float value: 'soon'" in check([], capsys)
 
 
+@pytest.mark.slow
 def test_sigterm_lets_a_request_in_flight_finish_within_the_shutdown_timeout(tmp_path: Path):
     """--shutdown-timeout: on SIGTERM new connections are refused at once and a stream in flight runs
     to its end (longer than the 5 s grace there was before the flag) before the node exits."""

@@ -126,7 +126,8 @@ def test_stubs_are_fresh():
 def test_check_notices_a_changed_proto(tmp_path: Path, capsys: pytest.CaptureFixture):
     changed = tmp_path / "disagg.proto"
     shutil.copy(ROOT / "proto" / "disagg.proto", changed)
-    changed.write_text(changed.read_text().replace("message AbortRequest {", "message AbortRequest {\n  string why = 9;"))
+    changed.write_text(changed.read_text().replace("message AbortRequest {",
+                                                   "message AbortRequest {\n  string why = 9;"))
     assert generate.main(["--check", "--proto", str(changed)]) == 1
     message = capsys.readouterr().err
     assert "disagg_pb2.py" in message and "python -m disagg.proto.generate" in message

@@ -232,6 +232,7 @@ def wait_healthy(service: Service, proc: subprocess.Popen, check: list[str], log
     raise AssertionError(f"{service.name} not healthy in {timeout}s:\n{log.read_text()[-3000:]}")
 
 
+@pytest.mark.slow
 def test_compose_services_answer_through_the_router(tmp_path: Path):
     services = load("docker-compose.yml")
     ports = {}
@@ -263,7 +264,8 @@ def test_compose_services_answer_through_the_router(tmp_path: Path):
         # The KV came over the pipe: the prefill node computed the prompt, the decode node did not.
         assert "recomputing" not in logs["decode"].read_text(), logs["decode"].read_text()[-3000:]
         assert re.search(r"prefill \S+: \d+ prompt tokens", logs["prefill"].read_text()), logs["prefill"].read_text()
-        assert "(auth on)" in logs["prefill"].read_text(), "the prefill node did not take the token from its environment"
+        assert "(auth on)" in logs["prefill"].read_text(), \
+            "the prefill node did not take the token from its environment"
     finally:
         for proc in reversed(procs):
             proc.terminate()
@@ -297,7 +299,8 @@ def test_grpc_and_the_pipe_use_different_keys_derived_from_the_secret():
     def config(role: str, token: str | None) -> KVTransferConfig:
         return KVTransferConfig(kv_role=role, kv_connector_extra_config={"auth_token": token} if token else None)
 
-    grpc_key, pipe_key = config("producer", "s3cret").grpc_token(), config("producer", "s3cret").pipe_config().auth_token
+    grpc_key = config("producer", "s3cret").grpc_token()
+    pipe_key = config("producer", "s3cret").pipe_config().auth_token
     assert len({grpc_key, pipe_key, "s3cret"}) == 3  # what gRPC metadata shows opens no pipe
     assert (config("consumer", "s3cret").grpc_token(), config("consumer", "s3cret").pipe_config().auth_token) == \
         (grpc_key, pipe_key)
@@ -310,4 +313,5 @@ def test_the_auth_token_comes_from_the_environment_unless_the_config_gives_one(m
     kv = cli.transfer_config(argparse.Namespace(kv_transfer_config=None, kv_role="producer"))
     assert kv.extra("auth_token") == "from-env"
     given = '{"kv_connector_extra_config": {"auth_token": "given"}}'
-    assert cli.transfer_config(argparse.Namespace(kv_transfer_config=given, kv_role=None)).extra("auth_token") == "given"
+    given_config = cli.transfer_config(argparse.Namespace(kv_transfer_config=given, kv_role=None))
+    assert given_config.extra("auth_token") == "given"

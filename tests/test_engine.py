@@ -235,7 +235,7 @@ def test_remote_prefill_continues_like_local(llm, model_dir, hf_model):
         for out in decode.step():
             if out.finished:
                 done[out.request_id] = out
-    for i, prompt in enumerate(prompts):
+    for i in range(len(prompts)):
         out = done[f"r{i}"]
         assert out.token_ids == reference(hf_model, out.prompt_token_ids, 32)
     assert decode.block_manager.num_free_blocks == free

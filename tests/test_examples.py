@@ -5,15 +5,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from servers import free_port, start_node
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # One thread per process: the examples start several engines on a shared two-core machine.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
+pytestmark = pytest.mark.slow
+
 
 def run_example(args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], check=False, capture_output=True, text=True, timeout=timeout, env=ENV)
+    return subprocess.run([sys.executable, *args], check=False, capture_output=True, text=True, timeout=timeout,
+                          env=ENV)
 
 
 def test_offline_disaggregated_prefill_matches_colocated():

@@ -16,7 +16,7 @@ from disagg.engine.loader import resolve_model
 from disagg.engine.scheduler import ScheduledSeq
 from disagg.engine.sequence import KVExport, Sequence
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 MAX_TOKENS = 16
 PROMPT_LENGTHS = (1, 2, 15, 16, 17, 64, 100, 333, 700, 1000)
@@ -26,7 +26,7 @@ PROMPT_LENGTHS = (1, 2, 15, 16, 17, 64, 100, 333, 700, 1000)
 def gpu_model_dir(tmp_path_factory) -> Path:
     try:
         return resolve_model(None)
-    except Exception:
+    except Exception:  # noqa: BLE001  any reason the embedded model is missing: use the tokenizer dir instead
         tokenizer_dir = os.environ.get("DISAGG_TEST_TOKENIZER_DIR")
         if not tokenizer_dir:
             pytest.skip("neither the embedded model nor DISAGG_TEST_TOKENIZER_DIR is available")

@@ -17,7 +17,7 @@ from servers import PAIR_MAX_MODEL_LEN, Node, read_sse_text, start_node, wait_fo
 
 from disagg import LLM, SamplingParams
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 MAX_MODEL_LEN = PAIR_MAX_MODEL_LEN  # the fuzzed node is configured as the shared pair is
 NODE_ARGS = ["--max-model-len", str(MAX_MODEL_LEN)]

@@ -301,6 +301,7 @@ def test_bad_tier_settings_are_refused(kwargs, error):
         LLM(device="cpu", **kwargs)
 
 
+@pytest.mark.slow
 def test_a_node_serves_with_tiers_and_exports_their_metrics(tmp_path):
     node = start_node("both", tmp_path, extra_args=["--kv-offloading-size", "0.05", "--kv-offloading-mode", "eager",
                                                     "--kv-disk-path", str(tmp_path / "kv"), "--kv-disk-size", "0.1"])
@@ -370,6 +371,7 @@ def test_a_client_gone_mid_load_frees_every_block_and_the_log_sums_up_the_tiers(
         node.kill()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", ["eager", "lazy"])
 def test_cuda_tiers_bring_back_the_same_kv_bytes(tmp_path, mode):

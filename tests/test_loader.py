@@ -365,6 +365,7 @@ def tiny_gguf_first_use(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path,
     return root / "tiny.gguf", root / "cache", state, outputs
 
 
+@pytest.mark.slow
 def test_concurrent_first_use_converts_once(tiny_gguf_first_use) -> None:
     _, cache, _, outputs = tiny_gguf_first_use
     assert all(rc == 0 for rc, _, _ in outputs), outputs
@@ -375,6 +376,7 @@ def test_concurrent_first_use_converts_once(tiny_gguf_first_use) -> None:
     assert [p.name for p in (cache / "models").iterdir() if p.is_dir()] == [Path(paths.pop()).name]
 
 
+@pytest.mark.slow
 def test_any_llama_gguf_round_trips(tiny_gguf_first_use, monkeypatch: pytest.MonkeyPatch) -> None:
     gguf_file, cache, state, _ = tiny_gguf_first_use
     monkeypatch.setenv("DISAGG_CACHE", str(cache))

@@ -124,6 +124,7 @@ def wait_until(predicate: Callable[[], bool], timeout: float) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_shuffled_lookups_with_backpressure(make_consumer, spawn_producer):
     consumer = make_consumer()
@@ -138,7 +139,7 @@ def test_shuffled_lookups_with_backpressure(make_consumer, spawn_producer):
         try:
             for i in indices:
                 results[i] = lookup(consumer, i, source=("127.0.0.1", 1001))
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001  the main thread raises it
             errors.append(e)
 
     threads = [threading.Thread(target=worker, args=(order[k::4],)) for k in range(4)]
@@ -286,6 +287,7 @@ def test_unsendable_entry_is_dropped_without_blocking_the_queue(make_consumer, m
     assert consumer.stats().connections == 1  # the pipe was kept
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_two_producers_feed_one_consumer(make_consumer, spawn_producer):
     consumer = make_consumer()
@@ -300,6 +302,7 @@ def test_two_producers_feed_one_consumer(make_consumer, spawn_producer):
     assert (stats.received, stats.hits, stats.entries) == (60, 60, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_one_producer_feeds_two_consumers(make_consumer, spawn_producer):
     consumers = [make_consumer(), make_consumer()]
@@ -314,6 +317,7 @@ def test_one_producer_feeds_two_consumers(make_consumer, spawn_producer):
         assert consumer.stats().entries == 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_producer_killed_mid_transfer(make_consumer, make_producer, spawn_producer):
     consumer = make_consumer()
@@ -330,14 +334,14 @@ def test_producer_killed_mid_transfer(make_consumer, make_producer, spawn_produc
         try:
             for i in range(3, 10**6):
                 lookup(consumer, i, timeout=2.0, source=victim_source)
-        except BaseException:
+        except BaseException:  # noqa: BLE001  ends when the consumer is closed under it
             pass
 
     def expect_error(name: str, request_id: str, timeout: float, **kwargs) -> None:
         start = time.monotonic()
         try:
             consumer.drop_select(request_id, [1], timeout, **kwargs)
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001  the test asserts on it
             outcome[name] = e
         waited[name] = time.monotonic() - start
 
@@ -388,6 +392,7 @@ def _status_bytes(field: str) -> int:
     raise KeyError(field)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_expected_kv_lands_in_its_views_with_no_buffer_of_its_own(make_consumer, spawn_producer):
     """An entry the consumer expects is received straight into the views it named (blocks spread

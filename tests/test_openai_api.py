@@ -19,7 +19,7 @@ from servers import Node, read_sse_text, start_node
 from disagg import LLM, SamplingParams
 from disagg.engine.sampling_params import SamplingParamError, StructuredOutputSpec
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -284,7 +284,8 @@ def test_chat_logprobs_shape(server):
         assert set(entry["top_logprobs"][0]) == {"token", "logprob", "bytes"}
     streamed = post(server, "/v1/chat/completions", {**body, "stream": True})
     chunks = [json.loads(e) for e in sse_events(streamed)[:-1]]
-    streamed_content = [entry for c in chunks if c["choices"][0]["logprobs"] for entry in c["choices"][0]["logprobs"]["content"]]
+    streamed_content = [entry for c in chunks if c["choices"][0]["logprobs"]
+                        for entry in c["choices"][0]["logprobs"]["content"]]
     assert [e["token"] for e in streamed_content] == [e["token"] for e in content]
 
 
@@ -509,7 +510,8 @@ def test_chat_as_current_clients_send_it(server, hf_tokenizer, model_name):
         {"role": "developer", "content": "You are a concise assistant."},
         {"role": "user", "content": "What is the weather in Paris?"},
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"},
     ]
     out = sdk(server).chat.completions.create(model=model_name, messages=messages, tools=tools, tool_choice="auto",

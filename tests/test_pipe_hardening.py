@@ -89,6 +89,7 @@ def exchange(listener: pipes.PipeListener, pipe_name: str, config: PipeConfig, w
     served.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("pipe_name", ["tcp", "torch_dist"])
 def test_idle_connections_cost_bounded_threads_fds_and_log_lines(pipe_name, flood, caplog):
@@ -231,7 +232,8 @@ def header(obj: object) -> torch.Tensor:
 
 
 def good_header(**fields: object) -> dict:
-    return {"kind": "entry", "version": PROTOCOL_VERSION, "request_id": "r", "token_digest": "0" * 64, "extras": {}, **fields}
+    return {"kind": "entry", "version": PROTOCOL_VERSION, "request_id": "r", "token_digest": "0" * 64, "extras": {},
+            **fields}
 
 
 MALFORMED = {
@@ -253,7 +255,7 @@ def test_malformed_messages_drop_only_their_connection():
     try:
         producer.insert("before", [1], [torch.ones(8)], None, consumer.address)
         assert torch.equal(consumer.drop_select("before", [1], timeout=10).kv_tensors[0], torch.ones(8))
-        for port, (name, message) in enumerate(MALFORMED.items(), start=2000):
+        for port, message in enumerate(MALFORMED.values(), start=2000):
             sock, pipe = authenticated_producer_pipe(consumer.address, port)
             if isinstance(message, bytes):
                 sock.sendall(message)

@@ -70,6 +70,7 @@ ALL_PIPES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(NIXL_HERE or _missing("nixl", "nixl_cu12") is not None, reason="nixl-cu12 is not installed")
 def test_nixl_pipe_in_a_process_of_its_own():
@@ -161,6 +162,7 @@ def gathered(views: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     return flat.view(like.shape)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("pipe_name", ALL_PIPES)
 def test_stress_echo(pipe_name):
@@ -171,6 +173,7 @@ def test_stress_echo(pipe_name):
         listener.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("pipe_name", ALL_PIPES)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
@@ -185,6 +188,7 @@ def test_cuda_tensors_between_two_gpus(pipe_name):
         listener.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("pipe_name", ALL_PIPES)
 def test_peer_killed_mid_transfer(pipe_name):
@@ -222,6 +226,7 @@ def test_peer_killed_mid_transfer(pipe_name):
         listener.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(NIXL_MISSING is not None, reason=f"nixl: {NIXL_MISSING}")
 @pytest.mark.parametrize("cut_off_by", ["timeout", "close"])
@@ -255,6 +260,7 @@ def test_nixl_receive_cut_off_while_the_peer_may_still_write_is_said_so(cut_off_
         listener.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("pipe_name", ALL_PIPES)
 def test_bad_peers_do_not_stop_the_listener(pipe_name):

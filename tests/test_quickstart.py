@@ -13,6 +13,8 @@ from servers import free_port
 from disagg import LLM, SamplingParams
 from disagg.launch import SAMPLE
 
+pytestmark = pytest.mark.slow
+
 
 def free_port_pair() -> int:
     """A port p with p + 1 free too (`disagg up` gives the prefill node port + 1)."""

@@ -34,7 +34,8 @@ PROMPTS = [
 ]
 KINDS = ("completion", "completion-stream", "chat", "chat-stream")
 NUM_REQUESTS = 40
-PREFILL_LOG_LINE = re.compile(r"prefill d[0-9a-f]{8}-[0-9a-f]{32}:")  # a prefill node's line for each prompt (decode node ids)
+# a prefill node's line for each prompt (decode node ids)
+PREFILL_LOG_LINE = re.compile(r"prefill d[0-9a-f]{8}-[0-9a-f]{32}:")
 
 
 def start_router(tmp_dir: Path, decode_nodes: list[str], extra_args: list[str] = (), wait: bool = True) -> Node:
@@ -136,6 +137,7 @@ async def ask(client: httpx.AsyncClient, url: str, i: int, request_id: str | Non
         return await read_sse_text(r), r.headers["x-request-id"]
 
 
+@pytest.mark.slow
 def test_xpyd_spreads_load_survives_a_dead_prefill_node_and_matches_colocated(cluster: Cluster):
     prefills, decodes, router, expected = cluster.prefills, cluster.decodes, cluster.router, cluster.expected
     victim = prefills[0]
@@ -203,6 +205,7 @@ async def _ask_once(url: str, i: int) -> tuple[str, str]:
         return await ask(client, url, i, None)
 
 
+@pytest.mark.slow
 def test_router_health_and_models(cluster: Cluster):
     health = httpx.get(f"{cluster.router.url}/health", timeout=10).json()
     assert health["status"] == "ok"
@@ -211,6 +214,7 @@ def test_router_health_and_models(cluster: Cluster):
     assert [m["id"] for m in models["data"]] == [MODEL]
 
 
+@pytest.mark.slow
 def test_decode_node_errors_pass_through(cluster: Cluster):
     """The decode node's 400 for a sampling parameter out of range comes back as it is, status and body."""
     r = httpx.post(f"{cluster.router.url}/v1/completions", timeout=30,
@@ -219,6 +223,7 @@ def test_decode_node_errors_pass_through(cluster: Cluster):
     assert "temperature" in r.json()["error"]["message"] and r.headers["x-request-id"].startswith("cmpl-")
 
 
+@pytest.mark.slow
 def test_bad_request_ids_are_replaced_and_docs_are_off(cluster: Cluster):
     router = cluster.router
     for bad in (b"x" * 5000, "caf\u00e9-id".encode()):
@@ -231,6 +236,7 @@ def test_bad_request_ids_are_replaced_and_docs_are_off(cluster: Cluster):
         assert httpx.get(router.url + path, timeout=10).status_code == 404
 
 
+@pytest.mark.slow
 def test_a_huge_body_is_refused_by_the_router_itself(cluster: Cluster):
     huge = json.dumps({"model": MODEL, "prompt": "word " * (12 * 2**20 // 5), "max_tokens": 2}).encode()
 
@@ -255,6 +261,7 @@ def test_a_huge_body_is_refused_by_the_router_itself(cluster: Cluster):
     assert text == cluster.expected["completion"][1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_frees_the_decode_nodes_blocks(cluster: Cluster, stream: bool):
     decodes, router = cluster.decodes, cluster.router
@@ -306,6 +313,7 @@ class FakeDecodeNode:
         self.server.server_close()
 
 
+@pytest.mark.slow
 def test_unreachable_decode_node_is_skipped(cluster: Cluster, tmp_path: Path):
     fake = FakeDecodeNode()
     # Health checks far apart: the router still believes the fake node healthy when it is gone.
@@ -367,6 +375,7 @@ class HungDecodeNode:
         self.server.server_close()
 
 
+@pytest.mark.slow
 def test_a_hung_decode_node_fails_its_requests_instead_of_holding_them(tmp_path: Path):
     """Health checks time out, the node is declared down, and both a stream already under way and
     a request waiting for a whole answer end with an error, long before any client timeout."""
@@ -407,6 +416,7 @@ def test_a_hung_decode_node_fails_its_requests_instead_of_holding_them(tmp_path:
         router.kill()
 
 
+@pytest.mark.slow
 def test_no_healthy_decode_node_answers_503_and_the_api_key_is_checked(tmp_path: Path):
     router = start_router(tmp_path, [f"127.0.0.1:{free_port()}"], extra_args=["--api-key", "k3y"], wait=False)
     try:

@@ -12,7 +12,7 @@ import pytest
 from prompts import PASSAGE, PROMPTS, hf_greedy
 from servers import free_port, read_sse_text, start_node, wait_exit, wait_for
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 EXTRA_PROMPTS = [
     "List three colors:", "The opposite of hot is", "Once upon a time,", "def add(a, b):",

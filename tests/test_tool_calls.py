@@ -94,7 +94,8 @@ def added_up(pieces: list[CallDelta]) -> list[tuple[str, str]]:
 
 def test_streamed_calls_add_up_to_the_calls_of_the_answer_not_streamed():
     auto = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, '
-            '{"note": "a } in a string"}]}}\n</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+            '{"note": "a } in a string"}]}}\n</tool_call>\n'
+            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
     pieces = stream_pieces(auto, "auto", "auto")
     assert added_up(pieces) == [(c.name, c.arguments) for c in parse_hermes(auto)[1]]
     assert len([p for p in pieces if p.index == 0]) > 10  # the arguments went out as they grew

@@ -31,7 +31,6 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from disagg import metrics
-from disagg.decode_node.node import DecodeNode, PrefillUnavailable
 from disagg.api.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -77,6 +76,7 @@ from disagg.api.tool_calls import (
     remove_hermes_calls,
     streamable_end,
 )
+from disagg.decode_node.node import DecodeNode, PrefillUnavailable
 from disagg.engine.output import RequestOutput
 from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.sequence import TokenLogprob
@@ -366,7 +366,8 @@ def chat_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob]) -> ChatLog
         return ChatTopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
 
     return ChatLogprobs(content=[
-        ChatTokenLogprob(**top(lp.token_id, lp.logprob).model_dump(), top_logprobs=[top(t, l) for t, l in lp.top])
+        ChatTokenLogprob(**top(lp.token_id, lp.logprob).model_dump(),
+                         top_logprobs=[top(t, logprob) for t, logprob in lp.top])
         for lp in logprobs])
 
 
@@ -453,7 +454,8 @@ class CompletionFormat:
             logprobs = None if self.request.logprobs is None else completion_logprobs(self.tokenizer, entries, 0)
             prompt_lps = None if self.request.prompt_logprobs is None else prompt_logprobs(self.tokenizer,
                                                                                             out.prompt_logprobs)
-            choices.append(CompletionChoice(index=choice.index, text=text, logprobs=logprobs, finish_reason=finish_reason,
+            choices.append(CompletionChoice(index=choice.index, text=text, logprobs=logprobs,
+                                            finish_reason=finish_reason,
                                             stop_reason=stop_reason, prompt_logprobs=prompt_lps))
         return CompletionResponse(id=run.request_id, created=self.created, model=self.model, choices=choices,
                                   usage=usage(run.candidates, self.num_output_tokens))
@@ -829,15 +831,16 @@ def add_body_schemas(app: FastAPI) -> None:
 
 
 def build_app(node: DecodeNode, options: HTTPOptions, served_model_name: str,
-              tool_options: ToolOptions = ToolOptions(), log_requests: bool = True,
-              sampling: ServerSamplingOptions = ServerSamplingOptions()) -> FastAPI:
+              tool_options: ToolOptions | None = None, log_requests: bool = True,
+              sampling: ServerSamplingOptions | None = None) -> FastAPI:
     app = make_app("disagg", options, error_response)
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(Exception, on_unexpected_error)
 
-    serving = OpenAIServing(node, served_model_name, tool_options, log_requests, sampling)
+    serving = OpenAIServing(node, served_model_name, tool_options or ToolOptions(), log_requests,
+                            sampling or ServerSamplingOptions())
     add_body_schemas(app)
     app.add_api_route("/v1/completions", serving.completions, methods=["POST"], response_model=None,
                       openapi_extra=body_schema("/v1/completions"))

@@ -60,7 +60,8 @@ class DecodeNode:
     async def generate(self, label: str, prompt_token_ids: list[int], params: SamplingParams,
                        prefill_policy: str | None = None) -> AsyncIterator[RequestOutput]:
         """The request was validated (AsyncEngine.validate) by the API. `label` (the client's
-        X-Request-Id or the API's id) only names the request in logs and answers: the engines and the prefill node know it by an id this node makes, so clients
+        X-Request-Id or the API's id) only names the request in logs and answers: the engines and the
+        prefill node know it by an id this node makes, so clients
         that reuse ids, or other decode nodes, can never touch each other's requests."""
         policy = prefill_policy or self.prefill_policy
         if policy not in POLICIES:
@@ -126,7 +127,8 @@ class DecodeNode:
             received = time.perf_counter()
             metrics.KV_LOOKUP_WAIT.observe(received - answered)
             if entry.token_digest != result.token_digest:
-                raise RuntimeError(f"KV digest {entry.token_digest} differs from the prefill node's {result.token_digest}")
+                raise RuntimeError(f"KV digest {entry.token_digest} differs from the prefill node's "
+                                   f"{result.token_digest}")
             self.kv_received_at[request_id] = received
             kv = None if entry.in_place else entry.kv_tensors[0]
             await self.engine.finish_remote_prefill(request_id, queue, slot, kv, result.first_token,
@@ -140,7 +142,7 @@ class DecodeNode:
             if client is not None:
                 await client.abort(request_id, self.kv_advertise)
             raise
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001  any failure of the handoff: recomputed or failed by policy
             self.kv_received_at.pop(request_id, None)  # a recomputed first token is no remote one
             await self._discard(request_id)  # before the blocks are given back
             if client is not None:
@@ -158,7 +160,7 @@ class DecodeNode:
                     await self.engine.prefill_locally(request_id)
 
     async def _discard_when_unhealthy(self, client: PrefillClient, request_id: str) -> None:
-        while client.healthy:
+        while client.healthy:  # noqa: ASYNC110  the pool's health checks set no event to wait on
             await asyncio.sleep(0.2)
         await self._discard(request_id)
 

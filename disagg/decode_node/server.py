@@ -4,12 +4,12 @@ plus, when disaggregated, the LookupBuffer consumer and the pool of prefill node
 import logging
 
 from disagg import metrics
-from disagg.config import KVTransferConfig
 from disagg.api.app import build_app
 from disagg.api.protocol import ServerSamplingOptions
+from disagg.api.tool_calls import ToolOptions
+from disagg.config import KVTransferConfig
 from disagg.decode_node.node import DecodeNode
 from disagg.decode_node.prefill_client import PrefillPool
-from disagg.api.tool_calls import ToolOptions
 from disagg.engine.async_engine import AsyncEngine
 from disagg.http_limits import HTTPLimits
 from disagg.lookup_buffer import LookupBufferConsumer
@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 async def run_decode_node(engine: AsyncEngine, model_name: str, kv: KVTransferConfig, prefill_nodes: list[str],
                           host: str, port: int, http: HTTPOptions, tools: ToolOptions, log_requests: bool,
                           shutdown_timeout: float, log_level: str, limits: HTTPLimits | None = None,
-                          sampling: ServerSamplingOptions = ServerSamplingOptions()) -> None:
+                          sampling: ServerSamplingOptions | None = None) -> None:
     consumer = pool = kv_advertise = None
     try:
         if kv.kv_role == "consumer":
@@ -36,7 +36,8 @@ async def run_decode_node(engine: AsyncEngine, model_name: str, kv: KVTransferCo
         node = DecodeNode(engine, model_name, consumer, pool, kv_advertise=kv_advertise,
                           prefill_policy=kv.extra("prefill_policy"), prefill_timeout=kv.extra("prefill_timeout"),
                           lookup_timeout=kv.extra("lookup_timeout"))
-        where = f"kv {kv.kv_connector} {kv.kv_ip}:{consumer.address[1]} prefill {','.join(prefill_nodes)}" if consumer else "colocated"
+        where = (f"kv {kv.kv_connector} {kv.kv_ip}:{consumer.address[1]} prefill {','.join(prefill_nodes)}"
+                 if consumer else "colocated")
         role = "decode" if consumer else "colocated"
         metrics.register_vllm_names(model_name)
         metrics.register_engine(engine)

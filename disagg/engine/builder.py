@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from disagg.engine.layers.attention import AttentionBackend, SdpaAttention
 from disagg.engine.config import EngineConfig
 from disagg.engine.kv_cache import KVCache
+from disagg.engine.layers.attention import AttentionBackend, SdpaAttention
 from disagg.engine.loader import load_weights
 from disagg.engine.model_runner import ModelRunner
 from disagg.engine.models.llama import LlamaConfig, LlamaForCausalLM

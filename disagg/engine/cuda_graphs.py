@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from disagg.engine.models.llama import LlamaForCausalLM
 from disagg.engine.layers.triton_attention import TritonAttention, TritonMetadata
+from disagg.engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 

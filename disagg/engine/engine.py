@@ -13,9 +13,9 @@ from disagg.engine.kv_arrival import KVArrival
 from disagg.engine.kv_tiers.offload import KVOffload, check_kv_tiers, kv_identity
 from disagg.engine.loader import load_config, resolve_model
 from disagg.engine.output import RequestOutput, TextState, advance, make_output
+from disagg.engine.remote_prefill import FirstToken, RemotePrefills, RemoteSlot
 from disagg.engine.sampler import Sampler
 from disagg.engine.sampling_params import SamplingParamError, SamplingParams
-from disagg.engine.remote_prefill import FirstToken, RemotePrefills, RemoteSlot
 from disagg.engine.scheduler import Scheduler
 from disagg.engine.sequence import KVExport, RemotePrefill, Sequence, SequenceStatus, TokenLogprob
 from disagg.engine.structured_output import GrammarCompiler, StructuredOutput

@@ -145,8 +145,13 @@ def check_hub_model(repo_id: str, revision: str | None = None, download_dir: str
 @contextlib.contextmanager
 def _hub_errors(repo_id: str, revision: str | None, download_dir: str | None):
     from huggingface_hub import constants
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     at = f" at revision {revision!r}" if revision else ""
     try:

@@ -97,7 +97,7 @@ class ModelRunner:
                     continue
                 try:
                     seq.kv_export.put(first, end, self.kv_cache.kv[first:end, :, rows])
-                except Exception:  # noqa: BLE001  its receiver misses the later layers; the step goes on
+                except Exception:  # its receiver misses the later layers; the step goes on
                     logger.exception("handing out the KV of %s failed at layers %d-%d", seq.request_id, first, end)
                     seq.kv_export.failed = True
         return after_layer

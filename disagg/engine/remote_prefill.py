@@ -122,7 +122,7 @@ class RemotePrefills(KVArrival):
                 del self.received[request_id]
                 try:
                     self._load(seq)
-                except Exception as e:  # noqa: BLE001  this request's KV alone
+                except Exception as e:
                     logger.exception("loading the received KV of %s failed", request_id)
                     self.failed.append((seq, e))
 

@@ -101,7 +101,8 @@ class SamplingParams:
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise SamplingParamError("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise SamplingParamError("logprobs", f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs!r}")
+            raise SamplingParamError("logprobs",
+                                     f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs!r}")
         if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
                                                  or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             raise SamplingParamError("prompt_logprobs", f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, "

@@ -30,7 +30,8 @@ from disagg.engine.sequence import Sequence
 # hundreds of MB (every grammar we and vLLM's tests use needs far less: JSON schemas of 60 fields,
 # tool schemas, dates, e-mails all build their lexer in under 10,000 fuel).
 GRAMMAR_LIMITS = {
-    "initial_lexer_fuel": 200_000,  # the lexer's build at the first mask: <= ~0.15 s, ~40 MB (default 1M: 0.75 s, 180 MB)
+    # The lexer's build at the first mask: <= ~0.15 s, ~40 MB (default 1M: 0.75 s, 180 MB).
+    "initial_lexer_fuel": 200_000,
     "step_lexer_fuel": 200_000,  # each later mask (llguidance's default)
     "max_lexer_states": 50_000,  # 1-2 kB each: <= ~100 MB of DFA (default 250,000)
     "max_grammar_size": 200_000,  # symbols in the grammar (default 500,000)

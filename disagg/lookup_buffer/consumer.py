@@ -39,8 +39,8 @@ from disagg.lookup_buffer.errors import (
 )
 from disagg.lookup_buffer.messages import MAX_HEADER_BYTES, Hello, KVEntry, decode, decode_chunk, token_digest
 from disagg.pipes.base import Destination, KVPipe, PipeConfig
-from disagg.rate_limited_log import RateLimitedLog
 from disagg.pipes.errors import PeerMayWrite, PipeError, PipeTimeout, ProtocolError
+from disagg.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger(__name__)
 

@@ -3,10 +3,11 @@
 `insert` only takes the entry into a bounded buffer and returns: the engine never waits
 on the network. An entry may also come in parts: `open` reserves its room and queues it,
 then `put` hands over each layer group's KV as the prefill computes it, and the sender
-sends each part as soon as it is there (docs/ARCHITECTURE.md, "Layer-wise send"). One sender thread per destination connects lazily to the consumer the
-entry is addressed to and pushes its entries in insertion order, reconnecting after a
-failure; an entry's bytes are freed once it is sent. Entries whose consumer cannot be
-reached expire after `ttl`, so a dead decode node never pins prefill memory.
+sends each part as soon as it is there (docs/ARCHITECTURE.md, "Layer-wise send"). One sender
+thread per destination connects lazily to the consumer the entry is addressed to and pushes
+its entries in insertion order, reconnecting after a failure; an entry's bytes are freed once
+it is sent. Entries whose consumer cannot be reached expire after `ttl`, so a dead decode node
+never pins prefill memory.
 """
 
 import logging
@@ -356,8 +357,9 @@ class LookupBufferProducer:
         while pending.num_parts is None or i < pending.num_parts:
             between_chunks = i > 0 and pending.parts[i - 1].ends_chunk
             with self._cond:
-                self._cond.wait_for(lambda: self._closed or pending.aborted or len(pending.parts) > i
-                                    or (between_chunks and _complete(queue) is not None),
+                # B023: wait_for calls the predicate in this iteration only.
+                self._cond.wait_for(lambda: self._closed or pending.aborted or len(pending.parts) > i  # noqa: B023
+                                    or (between_chunks and _complete(queue) is not None),  # noqa: B023
                                     max(0.0, pending.deadline - time.monotonic()))
                 part = pending.parts[i] if len(pending.parts) > i else None
                 if part is None and self._closed:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from disagg.pipes import wire
-from disagg.rate_limited_log import RateLimitedLog
 from disagg.pipes.errors import NoMessage, PeerMayWrite, PipeClosed, PipeError, PipeTimeout
+from disagg.rate_limited_log import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class KVPipe(ABC):
                 header = wire.encode(wire.Kind.TENSORS, [wire.TensorMeta.of(t) for t in tensors])
             try:
                 self._send(header, tensors)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001  any error breaks the pipe: re-raised as its PipeError
                 raise self._fail(e, "sending") from None
 
     @abstractmethod
@@ -126,7 +126,7 @@ class KVPipe(ABC):
                 return self._recv(out)
             except NoMessage:
                 raise  # nothing was consumed: the pipe stays usable
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001  any error breaks the pipe: re-raised as its PipeError
                 raise self._fail(e, "receiving") from None
 
     @abstractmethod

@@ -120,7 +120,8 @@ def handshake_socket(
             wire.handshake(send, recv, config.auth_token, is_listener)
     except PipeTimeout:
         raise PipeTimeout(
-            f"pipe handshake not done within {config.handshake_timeout}s (handshake_timeout); is the peer a disagg pipe?"
+            f"pipe handshake not done within {config.handshake_timeout}s (handshake_timeout); "
+            "is the peer a disagg pipe?"
         ) from None
     except PipeClosed as e:
         raise PipeClosed(

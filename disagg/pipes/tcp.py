@@ -102,7 +102,8 @@ class TcpPipe(KVPipe):
                     buffer, copied = self._staging(nbytes)
                     copied.synchronize()  # the copies out of its previous contents are done
                     recv_exact_into(self._sock, byte_view(buffer[:nbytes]))
-                    fill(group, buffer[:nbytes].view(group[0].dtype), non_blocking=True)  # one tensor's views: one dtype
+                    # one tensor's views: one dtype
+                    fill(group, buffer[:nbytes].view(group[0].dtype), non_blocking=True)
                     copied.record()
             finally:
                 for _, copied in self._stages:

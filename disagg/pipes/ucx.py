@@ -118,7 +118,8 @@ def _handshake(ep: "ucxx.Endpoint", config: PipeConfig, is_listener: bool) -> No
         )
     except PipeTimeout:
         raise PipeTimeout(
-            f"pipe handshake not done within {config.handshake_timeout}s (handshake_timeout); is the peer a disagg pipe?"
+            f"pipe handshake not done within {config.handshake_timeout}s (handshake_timeout); "
+            "is the peer a disagg pipe?"
         ) from None
 
 

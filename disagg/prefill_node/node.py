@@ -94,7 +94,8 @@ class PrefillNode:
             async for out in self.engine.generate(call.request_id, call.prompt_token_ids, params, kv_export=export):
                 final = out
             if sender.tokens_put != len(call.prompt_token_ids) - call.skip_tokens:
-                raise RuntimeError(f"prefill of {call.request_id} ended without its KV ({final and final.finish_reason})")
+                raise RuntimeError(
+                    f"prefill of {call.request_id} ended without its KV ({final and final.finish_reason})")
         except BaseException:
             self.producer.abort(call.request_id)  # on the wire already, the decode node is told it is cancelled
             raise

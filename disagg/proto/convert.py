@@ -48,7 +48,8 @@ def prefill_call_from_proto(msg: pb.PrefillRequest) -> PrefillCall:
                             structured=StructuredOutputSpec(s.structured.kind, s.structured.value)
                             if s.HasField("structured") else None)
     if not 0 <= msg.skip_tokens < len(msg.prompt_token_ids):
-        raise ValueError(f"skip_tokens must be in [0, prompt length {len(msg.prompt_token_ids)}), got {msg.skip_tokens}")
+        raise ValueError(
+            f"skip_tokens must be in [0, prompt length {len(msg.prompt_token_ids)}), got {msg.skip_tokens}")
     return PrefillCall(request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids), params=params,
                        kv_dest=(msg.kv_dest_host, msg.kv_dest_port), skip_tokens=msg.skip_tokens)
 

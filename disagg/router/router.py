@@ -32,8 +32,8 @@ OUTSTANDING = Gauge("disagg_router_outstanding_requests", "Requests in flight on
                     ["decode_node"], registry=REGISTRY)
 HEALTHY = Gauge("disagg_router_decode_node_healthy", "1 while the decode node passes its health checks",
                 ["decode_node"], registry=REGISTRY)
-NO_HEALTHY_NODE = Counter("disagg_router_no_healthy_node_total", "Requests answered 503: no decode node could take them",
-                          registry=REGISTRY)
+NO_HEALTHY_NODE = Counter("disagg_router_no_healthy_node_total",
+                          "Requests answered 503: no decode node could take them", registry=REGISTRY)
 
 
 def describe(error: Exception) -> str:

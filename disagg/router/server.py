@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive, Scope, Send
 
+from disagg.http_limits import HTTPLimits
 from disagg.router.router import (
     NO_HEALTHY_NODE,
     REGISTRY,
@@ -36,7 +37,6 @@ from disagg.router.router import (
     describe,
     parse_decode_nodes,
 )
-from disagg.http_limits import HTTPLimits
 from disagg.serving import STATUS_CLIENT_CLOSED, HTTPOptions, make_app, openai_error_response, request_label, serve_http
 
 logger = logging.getLogger(__name__)
@@ -262,7 +262,8 @@ async def run_router(decode_nodes: list[str], host: str, port: int, options: HTT
         await router.start()
         healthy = sum(n.healthy for n in router.nodes)
         if not healthy:
-            logger.warning("no decode node is healthy yet (%s); answering 503 until one is", router.unavailable_reason())
+            logger.warning("no decode node is healthy yet (%s); answering 503 until one is",
+                           router.unavailable_reason())
         await serve_http(build_app(router, client, options), host, port,
                          f"disagg router ready: http://{host}:{port} decode {','.join(decode_nodes)} "
                          f"({healthy} healthy)", log_level, limits=limits)

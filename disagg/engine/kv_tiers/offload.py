@@ -24,9 +24,9 @@ import torch
 from disagg.engine.block_manager import BlockKey, BlockManager
 from disagg.engine.config import EngineConfig
 from disagg.engine.kv_arrival import KVArrival
+from disagg.engine.kv_cache import KVCache
 from disagg.engine.kv_tiers.disk import DiskResult, DiskTier
 from disagg.engine.kv_tiers.host import HostBlock, HostTier
-from disagg.engine.kv_cache import KVCache
 from disagg.engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -386,7 +386,8 @@ class KVOffload(KVArrival):
             copy = Copy(self.stream, self.kv_cache, self.host, [i.device_block for i in items],
                         [i.host.slot for i in items], to_host=False)
         except Exception as e:  # noqa: BLE001  e.g. no device memory for the staging buffer: computed instead
-            logger.warning("KV tiers: loading %d blocks from the host tier failed (%s); they are computed", len(items), e)
+            logger.warning("KV tiers: loading %d blocks from the host tier failed (%s); they are computed",
+                           len(items), e)
             for item in items:
                 item.state = "failed"
                 self.host.unpin(item.host)

@@ -8,10 +8,10 @@ import numpy as np
 import torch
 import triton
 
-from disagg.engine.layers import triton_kernels
-from disagg.engine.layers.attention import StepInputs
 from disagg.engine.block_table import DeviceBlockTable
 from disagg.engine.kv_cache import KVCache
+from disagg.engine.layers import triton_kernels
+from disagg.engine.layers.attention import StepInputs
 from disagg.engine.scheduler import ScheduledSeq
 
 MAX_SPLITS = 32
