@@ -2,12 +2,13 @@
 # One call on the H200 pair (nvidia-h200-x2), after benchmarks/device_setup.sh here:
 #   bash benchmarks/handoff_pair_run.sh PHASE...     carry [".whl", ".device"]
 #   bash benchmarks/handoff_pair_run.sh pipes        carry [".whlnx"] (NIXL's wheel alone is 57 MB of the 64 MiB)
-# PHASE: tests (the 2-GPU handoff tests), ttft (layer-wise, then whole; 4 lengths), goodput
+# PHASE: tests (the 2-GPU handoff tests), ttft (layer-wise, then whole, or $MODES; $LENS), goodput
 # (layer-wise, rates $RATES), pipes (torch_dist beside nixl: 16 MiB, 256 MiB, a layer list).
 # Each writes its JSON and log under $OUT; the last lines are the summary.
 set -uo pipefail
 if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+    # --upgrade: a second call on the same machine replaces what the first installed (else pip keeps it)
+    python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 DISAGG_TEST_TOKENIZER_DIR=.device/tok
 out=${OUT:-/tmp/out}
@@ -19,7 +20,7 @@ for phase in "$@"; do
         python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py tests/test_pipes.py -k gpu 2>&1 \
             | tee "$out/tests.log" | tail -5 ;;
     ttft)
-        for mode in layerwise whole; do
+        for mode in ${MODES:-layerwise whole}; do
             python3 benchmarks/handoff_h200x2.py "${common[@]}" --phase ttft --lens "${LENS:-512,2048,8192,16384}" \
                 --repeats 5 --kv-modes $mode --json "$out/ttft_$mode.json" 2>&1 | tee "$out/ttft_$mode.log" | tail -8
         done ;;
