@@ -34,8 +34,8 @@ from disagg.bench.serve import run_benchmark  # noqa: E402
 from disagg.launch import wait_healthy  # noqa: E402
 
 # `disagg serve` without building the whole CLI parser: the node's own flags and nothing else.
-SERVE = ("import argparse, logging, sys; from disagg import cli; p = argparse.ArgumentParser(); "
-         "cli.add_engine_args(p); cli.add_serve_args(p); a = p.parse_args(sys.argv[1:]); "
+SERVE = ("import argparse, logging, sys; from disagg import cli, vllm_flags; p = argparse.ArgumentParser(); "
+         "cli.add_engine_args(p); cli.add_serve_args(p); vllm_flags.add_vllm_flags(p); a = p.parse_args(sys.argv[1:]); "
          "logging.basicConfig(level=a.log_level.upper(), "
          "format='%(asctime)s %(levelname)s %(name)s: %(message)s'); cli.serve(a)")
 

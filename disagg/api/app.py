@@ -291,9 +291,16 @@ class Run:
         self.choices = kept
 
     async def outputs(self) -> AsyncIterator[Choice]:
-        """Each choice as it gets an output (its first ones first), until all have finished."""
+        """Each choice as it gets an output (its first ones first), until all have finished. One
+        choice (the usual request) reads its stream in turn; several are raced, a task each."""
         for choice in self.choices:
             yield choice
+        if len(self.choices) == 1:
+            choice = self.choices[0]
+            while not choice.out.finished:
+                choice.out = await choice.generation.next()
+                yield choice
+            return
         pending = {asyncio.create_task(c.generation.next()): c for c in self.choices if not c.out.finished}
         try:
             while pending:
