@@ -212,8 +212,9 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, pat
 
 
 def test_docs_are_off_by_default(server):
-    for path in ("/docs", "/redoc", "/openapi.json"):
-        assert httpx.get(server.url + path, timeout=10).status_code == 404
+    for path in ("/docs", "/redoc", "/openapi.json"):  # even to a client with the key (without it: 401)
+        assert httpx.get(server.url + path, headers=AUTH, timeout=10).status_code == 404
+        assert httpx.get(server.url + path, timeout=10).status_code == 401
 
 
 def test_api_key_is_required_everywhere_but_the_probes(server):
