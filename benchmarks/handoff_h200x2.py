@@ -51,7 +51,8 @@ def node_kwargs(args: argparse.Namespace, model: Path, mode: str) -> dict:
     return dict(model=str(model), dtype=args.dtype, connector=args.connector, extra=extra,
                 kv_buffer_device=args.kv_buffer_device if args.device == "cuda" else None,
                 kv_buffer_size=4e9,  # a 16k prompt's KV is 2 GiB (the default 1e9 bytes refuses 8k ones)
-                kv_extra={"layerwise": mode == "layerwise"})
+                # "always": the handoff is what is measured, whatever the prompt's length.
+                kv_extra={"layerwise": mode == "layerwise", "remote_prefill": "always"})
 
 
 def specs(args: argparse.Namespace) -> tuple[NodeSpec, NodeSpec]:

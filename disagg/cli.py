@@ -387,7 +387,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              '"kv_buffer_device": "cpu|cuda", "kv_connector_extra_config": {"auth_token": ... '
                              '(default: '
                              f'${KV_AUTH_TOKEN_ENV}), '
-                             '"prefill_policy": "recompute|fail", "lookup_timeout": s, "prefill_timeout": s, '
+                             '"prefill_policy": "recompute|fail", "remote_prefill": "auto|always|never", '
+                             '"local_prefill_max_tokens": n, "lookup_timeout": s, "prefill_timeout": s, '
                              '"pipe_timeout": s, "buffer_ttl": s, "insert_timeout": s}}; kv_role sets the node\'s role')
     parser.add_argument("--host", default="127.0.0.1", help="address the HTTP (and gRPC) servers bind")
     parser.add_argument("--port", type=int, default=8000,

@@ -34,9 +34,17 @@ EXTRA_DEFAULTS: dict[str, object] = {
     "buffer_ttl": 60.0,  # seconds an unclaimed entry is kept
     "insert_timeout": 5.0,  # seconds a prefill node waits for buffer space
     "prefill_policy": "recompute",  # when the prefill node fails: "recompute" here or "fail" with 503
+    # Which prompts a decode node sends to a prefill node: "always", "never", or "auto": those of which
+    # more than local_prefill_max_tokens tokens miss its own prefix cache; it computes the others itself.
+    "remote_prefill": "auto",
+    # 64: computing 64 tokens in the decode batch costs it about one decode step's worth of extra work,
+    # while the handoff adds a fixed cost to the first token (a gRPC call, the KV's way back over the
+    # pipe, its load: several ms) that a prompt this short would not win back on the prefill node.
+    "local_prefill_max_tokens": 64,
     "layerwise": True,  # a prefill node sends each layer's KV as soon as it is computed, else all at the end
 }
 EXTRA_NUMBERS = ("pipe_timeout", "lookup_timeout", "prefill_timeout", "buffer_ttl", "insert_timeout")
+REMOTE_PREFILL = ("auto", "always", "never")
 # vLLM fields that mean nothing here: accepted, so that vLLM's configs start, with a warning.
 IGNORED = ("engine_id", "kv_connector_module_path")
 
@@ -103,6 +111,12 @@ class KVTransferConfig:
         for name in EXTRA_NUMBERS:
             if name in extra:
                 extra[name] = number(f"kv_connector_extra_config.{name}", extra[name], float)
+        if "local_prefill_max_tokens" in extra:
+            extra["local_prefill_max_tokens"] = number("kv_connector_extra_config.local_prefill_max_tokens",
+                                                       extra["local_prefill_max_tokens"], int)
+            if extra["local_prefill_max_tokens"] < 0:
+                raise ValueError("kv_connector_extra_config.local_prefill_max_tokens must be 0 or more, "
+                                 f"got {extra['local_prefill_max_tokens']}")
         if self.kv_load_failure_policy is not None:
             if extra.get("prefill_policy", self.kv_load_failure_policy) != self.kv_load_failure_policy:
                 raise ValueError(f"kv_load_failure_policy {self.kv_load_failure_policy!r} disagrees with "
@@ -115,6 +129,9 @@ class KVTransferConfig:
         if self.extra("prefill_policy") not in ("recompute", "fail"):
             raise ValueError("kv_load_failure_policy (kv_connector_extra_config.prefill_policy) must be "
                              "'recompute' or 'fail'")
+        if self.extra("remote_prefill") not in REMOTE_PREFILL:
+            raise ValueError(f"kv_connector_extra_config.remote_prefill must be one of {', '.join(REMOTE_PREFILL)}, "
+                             f"got {self.extra('remote_prefill')!r}")
 
     def extra(self, key: str):
         return self.kv_connector_extra_config[key]

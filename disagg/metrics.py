@@ -44,6 +44,8 @@ KV_BUFFER_INSERT = Histogram("disagg_kv_buffer_insert_seconds", "Opening a promp
 KV_PART_SEND = Histogram("disagg_kv_part_send_seconds", "One KV message (a layer part, or a whole prompt's KV) "
                          "handed to the pipe until sent (a GPU part over NCCL: until its transfer is queued)",
                          buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
+PREFILL_ROUTE = Counter("disagg_prefill_route_total", "Prompts a decode node computed itself (local) or got "
+                        "from a prefill node (remote)", ["route"])
 REMOTE_PREFILL = Counter("disagg_remote_prefill_total", "Remote prefills, by outcome",
                          ["outcome"])  # ok, recomputed, failed
 KV_BLOCKS_USED = Gauge("disagg_kv_blocks_used", "KV cache blocks in use")

@@ -41,9 +41,11 @@ def pair_1p1d(tmp_path_factory: pytest.TempPathFactory) -> tuple[Node, Node]:
     tmp = tmp_path_factory.mktemp("pair-1p1d")
     args = ["--max-model-len", str(PAIR_MAX_MODEL_LEN)]
     prefill = start_node("producer", tmp, extra_args=args)
-    # "fail": a request the prefill node does not serve is an error, not a silent recompute.
+    # "fail": a request the prefill node does not serve is an error, not a silent recompute; "always":
+    # every prompt crosses, however short (the modules test the handoff under load).
     decode = start_node("consumer", tmp, prefill_nodes=[prefill.grpc_address], extra_args=args,
-                        kv_extra={"prefill_policy": "fail", "prefill_timeout": 120.0, "lookup_timeout": 60.0})
+                        kv_extra={"prefill_policy": "fail", "remote_prefill": "always", "prefill_timeout": 120.0,
+                                  "lookup_timeout": 60.0})
     yield prefill, decode
     decode.kill()
     prefill.kill()

@@ -95,7 +95,8 @@ def cluster(tmp_path_factory):
         nodes += prefills
         # A short lookup timeout: KV cut off by the killed prefill node is recomputed soon.
         decodes = [start_node("consumer", tmp, prefill_nodes=[p.grpc_address for p in prefills],
-                              kv_extra={"lookup_timeout": 10.0}, wait=False) for _ in range(2)]
+                              kv_extra={"lookup_timeout": 10.0, "remote_prefill": "always"}, wait=False)
+                   for _ in range(2)]
         nodes += decodes
         router = start_router(tmp, [f"127.0.0.1:{d.port}" for d in decodes], wait=False)
         nodes.append(router)

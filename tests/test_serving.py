@@ -69,7 +69,7 @@ def pair(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"pair-{request.param}")
     prefill = start_node("producer", tmp, connector=request.param, kv_extra={"auth_token": "s3cret"})
     decode = start_node("consumer", tmp, connector=request.param, prefill_nodes=[prefill.grpc_address],
-                        kv_extra={"auth_token": "s3cret", "prefill_policy": "fail",
+                        kv_extra={"auth_token": "s3cret", "prefill_policy": "fail", "remote_prefill": "always",
                                   # 20 prompts queue up on one CPU core: the last waits for all the others.
                                   "prefill_timeout": 240.0, "lookup_timeout": 60.0})
     yield prefill, decode, request.param
@@ -143,7 +143,7 @@ def post_completion(url: str, prompt, timeout: float = 120, **extra) -> httpx.Re
 def test_prefill_node_down_at_start(tmp_path, reference_texts):
     """Decode starts with a dead prefill address: it serves by recomputing; policy fail gets a 503."""
     dead = f"127.0.0.1:{free_port()}"
-    decode = start_node("consumer", tmp_path, prefill_nodes=[dead])
+    decode = start_node("consumer", tmp_path, prefill_nodes=[dead], kv_extra={"remote_prefill": "always"})
     try:
         started = time.monotonic()
         r = post_completion(decode.url, PROMPTS_20[1])
@@ -201,8 +201,9 @@ def test_a_prompt_prefilled_in_chunks_crosses_chunk_by_chunk(tmp_path, hf_model,
     answer equals transformers'; so does a second prompt whose leading blocks the decode node
     holds already (only its tail crosses)."""
     prefill = start_node("producer", tmp_path, extra_args=["--max-num-batched-tokens", "128"])
+    # "always": the second prompt's tail alone is short enough to be computed on the decode node.
     decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address],
-                        kv_extra={"prefill_policy": "fail"})
+                        kv_extra={"prefill_policy": "fail", "remote_prefill": "always"})
     prompts = [PROMPTS[8] + f"\nQuestion {i}: what was the first topic?" for i in range(2)]
     expected = [hf_tokenizer.decode(hf_greedy(hf_model, hf_tokenizer(p).input_ids, MAX_TOKENS),
                                     skip_special_tokens=True) for p in prompts]
@@ -225,7 +226,8 @@ def test_max_num_seqs_caps_remote_requests(tmp_path, reference_texts):
     block table, sized by it, ran out of rows)."""
     prefill = start_node("producer", tmp_path)
     decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address], extra_args=["--max-num-seqs", "4"],
-                        kv_extra={"prefill_policy": "fail", "prefill_timeout": 240.0, "lookup_timeout": 120.0})
+                        kv_extra={"prefill_policy": "fail", "remote_prefill": "always", "prefill_timeout": 240.0,
+                                  "lookup_timeout": 120.0})
     try:
         # Short prompts: the prefill node computes them together, so their KV arrives together.
         indices = [0, 1, 2, 3, 4, 7, 10, 11, 12, 13, 14, 15]
@@ -251,7 +253,7 @@ def test_max_num_seqs_caps_remote_requests(tmp_path, reference_texts):
 def test_prefill_slower_than_timeout(tmp_path, reference_texts):
     prefill = start_node("producer", tmp_path)
     decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address],
-                        kv_extra={"prefill_timeout": 0.001})
+                        kv_extra={"prefill_timeout": 0.001, "remote_prefill": "always"})
     try:
         r = post_completion(decode.url, PROMPTS_20[3])
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference_texts[3]
@@ -288,7 +290,8 @@ def test_decode_node_killed_entries_expire(tmp_path):
 
 def test_client_disconnect_mid_stream_frees_both_nodes(tmp_path):
     prefill = start_node("producer", tmp_path)
-    decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address])
+    decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address],
+                        kv_extra={"remote_prefill": "always"})
     try:
         body = greedy_body(PROMPTS_20[2], stream=True, max_tokens=400, ignore_eos=True)
         with httpx.stream("POST", f"{decode.url}/v1/completions", json=body, timeout=60) as r:

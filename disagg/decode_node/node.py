@@ -2,6 +2,9 @@
 node, and generates the answer; with no prefill nodes it is the colocated server.
 
 A disaggregated request, in order (docs/ARCHITECTURE.md, "A request, end to end"):
+  0. the route: a prompt of which few tokens miss our prefix cache (at most local_prefill_max_tokens,
+     policy remote_prefill "auto") is computed here, as on a colocated server, since the handoff's
+     fixed cost would outweigh the compute it saves; so is one that asks for prompt logprobs;
   1. the engine reserves blocks for the prompt (the request waits for KV without a step);
   2. Prefill(request id, prompt, sampling, our pipe endpoint) on the least loaded prefill node;
   3. drop_select on our LookupBuffer consumer takes exactly that request's KV off the pipe;
@@ -13,6 +16,7 @@ If the prefill node is down, dies mid-transfer or is too slow, the request is re
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -32,6 +36,15 @@ logger = logging.getLogger(__name__)
 POLICIES = ("recompute", "fail")
 
 
+def wants_remote_prefill(remote_prefill: str, uncached_tokens: int, local_prefill_max_tokens: int) -> bool:
+    """Whether a prompt goes to a prefill node, by policy ("auto", "always", "never") and the count
+    of its tokens our prefix cache does not hold: "auto" computes here the prompts of which at most
+    local_prefill_max_tokens tokens are left to compute."""
+    if remote_prefill == "auto":
+        return uncached_tokens > local_prefill_max_tokens
+    return remote_prefill == "always"
+
+
 class PrefillUnavailable(RuntimeError):
     """The prefill node could not provide the KV and the policy says fail (HTTP 503)."""
 
@@ -39,7 +52,8 @@ class PrefillUnavailable(RuntimeError):
 class DecodeNode:
     def __init__(self, engine: AsyncEngine, model_name: str, consumer: LookupBufferConsumer | None = None,
                  pool: PrefillPool | None = None, kv_advertise: tuple[str, int] | None = None,
-                 prefill_policy: str = "recompute", prefill_timeout: float = 10.0, lookup_timeout: float = 30.0):
+                 prefill_policy: str = "recompute", prefill_timeout: float = 10.0, lookup_timeout: float = 30.0,
+                 remote_prefill: str = "auto", local_prefill_max_tokens: int = 64):
         self.engine = engine
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
@@ -50,6 +64,8 @@ class DecodeNode:
         self.prefill_policy = prefill_policy
         self.prefill_timeout = prefill_timeout
         self.lookup_timeout = lookup_timeout
+        self.remote_prefill = remote_prefill  # which prompts go to a prefill node (wants_remote_prefill)
+        self.local_prefill_max_tokens = local_prefill_max_tokens
         self.node_id = f"d{uuid.uuid4().hex[:8]}"  # names this node's requests on every node
         self.kv_received_at: dict[str, float] = {}  # request id -> when its remote KV was in hand
 
@@ -69,13 +85,25 @@ class DecodeNode:
         request_id = f"{self.node_id}-{uuid.uuid4().hex}"
         logger.info("%s runs as %s", label, request_id)  # follows a request into the prefill node's log
         metrics.PROMPT_TOKENS.inc(len(prompt_token_ids))
-        # Prompt logprobs are not part of the KV handoff: such a request is computed here.
-        if not self.disaggregated or params.prompt_logprobs is not None:
+        if not self.disaggregated:
             async with contextlib.aclosing(self.engine.generate(request_id, prompt_token_ids, params)) as outputs:
                 async for out in outputs:
                     yield out
             return
-        queue, slot = await self.engine.add_remote_request(request_id, prompt_token_ids, params)
+        # Prompt logprobs are not part of the KV handoff: such a request is computed here.
+        route = "never" if params.prompt_logprobs is not None else self.remote_prefill
+        remote = functools.partial(wants_remote_prefill, route, local_prefill_max_tokens=self.local_prefill_max_tokens)
+        queue, slot = await self.engine.add_routed_request(request_id, prompt_token_ids, params, remote)
+        metrics.PREFILL_ROUTE.labels("local" if slot is None else "remote").inc()
+        if slot is None:
+            logger.debug("%s: prompt of %d tokens computed here (remote_prefill %s)", request_id,
+                         len(prompt_token_ids), route)
+            async with contextlib.aclosing(self.engine.stream(request_id, queue)) as outputs:
+                async for out in outputs:
+                    yield out
+            return
+        logger.debug("%s: prompt of %d tokens (%d cached here) goes to a prefill node (remote_prefill %s)",
+                     request_id, len(prompt_token_ids), slot.cached_tokens, route)
         fetch = asyncio.create_task(self._fetch_kv(request_id, queue, slot, prompt_token_ids, params, policy))
         outputs = self.engine.stream(request_id, queue)
         finished = False

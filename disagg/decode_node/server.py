@@ -35,7 +35,8 @@ async def run_decode_node(engine: AsyncEngine, model_name: str, kv: KVTransferCo
             await pool.start(timeout=10.0)
         node = DecodeNode(engine, model_name, consumer, pool, kv_advertise=kv_advertise,
                           prefill_policy=kv.extra("prefill_policy"), prefill_timeout=kv.extra("prefill_timeout"),
-                          lookup_timeout=kv.extra("lookup_timeout"))
+                          lookup_timeout=kv.extra("lookup_timeout"), remote_prefill=kv.extra("remote_prefill"),
+                          local_prefill_max_tokens=kv.extra("local_prefill_max_tokens"))
         where = (f"kv {kv.kv_connector} {kv.kv_ip}:{consumer.address[1]} prefill {','.join(prefill_nodes)}"
                  if consumer else "colocated")
         role = "decode" if consumer else "colocated"

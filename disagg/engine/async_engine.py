@@ -149,6 +149,24 @@ class AsyncEngine:
                                 remote_prefill=True)
         return queue, slot
 
+    async def add_routed_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                                 remote: Callable[[int], bool]) -> tuple[asyncio.Queue, RemoteSlot | None]:
+        """Add a request as a remote one (add_remote_request) if `remote(uncached prompt tokens)` says
+        so, else as one computed here (slot None). The prefix cache is looked up and the request added
+        in one call on the engine thread: no step runs in between to change the cache, and the
+        request waits for one step at most, as any add does."""
+        queue: asyncio.Queue = asyncio.Queue()
+        slot = await self._call(self._add_routed, request_id, prompt_token_ids, params,
+                                (asyncio.get_running_loop(), queue), remote)
+        return queue, slot
+
+    def _add_routed(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    stream: tuple[asyncio.AbstractEventLoop, asyncio.Queue],
+                    remote: Callable[[int], bool]) -> RemoteSlot | None:
+        """On the engine thread."""
+        uncached = len(prompt_token_ids) - self.engine.cached_prefix_tokens(prompt_token_ids, params)
+        return self._add(request_id, prompt_token_ids, params, stream, remote_prefill=remote(uncached))
+
     def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
              stream: tuple[asyncio.AbstractEventLoop, asyncio.Queue], **kwargs) -> RemoteSlot | None:
         """On the engine thread: the request and its stream, together."""

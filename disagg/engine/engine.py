@@ -130,6 +130,11 @@ class LLMEngine:
                 self.offload.store_new()  # lazy: blocks it evicted are copied out before its KV lands in them
         return seq
 
+    def cached_prefix_tokens(self, token_ids: list[int], params: SamplingParams) -> int:
+        """How many leading tokens of this prompt the device prefix cache holds now, in whole blocks
+        (the host and disk tiers are not asked): those a request for it would not compute."""
+        return len(self.block_manager.prefix_hits(Sequence("", token_ids, params))) * self.block_manager.block_size
+
     def remote_slot(self, request_id: str) -> RemoteSlot:
         """What a remote request holds (its cached leading tokens and, if it has blocks, their views),
         and the maker of its first token's output, which belongs to the caller from now on."""
