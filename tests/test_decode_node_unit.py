@@ -1,0 +1,505 @@
+"""DecodeNode's remote-prefill handoff and its failure matrix, with fakes and no model (the fast lane).
+
+The engine, the prefill pool and the lookup-buffer consumer are fakes that record every call in one
+log, so a test asserts what DecodeNode asked of each and in which order. The engine's `stream` is
+AsyncEngine's own, so where it aborts a request (a client gone away) is the real one's. The same
+paths with real processes are in test_serving.py and test_router.py (the slow lane).
+"""
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import grpc
+import pytest
+
+from disagg.control_plane import PrefillCall, PrefillResult
+from disagg.decode_node.node import DecodeNode, PrefillUnavailable
+from disagg.decode_node.prefill_client import PrefillFailed, PrefillNodeUnavailable
+from disagg.engine.async_engine import AsyncEngine
+from disagg.engine.remote_prefill import RemoteSlot
+from disagg.engine.sampling_params import SamplingParams
+from disagg.lookup_buffer.errors import (
+    BufferFullError,
+    DigestMismatch,
+    EntryCancelled,
+    LookupDiscarded,
+    LookupTimeout,
+    ProducerLost,
+)
+from disagg.lookup_buffer.messages import KVEntry
+
+pytestmark = pytest.mark.timeout(10)
+
+PROMPT = [1, 2, 3, 4, 5, 6]
+ADVERTISE = ("10.0.0.1", 7100)  # the decode node's pipe endpoint
+PRODUCER = ("10.0.0.2", 7200)  # the prefill node's kv_ip, kv_port
+DIGEST = "digest-of-prompt"
+FIRST, DECODED, LOCAL = 101, 102, 201  # the remote first token, the next one, a locally computed one
+VIEWS = ["k-view", "v-view"]  # the reserved blocks' views (what expect() receives into)
+KV = "kv-tensor"  # an entry's tensor when it was not received in place
+LOOKUP_TIMEOUT = 30.0
+PREFILL_TIMEOUT = 5.0
+WAIT = "wait"  # the fake lookup waits until the request is discarded
+
+
+@dataclass
+class Out:
+    """What DecodeNode and AsyncEngine.stream read of a RequestOutput."""
+    token: int
+    finished: bool
+    error: str | None = None
+
+
+def names(log: list[tuple]) -> list[str]:
+    return [call[0] for call in log]
+
+
+def called(log: list[tuple], name: str) -> list[tuple]:
+    return [call for call in log if call[0] == name]
+
+
+def result(digest: str = DIGEST) -> PrefillResult:
+    return PrefillResult(first_token=FIRST, first_logprob=None, token_digest=digest, num_cached_tokens=0,
+                         kv_bytes=1024, prefill_seconds=0.01)
+
+
+class FakeEngine:
+    """What DecodeNode calls on AsyncEngine. A remote request's outputs: the first token, then one
+    decoded token that finishes it; a recomputed or local one: one token that finishes it."""
+
+    stream = AsyncEngine.stream  # the real one: it aborts (_drop) a request whose stream ends early
+
+    def __init__(self, log: list[tuple], cached_tokens: int = 0, views: list | None = VIEWS):
+        self.log = log
+        self.tokenizer = object()
+        self.max_model_len = 64
+        self.stats = None
+        self.slot = RemoteSlot(cached_tokens=cached_tokens, views=views, first=None)
+        self.queues: dict[str, asyncio.Queue] = {}
+
+    async def _call(self, fn, *args):
+        return fn(*args)
+
+    def _drop(self, request_id: str, error: Exception | None) -> bool:
+        """The engine aborts the request: its blocks are given back."""
+        self.log.append(("drop", request_id))
+        return True
+
+    async def add_remote_request(self, request_id: str, prompt_token_ids: list[int],
+                                 params: SamplingParams) -> tuple[asyncio.Queue, RemoteSlot]:
+        self.log.append(("add_remote_request", request_id, prompt_token_ids))
+        self.queues[request_id] = asyncio.Queue()
+        return self.queues[request_id], self.slot
+
+    async def finish_remote_prefill(self, request_id: str, queue: asyncio.Queue, slot: RemoteSlot, kv,
+                                    first_token: int, first_logprob=None, kv_start: int = 0) -> None:
+        self.log.append(("finish_remote_prefill", request_id, slot, kv, first_token, kv_start))
+        queue.put_nowait(Out(first_token, False))
+        queue.put_nowait(Out(DECODED, True))
+
+    async def prefill_locally(self, request_id: str) -> None:
+        self.log.append(("prefill_locally", request_id))
+        self.queues[request_id].put_nowait(Out(LOCAL, True))
+
+    async def fail(self, request_id: str, error: Exception) -> bool:
+        self.log.append(("fail", request_id, error))
+        self.queues[request_id].put_nowait(error)
+        return True
+
+    async def keep_remote_blocks_aside(self, request_id: str) -> int:
+        self.log.append(("keep_remote_blocks_aside", request_id))
+        return 2
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+        self.log.append(("generate", request_id, prompt_token_ids))
+        yield Out(LOCAL, True)
+
+
+class FakeClient:
+    """A PrefillClient whose Prefill call answers `answer`, or raises it."""
+
+    def __init__(self, log: list[tuple], answer: PrefillResult | Exception):
+        self.log = log
+        self.answer = answer
+        self.healthy = True
+        self.address = "prefill-0:50051"
+        self.info = SimpleNamespace(kv_ip=PRODUCER[0], kv_port=PRODUCER[1])
+
+    async def prefill(self, call: PrefillCall, idle_timeout: float) -> PrefillResult:
+        self.log.append(("prefill", call, idle_timeout))
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+    async def abort(self, request_id: str, kv_dest: tuple[str, int]) -> bool:
+        self.log.append(("abort", request_id, kv_dest))
+        return True
+
+
+class FakePool:
+    def __init__(self, log: list[tuple], client: FakeClient, available: bool = True):
+        self.log = log
+        self.clients = [client]
+        self.available = available
+
+    def pick(self) -> FakeClient:
+        self.log.append(("pick",))
+        if not self.available:
+            raise PrefillNodeUnavailable("no healthy prefill node: prefill-0:50051: connection refused")
+        return self.clients[0]
+
+
+class FakeConsumer:
+    """A LookupBufferConsumer whose lookup returns an entry (`lookup` None), raises `lookup`, or
+    waits (WAIT) until discard() ends it with LookupDiscarded, as the real one does. discard() runs
+    in a thread (DecodeNode._discard); with `hold_discard` it waits on that event first."""
+
+    def __init__(self, log: list[tuple], lookup: Exception | str | None = None, digest: str = DIGEST,
+                 in_place: bool = True, peer_may_write: bool = False, hold_discard: threading.Event | None = None):
+        self.log = log
+        self.lookup = lookup
+        self.digest = digest
+        self.in_place = in_place
+        self.may_write = peer_may_write
+        self.hold_discard = hold_discard
+        self.waiting = asyncio.Event()  # a lookup waits
+        self.discarding = threading.Event()  # discard() was entered
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.discarded: asyncio.Future | None = None
+
+    def expect(self, request_id: str, into: list) -> None:
+        self.log.append(("expect", request_id, into))
+
+    async def drop_select_async(self, request_id: str, token_ids: list[int], timeout: float,
+                                source: tuple[str, int] | None = None) -> KVEntry:
+        self.log.append(("drop_select", request_id, token_ids, timeout, source))
+        if isinstance(self.lookup, Exception):
+            raise self.lookup
+        if self.lookup == WAIT:
+            self.loop = asyncio.get_running_loop()
+            self.discarded = self.loop.create_future()
+            self.waiting.set()
+            try:
+                await self.discarded
+            except asyncio.CancelledError:
+                self.log.append(("drop_select cancelled", request_id))
+                raise
+            raise LookupDiscarded(f"lookup for request {request_id!r} ended: the request was discarded")
+        kv = VIEWS if self.in_place else [KV]
+        return KVEntry(request_id=request_id, token_digest=self.digest, kv_tensors=kv, in_place=self.in_place)
+
+    def discard(self, request_id: str) -> bool:
+        self.log.append(("discard", request_id))
+        self.discarding.set()
+        if self.hold_discard is not None:
+            self.hold_discard.wait(5)
+        if self.discarded is not None:
+            self.loop.call_soon_threadsafe(lambda: self.discarded.done() or self.discarded.set_result(None))
+        return False
+
+    def peer_may_write(self, request_id: str) -> bool:
+        return self.may_write
+
+
+def make_node(log: list[tuple], *, answer: PrefillResult | Exception | None = None, available: bool = True,
+              policy: str = "recompute", engine: FakeEngine | None = None,
+              consumer: FakeConsumer | None = None) -> DecodeNode:
+    client = FakeClient(log, answer if answer is not None else result())
+    return DecodeNode(engine or FakeEngine(log), "model", consumer=consumer or FakeConsumer(log),
+                      pool=FakePool(log, client, available), kv_advertise=ADVERTISE, prefill_policy=policy,
+                      prefill_timeout=PREFILL_TIMEOUT, lookup_timeout=LOOKUP_TIMEOUT)
+
+
+async def collect(node: DecodeNode, params: SamplingParams | None = None) -> tuple[list[int], Exception | None]:
+    """The tokens the caller got, and what the node raised (None if nothing)."""
+    tokens = []
+    try:
+        async for out in node.generate("client-label", PROMPT, params or SamplingParams(max_tokens=4)):
+            tokens.append(out.token)
+    except Exception as e:  # noqa: BLE001  the test asserts what it was
+        return tokens, e
+    return tokens, None
+
+
+def request_id(log: list[tuple]) -> str:
+    return called(log, "add_remote_request")[0][1]
+
+
+def assert_failed_over(log: list[tuple], tokens: list[int], error: Exception | None, policy: str) -> None:
+    """A failed handoff: the lookup's destination dropped, then the prefill node told, then the request
+    recomputed here or failed by the policy; the KV never loaded."""
+    rid = request_id(log)
+    assert "finish_remote_prefill" not in names(log)
+    # the stream's abort of a request failed by policy comes last (tested apart)
+    after_add = [name for name in names(log) if name != "drop"]
+    if policy == "recompute":
+        assert after_add[-3:] == ["discard", "abort", "prefill_locally"]
+        assert called(log, "prefill_locally") == [("prefill_locally", rid)]
+        assert "fail" not in names(log)
+        assert (tokens, error) == ([LOCAL], None)
+    else:
+        assert after_add[-3:] == ["discard", "abort", "fail"]
+        assert isinstance(called(log, "fail")[0][2], PrefillUnavailable)
+        assert "prefill_locally" not in names(log)
+        assert tokens == [] and isinstance(error, PrefillUnavailable)
+        assert "prefill-0:50051" in str(error)
+        assert names(log)[-1] == "drop"  # the stream ended early: the engine drops the request
+    assert called(log, "discard") == [("discard", rid)]
+    assert called(log, "abort") == [("abort", rid, ADVERTISE)]
+    assert "keep_remote_blocks_aside" not in names(log)
+
+
+def test_happy_path_receives_in_place_and_streams():
+    async def main():
+        log: list[tuple] = []
+        engine = FakeEngine(log, cached_tokens=3, views=VIEWS)
+        node = make_node(log, engine=engine)
+        tokens, error = await collect(node)
+        rid = request_id(log)
+        assert rid.startswith(node.node_id + "-")
+        assert (tokens, error) == ([FIRST, DECODED], None)
+        assert names(log) == ["add_remote_request", "pick", "expect", "prefill", "drop_select",
+                              "finish_remote_prefill"]
+        assert called(log, "expect")[0][2] == [VIEWS] and called(log, "expect")[0][2][0] is VIEWS
+        call, idle_timeout = called(log, "prefill")[0][1:]
+        assert call == PrefillCall(rid, PROMPT, SamplingParams(max_tokens=4), ADVERTISE, skip_tokens=3)
+        assert idle_timeout == PREFILL_TIMEOUT
+        assert called(log, "drop_select") == [("drop_select", rid, PROMPT, LOOKUP_TIMEOUT, PRODUCER)]
+        # in place: the KV is in the blocks already; the remote first token; loaded after the cached part
+        assert called(log, "finish_remote_prefill") == [("finish_remote_prefill", rid, engine.slot, None, FIRST, 3)]
+        assert node.kv_received_at == {}
+
+    asyncio.run(main())
+
+
+def test_happy_path_without_reserved_blocks_hands_the_tensor_over():
+    async def main():
+        log: list[tuple] = []
+        node = make_node(log, engine=FakeEngine(log, views=None), consumer=FakeConsumer(log, in_place=False))
+        tokens, error = await collect(node)
+        assert (tokens, error) == ([FIRST, DECODED], None)
+        assert "expect" not in names(log)  # no blocks yet: nothing to receive into
+        assert called(log, "prefill")[0][1].skip_tokens == 0
+        assert called(log, "finish_remote_prefill")[0][3] == KV
+
+    asyncio.run(main())
+
+
+def test_prompt_logprobs_are_computed_here():
+    async def main():
+        log: list[tuple] = []
+        node = make_node(log)
+        tokens, error = await collect(node, SamplingParams(max_tokens=4, prompt_logprobs=1))
+        assert (tokens, error) == ([LOCAL], None)
+        assert names(log) == ["generate"]
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_no_healthy_prefill_node(policy):
+    async def main():
+        log: list[tuple] = []
+        node = make_node(log, available=False, policy=policy)
+        tokens, error = await collect(node)
+        rid = request_id(log)
+        assert names(log)[:3] == ["add_remote_request", "pick", "discard"]
+        assert "prefill" not in names(log) and "abort" not in names(log)  # no client to tell
+        if policy == "recompute":
+            assert names(log)[3:] == ["prefill_locally"]  # nothing dropped: it runs on here
+            assert (tokens, error) == ([LOCAL], None)
+        else:
+            assert names(log)[3:] == ["fail", "drop"]
+            assert called(log, "fail")[0][1] == rid
+            assert tokens == [] and isinstance(error, PrefillUnavailable)
+            assert "no prefill node" in str(error) and "no healthy prefill node" in str(error)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+@pytest.mark.parametrize("prefill_error", [
+    PrefillFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill node prefill-0:50051 made no progress within 5s"),
+    PrefillNodeUnavailable("prefill node prefill-0:50051 is unreachable"),
+    RuntimeError("unexpected"),
+], ids=["idle-timeout", "unavailable", "other"])
+def test_prefill_call_fails(prefill_error, policy):
+    async def main():
+        log: list[tuple] = []
+        node = make_node(log, answer=prefill_error, policy=policy)
+        tokens, error = await collect(node)
+        assert "drop_select" not in names(log)
+        assert_failed_over(log, tokens, error, policy)
+        if policy == "fail":
+            assert str(prefill_error) in str(error)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+@pytest.mark.parametrize("lookup_error", [
+    LookupTimeout("no KV for request arrived within 30s"),
+    ProducerLost("the connection from producer 10.0.0.2:7200 broke while we waited"),
+    EntryCancelled("the prefill node cancelled the KV on its way"),
+    BufferFullError("KV arrived before its lookup and was dropped"),
+    DigestMismatch("KV was computed for other tokens"),
+], ids=["timeout", "producer-lost", "entry-cancelled", "buffer-full", "consumer-digest"])
+def test_lookup_fails(lookup_error, policy):
+    async def main():
+        log: list[tuple] = []
+        node = make_node(log, policy=policy, consumer=FakeConsumer(log, lookup=lookup_error))
+        tokens, error = await collect(node)
+        assert names(log).index("drop_select") < names(log).index("discard")
+        assert_failed_over(log, tokens, error, policy)
+        if policy == "fail":
+            assert str(lookup_error) in str(error)
+        assert node.kv_received_at == {}
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_digest_of_entry_differs_from_prefill_answer(policy):
+    async def main():
+        log: list[tuple] = []
+        node = make_node(log, answer=result(digest="digest-of-other-tokens"), policy=policy)
+        tokens, error = await collect(node)
+        assert_failed_over(log, tokens, error, policy)  # never loaded
+        if policy == "fail":
+            assert DIGEST in str(error) and "digest-of-other-tokens" in str(error)
+        assert node.kv_received_at == {}
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_blocks_a_peer_may_write_are_kept_aside(policy):
+    async def main():
+        log: list[tuple] = []
+        consumer = FakeConsumer(log, lookup=ProducerLost("producer lost"), peer_may_write=True)
+        node = make_node(log, policy=policy, consumer=consumer)
+        tokens, error = await collect(node)
+        rid = request_id(log)
+        last = "prefill_locally" if policy == "recompute" else "fail"
+        handoff = [name for name in names(log) if name != "drop"]
+        assert handoff[-4:] == ["discard", "keep_remote_blocks_aside", "abort", last]
+        assert called(log, "keep_remote_blocks_aside") == [("keep_remote_blocks_aside", rid)]
+        assert "finish_remote_prefill" not in names(log)
+
+    asyncio.run(main())
+
+
+async def cancel_while_kv_awaited(peer_may_write: bool = False) -> tuple[list[tuple], DecodeNode]:
+    """A caller (the API's pump task) cancelled while the node waits for the request's KV."""
+    log: list[tuple] = []
+    consumer = FakeConsumer(log, lookup=WAIT, peer_may_write=peer_may_write)
+    node = make_node(log, consumer=consumer)
+    caller = asyncio.create_task(collect(node))
+    await asyncio.wait_for(consumer.waiting.wait(), 1)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    return log, node
+
+
+def test_client_gone_while_kv_awaited_stops_the_fetch():
+    async def main():
+        log, node = await cancel_while_kv_awaited()
+        rid = request_id(log)
+        assert ("drop_select cancelled", rid) in log  # the fetch task was cancelled in its lookup
+        assert names(log).index("discard") < names(log).index("abort")
+        assert called(log, "discard") == [("discard", rid)]
+        assert called(log, "abort") == [("abort", rid, ADVERTISE)]
+        assert called(log, "drop") == [("drop", rid)]  # the engine aborted the request
+        for name in ("finish_remote_prefill", "prefill_locally", "fail", "keep_remote_blocks_aside"):
+            assert name not in names(log)
+        assert node.kv_received_at == {}
+
+    asyncio.run(main())
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "bug: a cancelled caller is cancelled inside AsyncEngine.stream, whose finally aborts the request "
+    "(its blocks given back) before DecodeNode.generate's finally cancels the fetch: the receive into the "
+    "blocks is cut off (discard) and blocks a peer may write are kept aside only after they were freed "
+    "(keep_remote_blocks_aside then raises KeyError, suppressed), contrary to generate's comment"))
+def test_client_gone_cuts_the_receive_before_the_blocks_are_given_back():
+    async def main():
+        log, _ = await cancel_while_kv_awaited(peer_may_write=True)
+        order = names(log)
+        assert order.index("discard") < order.index("keep_remote_blocks_aside") < order.index("drop")
+
+    asyncio.run(main())
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "bug: a caller cancelled while _fetch_kv's failure branch waits for consumer.discard (in a thread) "
+    "cancels that await: peer_may_write is never asked, keep_remote_blocks_aside and client.abort never "
+    "called, so the engine frees blocks a peer may still write and the prefill node is not told"))
+def test_client_gone_during_a_failed_fetch_still_keeps_blocks_aside_and_aborts():
+    async def main():
+        log: list[tuple] = []
+        release = threading.Event()
+        consumer = FakeConsumer(log, lookup=ProducerLost("producer lost"), peer_may_write=True,
+                                hold_discard=release)
+        node = make_node(log, consumer=consumer)
+        caller = asyncio.create_task(collect(node))
+        try:
+            for _ in range(100):  # until the failure branch's discard runs in its thread
+                if consumer.discarding.is_set():
+                    break
+                await asyncio.sleep(0.01)
+            assert consumer.discarding.is_set()
+            caller.cancel()
+            await asyncio.sleep(0.05)
+        finally:
+            release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        await asyncio.sleep(0.05)
+        rid = request_id(log)
+        assert called(log, "keep_remote_blocks_aside") == [("keep_remote_blocks_aside", rid)]
+        assert called(log, "abort") == [("abort", rid, ADVERTISE)]
+
+    asyncio.run(main())
+
+
+def test_prefill_node_unhealthy_after_answering_cuts_the_wait():
+    async def main():
+        log: list[tuple] = []
+        consumer = FakeConsumer(log, lookup=WAIT)
+        node = make_node(log, consumer=consumer)
+        client = node.pool.clients[0]
+        caller = asyncio.create_task(collect(node))
+        await asyncio.wait_for(consumer.waiting.wait(), 1)
+        start = time.perf_counter()
+        client.healthy = False  # the pool's health check found it down
+        tokens, error = await asyncio.wait_for(caller, 2)
+        assert time.perf_counter() - start < 1.0  # not the 30 s lookup timeout
+        rid = request_id(log)
+        # cut by the watch's discard, then failed over as any lookup failure (a second discard)
+        assert names(log)[-4:] == ["discard", "discard", "abort", "prefill_locally"]
+        assert called(log, "abort") == [("abort", rid, ADVERTISE)]
+        assert "finish_remote_prefill" not in names(log)
+        assert (tokens, error) == ([LOCAL], None)
+
+    asyncio.run(main())
+
+
+def test_healthy_prefill_node_is_not_cut():
+    async def main():
+        log: list[tuple] = []
+        consumer = FakeConsumer(log, lookup=WAIT)
+        node = make_node(log, consumer=consumer)
+        caller = asyncio.create_task(collect(node))
+        await asyncio.wait_for(consumer.waiting.wait(), 1)
+        await asyncio.sleep(0.5)  # two of the watch's health polls
+        assert "discard" not in names(log) and not caller.done()
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+
+    asyncio.run(main())
