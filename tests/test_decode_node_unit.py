@@ -70,7 +70,8 @@ class FakeEngine:
     """What DecodeNode calls on AsyncEngine. A remote request's outputs: the first token, then one
     decoded token that finishes it; a recomputed or local one: one token that finishes it."""
 
-    stream = AsyncEngine.stream  # the real one: it aborts (_drop) a request whose stream ends early
+    stream = AsyncEngine.stream  # the real ones: a stream left early drops its request, unless told not to
+    drop = AsyncEngine.drop
 
     def __init__(self, log: list[tuple], cached_tokens: int = 0, views: list | None = VIEWS):
         self.log = log
@@ -88,10 +89,14 @@ class FakeEngine:
         self.log.append(("drop", request_id))
         return True
 
-    async def add_remote_request(self, request_id: str, prompt_token_ids: list[int],
-                                 params: SamplingParams) -> tuple[asyncio.Queue, RemoteSlot]:
-        self.log.append(("add_remote_request", request_id, prompt_token_ids))
+    async def add_routed_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                                 remote) -> tuple[asyncio.Queue, RemoteSlot | None]:
         self.queues[request_id] = asyncio.Queue()
+        if not remote(len(prompt_token_ids) - self.slot.cached_tokens):
+            self.log.append(("add_local_request", request_id, prompt_token_ids))
+            self.queues[request_id].put_nowait(Out(LOCAL, True))
+            return self.queues[request_id], None
+        self.log.append(("add_remote_request", request_id, prompt_token_ids))
         return self.queues[request_id], self.slot
 
     async def finish_remote_prefill(self, request_id: str, queue: asyncio.Queue, slot: RemoteSlot, kv,
@@ -113,9 +118,6 @@ class FakeEngine:
         self.log.append(("keep_remote_blocks_aside", request_id))
         return 2
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
-        self.log.append(("generate", request_id, prompt_token_ids))
-        yield Out(LOCAL, True)
 
 
 class FakeClient:
@@ -210,7 +212,7 @@ def make_node(log: list[tuple], *, answer: PrefillResult | Exception | None = No
     client = FakeClient(log, answer if answer is not None else result())
     return DecodeNode(engine or FakeEngine(log), "model", consumer=consumer or FakeConsumer(log),
                       pool=FakePool(log, client, available), kv_advertise=ADVERTISE, prefill_policy=policy,
-                      prefill_timeout=PREFILL_TIMEOUT, lookup_timeout=LOOKUP_TIMEOUT)
+                      prefill_timeout=PREFILL_TIMEOUT, lookup_timeout=LOOKUP_TIMEOUT, remote_prefill="always")
 
 
 async def collect(node: DecodeNode, params: SamplingParams | None = None) -> tuple[list[int], Exception | None]:
@@ -294,7 +296,7 @@ def test_prompt_logprobs_are_computed_here():
         node = make_node(log)
         tokens, error = await collect(node, SamplingParams(max_tokens=4, prompt_logprobs=1))
         assert (tokens, error) == ([LOCAL], None)
-        assert names(log) == ["generate"]
+        assert names(log) == ["add_local_request"]
 
     asyncio.run(main())
 
@@ -421,11 +423,6 @@ def test_client_gone_while_kv_awaited_stops_the_fetch():
     asyncio.run(main())
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: a cancelled caller is cancelled inside AsyncEngine.stream, whose finally aborts the request "
-    "(its blocks given back) before DecodeNode.generate's finally cancels the fetch: the receive into the "
-    "blocks is cut off (discard) and blocks a peer may write are kept aside only after they were freed "
-    "(keep_remote_blocks_aside then raises KeyError, suppressed), contrary to generate's comment"))
 def test_client_gone_cuts_the_receive_before_the_blocks_are_given_back():
     async def main():
         log, _ = await cancel_while_kv_awaited(peer_may_write=True)
@@ -435,10 +432,6 @@ def test_client_gone_cuts_the_receive_before_the_blocks_are_given_back():
     asyncio.run(main())
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: a caller cancelled while _fetch_kv's failure branch waits for consumer.discard (in a thread) "
-    "cancels that await: peer_may_write is never asked, keep_remote_blocks_aside and client.abort never "
-    "called, so the engine frees blocks a peer may still write and the prefill node is not told"))
 def test_client_gone_during_a_failed_fetch_still_keeps_blocks_aside_and_aborts():
     async def main():
         log: list[tuple] = []

@@ -105,7 +105,9 @@ class DecodeNode:
         logger.debug("%s: prompt of %d tokens (%d cached here) goes to a prefill node (remote_prefill %s)",
                      request_id, len(prompt_token_ids), slot.cached_tokens, route)
         fetch = asyncio.create_task(self._fetch_kv(request_id, queue, slot, prompt_token_ids, params, policy))
-        outputs = self.engine.stream(request_id, queue)
+        # Not aborted by the stream when it closes: by _end, once the fetch (and with it any receive
+        # into the request's blocks) has ended.
+        outputs = self.engine.stream(request_id, queue, abort_on_exit=False)
         finished = False
         try:
             async for out in outputs:
@@ -117,10 +119,11 @@ class DecodeNode:
         finally:
             self.kv_received_at.pop(request_id, None)
             # Shielded, so that a second cancellation cannot reorder it: the fetch ends (and with it
-            # any receive into the request's blocks) before closing the stream aborts the request.
-            await asyncio.shield(self._end(fetch, outputs, finished))
+            # any receive into the request's blocks) before the request is aborted.
+            await asyncio.shield(self._end(request_id, fetch, outputs, finished))
 
-    async def _end(self, fetch: asyncio.Task, outputs: AsyncIterator[RequestOutput], finished: bool) -> None:
+    async def _end(self, request_id: str, fetch: asyncio.Task, outputs: AsyncIterator[RequestOutput],
+                   finished: bool) -> None:
         if finished:  # the first token may have ended it before the engine loaded the KV
             await fetch
         elif not fetch.done():  # the client went away before the KV came: stop the prefill too
@@ -128,6 +131,8 @@ class DecodeNode:
             with contextlib.suppress(asyncio.CancelledError):
                 await fetch
         await outputs.aclose()
+        if not finished:
+            await self.engine.drop(request_id)
 
     async def _fetch_kv(self, request_id: str, queue: asyncio.Queue, slot: RemoteSlot, prompt_token_ids: list[int],
                         params: SamplingParams, policy: str) -> None:
@@ -166,15 +171,11 @@ class DecodeNode:
             metrics.KV_TRANSFER.observe(time.perf_counter() - start)
             metrics.REMOTE_PREFILL.labels("ok").inc()
         except asyncio.CancelledError:
-            await self._discard(request_id)
-            if client is not None:
-                await client.abort(request_id, self.kv_advertise)
+            await asyncio.shield(self._let_go(request_id, client))
             raise
         except Exception as e:  # noqa: BLE001  any failure of the handoff: recomputed or failed by policy
             self.kv_received_at.pop(request_id, None)  # a recomputed first token is no remote one
-            await self._discard(request_id)  # before the blocks are given back
-            if client is not None:
-                await client.abort(request_id, self.kv_advertise)
+            await asyncio.shield(self._let_go(request_id, client))  # before the blocks are given back
             where = client.address if client is not None else "no prefill node"
             reason = f"remote prefill of {request_id} failed ({where}): {e}"
             if policy == "fail":
@@ -186,6 +187,13 @@ class DecodeNode:
                 logger.warning("%s; recomputing it here", reason)
                 with contextlib.suppress(KeyError):  # it may have been aborted meanwhile
                     await self.engine.prefill_locally(request_id)
+
+    async def _let_go(self, request_id: str, client: PrefillClient | None) -> None:
+        """Stop receiving the request's KV (blocks a peer may still write kept aside) and stop its
+        prefill. Callers shield it: a caller cancelled meanwhile must not skip either."""
+        await self._discard(request_id)
+        if client is not None:
+            await client.abort(request_id, self.kv_advertise)
 
     async def _discard_when_unhealthy(self, client: PrefillClient, request_id: str) -> None:
         while client.healthy:  # noqa: ASYNC110  the pool's health checks set no event to wait on

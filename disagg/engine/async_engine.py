@@ -115,8 +115,11 @@ class AsyncEngine:
             async for out in outputs:
                 yield out
 
-    async def stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        """The outputs of a request added with add_request, until it finishes."""
+    async def stream(self, request_id: str, queue: asyncio.Queue, *,
+                     abort_on_exit: bool = True) -> AsyncIterator[RequestOutput]:
+        """The outputs of a request added with add_request, until it finishes. Left before (the
+        caller went away), the request is dropped, unless the caller drops it itself (`drop`) once
+        what else writes into its blocks has stopped (abort_on_exit False)."""
         finished = False
         try:
             while not finished:
@@ -128,9 +131,13 @@ class AsyncEngine:
                     raise RequestFailed(f"the engine failed request {request_id}: {out.error}")
                 yield out
         finally:
-            if not finished:
+            if not finished and abort_on_exit:
                 # Shielded: a second cancellation (servers cancel repeatedly) must not lose the abort.
-                await asyncio.shield(self._call(self._drop, request_id, None))
+                await asyncio.shield(self.drop(request_id))
+
+    async def drop(self, request_id: str) -> bool:
+        """Abort the request; its stream gets nothing more. False if it had ended."""
+        return await self._call(self._drop, request_id, None)
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                           kv_export: KVExport | None = None) -> asyncio.Queue:
@@ -140,21 +147,13 @@ class AsyncEngine:
                          kv_export=kv_export)
         return queue
 
-    async def add_remote_request(self, request_id: str, prompt_token_ids: list[int],
-                                 params: SamplingParams) -> tuple[asyncio.Queue, RemoteSlot]:
-        """Add a request whose prompt KV and first token come from a prefill node
-        (`finish_remote_prefill`); also what it holds of its KV now (RemoteSlot)."""
-        queue: asyncio.Queue = asyncio.Queue()
-        slot = await self._call(self._add, request_id, prompt_token_ids, params, (asyncio.get_running_loop(), queue),
-                                remote_prefill=True)
-        return queue, slot
-
     async def add_routed_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                                  remote: Callable[[int], bool]) -> tuple[asyncio.Queue, RemoteSlot | None]:
-        """Add a request as a remote one (add_remote_request) if `remote(uncached prompt tokens)` says
-        so, else as one computed here (slot None). The prefix cache is looked up and the request added
-        in one call on the engine thread: no step runs in between to change the cache, and the
-        request waits for one step at most, as any add does."""
+        """Add a request whose prompt KV and first token come from a prefill node
+        (`finish_remote_prefill`) if `remote(uncached prompt tokens)` says so, with what it holds of
+        its KV now (RemoteSlot), else as one computed here (slot None). The prefix cache is looked up
+        and the request added in one call on the engine thread: no step runs in between to change
+        the cache, and the request waits for one step at most, as any add does."""
         queue: asyncio.Queue = asyncio.Queue()
         slot = await self._call(self._add_routed, request_id, prompt_token_ids, params,
                                 (asyncio.get_running_loop(), queue), remote)
@@ -197,7 +196,7 @@ class AsyncEngine:
                                     first_logprob: TokenLogprob | None = None, kv_start: int = 0) -> None:
         """A remote request's first token and KV came (kv None: it is in its blocks, through the slot's
         views). The token's output is made here (slot.first) and put on the request's stream (`queue`,
-        from add_remote_request) at once, not after the engine's step in flight; then the engine
+        from add_routed_request) at once, not after the engine's step in flight; then the engine
         thread takes the KV over between two steps (LLMEngine.finish_remote_prefill). Raises
         ValueError for a token that does not fit, before anything is sent; for KV that does not fit
         too, and then the request fails (its first token is out)."""
