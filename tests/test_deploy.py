@@ -255,7 +255,9 @@ def test_compose_services_answer_through_the_router(tmp_path: Path):
             wait_healthy(s, proc, local_health_check(s, ports), logs[s.name])
         router = services["router"]
         url = f"http://127.0.0.1:{ports['router', router.port]}/v1/chat/completions"
-        body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0}
+        # Long enough (over local_prefill_max_tokens) that the decode node sends it to the prefill node.
+        question = "Here is a list of fruits: " + ", ".join(["apple", "pear", "plum", "fig"] * 20) + ". Say hello."
+        body = {"messages": [{"role": "user", "content": question}], "max_tokens": 8, "temperature": 0}
         assert httpx.post(url, json=body, timeout=60).status_code == 401  # the API key is wired in
         headers = {"Authorization": f"Bearer {env_example()['DISAGG_API_KEY']}"}
         response = httpx.post(url, json=body, headers=headers, timeout=60)
