@@ -21,8 +21,11 @@ SAMPLE = "In one sentence, what does a prefill node do in disaggregated LLM serv
 
 def serve_command(args: argparse.Namespace, role: str, port: int, kv_port: int) -> list[str]:
     command = [sys.executable, "-m", "disagg.cli", "serve"] + ([args.model] if args.model else [])
+    kv = {"kv_connector": args.kv_connector, "kv_port": kv_port}
+    if role == "consumer":  # the quick start shows a handoff: under "auto" its short sample would stay here
+        kv["kv_connector_extra_config"] = {"remote_prefill": "always"}
     command += ["--kv-role", role, "--port", str(port), "--log-level", "WARNING",
-                "--kv-transfer-config", json.dumps({"kv_connector": args.kv_connector, "kv_port": kv_port})]
+                "--kv-transfer-config", json.dumps(kv)]
     if role == "producer":
         command += ["--grpc-port", str(args.grpc_port)]
     else:
