@@ -86,8 +86,9 @@ def connection_bounds(limits: HTTPLimits) -> tuple[int, int]:
     """(connections, backlog): --limit-concurrency and --backlog, lowered so that HTTP
     connections never use up the open-file limit (raised first, as far as the hard limit allows):
     past it, accept() fails for every socket of the process, /health included. asyncio accepts up
-    to `backlog` connections at once before any of them is handled (and the ones over the cap
-    closed), so those count too."""
+    to `backlog` connections at once before any of them is handled, and the ones over the cap are
+    closed only in the loop's next turn, by when a second batch may have come: two backlogs count
+    too (one let a loaded CI machine reach the limit of 1,024)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     wanted = MAX_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, MAX_OPEN_FILES)
     if soft != resource.RLIM_INFINITY and soft < wanted:
@@ -96,8 +97,8 @@ def connection_bounds(limits: HTTPLimits) -> tuple[int, int]:
     if soft == resource.RLIM_INFINITY:
         return limits.limit_concurrency, limits.backlog
     room = max(2, soft - FD_RESERVE)
-    backlog = min(limits.backlog, max(1, room // 4))
-    cap = min(limits.limit_concurrency, room - backlog)
+    backlog = min(limits.backlog, max(1, room // 8))
+    cap = min(limits.limit_concurrency, room - 2 * backlog)
     if (cap, backlog) != (limits.limit_concurrency, limits.backlog):
         logger.warning("the open-file limit (%d) leaves room for %d HTTP connections and a backlog of %d "
                        "(--limit-concurrency %d, --backlog %d); raise it with ulimit -n", soft, cap, backlog,
