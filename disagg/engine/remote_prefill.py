@@ -148,7 +148,7 @@ class RemotePrefills(KVArrival):
                 remote.kv.record_stream(torch.cuda.current_stream(remote.kv.device))
         seq.num_computed_tokens = seq.num_prompt_tokens
         self.block_manager.commit(seq)
-        seq.remote = False
+        seq.remote, seq.remote_prefill = False, None  # the received tensor is not held while it decodes
 
     def keep_blocks_aside(self, seq: Sequence) -> int:
         """A peer may still write into the blocks reserved for this sequence's KV (a one-sided receive
