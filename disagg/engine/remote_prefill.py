@@ -118,7 +118,7 @@ class RemotePrefills(KVArrival):
         for request_id, seq in list(self.received.items()):
             if seq.status == SequenceStatus.FINISHED or not seq.remote:
                 del self.received[request_id]
-            elif seq.status == SequenceStatus.WAITING_FOR_KV and not any(a.pending(seq) for a in self.before):
+            elif self._loadable(seq):
                 del self.received[request_id]
                 try:
                     self._load(seq)
@@ -130,13 +130,16 @@ class RemotePrefills(KVArrival):
         """Load a sequence's received KV at once if it can be (it holds its blocks, and the tiers'
         part is in): a request that its first token ended still leaves its prompt's KV in the
         prefix cache."""
-        if (self.received.pop(seq.request_id, None) is not None and seq.status == SequenceStatus.WAITING_FOR_KV
-                and not any(a.pending(seq) for a in self.before)):
+        if self.received.pop(seq.request_id, None) is not None and self._loadable(seq):
             self._load(seq)
 
     def has_loads(self) -> bool:
         """Received KV that the next poll loads."""
         return any(seq.status == SequenceStatus.WAITING_FOR_KV for seq in self.received.values())
+
+    def _loadable(self, seq: Sequence) -> bool:
+        """It holds its blocks, and the sources before this one have brought their part."""
+        return seq.status == SequenceStatus.WAITING_FOR_KV and not any(a.pending(seq) for a in self.before)
 
     def _load(self, seq: Sequence) -> None:
         remote = seq.remote_prefill
