@@ -34,8 +34,8 @@ from disagg.lookup_buffer.messages import KVEntry
 pytestmark = pytest.mark.timeout(10)
 
 PROMPT = [1, 2, 3, 4, 5, 6]
-ADVERTISE = ("10.0.0.1", 7100)  # the decode node's pipe endpoint
-PRODUCER = ("10.0.0.2", 7200)  # the prefill node's kv_ip, kv_port
+ADVERTISE = ("127.0.0.11", 7100)  # the decode node's pipe endpoint
+PRODUCER = ("127.0.0.12", 7200)  # the prefill node's kv_ip, kv_port
 DIGEST = "digest-of-prompt"
 FIRST, DECODED, LOCAL = 101, 102, 201  # the remote first token, the next one, a locally computed one
 VIEWS = ["k-view", "v-view"]  # the reserved blocks' views (what expect() receives into)
@@ -344,7 +344,7 @@ def test_prefill_call_fails(prefill_error, policy):
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 @pytest.mark.parametrize("lookup_error", [
     LookupTimeout("no KV for request arrived within 30s"),
-    ProducerLost("the connection from producer 10.0.0.2:7200 broke while we waited"),
+    ProducerLost("the connection from producer 127.0.0.12:7200 broke while we waited"),
     EntryCancelled("the prefill node cancelled the KV on its way"),
     BufferFullError("KV arrived before its lookup and was dropped"),
     DigestMismatch("KV was computed for other tokens"),

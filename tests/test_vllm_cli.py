@@ -93,7 +93,7 @@ VLLM_COMMAND_LINES = [
      "--served-model-name base_model --dtype float16 --max-model-len 10000 --max-num-batched-tokens 10000 "
      "--max-num-seqs 256 --trust-remote-code --gpu-memory-utilization 0.9 --disable-log-request --kv-transfer-config "
      "'{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_producer\",\"kv_buffer_size\":\"1e1\",\"kv_port\":"
-     "\"21001\",\"kv_connector_extra_config\":{\"proxy_ip\":\"10.0.1.1\",\"proxy_port\":\"30001\",\"http_port\":"
+     "\"21001\",\"kv_connector_extra_config\":{\"proxy_ip\":\"127.0.0.13\",\"proxy_port\":\"30001\",\"http_port\":"
      "\"20001\"}}'",
      "serves other nodes on gRPC 0.0.0.0:50051 with no kv_connector_extra_config.auth_token"),
     ("vLLM docs, features/nixl_connector_usage.md",
@@ -298,7 +298,7 @@ def test_generation_config_defaults_and_max_logprobs():
 
 def test_vllm_connector_names_map_onto_pipes_and_tiers(monkeypatch: pytest.MonkeyPatch):
     fields, tiers = translate({"kv_connector": "P2pNcclConnector", "kv_role": "kv_consumer", "kv_buffer_size": "8e9",
-                               "kv_connector_extra_config": {"proxy_ip": "10.0.1.1", "auth_token": "t"}})
+                               "kv_connector_extra_config": {"proxy_ip": "127.0.0.13", "auth_token": "t"}})
     assert fields == {"kv_connector": "torch_dist", "kv_role": "kv_consumer",
                       "kv_connector_extra_config": {"auth_token": "t"}} and not tiers.asks()
     fields, tiers = translate({"kv_connector": "NixlConnector", "kv_role": "kv_producer"})
