@@ -3,14 +3,14 @@
 #   bash benchmarks/handoff_pair_run.sh PHASE...     carry [".whl", ".device"]
 #   bash benchmarks/handoff_pair_run.sh pipes        carry [".whlnx"] (NIXL's wheel alone is 57 MB of the 64 MiB)
 # PHASE: tests (the 2-GPU handoff tests), ttft (layer-wise, then whole, or $MODES; $LENS), goodput
-# (layer-wise, rates $RATES), pipes (torch_dist beside nixl: 16 MiB, 256 MiB, a layer list).
+# (layer-wise; $WORKLOADS, rates $RATES_4K / $RATES_CHAT; PROFILE=1 runs py-spy on the pair's nodes), pipes (torch_dist beside nixl: 16 MiB, 256 MiB, a layer list).
 # Each writes its JSON and log under $OUT; the last lines are the summary.
 set -uo pipefail
 if [ -d .whl ]; then
     # --upgrade: a second call on the same machine replaces what the first installed (else pip keeps it)
     python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 DISAGG_TEST_TOKENIZER_DIR=.device/tok
+export PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 DISAGG_TEST_TOKENIZER_DIR=.device/tok
 out=${OUT:-/tmp/out}
 common=(--tokenizer-dir .device/tok --gpus 2 --connector torch_dist --kv-buffer-device cuda --kv-cache-memory 24GiB)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -25,9 +25,11 @@ for phase in "$@"; do
                 --repeats 5 --kv-modes $mode --json "$out/ttft_$mode.json" 2>&1 | tee "$out/ttft_$mode.log" | tail -8
         done ;;
     goodput)
-        python3 benchmarks/handoff_h200x2.py "${common[@]}" --phase goodput --rates "${RATES:-2,3,4}" \
-            --num-requests "${NUM_REQUESTS:-64}" --kv-modes layerwise --json "$out/goodput.json" 2>&1 \
-            | tee "$out/goodput.log" | tail -12 ;;
+        python3 benchmarks/handoff_h200x2.py "${common[@]}" --phase goodput --workloads "${WORKLOADS:-4k,chat}" \
+            --rates-4k "${RATES_4K:-2,3,4,5,6}" --rates-chat "${RATES_CHAT:-4,8,12,16}" ${PROFILE:+--profile} \
+            --num-requests "${NUM_REQUESTS:-48}" --kv-modes layerwise --json "$out/goodput.json" 2>&1 \
+            | tee "$out/goodput.log" | tail -40
+        cp /tmp/handoff_h200x2/logs-goodput/pyspy-* "$out/" 2>/dev/null || true ;;
     pipes)
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whlnx/*.whl || exit 1
         python3 benchmarks/pipe_bandwidth.py --pipes torch_dist,nixl --sizes 16M,256M --repeats 3 \

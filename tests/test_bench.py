@@ -118,6 +118,13 @@ def test_request_building(tmp_path: Path):
     specs = build_requests(args, random.Random(0))
     assert all(5 <= len(s.prompt) <= 15 and max(s.prompt) < 2000 for s in specs)
     assert len({len(s.prompt) for s in specs}) > 1
+
+    args = parser.parse_args(["--prompt-kind", "token-ids", "--input-len", "100", "--output-len", "50",
+                              "--len-dist", "lognormal", "--len-range", "0.6", "--num-requests", "400"])
+    specs = build_requests(args, random.Random(0))
+    lens = sorted(len(s.prompt) for s in specs)
+    assert 80 <= lens[200] <= 120 and lens[-1] <= 400 and lens[0] >= 1  # median near 100, capped at 4x
+    assert lens[360] > 150  # a long tail
     args = parser.parse_args(["--endpoint", "chat", "--prompt-kind", "token-ids"])
     with pytest.raises(ValueError, match="completions"):
         build_requests(args, random.Random(0))

@@ -35,9 +35,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     parser.add_argument("--input-len", type=int, default=128, help="prompt length in tokens (mean for uniform)")
     parser.add_argument("--output-len", type=int, default=32, help="output tokens (mean for uniform)")
-    parser.add_argument("--len-dist", choices=["fixed", "uniform"], default="fixed",
-                        help="uniform: lengths drawn from [len*(1-range), len*(1+range)]")
-    parser.add_argument("--len-range", type=float, default=0.5, help="half-width of the uniform lengths, a fraction")
+    parser.add_argument("--len-dist", choices=["fixed", "uniform", "lognormal"], default="fixed",
+                        help="uniform: lengths drawn from [len*(1-range), len*(1+range)]; lognormal: median len, "
+                             "sigma range, capped at 4*len (chat-shaped traffic: many short, a long tail)")
+    parser.add_argument("--len-range", type=float, default=0.5,
+                        help="half-width of the uniform lengths, a fraction; the lognormal's sigma")
     parser.add_argument("--prompt-kind", choices=["words", "token-ids"], default="words",
                         help="words: random English words, ~1 token each for BPE tokenizers (works with any server); "
                              "token-ids: random ids below --vocab-size sent as the prompt (completions only; "

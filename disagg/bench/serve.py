@@ -108,6 +108,8 @@ def parse_rates(qps: str, sweep: str | None) -> list[float]:
 def sample_len(rng: random.Random, mean: int, dist: str, width: float) -> int:
     if dist == "fixed":
         return mean
+    if dist == "lognormal":
+        return min(4 * mean, max(1, round(rng.lognormvariate(math.log(mean), width))))
     low, high = max(1, round(mean * (1 - width))), max(1, round(mean * (1 + width)))
     return rng.randint(low, high)
 
