@@ -182,10 +182,11 @@ def workload_sweep(args: argparse.Namespace, workload: str, rates: list[str], ur
 def start_profiles(disagg: System, log_dir: Path, label: str) -> list[subprocess.Popen]:
     """py-spy (if installed) sampling both nodes of the pair with their GIL state, for one run."""
     samplers = []
-    for node in (disagg.front, disagg.prefill):
-        out = log_dir / f"pyspy-{label}-{node.role}.txt"
+    # Every thread (--idle: waits too), and the thread that holds the GIL (--gil) for the decode node.
+    for node, mode in ((disagg.front, "--idle"), (disagg.prefill, "--idle"), (disagg.front, "--gil")):
+        out = log_dir / f"pyspy-{label}-{node.role}{mode.replace('--', '-')}.txt"
         argv = ["py-spy", "record", "--pid", str(node.proc.pid), "--rate", "200", "--format", "raw",
-                "--threads", "--idle", "--output", str(out), "--nonblocking"]
+                "--threads", mode, "--output", str(out), "--nonblocking"]
         try:
             log = (log_dir / f"{out.name}.log").open("w")
             samplers.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log))

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
+import torch
 
 from disagg.control_plane import PrefillCall, PrefillResult
 from disagg.decode_node.node import DecodeNode, PrefillUnavailable
@@ -30,6 +31,7 @@ from disagg.lookup_buffer.errors import (
     ProducerLost,
 )
 from disagg.lookup_buffer.messages import KVEntry
+from disagg.pipes import RowScatter
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -38,7 +40,7 @@ ADVERTISE = ("127.0.0.11", 7100)  # the decode node's pipe endpoint
 PRODUCER = ("127.0.0.12", 7200)  # the prefill node's kv_ip, kv_port
 DIGEST = "digest-of-prompt"
 FIRST, DECODED, LOCAL = 101, 102, 201  # the remote first token, the next one, a locally computed one
-VIEWS = ["k-view", "v-view"]  # the reserved blocks' views (what expect() receives into)
+CACHE, ROWS = torch.zeros(2, 2, 8, 1, 1), torch.arange(3, 7)  # the KV cache, the reserved blocks' rows
 KV = "kv-tensor"  # an entry's tensor when it was not received in place
 LOOKUP_TIMEOUT = 30.0
 PREFILL_TIMEOUT = 5.0
@@ -73,12 +75,12 @@ class FakeEngine:
     stream = AsyncEngine.stream  # the real ones: a stream left early drops its request, unless told not to
     drop = AsyncEngine.drop
 
-    def __init__(self, log: list[tuple], cached_tokens: int = 0, views: list | None = VIEWS):
+    def __init__(self, log: list[tuple], cached_tokens: int = 0, rows: torch.Tensor | None = ROWS):
         self.log = log
         self.tokenizer = object()
         self.max_model_len = 64
         self.stats = None
-        self.slot = RemoteSlot(cached_tokens=cached_tokens, views=views, first=None)
+        self.slot = RemoteSlot(cached_tokens=cached_tokens, cache=CACHE, rows=rows, first=None)
         self.queues: dict[str, asyncio.Queue] = {}
 
     async def _call(self, fn, *args):
@@ -190,7 +192,7 @@ class FakeConsumer:
                 self.log.append(("drop_select cancelled", request_id))
                 raise
             raise LookupDiscarded(f"lookup for request {request_id!r} ended: the request was discarded")
-        kv = VIEWS if self.in_place else [KV]
+        kv = [RowScatter(CACHE, ROWS)] if self.in_place else [KV]
         return KVEntry(request_id=request_id, token_digest=self.digest, kv_tensors=kv, in_place=self.in_place)
 
     def discard(self, request_id: str) -> bool:
@@ -257,7 +259,7 @@ def assert_failed_over(log: list[tuple], tokens: list[int], error: Exception | N
 def test_happy_path_receives_in_place_and_streams():
     async def main():
         log: list[tuple] = []
-        engine = FakeEngine(log, cached_tokens=3, views=VIEWS)
+        engine = FakeEngine(log, cached_tokens=3, rows=ROWS)
         node = make_node(log, engine=engine)
         tokens, error = await collect(node)
         rid = request_id(log)
@@ -265,7 +267,8 @@ def test_happy_path_receives_in_place_and_streams():
         assert (tokens, error) == ([FIRST, DECODED], None)
         assert names(log) == ["add_remote_request", "pick", "expect", "prefill", "drop_select",
                               "finish_remote_prefill"]
-        assert called(log, "expect")[0][2] == [VIEWS] and called(log, "expect")[0][2][0] is VIEWS
+        (into,) = called(log, "expect")[0][2]  # the KV lands in the reserved rows of the cache
+        assert into.tensor is CACHE and into.rows is ROWS
         call, idle_timeout = called(log, "prefill")[0][1:]
         assert call == PrefillCall(rid, PROMPT, SamplingParams(max_tokens=4), ADVERTISE, skip_tokens=3)
         assert idle_timeout == PREFILL_TIMEOUT
@@ -280,7 +283,7 @@ def test_happy_path_receives_in_place_and_streams():
 def test_happy_path_without_reserved_blocks_hands_the_tensor_over():
     async def main():
         log: list[tuple] = []
-        node = make_node(log, engine=FakeEngine(log, views=None), consumer=FakeConsumer(log, in_place=False))
+        node = make_node(log, engine=FakeEngine(log, rows=None), consumer=FakeConsumer(log, in_place=False))
         tokens, error = await collect(node)
         assert (tokens, error) == ([FIRST, DECODED], None)
         assert "expect" not in names(log)  # no blocks yet: nothing to receive into

@@ -107,10 +107,10 @@ def test_layerwise_kv_over_tcp_lands_in_the_decode_engines_blocks(gpu_model_dir,
                                                                    kv_buffer_device):
     """The prefill node's path on a GPU: each layer's KV is handed to the producer during the forward
     (copied to pinned memory on a stream of its own, or kept on the GPU and sent from the sender's
-    stream), crosses a tcp pipe into the views of a second engine's blocks, and that engine decodes
+    stream), crosses a tcp pipe into the rows of a second engine's blocks, and that engine decodes
     transformers' tokens."""
     from disagg.lookup_buffer import LookupBufferConsumer, LookupBufferProducer
-    from disagg.pipes import PipeConfig
+    from disagg.pipes import PipeConfig, RowScatter
     from disagg.prefill_node.node import LayerSender
 
     kwargs = dict(device="cuda", dtype="float32", kv_cache_memory=2**30)
@@ -126,7 +126,7 @@ def test_layerwise_kv_over_tcp_lands_in_the_decode_engines_blocks(gpu_model_dir,
             decode.add_request(request_id, ids, GREEDY, remote_prefill=True)
             slots[request_id] = slot = decode.remote_slot(request_id)
             assert slot.cached_tokens == 0
-            consumer.expect(request_id, [slot.views])
+            consumer.expect(request_id, [RowScatter(slot.cache, slot.rows)])
             nbytes = prefill.kv_cache.kv[:, :, :len(ids)].nbytes
             producer.open(request_id, ids, [(layer, layer + 1) for layer in range(30)], len(ids), nbytes,
                           consumer.address)

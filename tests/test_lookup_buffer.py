@@ -31,7 +31,7 @@ from disagg.lookup_buffer import (
     token_digest,
 )
 from disagg.lookup_buffer.messages import Hello, encode_entry, encode_hello
-from disagg.pipes import PipeConfig, sockets, tcp, wire
+from disagg.pipes import PipeConfig, RowScatter, sockets, tcp, wire
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = Path(__file__).resolve().parent / "lookup_peer.py"
@@ -481,6 +481,34 @@ def test_layer_parts_travel_as_they_are_put(make_consumer, make_producer):
     assert not entry.in_place and torch.equal(entry.kv_tensors[0], kv)
     wait_until(lambda: producer.stats().sent == 3, 5)
     assert (producer.stats().entries, producer.stats().bytes) == (0, 0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pipe", ["tcp", "torch_dist"])
+def test_layer_parts_land_in_the_rows_of_a_cache(pipe):
+    """A decode node's reserved blocks as a RowScatter (the cache rows of the request's tokens, blocks
+    out of order): a layer-wise entry computed in two chunks lands in exactly those rows, over a
+    socket pipe (written where they land) and torch_dist (received, then one indexed copy a part)."""
+    consumer = LookupBufferConsumer(pipe, PipeConfig(kv_port=0))
+    producer = LookupBufferProducer(pipe, PipeConfig(kv_port=0), 1 << 20, 30.0, 5.0)
+    try:
+        kv, groups = layer_kv(tokens=7), [(0, 1), (1, 4)]
+        cache = torch.zeros(4, 2, 16, 2, 3)
+        rows = torch.tensor([9, 10, 11, 4, 5, 14, 15])  # blocks of 2 rows: 4 (half), 5 (half), 2, 7
+        consumer.expect("r", [RowScatter(cache, rows)])
+        producer.open("r", [1], groups, 7, kv.nbytes, consumer.address)
+        for start, stop in ((0, 3), (3, 7)):
+            for first, end in groups:
+                producer.put("r", first, end, kv[first:end, :, start:stop].clone())
+        entry = consumer.drop_select("r", [1], timeout=20)
+        assert entry.in_place and entry.nbytes == kv.nbytes
+        assert torch.equal(cache[:, :, rows], kv)
+        others = torch.ones(16, dtype=torch.bool)
+        others[rows] = False
+        assert not cache[:, :, others].any()  # nothing landed outside its rows
+    finally:
+        producer.close()
+        consumer.close()
 
 
 @pytest.mark.timeout(30)

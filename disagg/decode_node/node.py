@@ -30,6 +30,7 @@ from disagg.engine.output import RequestOutput
 from disagg.engine.remote_prefill import RemoteSlot
 from disagg.engine.sampling_params import SamplingParams
 from disagg.lookup_buffer import LookupBufferConsumer
+from disagg.pipes.row_scatter import RowScatter
 
 logger = logging.getLogger(__name__)
 
@@ -143,8 +144,8 @@ class DecodeNode:
             # Our prefix cache's hits are held for this request: only the rest of its KV need come.
             skip = slot.cached_tokens
             # Blocks reserved already: the KV is received straight into them (else into a buffer first).
-            if slot.views is not None:
-                self.consumer.expect(request_id, [slot.views])
+            if slot.rows is not None:
+                self.consumer.expect(request_id, [RowScatter(slot.cache, slot.rows)])
             call = PrefillCall(request_id, prompt_token_ids, params, self.kv_advertise, skip)
             result = await client.prefill(call, idle_timeout=self.prefill_timeout)
             answered = time.perf_counter()

@@ -195,7 +195,7 @@ class AsyncEngine:
                                     kv: torch.Tensor | None, first_token: int,
                                     first_logprob: TokenLogprob | None = None, kv_start: int = 0) -> None:
         """A remote request's first token and KV came (kv None: it is in its blocks, through the slot's
-        views). The token's output is made here (slot.first) and put on the request's stream (`queue`,
+        rows). The token's output is made here (slot.first) and put on the request's stream (`queue`,
         from add_routed_request) at once, not after the engine's step in flight; then the engine
         thread takes the KV over between two steps (LLMEngine.finish_remote_prefill). Raises
         ValueError for a token that does not fit, before anything is sent; for KV that does not fit

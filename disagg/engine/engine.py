@@ -136,7 +136,7 @@ class LLMEngine:
         return len(self.block_manager.prefix_hits(Sequence("", token_ids, params))) * self.block_manager.block_size
 
     def remote_slot(self, request_id: str) -> RemoteSlot:
-        """What a remote request holds (its cached leading tokens and, if it has blocks, their views),
+        """What a remote request holds (its cached leading tokens and, if it has blocks, their rows),
         and the maker of its first token's output, which belongs to the caller from now on."""
         seq = self._remote_seq(request_id)
         spec = seq.params.structured
@@ -148,7 +148,7 @@ class LLMEngine:
                               kv_start: int = 0) -> None:
         """Hand over the KV (of prompt tokens kv_start on) and the first token of a remote request,
         whose output `first` made already; kv None: the KV is in its blocks (received through
-        remote_slot's views). The request takes over `first`'s state; its KV is loaded by the next
+        remote_slot's rows). The request takes over `first`'s state; its KV is loaded by the next
         step (RemotePrefills.poll), and it decodes from the one after. Raises ValueError for KV
         that does not fit, before anything changes."""
         seq = self._remote_seq(request_id)

@@ -2,7 +2,7 @@
 (a KVArrival; docs/ARCHITECTURE.md, "A request, end to end").
 
 Such a sequence is added as `remote`: the scheduler gives it blocks as soon as it can (at once if
-it can), and it waits as WAITING_FOR_KV. Its KV comes either straight into its blocks (`views`,
+it can), and it waits as WAITING_FOR_KV. Its KV comes either straight into its blocks (`rows`,
 filled by the lookup buffer's receiver) or as a tensor; `receive` takes that, and `poll` loads it
 once the sequence holds its blocks and the sources before this one (the KV tiers, for the prefix
 they hold) are done. From then on it is an ordinary sequence.
@@ -62,11 +62,12 @@ class FirstToken:
 @dataclass
 class RemoteSlot:
     """What a remote request holds once added: the leading prompt tokens whose KV is in its blocks
-    already (the prefill node need not send it), views of the blocks for the rest, where the KV can
-    be received in place (None: the request waits for blocks, so its KV comes as a tensor), and its
-    first token's maker."""
+    already (the prefill node need not send it), the rows of the KV cache (`cache`, [layers, 2, rows,
+    kv_heads, head_dim]) for the rest, where the KV can be received in place (None: the request waits
+    for blocks, so its KV comes as a tensor), and its first token's maker."""
     cached_tokens: int
-    views: list[torch.Tensor] | None
+    cache: torch.Tensor
+    rows: torch.Tensor | None
     first: FirstToken
 
 
@@ -89,12 +90,12 @@ class RemotePrefills(KVArrival):
 
     def slot(self, seq: Sequence, first: FirstToken) -> RemoteSlot:
         holds = seq.status == SequenceStatus.WAITING_FOR_KV
-        views = self.kv_cache.views(seq.block_table, seq.num_cached_tokens, seq.num_prompt_tokens) if holds else None
-        return RemoteSlot(seq.num_cached_tokens, views, first)
+        rows = self.kv_cache.rows(seq.block_table, seq.num_cached_tokens, seq.num_prompt_tokens) if holds else None
+        return RemoteSlot(seq.num_cached_tokens, self.kv_cache.kv, rows, first)
 
     def receive(self, seq: Sequence, remote: RemotePrefill) -> None:
         """Take a remote sequence's KV (of prompt tokens remote.kv_start on; None: in its blocks
-        already, received through its slot's views). Raises ValueError, before anything changes,
+        already, received at its slot's rows). Raises ValueError, before anything changes,
         for KV that does not fit."""
         if not seq.remote or seq.request_id in self.received:
             raise ValueError(f"request {seq.request_id} does not wait for remote KV")

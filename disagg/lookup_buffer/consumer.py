@@ -40,6 +40,7 @@ from disagg.lookup_buffer.errors import (
 from disagg.lookup_buffer.messages import MAX_HEADER_BYTES, Hello, KVEntry, decode, decode_chunk, token_digest
 from disagg.pipes.base import Destination, KVPipe, PipeConfig
 from disagg.pipes.errors import PeerMayWrite, PipeError, PipeTimeout, ProtocolError
+from disagg.pipes.row_scatter import RowScatter
 from disagg.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -578,10 +579,12 @@ class LookupBufferConsumer:
 def _share(dest: Destination, first: int, end: int, num_layers: int, start: int, stop: int,
            tokens: int) -> Destination:
     """Layers [first, end), tokens [start, stop) of a destination for [layers, 2, tokens, ...]: a slice
-    of a tensor, or the pieces of a list of contiguous views that hold them (per layer, K then V, the
-    same number of views each, their tokens in order), cut flat."""
+    of a tensor or of a RowScatter's rows, or the pieces of a list of contiguous views that hold them
+    (per layer, K then V, the same number of views each, their tokens in order), cut flat."""
     if isinstance(dest, torch.Tensor):
         return dest[first:end, :, start:stop]
+    if isinstance(dest, RowScatter):
+        return dest.share(first, end, start, stop)
     if len(dest) % (2 * num_layers):
         raise ProtocolError(f"{len(dest)} destination views cannot hold {num_layers} layers alike")
     per_half = len(dest) // (2 * num_layers)  # the views of one layer's K (or V)

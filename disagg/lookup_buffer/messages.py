@@ -72,12 +72,13 @@ class KVEntry:
     layers: list[tuple[int, int]] | None = None
     tokens: int = 0  # layer-wise: the tokens its KV holds
     chunk: int = 0  # layer-wise: the tokens of its first chunk (all of them unless computed in chunks)
-    # The consumer received the KV into the destination its expect() named: kv_tensors are those views.
+    # The consumer received the KV into the destination its expect() named: kv_tensors are that (its
+    # views or RowScatters), not tensors of their own.
     in_place: bool = False
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv_tensors)
+        return sum(t.nbytes for t in self.kv_tensors)
 
 
 @dataclass

@@ -12,6 +12,7 @@ import importlib
 
 from disagg.pipes.base import KVPipe, PipeConfig, PipeListener
 from disagg.pipes.errors import AuthError, PeerMayWrite, PipeClosed, PipeError, PipeTimeout, ProtocolError
+from disagg.pipes.row_scatter import RowScatter
 
 PIPES = ("tcp", "torch_dist", "ucx", "nixl")
 
@@ -26,6 +27,7 @@ __all__ = [
     "PipeListener",
     "PipeTimeout",
     "ProtocolError",
+    "RowScatter",
     "connect",
     "listen",
 ]

@@ -17,20 +17,24 @@ import torch
 
 from disagg.pipes import wire
 from disagg.pipes.errors import NoMessage, PeerMayWrite, PipeClosed, PipeError, PipeTimeout
+from disagg.pipes.row_scatter import RowScatter
 from disagg.rate_limited_log import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
 
-# Where recv puts one tensor of a message: a tensor of its shape, or views (a KV cache's blocks)
-# whose bytes, in order, make up the tensor (docs/ARCHITECTURE.md, "Pipes").
-Destination = torch.Tensor | list[torch.Tensor]
+# Where recv puts one tensor of a message: a tensor of its shape, views whose bytes, in order, make
+# up the tensor, or rows of a bigger one (a KV cache's blocks; docs/ARCHITECTURE.md, "Pipes").
+Destination = torch.Tensor | list[torch.Tensor] | RowScatter
 
 
 def fill(dest: Destination, tensor: torch.Tensor, non_blocking: bool = False) -> None:
     """Copy a tensor received elsewhere into its destination."""
     if isinstance(dest, torch.Tensor):
         dest.copy_(tensor, non_blocking=non_blocking)
+        return
+    if isinstance(dest, RowScatter):
+        dest.fill(tensor, non_blocking)
         return
     if not dest:  # an empty tensor
         return

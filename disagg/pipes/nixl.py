@@ -41,6 +41,7 @@ import torch
 from disagg.pipes import sockets, wire
 from disagg.pipes.base import Destination, KVPipe, PipeConfig, fill
 from disagg.pipes.errors import PeerMayWrite, PipeClosed, PipeError, PipeTimeout, ProtocolError
+from disagg.pipes.row_scatter import RowScatter
 
 # NIXL logs each agent's creation at INFO on stdout: keep stdout for the program.
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -201,7 +202,7 @@ class NixlPipe(KVPipe):
         if out is None:
             return [target[0] for target in targets]
         for dest, target in zip(out, targets):
-            if target is not dest and target[0] is not dest:
+            if isinstance(dest, torch.Tensor) and target[0] is not dest:  # else written where it lands
                 fill(dest, target[0])
         return out
 
@@ -300,6 +301,8 @@ def _target(meta: wire.TensorMeta, dest: Destination | None) -> list[torch.Tenso
     """The contiguous tensors that receive one tensor's bytes, in order."""
     if isinstance(dest, list):
         return dest  # check_out made sure they are contiguous
+    if isinstance(dest, RowScatter):
+        return dest.views()
     if dest is not None and dest.is_contiguous():
         return [dest]
     device = dest.device if dest is not None else torch.device("cpu")

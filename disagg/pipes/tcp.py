@@ -15,6 +15,7 @@ import torch
 
 from disagg.pipes import wire
 from disagg.pipes.base import Destination, KVPipe, PipeConfig, fill
+from disagg.pipes.row_scatter import RowScatter
 from disagg.pipes.sockets import (
     Listener,
     byte_view,
@@ -74,8 +75,8 @@ class TcpPipe(KVPipe):
         with socket_errors("receiving tensor data", self._config.timeout):
             for i, meta in enumerate(metas):
                 dest = out[i] if out is not None else None
-                if isinstance(dest, list):
-                    self._recv_views(dest)
+                if isinstance(dest, list | RowScatter):  # bytes straight where they land
+                    self._recv_views(dest if isinstance(dest, list) else dest.views())
                     received.append(dest)
                 else:
                     received.append(self._recv_tensor(meta, dest))

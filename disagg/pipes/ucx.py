@@ -28,6 +28,7 @@ import torch
 from disagg.pipes import wire
 from disagg.pipes.base import Destination, KVPipe, PipeConfig, PipeListener, fill
 from disagg.pipes.errors import NoMessage, PipeClosed, PipeError, PipeTimeout
+from disagg.pipes.row_scatter import RowScatter
 
 os.environ.setdefault(
     "UCX_WARN_UNUSED_ENV_VARS", "n"
@@ -272,4 +273,6 @@ def connect(config: PipeConfig, host: str, port: int) -> UcxPipe:
 def _device(dest: Destination | None) -> torch.device:
     if isinstance(dest, torch.Tensor):
         return dest.device
+    if isinstance(dest, RowScatter):
+        return dest.tensor.device
     return dest[0].device if dest else torch.device("cpu")

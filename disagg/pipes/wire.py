@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 from disagg.pipes.errors import AuthError, PipeClosed, ProtocolError
+from disagg.pipes.row_scatter import RowScatter
 
 MAGIC = b"DKV1"
 PROTOCOL_VERSION = 1
@@ -169,12 +170,12 @@ def decode_meta(buf: bytes, count: int, max_bytes: int) -> list[TensorMeta]:
 
 
 def check_out(out: list, metas: list[TensorMeta]) -> None:
-    """`recv(out=...)` must match the message exactly: each destination a tensor of the same
-    dtype and shape, or contiguous views of that dtype holding as many elements in all."""
+    """`recv(out=...)` must match the message exactly: each destination a tensor (or RowScatter) of
+    the same dtype and shape, or contiguous views of that dtype holding as many elements in all."""
     if len(out) != len(metas):
         raise ProtocolError(f"message has {len(metas)} tensors but out has {len(out)}")
     for i, (dest, m) in enumerate(zip(out, metas)):
-        if isinstance(dest, torch.Tensor):
+        if isinstance(dest, torch.Tensor | RowScatter):
             if dest.dtype != m.dtype or tuple(dest.shape) != m.shape:
                 raise ProtocolError(
                     f"tensor {i}: message has {m.dtype}{list(m.shape)}, out has {dest.dtype}{list(dest.shape)}"
