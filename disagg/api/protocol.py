@@ -42,10 +42,24 @@ MAX_TOOLS = 512
 # Field names are the client's: the set of those already logged stops growing at this size.
 MAX_WARNED_FIELDS = 256
 _warned_fields: set[str] = set()
+# Fields that OpenAI's API (and vLLM's) take as null, meaning their default.
+NULL_MEANS_DEFAULT = frozenset({
+    "n", "stream", "echo", "logprobs", "ignore_eos", "min_tokens", "skip_special_tokens", "include_stop_str_in_output",
+    "spaces_between_special_tokens", "parallel_tool_calls", "add_generation_prompt", "continue_final_message",
+    "return_token_ids", "return_tokens_as_token_ids", "return_token_strs",
+})
 
 
 class OpenAIRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_mean_defaults(cls, data: object) -> object:
+        if isinstance(data, dict) and any(data.get(name, 0) is None for name in NULL_MEANS_DEFAULT):
+            return {name: value for name, value in data.items()
+                    if not (value is None and name in NULL_MEANS_DEFAULT and name in cls.model_fields)}
+        return data
 
     @model_validator(mode="after")
     def _warn_unknown_fields(self):
@@ -448,7 +462,15 @@ class ChatCompletionRequest(SamplingFields):
         else:
             max_tokens = options.default_max_tokens(default_max_tokens)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs, options)
+        try:
+            return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs, options)
+        except SamplingParamError as e:  # the 400 names the field this request sent, not the engine's
+            sent = {"logprobs": "top_logprobs"}
+            if self.max_completion_tokens is not None:
+                sent["max_tokens"] = "max_completion_tokens"
+            if e.param not in sent:
+                raise
+            raise SamplingParamError(sent[e.param], str(e).replace(e.param, sent[e.param], 1)) from None
 
 
 class TokenizeRequest(OpenAIRequest):
