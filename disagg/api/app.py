@@ -3,9 +3,9 @@ health, load and metrics.
 
 Every error answers in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with the
 status vLLM gives it: 400 bad input (validation included, never FastAPI's 422; a prompt over the
-context with OpenAI's code context_length_exceeded), 401 bad key, 404 unknown model, 413 a body
-over --max-request-body-bytes, 500 a request the engine failed, 503 prefill node unavailable under
-the "fail" policy.
+context with OpenAI's code context_length_exceeded), 401 bad key, 404 unknown model or path, 405
+wrong method, 413 a body over --max-request-body-bytes, 500 a request the engine failed, 503
+prefill node unavailable under the "fail" policy. Every response carries X-Request-Id.
 
 Completions and chat share one path: a request becomes one engine request per choice (each
 prompt times n), started together; `Choice` holds one of them and an endpoint's formatter turns
@@ -29,7 +29,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from disagg import metrics
 from disagg.api.protocol import (
@@ -103,9 +105,10 @@ class ClientDisconnected(Exception):
     """The client closed the connection before the request finished; it was aborted."""
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
     metrics.REQUEST_ERRORS.labels(str(status)).inc()
-    return JSONResponse(openai_error(status, message, param, code), status_code=status)
+    return JSONResponse(openai_error(status, message, param, code), status_code=status, headers=headers)
 
 
 def api_error_from(error: Exception) -> APIError:
@@ -736,6 +739,7 @@ class OpenAIServing:
         # A router sets X-Request-Id so that one request can be followed through the router's and
         # this node's logs (and, by this node's own id for it, the prefill node's).
         request_id = request_label(raw_request.headers.get("x-request-id"), prefix)
+        raw_request.state.request_id = request_id  # RequestIdHeader answers with it
         run = Run(self.node, request_id, prompts, params, request.num_candidates, request.prefill_policy, raw_request,
                   self.log_requests)
         self.num_requests += 1
@@ -861,13 +865,46 @@ async def on_api_error(_: Request, e: APIError) -> JSONResponse:
     return error_response(e.status, e.message, e.param, e.code)
 
 
-async def on_http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-    return error_response(e.status_code, str(e.detail))
+async def on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    """FastAPI's own refusals (404 no such path, 405 wrong method) in OpenAI's shape, naming the call."""
+    return error_response(e.status_code, f"{e.detail}: {request.method} {request.url.path}", headers=e.headers)
 
 
-async def on_unexpected_error(_: Request, e: Exception) -> JSONResponse:
-    # A bug, not bad input; uvicorn logs the traceback.
-    return error_response(500, f"internal server error: {e!r}")
+async def on_unexpected_error(request: Request, e: Exception) -> JSONResponse:
+    # A bug, not bad input; uvicorn logs the traceback. This answer is sent from outside every
+    # middleware (Starlette's ServerErrorMiddleware), so it adds the request id RequestIdHeader would.
+    return error_response(500, f"internal server error: {e!r}",
+                          headers={"x-request-id": response_request_id(request.scope)})
+
+
+def response_request_id(scope: Scope) -> str:
+    """The id a response is labelled with: the one its handler gave the request (chat and completions:
+    the id in the body), else the client's X-Request-Id, else a fresh one."""
+    state = scope.setdefault("state", {})
+    if "request_id" not in state:
+        state["request_id"] = request_label(Headers(scope=scope).get("x-request-id"), "req")
+    return state["request_id"]
+
+
+class RequestIdHeader:
+    """Every response carries X-Request-Id (response_request_id), as vLLM's with
+    --enable-request-id-headers, so a client can quote it and find the request in the node's logs.
+    A plain ASGI middleware, as serving.py's, so that streamed responses pass through untouched."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)["x-request-id"] = response_request_id(scope)
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 async def on_validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -904,6 +941,7 @@ def build_app(node: DecodeNode, options: HTTPOptions, served_model_name: str,
               tool_options: ToolOptions | None = None, log_requests: bool = True,
               sampling: ServerSamplingOptions | None = None) -> FastAPI:
     app = make_app("disagg", options, error_response)
+    app.add_middleware(RequestIdHeader)  # added last, so it wraps the API key and body limit refusals too
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
@@ -923,6 +961,11 @@ def build_app(node: DecodeNode, options: HTTPOptions, served_model_name: str,
     @app.get("/v1/models")
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=served_model_name, max_model_len=node.max_model_len)])
+
+    @app.get("/v1/models/{model_id:path}")  # a path: a Hub id served as its name has a slash (ORG/NAME)
+    async def model(model_id: str) -> ModelCard:
+        serving.check_model(model_id)
+        return ModelCard(id=served_model_name, max_model_len=node.max_model_len)
 
     @app.api_route("/health", methods=["GET"])
     @app.api_route("/ping", methods=["GET", "POST"])  # SageMaker's (and vLLM's) health check
