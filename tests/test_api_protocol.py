@@ -317,7 +317,7 @@ def test_chat_and_tokenize_know_vllms_template_fields():
     for model in (ChatCompletionRequest, TokenizeRequest):
         request = model.model_validate({"messages": MESSAGES, **fields})
         request.check_chat_template()
-        assert not request.model_extra and request.template_kwargs == {"enable_thinking": False}
+        assert not request.model_extra and request.chat_template_kwargs == {"enable_thinking": False}
     answer_fields = ChatCompletionRequest.model_validate({"messages": MESSAGES, "echo": True, "return_token_ids": True,
                                                           "return_tokens_as_token_ids": True})
     assert not answer_fields.model_extra  # known, and they shape the answer, not the sampling

@@ -679,7 +679,7 @@ class OpenAIServing:
         def render() -> str:
             return self.node.tokenizer.apply_chat_template(
                 [m.to_template() for m in messages], options.add_generation_prompt, tools,
-                continue_final_message=options.continue_final_message, template_kwargs=options.template_kwargs)
+                continue_final_message=options.continue_final_message, template_kwargs=options.chat_template_kwargs)
 
         try:
             text = await asyncio.to_thread(render)

@@ -326,6 +326,8 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
     suffix: str | None = None
     prompt_embeds: object = None
+    prompt_param: ClassVar[str] = "prompt"  # the fields a context-length error names
+    max_tokens_param: ClassVar[str] = "max_tokens"
 
     @field_validator("prompt")
     @classmethod
@@ -340,9 +342,6 @@ class CompletionRequest(SamplingFields):
         if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
             return [self.prompt]
         return list(self.prompt)
-
-    prompt_param: ClassVar[str] = "prompt"  # the fields a context-length error names
-    max_tokens_param: ClassVar[str] = "max_tokens"
 
     @property
     def echo_only(self) -> bool:
@@ -451,10 +450,6 @@ class ChatTemplateFields(OpenAIRequest):
                 raise SamplingParamError(param, "a chat template sent with the request is refused (as vLLM does "
                                                 "without --trust-request-chat-template): the server renders "
                                                 "messages with its own (--chat-template, or the tokenizer's)")
-
-    @property
-    def template_kwargs(self) -> dict[str, Any]:
-        return self.chat_template_kwargs or {}
 
 
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
