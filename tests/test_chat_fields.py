@@ -14,6 +14,8 @@ import openai
 import pytest
 from servers import PAIR_MAX_MODEL_LEN, Node, start_node
 
+from disagg.engine.tokenizer import Tokenizer
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 QUESTION = {"role": "user", "content": "What is the capital of France?"}
@@ -93,6 +95,20 @@ def test_continue_final_message_continues_the_turn(decode, model_name, hf_tokeni
     deltas = [c["choices"][0]["delta"] for c in streamed]
     assert deltas[0]["role"] == "assistant" and deltas[1]["content"] == STARTED["content"]
     assert "".join(d["content"] or "" for d in deltas) == STARTED["content"] + plain
+
+
+@pytest.mark.parametrize("template", [None, THINKING_TEMPLATE.replace("message['content']",
+                                                                     "(message['content'] | trim)")])
+def test_the_tokenizer_continues_a_message_as_transformers_does(model_dir, hf_tokenizer, template):
+    """The embedded template, and one that trims the content (and so the space before the cut)."""
+    ours = Tokenizer(model_dir, chat_template=template)
+    for messages in ([QUESTION, STARTED], [QUESTION, {"role": "assistant", "content": "It is "}], [QUESTION]):
+        assert ours.apply_chat_template(messages, False, continue_final_message=True) == \
+            hf_tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=False,
+                                             continue_final_message=True, tokenize=False)
+    with pytest.raises(ValueError, match="does not render the last message"):
+        Tokenizer(model_dir, chat_template="{{ 'x' }}").apply_chat_template([QUESTION], False,
+                                                                           continue_final_message=True)
 
 
 def test_continuing_needs_add_generation_prompt_false_and_echo_needs_the_roles_to_match(decode):
