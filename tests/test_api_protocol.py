@@ -11,7 +11,13 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from disagg.api.protocol import ChatCompletionRequest, CompletionRequest
+from disagg.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ContextLengthError,
+    TokenizeRequest,
+    check_context_length,
+)
 from disagg.engine.sampling_params import SamplingParamError, SamplingParams, StructuredOutputSpec
 
 DEFAULT_MAX_TOKENS = 100  # the app passes what is left of the context after the prompt
@@ -57,16 +63,16 @@ def test_fields_left_out_or_null_take_the_engine_defaults():
     assert completion(user="u1", spaces_between_special_tokens=False, no_such_field=1) == completion()
 
 
-@pytest.mark.xfail(strict=True, raises=ValidationError,
-                   reason="refused with a 400: these fields are not Optional in protocol.py")
 @pytest.mark.parametrize("request_fields", [{"prompt": "hi", "n": None}, {"prompt": "hi", "stream": None},
                                             {"prompt": "hi", "echo": None}, {"messages": MESSAGES, "n": None},
                                             {"messages": MESSAGES, "stream": None},
-                                            {"messages": MESSAGES, "logprobs": None}])
+                                            {"messages": MESSAGES, "logprobs": None},
+                                            {"messages": MESSAGES, "echo": None, "add_generation_prompt": None}])
 def test_fields_openai_takes_as_null_take_their_defaults(request_fields):
     """OpenAI's API (and vLLM's) take null for n, stream, echo and chat's logprobs."""
     model = CompletionRequest if "prompt" in request_fields else ChatCompletionRequest
-    model.model_validate(request_fields)
+    base = {k: v for k, v in request_fields.items() if k in ("prompt", "messages")}
+    assert model.model_validate(request_fields) == model.model_validate(base)
 
 
 SAMPLING = dict(temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, seed=7, stop=["END", "\n\n"], stop_token_ids=[2, 3],
@@ -194,11 +200,6 @@ def test_tool_choice_auto_and_none_ask_for_no_grammar():
 
 # --- the refusals --------------------------------------------------------------------------------
 
-WRONG_NAME = pytest.mark.xfail(strict=True, raises=AssertionError,
-                               reason="the 400 names the engine's field (max_tokens, logprobs), not the one "
-                                      "the chat request sent")
-
-
 @pytest.mark.parametrize("body, field", [
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": -1}, "max_tokens"),
@@ -252,9 +253,9 @@ def test_completion_refusals_name_the_field(body, field):
     ({"messages": [{"role": "user", "content": None}]}, "messages.0"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
     ({"max_tokens": 0}, "max_tokens"),
-    pytest.param({"max_completion_tokens": 0}, "max_completion_tokens", marks=WRONG_NAME),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"top_logprobs": 2}, "top_logprobs"),
-    pytest.param({"logprobs": True, "top_logprobs": 21}, "top_logprobs", marks=WRONG_NAME),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"temperature": -1}, "temperature"),
     ({"n": 129}, "n"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
@@ -264,6 +265,9 @@ def test_completion_refusals_name_the_field(body, field):
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
     ({"tools": [{}], "tool_choice": "required"}, "tools"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"continue_final_message": True}, "continue_final_message"),  # add_generation_prompt defaults to true
+    ({"chat_template": "{{ messages }}"}, "chat_template"),
+    ({"chat_template_kwargs": {"chat_template": "{{ messages }}"}}, "chat_template_kwargs"),
 ])
 def test_chat_refusals_name_the_field(body, field):
     param, message = refusal(ChatCompletionRequest, {"messages": MESSAGES, **body})
@@ -273,3 +277,48 @@ def test_chat_refusals_name_the_field(body, field):
 def test_unsupported_fields_at_their_neutral_values_are_accepted():
     neutral = dict(use_beam_search=False, allowed_token_ids=None, bad_words=[], truncate_prompt_tokens=None, suffix="")
     assert completion(**neutral) == completion()
+
+
+# --- context length and the chat fields ----------------------------------------------------------
+
+def test_a_request_over_the_context_is_refused_in_openais_words_naming_the_field_to_shorten():
+    chat = ChatCompletionRequest.model_validate({"messages": MESSAGES, "max_completion_tokens": 10})
+    check_context_length(100, 90, 10, chat)  # exactly full: fits
+    with pytest.raises(ContextLengthError) as refused:
+        check_context_length(100, 91, 10, chat)
+    assert (refused.value.param, refused.value.code) == ("messages", "context_length_exceeded")
+    assert str(refused.value).startswith(
+        "This model's maximum context length is 100 tokens. However, you requested 101 tokens (91 in the "
+        "messages, 10 in the completion). Please reduce the length of the messages or completion.")
+    with pytest.raises(ContextLengthError) as refused:  # no prompt could fit beside it
+        check_context_length(100, 1, 100, chat)
+    assert refused.value.param == "max_completion_tokens"
+    with pytest.raises(ContextLengthError) as refused:
+        check_context_length(100, 100, 1, CompletionRequest(prompt="hi"))
+    assert refused.value.param == "prompt"
+
+
+def test_the_answers_role_and_echo_follow_the_generation_prompt_as_in_vllm():
+    started = [*MESSAGES, {"role": "assistant", "content": "It is"}]
+
+    def request(messages: list[dict], **fields) -> ChatCompletionRequest:
+        return ChatCompletionRequest.model_validate({"messages": messages, **fields})
+
+    assert (request(MESSAGES).response_role, request(MESSAGES, echo=True).echo_text) == ("assistant", "")
+    assert request(started, echo=True).echo_text == "It is"  # the last message is the assistant's
+    continued = request(MESSAGES, echo=True, add_generation_prompt=False, continue_final_message=True)
+    assert (continued.response_role, continued.echo_text) == ("user", MESSAGES[0]["content"])
+    assert request(started, add_generation_prompt=False).echo_text == ""  # echo not asked
+
+
+def test_chat_and_tokenize_know_vllms_template_fields():
+    fields = {"add_generation_prompt": False, "continue_final_message": True,
+              "chat_template_kwargs": {"enable_thinking": False}}
+    for model in (ChatCompletionRequest, TokenizeRequest):
+        request = model.model_validate({"messages": MESSAGES, **fields})
+        request.check_chat_template()
+        assert not request.model_extra and request.chat_template_kwargs == {"enable_thinking": False}
+    answer_fields = ChatCompletionRequest.model_validate({"messages": MESSAGES, "echo": True, "return_token_ids": True,
+                                                          "return_tokens_as_token_ids": True})
+    assert not answer_fields.model_extra  # known, and they shape the answer, not the sampling
+    assert answer_fields.to_sampling_params(DEFAULT_MAX_TOKENS) == chat()

@@ -2,9 +2,10 @@
 health, load and metrics.
 
 Every error answers in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with the
-status vLLM gives it: 400 bad input (validation included, never FastAPI's 422), 401 bad key,
-404 unknown model, 413 a body over --max-request-body-bytes, 500 a request the engine failed,
-503 prefill node unavailable under the "fail" policy.
+status vLLM gives it: 400 bad input (validation included, never FastAPI's 422; a prompt over the
+context with OpenAI's code context_length_exceeded), 401 bad key, 404 unknown model or path, 405
+wrong method, 413 a body over --max-request-body-bytes, 500 a request the engine failed, 503
+prefill node unavailable under the "fail" policy. Every response carries X-Request-Id.
 
 Completions and chat share one path: a request becomes one engine request per choice (each
 prompt times n), started together; `Choice` holds one of them and an endpoint's formatter turns
@@ -28,7 +29,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from disagg import metrics
 from disagg.api.protocol import (
@@ -40,6 +43,7 @@ from disagg.api.protocol import (
     ChatMessage,
     ChatResponseMessage,
     ChatStreamChoice,
+    ChatTemplateFields,
     ChatTokenLogprob,
     ChatTopLogprob,
     CompletionChoice,
@@ -47,6 +51,7 @@ from disagg.api.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
+    ContextLengthError,
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
@@ -64,6 +69,7 @@ from disagg.api.protocol import (
     TokenizeResponse,
     ToolCallOut,
     UsageInfo,
+    check_context_length,
     check_request_size,
 )
 from disagg.api.tool_calls import (
@@ -99,17 +105,18 @@ class ClientDisconnected(Exception):
     """The client closed the connection before the request finished; it was aborted."""
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
     metrics.REQUEST_ERRORS.labels(str(status)).inc()
-    return JSONResponse(openai_error(status, message, param, code), status_code=status)
+    return JSONResponse(openai_error(status, message, param, code), status_code=status, headers=headers)
 
 
 def api_error_from(error: Exception) -> APIError:
     """The HTTP status of an exception out of the node."""
     if isinstance(error, APIError):
         return error
-    if isinstance(error, ValueError):
-        return APIError(400, str(error), param=getattr(error, "param", None))  # SamplingParamError names it
+    if isinstance(error, ValueError):  # a SamplingParamError names the field; a ContextLengthError has a code
+        return APIError(400, str(error), param=getattr(error, "param", None), code=getattr(error, "code", None))
     if isinstance(error, PrefillUnavailable):
         return APIError(503, f"{error}; retry, or send prefill_policy \"recompute\" to let the decode node "
                              "compute the prompt itself")
@@ -223,6 +230,7 @@ class Choice:
     out: RequestOutput | None = None  # the latest output
     started: bool = False  # its first chunk went out
     num_logprobs_sent: int = 0
+    num_token_ids_sent: int = 0  # return_token_ids
     text_offset: int = 0  # completions, and chat with tools: where the text sent so far ends
     tool_calls: ToolCallStream | None = None  # chat with tools, streamed
 
@@ -230,6 +238,13 @@ class Choice:
         logprobs = self.out.logprobs[self.num_logprobs_sent:]
         self.num_logprobs_sent = len(self.out.logprobs)
         return logprobs
+
+    def new_token_ids(self) -> list[int]:
+        """The output tokens not sent yet: an output whose text is held back (a possible stop string)
+        still counts its tokens, which go out with the next chunk."""
+        token_ids = self.out.token_ids[self.num_token_ids_sent:]
+        self.num_token_ids_sent = len(self.out.token_ids)
+        return token_ids
 
 
 class Run:
@@ -329,23 +344,27 @@ class Run:
 MAX_PROMPT_CHARS_PER_TOKEN = 32
 
 
-def token_text(tokenizer: Tokenizer, token_id: int) -> str:
+def token_text(tokenizer: Tokenizer, token_id: int, as_id: bool = False) -> str:
+    """A token as logprobs name it. as_id (vLLM's return_tokens_as_token_ids): "token_id:N", for
+    clients that map tokens back to ids, where a token's text may be part of a character only."""
+    if as_id:
+        return f"token_id:{token_id}"
     # Special tokens keep their names, so that distinct tokens stay distinct keys in top_logprobs.
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def completion_logprobs(tokenizer: Tokenizer, entries: list[tuple[int, TokenLogprob | None]],
-                        offset: int) -> CompletionLogprobs:
+                        offset: int, as_ids: bool = False) -> CompletionLogprobs:
     """Completions' format for (token id, its logprob entry or None) pairs; `offset` is the
     text_offset of the first token (where the text sent so far ends)."""
     result = CompletionLogprobs()
     for token_id, lp in entries:
-        token = token_text(tokenizer, token_id)
+        token = token_text(tokenizer, token_id, as_ids)
         result.tokens.append(token)
         result.token_logprobs.append(None if lp is None else lp.logprob)
         top = None
         if lp is not None:  # the chosen token is among them, as vLLM sends it
-            top = {token_text(tokenizer, t): logprob for t, logprob in lp.top} | {token: lp.logprob}
+            top = {token_text(tokenizer, t, as_ids): logprob for t, logprob in lp.top} | {token: lp.logprob}
         result.top_logprobs.append(top)
         result.text_offset.append(offset)
         offset += len(token)
@@ -367,9 +386,9 @@ def prompt_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob | None]) ->
     return result
 
 
-def chat_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob]) -> ChatLogprobs:
+def chat_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob], as_ids: bool = False) -> ChatLogprobs:
     def top(token_id: int, logprob: float) -> ChatTopLogprob:
-        token = token_text(tokenizer, token_id)
+        token = token_text(tokenizer, token_id, as_ids)
         return ChatTopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
 
     return ChatLogprobs(content=[
@@ -424,26 +443,35 @@ class CompletionFormat:
             return []
         logprobs = None
         if self.request.logprobs is not None:
-            logprobs = completion_logprobs(self.tokenizer, self._prompt_entries(choice), 0)
+            logprobs = completion_logprobs(self.tokenizer, self._prompt_entries(choice), 0,
+                                           self.request.return_tokens_as_token_ids)
             choice.text_offset = sum(len(t) for t in logprobs.tokens)
-        return [CompletionChoice(index=choice.index, text=choice.prompt.text, logprobs=logprobs)]
+        return [CompletionChoice(index=choice.index, text=choice.prompt.text, logprobs=logprobs,
+                                 token_ids=[] if self.request.return_token_ids else None)]
 
     def delta(self, choice: Choice) -> list[CompletionChoice]:
         out = choice.out
         if self.request.echo_only:  # the one token generated is not part of the answer
-            return [CompletionChoice(index=choice.index, text="", finish_reason="length")] if out.finished else []
+            return [CompletionChoice(index=choice.index, text="", finish_reason="length",
+                                     token_ids=[] if self.request.return_token_ids else None)] if out.finished else []
+        token_ids = choice.new_token_ids() if self.request.return_token_ids else None
         logprobs = None
         if self.request.logprobs is not None:
             entries = [(lp.token_id, lp) for lp in choice.new_logprobs()]
-            logprobs = completion_logprobs(self.tokenizer, entries, choice.text_offset)
+            logprobs = completion_logprobs(self.tokenizer, entries, choice.text_offset,
+                                           self.request.return_tokens_as_token_ids)
             choice.text_offset += sum(len(t) for t in logprobs.tokens)
-        if out.new_text or out.finished or (logprobs and logprobs.tokens):
+        if out.new_text or out.finished or (logprobs and logprobs.tokens) or token_ids:
             return [CompletionChoice(index=choice.index, text=out.new_text, logprobs=logprobs,
                                      finish_reason=out.finish_reason if out.finished else None,
-                                     stop_reason=out.stop_reason)]
+                                     stop_reason=out.stop_reason, token_ids=token_ids)]
         return []
 
-    def chunk(self, run: Run, parts: list[CompletionChoice], usage_info: UsageInfo | None = None) -> str:
+    def chunk(self, run: Run, parts: list[CompletionChoice], usage_info: UsageInfo | None = None,
+              prompt: Prompt | None = None) -> str:
+        """`prompt`: this is its choice's first chunk, which carries the prompt's ids (return_token_ids)."""
+        if prompt is not None and self.request.return_token_ids:
+            parts[0].prompt_token_ids = prompt.token_ids
         return sse(CompletionStreamResponse(id=run.request_id, created=self.created, model=self.model,
                                             choices=parts, usage=usage_info))
 
@@ -458,20 +486,26 @@ class CompletionFormat:
                 entries += [(lp.token_id, lp) for lp in out.logprobs]
                 text += out.text
                 finish_reason, stop_reason = out.finish_reason, out.stop_reason
-            logprobs = None if self.request.logprobs is None else completion_logprobs(self.tokenizer, entries, 0)
+            logprobs = None
+            if self.request.logprobs is not None:
+                logprobs = completion_logprobs(self.tokenizer, entries, 0, self.request.return_tokens_as_token_ids)
             prompt_lps = None if self.request.prompt_logprobs is None else prompt_logprobs(self.tokenizer,
                                                                                             out.prompt_logprobs)
+            prompt_ids = token_ids = None
+            if self.request.return_token_ids:
+                prompt_ids, token_ids = choice.prompt.token_ids, [] if self.request.echo_only else out.token_ids
             choices.append(CompletionChoice(index=choice.index, text=text, logprobs=logprobs,
                                             finish_reason=finish_reason,
-                                            stop_reason=stop_reason, prompt_logprobs=prompt_lps))
+                                            stop_reason=stop_reason, prompt_logprobs=prompt_lps,
+                                            prompt_token_ids=prompt_ids, token_ids=token_ids))
         return CompletionResponse(id=run.request_id, created=self.created, model=self.model, choices=choices,
                                   usage=usage(run.candidates, self.num_output_tokens))
 
 
 class ChatFormat:
-    """/v1/chat/completions: the assistant's role first, then content deltas. When tool calls may
-    come out, each call streams as the model writes it (ToolCallStream) and the text around calls
-    is held back and sent at the end."""
+    """/v1/chat/completions: the answer's role first (with echo, then the content it goes on from),
+    then content deltas. When tool calls may come out, each call streams as the model writes it
+    (ToolCallStream) and the text around calls is held back and sent at the end."""
 
     def __init__(self, request: ChatCompletionRequest, tokenizer: Tokenizer, model: str):
         self.request = request
@@ -486,22 +520,29 @@ class ChatFormat:
     def first(self, choice: Choice) -> list[ChatStreamChoice]:
         if self.request.tool_mode != "none":
             choice.tool_calls = ToolCallStream(self.request.tool_mode, self.request.tool_choice)
-        return [ChatStreamChoice(index=choice.index, delta=DeltaMessage(role="assistant", content=""))]
+        parts = [ChatStreamChoice(index=choice.index, delta=DeltaMessage(role=self.request.response_role, content=""))]
+        if self.request.echo_text:  # vLLM sends it in a chunk of its own, after the role's
+            parts.append(ChatStreamChoice(index=choice.index, delta=DeltaMessage(content=self.request.echo_text)))
+        return parts
 
     def delta(self, choice: Choice) -> list[ChatStreamChoice]:
         """This output's chunks: its content, then each piece of a tool call in a chunk of its own;
-        the logprobs and the finish reason go with the last."""
+        the logprobs, token ids and the finish reason go with the last."""
         out = choice.out
-        logprobs = chat_logprobs(self.tokenizer, choice.new_logprobs()) if self.request.logprobs else None
+        logprobs = None
+        if self.request.logprobs:
+            logprobs = chat_logprobs(self.tokenizer, choice.new_logprobs(), self.request.return_tokens_as_token_ids)
+        token_ids = choice.new_token_ids() if self.request.return_token_ids else None
         if choice.tool_calls is None:
             deltas = [DeltaMessage(content=out.new_text)] if out.new_text else []
         else:
             deltas = self.tool_deltas(choice)
-        if not deltas and (out.finished or (logprobs and logprobs.content)):
+        if not deltas and (out.finished or (logprobs and logprobs.content) or token_ids):
             deltas = [DeltaMessage(content="")]
         parts = [ChatStreamChoice(index=choice.index, delta=delta) for delta in deltas]
         if parts:
             parts[-1].logprobs = logprobs
+            parts[-1].token_ids = token_ids
             if out.finished:
                 calls = choice.tool_calls.calls if choice.tool_calls else []
                 parts[-1].finish_reason = tool_finish_reason(out.finish_reason, calls)
@@ -538,24 +579,33 @@ class ChatFormat:
         """A finished choice's message and finish reason."""
         content, calls = self.tool_calls(out.text)
         tool_calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
-        return ChatResponseMessage(content=content, tool_calls=tool_calls), tool_finish_reason(out.finish_reason, calls)
+        if self.request.echo_text:
+            content = self.request.echo_text + (content or "")
+        message = ChatResponseMessage(role=self.request.response_role, content=content, tool_calls=tool_calls)
+        return message, tool_finish_reason(out.finish_reason, calls)
 
-    def chunk(self, run: Run, parts: list[ChatStreamChoice], usage_info: UsageInfo | None = None) -> str:
+    def chunk(self, run: Run, parts: list[ChatStreamChoice], usage_info: UsageInfo | None = None,
+              prompt: Prompt | None = None) -> str:
+        """`prompt`: this is a choice's first chunk, which carries the prompt's ids (return_token_ids)."""
+        prompt_ids = prompt.token_ids if prompt is not None and self.request.return_token_ids else None
         return sse(ChatCompletionChunk(id=run.request_id, created=self.created, model=self.model,
-                                       choices=parts, usage=usage_info))
+                                       choices=parts, usage=usage_info, prompt_token_ids=prompt_ids))
 
     def response(self, run: Run) -> ChatCompletionResponse:
         choices = []
+        as_ids, return_ids = self.request.return_tokens_as_token_ids, self.request.return_token_ids
         for c in run.choices:
             message, finish_reason = self.message(c.out)
             choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason,
-                                      logprobs=chat_logprobs(self.tokenizer, c.out.logprobs) if self.request.logprobs
-                                      else None, stop_reason=c.out.stop_reason))
+                                      logprobs=chat_logprobs(self.tokenizer, c.out.logprobs, as_ids)
+                                      if self.request.logprobs else None, stop_reason=c.out.stop_reason,
+                                      token_ids=c.out.token_ids if return_ids else None))
         prompt_lps = None
         if self.request.prompt_logprobs is not None:
             prompt_lps = prompt_logprobs(self.tokenizer, run.choices[0].out.prompt_logprobs)
         return ChatCompletionResponse(id=run.request_id, created=self.created, model=self.model, choices=choices,
-                                      usage=usage(run.choices, self.num_output_tokens), prompt_logprobs=prompt_lps)
+                                      usage=usage(run.choices, self.num_output_tokens), prompt_logprobs=prompt_lps,
+                                      prompt_token_ids=run.choices[0].prompt.token_ids if return_ids else None)
 
 
 Format = CompletionFormat | ChatFormat
@@ -591,16 +641,23 @@ class OpenAIServing:
                                 "(see /v1/models).", param="model", code="model_not_found")
 
     def check_prompt_chars(self, prompt: str, param: str) -> None:
-        limit = self.node.max_model_len * MAX_PROMPT_CHARS_PER_TOKEN
+        """A prompt too long to fit the context whatever its tokens: refused before it is tokenized,
+        in the words of check_context_length, so that clients know it for the same error."""
+        max_model_len = self.node.max_model_len
+        limit = max_model_len * MAX_PROMPT_CHARS_PER_TOKEN
         if len(prompt) > limit:
-            raise APIError(400, f"the prompt has {len(prompt)} characters; this server takes at most {limit} "
-                                f"({MAX_PROMPT_CHARS_PER_TOKEN} per token of max_model_len={self.node.max_model_len}), "
-                                "since a longer prompt cannot fit the context", param=param)
+            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
+                                f"{param} ({len(prompt)} characters) cannot fit in that many tokens (this server "
+                                f"takes at most {limit} characters, {MAX_PROMPT_CHARS_PER_TOKEN} a token). Please "
+                                f"reduce the length of the {param}.", param=param, code=ContextLengthError.code)
 
     # Tokenizing and templating run in worker threads (the tokenizer lets go of the GIL while it
     # works): a long prompt must not hold up the event loop, which answers /health and streams tokens.
     async def tokenize_prompt(self, prompt: str | list[int]) -> Prompt:
         if isinstance(prompt, list):
+            if len(prompt) >= self.node.max_model_len:  # check_context_length refuses it, in its words
+                return Prompt(prompt, "")
+
             def check_and_decode() -> str:
                 self.node.engine.validate_prompt(prompt)
                 return self.node.tokenizer.decode(prompt, skip_special_tokens=False)
@@ -613,10 +670,16 @@ class OpenAIServing:
         return Prompt(await asyncio.to_thread(self.node.tokenizer.encode, prompt), prompt)
 
     async def render_chat(self, messages: list[ChatMessage], tools: list[dict] | None,
-                          add_generation_prompt: bool = True) -> str:
+                          options: ChatTemplateFields) -> str:
+        try:
+            options.check_chat_template()
+        except ValueError as e:
+            raise api_error_from(e) from e
+
         def render() -> str:
-            return self.node.tokenizer.apply_chat_template([m.to_template() for m in messages],
-                                                           add_generation_prompt, tools)
+            return self.node.tokenizer.apply_chat_template(
+                [m.to_template() for m in messages], options.add_generation_prompt, tools,
+                continue_final_message=options.continue_final_message, template_kwargs=options.chat_template_kwargs)
 
         try:
             text = await asyncio.to_thread(render)
@@ -636,6 +699,7 @@ class OpenAIServing:
         longest = max(len(p.token_ids) for p in prompts)
         try:
             params = request.to_sampling_params(max(1, self.node.max_model_len - longest), self.sampling)
+            check_context_length(self.node.max_model_len, longest, params.max_tokens, request)
         except ValueError as e:
             raise request_error(request, e) from e
         fmt = CompletionFormat(request, self.node.tokenizer, self.model)
@@ -649,12 +713,13 @@ class OpenAIServing:
                 self.tool_options.check_auto()
             except ValueError as e:
                 raise APIError(400, str(e), param="tool_choice") from e
-        text = await self.render_chat(request.messages, request.template_tools)
+        text = await self.render_chat(request.messages, request.template_tools, request)
         # The rendered template already holds the special tokens (BOS included) it wants.
         prompt = Prompt(await asyncio.to_thread(self.node.tokenizer.encode, text, add_special_tokens=False), text)
         try:
             params = request.to_sampling_params(max(1, self.node.max_model_len - len(prompt.token_ids)),
                                                 self.sampling)
+            check_context_length(self.node.max_model_len, len(prompt.token_ids), params.max_tokens, request)
         except ValueError as e:
             raise request_error(request, e) from e
         fmt = ChatFormat(request, self.node.tokenizer, self.model)
@@ -674,6 +739,7 @@ class OpenAIServing:
         # A router sets X-Request-Id so that one request can be followed through the router's and
         # this node's logs (and, by this node's own id for it, the prefill node's).
         request_id = request_label(raw_request.headers.get("x-request-id"), prefix)
+        raw_request.state.request_id = request_id  # RequestIdHeader answers with it
         run = Run(self.node, request_id, prompts, params, request.num_candidates, request.prefill_policy, raw_request,
                   self.log_requests)
         self.num_requests += 1
@@ -702,12 +768,13 @@ class OpenAIServing:
     async def events(self, run: Run, fmt: Format, request: SamplingFields) -> AsyncIterator[str]:
         try:
             async for choice in run.outputs():
-                parts = [] if choice.started else fmt.first(choice)
+                opening = not choice.started
+                parts = (fmt.first(choice) if opening else []) + fmt.delta(choice)
                 choice.started = True
-                for part in parts + fmt.delta(choice):
+                for i, part in enumerate(parts):
                     # vLLM's continuous usage: this choice's prompt and its output so far.
-                    yield fmt.chunk(run, [part], usage([choice], fmt.num_output_tokens)
-                                    if request.continuous_usage else None)
+                    usage_info = usage([choice], fmt.num_output_tokens) if request.continuous_usage else None
+                    yield fmt.chunk(run, [part], usage_info, choice.prompt if opening and i == 0 else None)
             if request.include_usage:
                 yield fmt.chunk(run, [], usage(run.choices, fmt.num_output_tokens))
         except ClientDisconnected:
@@ -723,7 +790,7 @@ class OpenAIServing:
         request = await read_request(TokenizeRequest, raw_request)
         self.check_model(request.model)
         if request.messages is not None:
-            text = await self.render_chat(request.messages, request.tools, request.add_generation_prompt)
+            text = await self.render_chat(request.messages, request.tools, request)
             add_special_tokens = bool(request.add_special_tokens)  # the template has its own
         else:
             self.check_prompt_chars(request.prompt, "prompt")
@@ -798,13 +865,46 @@ async def on_api_error(_: Request, e: APIError) -> JSONResponse:
     return error_response(e.status, e.message, e.param, e.code)
 
 
-async def on_http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-    return error_response(e.status_code, str(e.detail))
+async def on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    """FastAPI's own refusals (404 no such path, 405 wrong method) in OpenAI's shape, naming the call."""
+    return error_response(e.status_code, f"{e.detail}: {request.method} {request.url.path}", headers=e.headers)
 
 
-async def on_unexpected_error(_: Request, e: Exception) -> JSONResponse:
-    # A bug, not bad input; uvicorn logs the traceback.
-    return error_response(500, f"internal server error: {e!r}")
+async def on_unexpected_error(request: Request, e: Exception) -> JSONResponse:
+    # A bug, not bad input; uvicorn logs the traceback. This answer is sent from outside every
+    # middleware (Starlette's ServerErrorMiddleware), so it adds the request id RequestIdHeader would.
+    return error_response(500, f"internal server error: {e!r}",
+                          headers={"x-request-id": response_request_id(request.scope)})
+
+
+def response_request_id(scope: Scope) -> str:
+    """The id a response is labelled with: the one its handler gave the request (chat and completions:
+    the id in the body), else the client's X-Request-Id, else a fresh one."""
+    state = scope.setdefault("state", {})
+    if "request_id" not in state:
+        state["request_id"] = request_label(Headers(scope=scope).get("x-request-id"), "req")
+    return state["request_id"]
+
+
+class RequestIdHeader:
+    """Every response carries X-Request-Id (response_request_id), as vLLM's with
+    --enable-request-id-headers, so a client can quote it and find the request in the node's logs.
+    A plain ASGI middleware, as serving.py's, so that streamed responses pass through untouched."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)["x-request-id"] = response_request_id(scope)
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 async def on_validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -841,6 +941,7 @@ def build_app(node: DecodeNode, options: HTTPOptions, served_model_name: str,
               tool_options: ToolOptions | None = None, log_requests: bool = True,
               sampling: ServerSamplingOptions | None = None) -> FastAPI:
     app = make_app("disagg", options, error_response)
+    app.add_middleware(RequestIdHeader)  # added last, so it wraps the API key and body limit refusals too
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
@@ -860,6 +961,11 @@ def build_app(node: DecodeNode, options: HTTPOptions, served_model_name: str,
     @app.get("/v1/models")
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=served_model_name, max_model_len=node.max_model_len)])
+
+    @app.get("/v1/models/{model_id:path}")  # a path: a Hub id served as its name has a slash (ORG/NAME)
+    async def model(model_id: str) -> ModelCard:
+        serving.check_model(model_id)
+        return ModelCard(id=served_model_name, max_model_len=node.max_model_len)
 
     @app.api_route("/health", methods=["GET"])
     @app.api_route("/ping", methods=["GET", "POST"])  # SageMaker's (and vLLM's) health check

@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 PrefillPolicy = Literal["recompute", "fail"]
 FinishReason = Literal["stop", "length", "abort", "tool_calls"]
+Role = Literal["system", "developer", "user", "assistant", "tool"]
 MAX_CHOICES = 128  # n times the number of prompts, per request
 # Counted on the parsed JSON before pydantic walks it: 100,000 empty messages (2.9 MB) took 2.4 s to
 # validate and answer (issue 24). Long agent conversations stay far below these.
@@ -42,10 +43,24 @@ MAX_TOOLS = 512
 # Field names are the client's: the set of those already logged stops growing at this size.
 MAX_WARNED_FIELDS = 256
 _warned_fields: set[str] = set()
+# Fields that OpenAI's API (and vLLM's) take as null, meaning their default.
+NULL_MEANS_DEFAULT = frozenset({
+    "n", "stream", "echo", "logprobs", "ignore_eos", "min_tokens", "skip_special_tokens", "include_stop_str_in_output",
+    "spaces_between_special_tokens", "parallel_tool_calls", "add_generation_prompt", "continue_final_message",
+    "return_token_ids", "return_tokens_as_token_ids", "return_token_strs",
+})
 
 
 class OpenAIRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_mean_defaults(cls, data: object) -> object:
+        if isinstance(data, dict) and any(data.get(name, 0) is None for name in NULL_MEANS_DEFAULT):
+            return {name: value for name, value in data.items()
+                    if not (value is None and name in NULL_MEANS_DEFAULT and name in cls.model_fields)}
+        return data
 
     @model_validator(mode="after")
     def _warn_unknown_fields(self):
@@ -145,6 +160,28 @@ class ServerSamplingOptions:
         return min(room, self.defaults.get("max_tokens", room))
 
 
+class ContextLengthError(SamplingParamError):
+    """A prompt and its max_tokens do not fit the context: a 400 with OpenAI's code for it."""
+    code = "context_length_exceeded"
+
+
+def check_context_length(max_model_len: int, num_prompt_tokens: int, max_tokens: int,
+                         request: "CompletionRequest | ChatCompletionRequest") -> None:
+    """Refuses a request whose prompt and output cannot fit max_model_len, in the words of OpenAI
+    (and of earlier vLLM), which clients match on: LiteLLM's ContextWindowExceededError looks
+    for "This model's maximum context length is". `max_tokens` is what the request may generate
+    (what is left of the context when it set none, but at least 1). The param is the prompt's
+    field, or the max_tokens field when that alone leaves no room for any prompt."""
+    total = num_prompt_tokens + max_tokens
+    if total > max_model_len:
+        param = request.max_tokens_param if max_tokens >= max_model_len else request.prompt_param
+        raise ContextLengthError(param, f"This model's maximum context length is {max_model_len} tokens. However, "
+                                        f"you requested {total} tokens ({num_prompt_tokens} in the messages, "
+                                        f"{max_tokens} in the completion). Please reduce the length of the "
+                                        f"messages or completion. (This server's max_model_len, {max_model_len}, "
+                                        "bounds the prompt and max_tokens together.)")
+
+
 @dataclass
 class Prompt:
     """One prompt of a request, tokenized; `text` is what echo sends back."""
@@ -188,6 +225,8 @@ class SamplingFields(OpenAIRequest):
     allowed_token_ids: object = None
     bad_words: object = None
     truncate_prompt_tokens: object = None
+    return_token_ids: bool = False  # vLLM's: prompt_token_ids on the response, token_ids on each choice
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N", not by their text
 
     @model_validator(mode="after")
     def _check_stream_options(self):
@@ -287,6 +326,8 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
     suffix: str | None = None
     prompt_embeds: object = None
+    prompt_param: ClassVar[str] = "prompt"  # the fields a context-length error names
+    max_tokens_param: ClassVar[str] = "max_tokens"
 
     @field_validator("prompt")
     @classmethod
@@ -346,7 +387,7 @@ class TextPart(OpenAIRequest):
 
 
 class ChatMessage(OpenAIRequest):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Role
     content: str | list[TextPart] | None = None  # OpenAI's list of parts: text only here
     name: str | None = None
     tool_calls: list[dict] | None = None  # an assistant's earlier calls
@@ -359,14 +400,17 @@ class ChatMessage(OpenAIRequest):
                              "may have none)")
         return self
 
-    def to_template(self) -> dict:
-        """The message as chat templates expect it: content as one string (parts joined as vLLM does),
-        developer as system, tool-call arguments parsed into objects as vLLM passes them."""
+    @property
+    def text(self) -> str:
+        """The content as one string: parts joined as vLLM joins them."""
         if isinstance(self.content, list):
-            content = "\n".join(p.text for p in self.content)
-        else:
-            content = self.content or ""
-        message = {"role": "system" if self.role == "developer" else self.role, "content": content}
+            return "\n".join(p.text for p in self.content)
+        return self.content or ""
+
+    def to_template(self) -> dict:
+        """The message as chat templates expect it: content as one string, developer as system,
+        tool-call arguments parsed into objects as vLLM passes them."""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.text}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_call_id is not None:
@@ -386,7 +430,29 @@ def parsed_tool_call(call: dict) -> dict:
     return call
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(OpenAIRequest):
+    """vLLM's fields over how messages are rendered into the prompt, which chat and /tokenize share."""
+    add_generation_prompt: bool = True  # the template opens the assistant's turn after the messages
+    continue_final_message: bool = False  # the prompt ends inside the last message, which the model continues
+    chat_template: str | None = None  # refused, as vLLM refuses it without --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template, e.g. enable_thinking
+
+    def check_chat_template(self) -> None:
+        """Raises SamplingParamError (a 400 naming the field) for what vLLM refuses too."""
+        if self.continue_final_message and self.add_generation_prompt:
+            raise SamplingParamError("continue_final_message", "Cannot set both `continue_final_message` and "
+                                     "`add_generation_prompt` to True: send add_generation_prompt false to continue "
+                                     "the last message")
+        for param, given in (("chat_template", self.chat_template is not None),
+                             ("chat_template_kwargs", "chat_template" in (self.chat_template_kwargs or {}))):
+            # A template is code (Jinja): a client's could run the node's threads for as long as it likes.
+            if given:
+                raise SamplingParamError(param, "a chat template sent with the request is refused (as vLLM does "
+                                                "without --trust-request-chat-template): the server renders "
+                                                "messages with its own (--chat-template, or the tokenizer's)")
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
@@ -395,6 +461,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict] | None = None  # passed to the chat template
     tool_choice: str | dict | None = None  # None: "auto" with tools, "none" without (vLLM's default)
     parallel_tool_calls: bool = True
+    echo: bool = False  # vLLM's: the answer starts with the last message's content, when its role is the answer's
 
     @model_validator(mode="after")
     def _check_logprobs(self):
@@ -410,13 +477,32 @@ class ChatCompletionRequest(SamplingFields):
             return "none"
         return "auto" if choice == "auto" else "forced"
 
+    prompt_param: ClassVar[str] = "messages"
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+
     @property
     def template_tools(self) -> list[dict] | None:
         """The tools the chat template sees: none with tool_choice "none"."""
         return None if self.tool_mode == "none" else self.tools
 
+    @property
+    def response_role(self) -> Role:
+        """The answer's role, as vLLM gives it: the assistant's after a generation prompt; else the
+        last message's, which the answer goes on with."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    @property
+    def echo_text(self) -> str:
+        """What echo puts before the answer: the last message's content, if its role is the answer's."""
+        last = self.messages[-1]
+        return last.text if self.echo and last.role == self.response_role else ""
+
     def check_supported(self) -> None:
         super().check_supported()
+        self.check_chat_template()
         if any(not isinstance(name, str) or not name for name in function_names(self.tools or [])):
             raise SamplingParamError("tools", 'each tool must be {"type": "function", "function": {"name": ..., '
                                               '"parameters": {...}}} with a name')
@@ -448,17 +534,24 @@ class ChatCompletionRequest(SamplingFields):
         else:
             max_tokens = options.default_max_tokens(default_max_tokens)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs, options)
+        try:
+            return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs, options)
+        except SamplingParamError as e:  # the 400 names the field this request sent, not the engine's
+            sent = {"logprobs": "top_logprobs"}
+            if self.max_completion_tokens is not None:
+                sent["max_tokens"] = "max_completion_tokens"
+            if e.param not in sent:
+                raise
+            raise SamplingParamError(sent[e.param], str(e).replace(e.param, sent[e.param], 1)) from None
 
 
-class TokenizeRequest(OpenAIRequest):
+class TokenizeRequest(ChatTemplateFields):
     """vLLM's /tokenize: a prompt, or messages rendered with the chat template."""
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[dict] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -511,6 +604,8 @@ class CompletionChoice(BaseModel):
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: its prompt's (streamed: in its first chunk)
+    token_ids: list[int] | None = None  # return_token_ids: the tokens of `text` past the prompt
 
 
 class CompletionResponse(BaseModel):
@@ -578,7 +673,7 @@ class DeltaToolCall(WithoutNulls):
 
 
 class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: Role = "assistant"
     content: str | None
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
@@ -589,6 +684,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None  # return_token_ids: the generated tokens
 
 
 class ChatCompletionResponse(BaseModel):
@@ -599,10 +695,11 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None  # vLLM's, of the one prompt
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
+    role: Role | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
@@ -613,6 +710,7 @@ class ChatStreamChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None  # return_token_ids: the tokens this chunk adds
 
 
 class ChatCompletionChunk(BaseModel):
@@ -622,6 +720,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in each choice's first chunk
 
 
 class TokenizeResponse(BaseModel):

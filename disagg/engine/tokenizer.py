@@ -50,8 +50,14 @@ class Tokenizer:
         return [self._tokenizer.id_to_token(i) for i in ids]
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
-        """Render `messages` with the model's chat template, as transformers' apply_chat_template(tokenize=False)."""
+                            tools: list[dict] | None = None, *, continue_final_message: bool = False,
+                            template_kwargs: dict | None = None) -> str:
+        """Render `messages` with the model's chat template, as transformers' apply_chat_template(tokenize=False).
+
+        continue_final_message: the text ends inside the last message (no end of turn after it), so
+        that the model continues it. template_kwargs: more variables for the template (vLLM's
+        chat_template_kwargs, e.g. enable_thinking); they cannot replace the messages, the tools,
+        add_generation_prompt or the special tokens."""
         # Named templates: transformers takes "tool_use" when there are tools and the model has one.
         name = "tool_use" if tools and "tool_use" in self._chat_templates else "default"
         template = self._chat_templates.get(name)
@@ -66,8 +72,26 @@ class Tokenizer:
                     or not isinstance(message.get("content"), str):
                 raise ValueError(f"message {i} must be an object with a string 'role' and a string 'content', "
                                  f"got {message!r}")
-        return _compile_template(template).render(
-            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **self._template_tokens)
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the first "
+                             "continues the last message, the second starts a new assistant message")
+        if continue_final_message:
+            # transformers' way: mark the end of the last message, render, and cut the text there.
+            messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_TAG}]
+        variables = {**(template_kwargs or {}), "messages": messages, "tools": tools,
+                     "add_generation_prompt": add_generation_prompt, **self._template_tokens}
+        try:
+            text = _compile_template(template).render(**variables)
+        except jinja2.TemplateError as e:  # e.g. a message field the template needs and the request lacks
+            raise ValueError(f"the chat template failed on these messages: {e}") from None
+        if continue_final_message:
+            at = text.rfind(_CONTINUE_TAG.strip())
+            if at == -1:
+                raise ValueError("continue_final_message: the chat template does not render the last message's "
+                                 "content, so there is nothing to continue")
+            # A template that strips the content also took the tag's space: strip what came before it too.
+            text = text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()
+        return text
 
     def _token_id(self, token: str | dict | None) -> int | None:
         content = _token_content(token)
@@ -147,6 +171,9 @@ def _token_content(token: str | dict | None) -> str | None:
     # tokenizer_config.json writes a special token either as a string or as an AddedToken dict.
     return token.get("content") if isinstance(token, dict) else token
 
+
+# What transformers appends to the message to continue, to find where its text ends in the rendering.
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 _compiled_templates: dict[str, jinja2.Template] = {}
 
