@@ -1,4 +1,6 @@
-"""The Hermes/Qwen tool-call parser and the forced-call schema, on strings (no model needed)."""
+"""The tool-call parsers (hermes, llama3_json, mistral, pythonic, qwen3_coder) and the forced-call
+schema, on strings (no model needed); and each parser on a real answer that a grammar makes the
+embedded model write, streamed and not, through a node started with that parser."""
 
 import json
 
@@ -7,8 +9,12 @@ import pytest
 from disagg.api.protocol import DeltaFunctionCall, DeltaToolCall
 from disagg.api.tool_calls import (
     CallDelta,
+    HermesParser,
+    NamedParser,
+    RequiredParser,
     ToolCallStream,
     ToolOptions,
+    ToolParser,
     forced_calls,
     forced_schema,
     parse_hermes,
@@ -71,10 +77,10 @@ def test_a_stream_sends_content_up_to_where_a_tool_call_may_start():
     assert streamable_end('Sure <tool_call>{"name"') == len("Sure ")
 
 
-def stream_pieces(text: str, tool_mode: str, tool_choice: str | dict) -> list[CallDelta]:
+def stream_pieces(text: str, parser: ToolParser, step: int = 3) -> list[CallDelta]:
     """A ToolCallStream fed the text as a stream grows it, a few characters at a time."""
-    stream, pieces = ToolCallStream(tool_mode, tool_choice), []
-    for end in range(3, len(text), 3):
+    stream, pieces = ToolCallStream(parser), []
+    for end in range(step, len(text), step):
         pieces += stream.update(text[:end], finished=False)
     return pieces + stream.update(text, finished=True)
 
@@ -96,26 +102,25 @@ def test_streamed_calls_add_up_to_the_calls_of_the_answer_not_streamed():
     auto = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, '
             '{"note": "a } in a string"}]}}\n</tool_call>\n'
             '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
-    pieces = stream_pieces(auto, "auto", "auto")
+    pieces = stream_pieces(auto, HermesParser([]))
     assert added_up(pieces) == [(c.name, c.arguments) for c in parse_hermes(auto)[1]]
     assert len([p for p in pieces if p.index == 0]) > 10  # the arguments went out as they grew
     assert parse_hermes(auto)[1][0].arguments == '{"city": "Paris", "days": [1, {"note": "a } in a string"}]}'
     # Arguments written first, or no name-first head: read when the call closes, whole or not at all.
     other = ('<tool_call>{"arguments": {"zone": "UTC"}, "name": "get_time"}</tool_call> '
              '<tool_call>{"name": get_weather, "arguments": {}}</tool_call>')
-    pieces = stream_pieces(other, "auto", "auto")
+    pieces = stream_pieces(other, HermesParser([]))
     assert added_up(pieces) == [(c.name, c.arguments) for c in parse_hermes(other)[1]] == [
         ("get_time", '{"zone": "UTC"}')]
     assert len(pieces) == 2
     # A started call cannot be taken back: cut short, it was sent as far as it went (not streamed: no call).
     cut = '<tool_call>{"name": "get_weather", "arguments": {"city": "Par</tool_ca'
-    assert added_up(stream_pieces(cut, "auto", "auto")) == [("get_weather", '{"city": "Par</tool_ca')]
+    assert added_up(stream_pieces(cut, HermesParser([]))) == [("get_weather", '{"city": "Par</tool_ca')]
     assert parse_hermes(cut)[1] == []
     required = '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Oslo"}}]'
-    pieces = stream_pieces(required, "forced", "required")
+    pieces = stream_pieces(required, RequiredParser([]))
     assert added_up(pieces) == [(c.name, c.arguments) for c in forced_calls(required, "required")]
-    named = {"type": "function", "function": {"name": "get_weather"}}
-    pieces = stream_pieces('{"city": "Oslo"}', "forced", named)
+    pieces = stream_pieces('{"city": "Oslo"}', NamedParser([], "get_weather"))
     assert added_up(pieces) == [("get_weather", '{"city": "Oslo"}')] and len(pieces) > 3
 
 
