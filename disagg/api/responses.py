@@ -23,7 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from disagg.api.protocol import (
     MAX_CONTENT_PARTS,
@@ -146,6 +146,16 @@ class ResponsesRequest(OpenAIRequest):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     prefill_policy: Literal["recompute", "fail"] | None = None
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _function_tools(cls, tools: object) -> object:
+        hosted = [t.get("type") for t in tools if isinstance(t, dict) and t.get("type") != "function"] \
+            if isinstance(tools, list) else []
+        if hosted:
+            raise ValueError(f"only function tools are supported by this server, got {hosted}: the hosted tools "
+                             "(web_search, file_search, mcp, ...) are not built")
+        return tools
 
     @model_validator(mode="before")
     @classmethod
