@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from disagg.api.reasoning import REASONING_PARSERS
 from disagg.api.tool_calls import TOOL_CALL_PARSERS
 from disagg.config import ROLES, KVTransferConfig
 from disagg.help_format import HelpFormatter
@@ -238,7 +239,10 @@ def check_serve_args(args: argparse.Namespace, kv: KVTransferConfig) -> list[str
         raise ValueError(f"--shutdown-timeout must be at least 0 seconds, got {args.shutdown_timeout}")
     if args.tool_call_parser not in (None, *TOOL_CALL_PARSERS):  # a --config file's value is not checked by argparse
         raise ValueError(f"--tool-call-parser {args.tool_call_parser}: the parsers built are "
-                         f"{', '.join(TOOL_CALL_PARSERS)} (<tool_call>{{...}}</tool_call>, Hermes and Qwen models)")
+                         f"{', '.join(TOOL_CALL_PARSERS)}")
+    if args.reasoning_parser not in (None, *REASONING_PARSERS):
+        raise ValueError(f"--reasoning-parser {args.reasoning_parser}: the parsers built are "
+                         f"{', '.join(REASONING_PARSERS)}")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
     if args.max_request_body_bytes < 1:
@@ -369,7 +373,7 @@ def serve(args: argparse.Namespace) -> None:
         from disagg.decode_node.server import run_decode_node
 
         http = HTTPOptions(args.api_key, args.max_request_body_bytes, args.enable_docs)
-        tools = ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser)
+        tools = ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
         sampling = sampling_options(args, engine.model_dir)
         asyncio.run(run_decode_node(engine, name, kv, prefill_nodes, args.host, args.port, http, tools,
                                     args.log_requests, args.shutdown_timeout, http_log_level, limits, sampling))
@@ -415,7 +419,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "the model's text with --tool-call-parser (vLLM's flag)")
     parser.add_argument("--tool-call-parser", default=None,
                         help="the format of the model's tool calls: hermes (<tool_call>{...}</tool_call>, Hermes "
-                             "and Qwen); vLLM's other parsers (llama3_json, mistral, ...) are refused")
+                             "and Qwen 2.5), llama3_json (Llama 3.1-3.3, 4), mistral ([TOOL_CALLS]), pythonic "
+                             "([f(a=1)], Llama 3.2 and 4), qwen3_coder (<function=...>, Qwen3-Coder); vLLM's "
+                             "other parsers are refused")
     parser.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=True,
                         help="log a line as each request starts and as it ends (the default here; vLLM's is off)")
     parser.add_argument("--disable-log-requests", "--disable-log-request", dest="log_requests", action="store_false",

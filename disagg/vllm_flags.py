@@ -125,8 +125,9 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-logprobs", type=int, default=20,
                         help="the most logprobs (logprobs, top_logprobs, prompt_logprobs) a request may ask for; "
                              "at most 20, disagg's bound")
-    refused(parser, "--reasoning-parser",
-            reason="no reasoning parsers are built yet: leave it out, and the reasoning stays in the content")
+    parser.add_argument("--reasoning-parser", default=None,
+                        help="the format of the model's reasoning: deepseek_r1 or qwen3 (<think>...</think>); chat "
+                             "answers carry it as reasoning_content (and reasoning), responses as a reasoning item")
     refused(parser, "--enable-lora", action="store_const", const=True,
             reason="LoRA adapters are not built: merge the adapter into the weights and serve those")
     refused(parser, "--lora-modules", nargs="+",

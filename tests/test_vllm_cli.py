@@ -23,7 +23,8 @@ SNAPSHOT = "0123456789abcdef0123456789abcdef01234567"  # the commit every prepar
 # The Hub ids the command lines below name; each is the embedded model's files in a prepared cache.
 HUB_IDS = ["Qwen/Qwen2.5-1.5B-Instruct", "NousResearch/Meta-Llama-3-8B-Instruct", "Qwen/Qwen2.5-7B-Instruct",
            "meta-llama/Meta-Llama-3.1-8B-Instruct", "Qwen/Qwen3-0.6B", "meta-llama/Llama-3.1-8B-Instruct",
-           "meta-llama/Llama-3.1-8B", "meta-llama/Llama-3-8b", "meta-llama/Llama-2-7b-hf"]
+           "meta-llama/Llama-3.1-8B", "meta-llama/Llama-3-8b", "meta-llama/Llama-2-7b-hf",
+           "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"]
 
 
 @pytest.fixture(scope="module")
@@ -75,11 +76,12 @@ VLLM_COMMAND_LINES = [
     ("vLLM docs, features/tool_calling.md (Qwen models: the hermes parser)",
      "vllm serve Qwen/Qwen2.5-7B-Instruct --enable-auto-tool-choice --tool-call-parser hermes", None),
     ("vLLM docs, features/tool_calling.md (Llama 3.1)",
-     "vllm serve meta-llama/Llama-3.1-8B-Instruct --enable-auto-tool-choice --tool-call-parser llama3_json",
-     "--tool-call-parser llama3_json: the parsers built are hermes"),
+     "vllm serve meta-llama/Llama-3.1-8B-Instruct --enable-auto-tool-choice --tool-call-parser llama3_json", None),
     ("vLLM docs, features/reasoning_outputs.md",
-     "vllm serve deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B --reasoning-parser deepseek_r1",
-     "--reasoning-parser deepseek_r1: no reasoning parsers are built yet"),
+     "vllm serve deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B --reasoning-parser deepseek_r1", None),
+    ("vLLM docs, features/tool_calling.md (a parser not built here)",
+     "vllm serve meta-llama/Llama-3.1-8B-Instruct --enable-auto-tool-choice --tool-call-parser llama4_pythonic",
+     "--tool-call-parser llama4_pythonic: the parsers built are hermes, llama3_json, mistral, pythonic, qwen3_coder"),
     ("vLLM examples/online_serving/disaggregated_prefill.sh, the prefill node",
      "vllm serve meta-llama/Meta-Llama-3.1-8B-Instruct --port 8100 --max-model-len 100 --gpu-memory-utilization 0.8 "
      "--trust-remote-code --kv-transfer-config "

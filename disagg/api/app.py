@@ -72,16 +72,9 @@ from disagg.api.protocol import (
     check_context_length,
     check_request_size,
 )
-from disagg.api.tool_calls import (
-    CallDelta,
-    ToolCall,
-    ToolCallStream,
-    ToolOptions,
-    forced_calls,
-    parse_hermes,
-    remove_hermes_calls,
-    streamable_end,
-)
+from disagg.api.reasoning import ReasoningParser, ReasoningStream
+from disagg.api.responses import RESPONSES_PARAMS, ResponseObject, ResponsesFormat, ResponsesRequest, ResponseStore
+from disagg.api.tool_calls import CallDelta, ToolCall, ToolCallStream, ToolOptions, ToolParser, tool_parser
 from disagg.decode_node.node import DecodeNode, PrefillUnavailable
 from disagg.engine.output import RequestOutput
 from disagg.engine.sampling_params import SamplingParams
@@ -99,6 +92,13 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.code = code
+
+    def renamed(self, names: dict[str, str]) -> "APIError":
+        """The error with its param named as another endpoint names the field (its first part)."""
+        if self.param is not None:
+            head, dot, rest = self.param.partition(".")
+            self.param = names.get(head, head) + dot + rest
+        return self
 
 
 class ClientDisconnected(Exception):
@@ -233,6 +233,7 @@ class Choice:
     num_token_ids_sent: int = 0  # return_token_ids
     text_offset: int = 0  # completions, and chat with tools: where the text sent so far ends
     tool_calls: ToolCallStream | None = None  # chat with tools, streamed
+    reasoning: ReasoningStream | None = None  # chat with --reasoning-parser, streamed
 
     def new_logprobs(self) -> list[TokenLogprob]:
         logprobs = self.out.logprobs[self.num_logprobs_sent:]
@@ -504,13 +505,18 @@ class CompletionFormat:
 
 class ChatFormat:
     """/v1/chat/completions: the answer's role first (with echo, then the content it goes on from),
-    then content deltas. When tool calls may come out, each call streams as the model writes it
-    (ToolCallStream) and the text around calls is held back and sent at the end."""
+    then content deltas. With a reasoning parser, the reasoning goes out first (ReasoningStream) and
+    what follows it is the content. When tool calls may come out, each call streams as the model
+    writes it (ToolCallStream) and the text around calls is held back as its parser says and sent at
+    the end."""
 
-    def __init__(self, request: ChatCompletionRequest, tokenizer: Tokenizer, model: str):
+    def __init__(self, request: ChatCompletionRequest, tokenizer: Tokenizer, model: str,
+                 tools: ToolParser | None = None, reasoning: ReasoningParser | None = None):
         self.request = request
         self.tokenizer = tokenizer
         self.model = model
+        self.tools = tools  # how calls are read out of the answer; None: none can come out
+        self.reasoning = reasoning  # --reasoning-parser's, if any
         self.created = int(time.time())
 
     @staticmethod
@@ -518,25 +524,32 @@ class ChatFormat:
         return len(choice.out.token_ids)
 
     def first(self, choice: Choice) -> list[ChatStreamChoice]:
-        if self.request.tool_mode != "none":
-            choice.tool_calls = ToolCallStream(self.request.tool_mode, self.request.tool_choice)
+        if self.tools is not None:
+            choice.tool_calls = ToolCallStream(self.tools)
+        if self.reasoning is not None:
+            choice.reasoning = ReasoningStream(self.reasoning)
         parts = [ChatStreamChoice(index=choice.index, delta=DeltaMessage(role=self.request.response_role, content=""))]
         if self.request.echo_text:  # vLLM sends it in a chunk of its own, after the role's
             parts.append(ChatStreamChoice(index=choice.index, delta=DeltaMessage(content=self.request.echo_text)))
         return parts
 
     def delta(self, choice: Choice) -> list[ChatStreamChoice]:
-        """This output's chunks: its content, then each piece of a tool call in a chunk of its own;
-        the logprobs, token ids and the finish reason go with the last."""
+        """This output's chunks: its reasoning, its content, then each piece of a tool call in a chunk
+        of its own; the logprobs, token ids and the finish reason go with the last."""
         out = choice.out
         logprobs = None
         if self.request.logprobs:
             logprobs = chat_logprobs(self.tokenizer, choice.new_logprobs(), self.request.return_tokens_as_token_ids)
         token_ids = choice.new_token_ids() if self.request.return_token_ids else None
+        deltas, text = [], out.text
+        if choice.reasoning is not None:
+            reasoning, text = choice.reasoning.update(out.text, out.finished)  # text: the content so far
+            deltas = [DeltaMessage(reasoning=reasoning, reasoning_content=reasoning)] if reasoning else []
         if choice.tool_calls is None:
-            deltas = [DeltaMessage(content=out.new_text)] if out.new_text else []
+            content, choice.text_offset = text[choice.text_offset:], len(text)
+            deltas += [DeltaMessage(content=content)] if content else []
         else:
-            deltas = self.tool_deltas(choice)
+            deltas += self.tool_deltas(choice, text, out.finished)
         if not deltas and (out.finished or (logprobs and logprobs.content) or token_ids):
             deltas = [DeltaMessage(content="")]
         parts = [ChatStreamChoice(index=choice.index, delta=delta) for delta in deltas]
@@ -549,39 +562,31 @@ class ChatFormat:
                 parts[-1].stop_reason = out.stop_reason
         return parts
 
-    def tool_deltas(self, choice: Choice) -> list[DeltaMessage]:
-        """"auto" streams content up to where a <tool_call> starts (or may start) and sends the rest at
-        the end; "forced" (all JSON) sends content only at the end, when the answer held no call."""
-        out = choice.out
+    def tool_deltas(self, choice: Choice, text: str, finished: bool) -> list[DeltaMessage]:
+        """The content streams up to where a call starts (or may start; all of it held back where the
+        parser decides only at the end), and the rest of the content goes out at the end."""
         content = ""
-        if self.request.tool_mode == "auto" and not out.finished:
-            end = max(choice.text_offset, streamable_end(out.text))
-            content, choice.text_offset = out.text[choice.text_offset:end], end
-        elif self.request.tool_mode == "auto":
-            rest, calls = remove_hermes_calls(out.text)
-            content = rest[choice.text_offset:].rstrip() if calls else rest[choice.text_offset:]
-        pieces = choice.tool_calls.update(out.text, out.finished)
-        if out.finished and self.request.tool_mode == "forced" and not choice.tool_calls.calls:
-            content = out.text
+        if not finished:
+            end = max(choice.text_offset, self.tools.content_end(text))
+            content, choice.text_offset = text[choice.text_offset:end], end
+        else:
+            rest = self.tools.stream_content(text)
+            content = rest[choice.text_offset:] if rest.startswith(text[:choice.text_offset]) else ""
+        pieces = choice.tool_calls.update(text, finished)
         return ([DeltaMessage(content=content)] if content else []) + [
             DeltaMessage(tool_calls=[delta_tool_call(piece)]) for piece in pieces]
 
-    def tool_calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """A finished choice's content and the tool calls in its text."""
-        if self.request.tool_mode == "auto":
-            return parse_hermes(text)
-        if self.request.tool_mode == "forced":
-            calls = forced_calls(text, self.request.tool_choice)
-            return (None if calls else text), calls
-        return text, []
-
     def message(self, out: RequestOutput) -> tuple[ChatResponseMessage, str]:
         """A finished choice's message and finish reason."""
-        content, calls = self.tool_calls(out.text)
+        reasoning, content = (None, out.text) if self.reasoning is None else self.reasoning.extract(out.text)
+        calls = []
+        if self.tools is not None and content is not None:
+            content, calls = self.tools.parse(content)
         tool_calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
         if self.request.echo_text:
             content = self.request.echo_text + (content or "")
-        message = ChatResponseMessage(role=self.request.response_role, content=content, tool_calls=tool_calls)
+        message = ChatResponseMessage(role=self.request.response_role, content=content, tool_calls=tool_calls,
+                                      reasoning=reasoning, reasoning_content=reasoning)
         return message, tool_finish_reason(out.finish_reason, calls)
 
     def chunk(self, run: Run, parts: list[ChatStreamChoice], usage_info: UsageInfo | None = None,
@@ -608,7 +613,7 @@ class ChatFormat:
                                       prompt_token_ids=run.choices[0].prompt.token_ids if return_ids else None)
 
 
-Format = CompletionFormat | ChatFormat
+Format = CompletionFormat | ChatFormat | ResponsesFormat
 
 
 def delta_tool_call(piece: CallDelta) -> DeltaToolCall:
@@ -634,6 +639,7 @@ class OpenAIServing:
         self.sampling = sampling  # --generation-config defaults, --max-logprobs
         self.log_requests = log_requests  # a line as each request starts and ends
         self.num_requests = 0  # in flight, for /load
+        self.responses_store = ResponseStore()  # /v1/responses kept for previous_response_id and GET
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model:
@@ -707,6 +713,11 @@ class OpenAIServing:
 
     async def chat(self, raw_request: Request) -> Response | BaseModel:
         request = await read_request(ChatCompletionRequest, raw_request)
+        return await self.serve_chat(request, raw_request, "chatcmpl", lambda fmt: fmt)
+
+    async def serve_chat(self, request: ChatCompletionRequest, raw_request: Request, prefix: str,
+                         wrap: Callable[[ChatFormat], Format]) -> Response | BaseModel:
+        """Chat and the Responses API built on it (`wrap` turns chat's formatter into the endpoint's)."""
         self.check_model(request.model)
         if request.tool_mode == "auto":
             try:
@@ -722,8 +733,48 @@ class OpenAIServing:
             check_context_length(self.node.max_model_len, len(prompt.token_ids), params.max_tokens, request)
         except ValueError as e:
             raise request_error(request, e) from e
-        fmt = ChatFormat(request, self.node.tokenizer, self.model)
-        return await self.serve(request, raw_request, "chatcmpl", [prompt], params, fmt)
+        tools = tool_parser(request.tool_mode, request.tool_choice, request.tools, request.parallel_tool_calls,
+                            self.tool_options)
+        if tools is not None and tools.keeps_special_tokens:
+            params = dataclasses.replace(params, skip_special_tokens=False)  # the calls' marker is one (vLLM's)
+        reasoning = None
+        if self.tool_options.reasoning_parser is not None:
+            reasoning = ReasoningParser.for_prompt(self.tool_options.reasoning_parser, text)
+            if reasoning.in_reasoning and params.structured is not None:
+                field = request.structured()[0]
+                raise APIError(400, f"{field} with --reasoning-parser {reasoning.name} is not supported: the grammar "
+                                    "would hold the reasoning too (vLLM applies it only once the reasoning ends, which "
+                                    "this server does not build yet); leave one of them out", param=field)
+        fmt = wrap(ChatFormat(request, self.node.tokenizer, self.model, tools, reasoning))
+        return await self.serve(request, raw_request, prefix, [prompt], params, fmt)
+
+    async def responses(self, raw_request: Request) -> Response | BaseModel:
+        """/v1/responses: the request as a chat request (with the conversation of previous_response_id),
+        served by the chat path; its 400s name the Responses API's fields."""
+        request = await read_request(ResponsesRequest, raw_request)
+        conversation = []
+        if request.previous_response_id is not None:
+            stored = self.responses_store.get(request.previous_response_id)
+            if stored is None:
+                raise APIError(404, f"Response with id '{request.previous_response_id}' not found.",
+                               param="previous_response_id", code="response_not_found")
+            conversation = stored.conversation
+        try:
+            chat = await asyncio.to_thread(request.to_chat, conversation)
+            return await self.serve_chat(chat, raw_request, "resp",
+                                         lambda fmt: ResponsesFormat(request, chat, fmt, self.responses_store))
+        except ValidationError as e:
+            raise APIError(400, *validation_problems(e.errors(include_url=False))).renamed(RESPONSES_PARAMS) from None
+        except ValueError as e:
+            raise api_error_from(e).renamed(RESPONSES_PARAMS) from e
+        except APIError as e:
+            raise e.renamed(RESPONSES_PARAMS) from None
+
+    async def retrieve_response(self, response_id: str) -> ResponseObject:
+        stored = self.responses_store.get(response_id)
+        if stored is None:
+            raise APIError(404, f"Response with id '{response_id}' not found.", code="response_not_found")
+        return stored.response
 
     async def serve(self, request: SamplingFields, raw_request: Request, prefix: str, prompts: list[Prompt],
                     params: SamplingParams, fmt: Format) -> Response | BaseModel:
@@ -784,7 +835,8 @@ class OpenAIServing:
         finally:
             await run.close()
             self.num_requests -= 1
-        yield SSE_DONE
+        if not isinstance(fmt, ResponsesFormat):  # Responses streams end with their last event (OpenAI's, vLLM's)
+            yield SSE_DONE
 
     async def tokenize(self, raw_request: Request) -> TokenizeResponse:
         request = await read_request(TokenizeRequest, raw_request)
@@ -913,7 +965,7 @@ async def on_validation_error(_: Request, e: RequestValidationError) -> JSONResp
 
 
 BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+          "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 
 
 def body_schema(path: str) -> dict:
@@ -954,6 +1006,9 @@ def build_app(node: DecodeNode, options: HTTPOptions, served_model_name: str,
                       openapi_extra=body_schema("/v1/completions"))
     app.add_api_route("/v1/chat/completions", serving.chat, methods=["POST"], response_model=None,
                       openapi_extra=body_schema("/v1/chat/completions"))
+    app.add_api_route("/v1/responses", serving.responses, methods=["POST"], response_model=None,
+                      openapi_extra=body_schema("/v1/responses"))
+    app.add_api_route("/v1/responses/{response_id}", serving.retrieve_response, methods=["GET"])
     # vLLM serves these at the root, not under /v1.
     app.add_api_route("/tokenize", serving.tokenize, methods=["POST"], openapi_extra=body_schema("/tokenize"))
     app.add_api_route("/detokenize", serving.detokenize, methods=["POST"], openapi_extra=body_schema("/detokenize"))

@@ -672,10 +672,18 @@ class DeltaToolCall(WithoutNulls):
     function: DeltaFunctionCall
 
 
+# --reasoning-parser's split of the answer: vLLM's name for the reasoning is `reasoning`, which it
+# used to call `reasoning_content` (DeepSeek's name, which most clients read); both are sent, and
+# neither when there is none.
+Reasoning = Field(default=None, exclude_if=lambda value: value is None)
+
+
 class ChatResponseMessage(BaseModel):
     role: Role = "assistant"
     content: str | None
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
+    reasoning: str | None = Reasoning
+    reasoning_content: str | None = Reasoning
 
 
 class ChatChoice(BaseModel):
@@ -702,6 +710,8 @@ class DeltaMessage(BaseModel):
     role: Role | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning: str | None = Reasoning
+    reasoning_content: str | None = Reasoning
 
 
 class ChatStreamChoice(BaseModel):
