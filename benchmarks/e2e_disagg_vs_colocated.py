@@ -151,8 +151,9 @@ def save_metrics(sys_by_name: dict[str, System], log_dir: Path) -> None:
 
 @contextmanager
 def systems(log_dir: Path, colocated: NodeSpec | None, prefill: NodeSpec | None, decode: NodeSpec | None,
-            **node_kwargs):
-    """Start the colocated node and/or the 1P1D pair, wait for them, yield {name: System}, stop them."""
+            prefill_extra: list[str] = (), **node_kwargs):
+    """Start the colocated node and/or the 1P1D pair, wait for them, yield {name: System}, stop them.
+    prefill_extra: flags for the prefill node alone (after node_kwargs' extra)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     started: list[Node] = []
     out: dict[str, System] = {}
@@ -162,7 +163,8 @@ def systems(log_dir: Path, colocated: NodeSpec | None, prefill: NodeSpec | None,
             started.append(node)
             out["colocated"] = System("colocated", node, [node])
         if prefill is not None:
-            p = start_node("producer", log_dir, prefill, **node_kwargs)
+            extra = [*node_kwargs.get("extra", ()), *prefill_extra]
+            p = start_node("producer", log_dir, prefill, **(node_kwargs | {"extra": extra}))
             started.append(p)
             wait_ready(p)  # the decode node handshakes with it at start
             d = start_node("consumer", log_dir, decode, prefill_node=p, **node_kwargs)

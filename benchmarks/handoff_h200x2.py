@@ -128,7 +128,9 @@ def goodput_phase(args: argparse.Namespace, model: Path) -> dict:
     log_dir = Path(args.work) / "logs-goodput"
     kwargs = node_kwargs(args, model, args.kv_modes.split(",")[-1])
     result = {}
-    with systems(log_dir, gpu0, gpu0, gpu1, **kwargs) as pair_and_first, \
+    prefill_extra = ["--max-num-batched-tokens", str(args.prefill_max_num_batched_tokens)] \
+        if args.prefill_max_num_batched_tokens else []
+    with systems(log_dir, gpu0, gpu0, gpu1, prefill_extra=prefill_extra, **kwargs) as pair_and_first, \
             systems(log_dir, gpu1, None, None, **kwargs) as second:
         router, router_url = start_router(log_dir, [pair_and_first["colocated"], second["colocated"]])
         disagg = pair_and_first["disagg"]
@@ -256,6 +258,8 @@ def main() -> int:
     ap.add_argument("--rates-4k", default="2,3,4,5,6")
     ap.add_argument("--rates-chat", default="4,8,12,16")
     ap.add_argument("--num-requests", type=int, default=48)
+    ap.add_argument("--prefill-max-num-batched-tokens", type=int,
+                    help="the prefill node's chunk size alone (goodput; it has no decode batch to keep moving)")
     ap.add_argument("--profile", action="store_true", help="py-spy both 1P1D nodes during the middle rate's run")
     ap.add_argument("--kv-cache-memory", default="24GiB")
     ap.add_argument("--max-model-len", type=int, default=16384 + 64)

@@ -3,7 +3,8 @@
 #   bash benchmarks/handoff_pair_run.sh PHASE...     carry [".whl", ".device"]
 #   bash benchmarks/handoff_pair_run.sh pipes        carry [".whlnx"] (NIXL's wheel alone is 57 MB of the 64 MiB)
 # PHASE: tests (the 2-GPU handoff tests), ttft (layer-wise, then whole, or $MODES; $LENS), goodput
-# (layer-wise; $WORKLOADS, rates $RATES_4K / $RATES_CHAT; PROFILE=1 runs py-spy on the pair's nodes), pipes (torch_dist beside nixl: 16 MiB, 256 MiB, a layer list).
+# (layer-wise; $WORKLOADS, rates $RATES_4K / $RATES_CHAT; PROFILE=1 runs py-spy on the pair's nodes; PREFILL_CHUNK sets the
+# prefill node's max-num-batched-tokens), pipes (torch_dist beside nixl: 16 MiB, 256 MiB, a layer list).
 # Each writes its JSON and log under $OUT; the last lines are the summary.
 set -uo pipefail
 if [ -d .whl ]; then
@@ -27,6 +28,7 @@ for phase in "$@"; do
     goodput)
         python3 benchmarks/handoff_h200x2.py "${common[@]}" --phase goodput --workloads "${WORKLOADS:-4k,chat}" \
             --rates-4k "${RATES_4K:-2,3,4,5,6}" --rates-chat "${RATES_CHAT:-4,8,12,16}" ${PROFILE:+--profile} \
+            ${PREFILL_CHUNK:+--prefill-max-num-batched-tokens $PREFILL_CHUNK} \
             --num-requests "${NUM_REQUESTS:-48}" --kv-modes layerwise --json "$out/goodput.json" 2>&1 \
             | tee "$out/goodput.log" | tail -40
         cp /tmp/handoff_h200x2/logs-goodput/pyspy-* "$out/" 2>/dev/null || true ;;
