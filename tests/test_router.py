@@ -1,9 +1,10 @@
 """xPyD through the router, with real processes: 2 prefill + 2 decode nodes behind `disagg router`.
 
 Greedy answers through the router equal the offline engine's, every node gets work, a prefill
-node killed mid-load costs no request, a request id can be followed through every node's log,
-a client that disconnects frees the decode node's blocks, a decode node that is gone is
-skipped, and one that hangs has its requests failed.
+node killed mid-load costs no request, a request id can be followed through every node's log and
+comes back on every response, vLLM's other endpoints reach a decode node, a client that disconnects
+frees the decode node's blocks, a decode node that is gone is skipped, and one that hangs has its
+requests failed.
 """
 
 import asyncio
@@ -216,6 +217,40 @@ def test_router_health_and_models(cluster: Cluster):
 
 
 @pytest.mark.slow
+def test_vllms_other_endpoints_reach_a_decode_node(cluster: Cluster):
+    url = cluster.router.url
+    tokenized = httpx.post(f"{url}/tokenize", json={"model": MODEL, "prompt": PROMPTS[1]}, timeout=30).json()
+    assert tokenized["count"] == len(tokenized["tokens"]) > 0 and tokenized["max_model_len"] > 0
+    detokenized = httpx.post(f"{url}/detokenize", json={"model": MODEL, "tokens": tokenized["tokens"]}, timeout=30)
+    assert detokenized.json() == {"prompt": PROMPTS[1]}
+    for method in ("GET", "POST"):
+        ping = httpx.request(method, f"{url}/ping", timeout=30)
+        assert ping.status_code == 200 and ping.json()["role"] == "consumer", ping.text  # a decode node's answer
+    assert httpx.get(f"{url}/load", timeout=30).json() == {"server_load": 0}
+    assert httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"] == MODEL
+
+
+@pytest.mark.slow
+def test_every_response_carries_the_request_id(cluster: Cluster):
+    """The client's X-Request-Id comes back, once, on whatever the router answers; without one, the
+    router's own does."""
+    url = cluster.router.url
+    calls = [("POST", "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2}),
+             ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                               "max_tokens": 2, "stream": True}),
+             ("POST", "/tokenize", {"prompt": "Hi"}), ("GET", "/ping", None), ("GET", "/health", None),
+             ("GET", "/metrics", None), ("GET", "/no-such-path", None),
+             ("POST", "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": -1})]  # the node's 400
+    for i, (method, path, body) in enumerate(calls):
+        given = httpx.request(method, url + path, json=body, headers={"X-Request-Id": f"test-id-{i}"}, timeout=60)
+        assert given.headers.get_list("x-request-id") == [f"test-id-{i}"], (path, given.headers)
+        made = httpx.request(method, url + path, json=body, timeout=60)
+        prefix = {"/v1/completions": "cmpl", "/v1/chat/completions": "chatcmpl"}.get(path, "req")
+        assert re.fullmatch(rf"{prefix}-[0-9a-f]{{32}}", made.headers["x-request-id"]), (path, made.headers)
+    assert "test-id-0 started" in "".join(d.log() for d in cluster.decodes)  # and the decode node went by it
+
+
+@pytest.mark.slow
 def test_decode_node_errors_pass_through(cluster: Cluster):
     """The decode node's 400 for a sampling parameter out of range comes back as it is, status and body."""
     r = httpx.post(f"{cluster.router.url}/v1/completions", timeout=30,
@@ -256,7 +291,8 @@ def test_a_huge_body_is_refused_by_the_router_itself(cluster: Cluster):
     for response in refused:
         assert response.status_code == 413, response.text
         assert "--max-request-body-bytes" in response.json()["error"]["message"]
-        assert "x-request-id" not in response.headers  # answered by the router: nothing was forwarded
+        # Answered by the router, under its own id: nothing was forwarded.
+        assert f"{response.headers['x-request-id']} -> decode node" not in cluster.router.log()
     assert health.status_code == 200
     text, _ = asyncio.run(_ask_once(cluster.router.url, 1))
     assert text == cluster.expected["completion"][1]
@@ -426,10 +462,12 @@ def test_no_healthy_decode_node_answers_503_and_the_api_key_is_checked(tmp_path:
         body = {"model": MODEL, "prompt": "Hi"}
         r = httpx.post(f"{router.url}/v1/completions", json=body, timeout=10)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert r.headers["x-request-id"].startswith("cmpl-")
         r = httpx.post(f"{router.url}/v1/completions", json=body, headers={"Authorization": "Bearer k3y"}, timeout=10)
         assert r.status_code == 503
         error = r.json()["error"]
         assert error["type"] == "server_error" and "no healthy decode node" in error["message"]
+        assert httpx.get(f"{router.url}/ping", timeout=10).status_code == 503  # no key needed; no node to ask
     finally:
         router.kill()
 
