@@ -14,9 +14,8 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
-from servers import Node
+from servers import Node, metric_sum
 
 from disagg.engine.async_engine import EngineStats
 from disagg.engine.output import RequestOutput
@@ -64,16 +63,6 @@ def test_selectors_are_read_out_of_promql():
     assert [(n, labels) for n, labels, _ in selectors(expr)] == [("a_sum", {"m": "x"}), ("a_count", {})]
 
 
-def scrape(node: Node) -> list[Sample]:
-    text = httpx.get(f"{node.url}/metrics", timeout=10).text
-    return [s for family in text_string_to_metric_families(text) for s in family.samples]
-
-
-def value(samples: list[Sample], name: str, **labels: str) -> float:
-    """The sum of the samples of `name` that carry `labels`."""
-    return sum(s.value for s in samples if s.name == name and labels.items() <= s.labels.items())
-
-
 def missing_from(samples: list[Sample], exprs: list[str], with_data: bool) -> list[str]:
     """What the dashboard's expressions read that the samples lack (with_data: or hold no data in)."""
     missing = []
@@ -104,38 +93,38 @@ def ask(node: Node) -> None:
 def test_every_metric_of_vllms_dashboard_is_served_on_both_nodes(pair_1p1d, dashboard_exprs):
     prefill, decode = pair_1p1d
     ask(decode)
-    assert missing_from(scrape(decode), dashboard_exprs, with_data=True) == []
+    assert missing_from(decode.samples(), dashboard_exprs, with_data=True) == []
     # The prefill node has no OpenAI API (no TTFT or end-to-end latency of its own), but it serves
     # every name, and the engine's numbers hold data: it computed the prompts.
-    prefill_samples = scrape(prefill)
+    prefill_samples = prefill.samples()
     assert missing_from(prefill_samples, dashboard_exprs, with_data=False) == []
-    assert value(prefill_samples, "vllm:request_prompt_tokens_count") > 0
-    assert value(prefill_samples, "vllm:request_queue_time_seconds_count") > 0
+    assert metric_sum(prefill_samples, "vllm:request_prompt_tokens_count") > 0
+    assert metric_sum(prefill_samples, "vllm:request_queue_time_seconds_count") > 0
 
 
 def test_vllm_names_count_what_ours_count_on_a_1p1d_pair(pair_1p1d):
     prefill, decode = pair_1p1d
-    before = {"prefill": scrape(prefill), "decode": scrape(decode)}
+    before = {"prefill": prefill.samples(), "decode": decode.samples()}
     ask(decode)
-    after = {"prefill": scrape(prefill), "decode": scrape(decode)}
+    after = {"prefill": prefill.samples(), "decode": decode.samples()}
 
     def delta(node: str, name: str, **labels: str) -> float:
-        return value(after[node], name, **labels) - value(before[node], name, **labels)
+        return metric_sum(after[node], name, **labels) - metric_sum(before[node], name, **labels)
 
     labels = {"model_name": MODEL, "engine": "0"}
     for node, samples in after.items():
         # Each vLLM name reads the number one of ours holds.
         by_source = {s.labels["source"]: s.value for s in samples if s.name == "disagg_engine_prompt_tokens_total"}
-        assert value(samples, "vllm:prompt_tokens_total", **labels) == sum(by_source.values()), node
-        assert value(samples, "vllm:prefix_cache_hits_total", **labels) == by_source["local_cache_hit"], node
+        assert metric_sum(samples, "vllm:prompt_tokens_total", **labels) == sum(by_source.values()), node
+        assert metric_sum(samples, "vllm:prefix_cache_hits_total", **labels) == by_source["local_cache_hit"], node
         for reason in ("stop", "length", "abort", "error"):
-            assert value(samples, "vllm:request_success_total", finished_reason=reason, **labels) == value(
+            assert metric_sum(samples, "vllm:request_success_total", finished_reason=reason, **labels) == metric_sum(
                 samples, "disagg_engine_finished_requests_total", finish_reason=reason), (node, reason)
-        assert value(samples, "vllm:request_queue_time_seconds_count", **labels) == value(
+        assert metric_sum(samples, "vllm:request_queue_time_seconds_count", **labels) == metric_sum(
             samples, "disagg_request_queue_time_seconds_count"), node
-        assert value(samples, "vllm:num_preemptions_total", **labels) == value(
+        assert metric_sum(samples, "vllm:num_preemptions_total", **labels) == metric_sum(
             samples, "disagg_engine_preemptions_total"), node
-        assert value(samples, "vllm:generation_tokens_total", **labels) == value(
+        assert metric_sum(samples, "vllm:generation_tokens_total", **labels) == metric_sum(
             samples, "disagg_generation_tokens_total"), node
 
     # Both requests crossed (remote_prefill "always"): the decode node received their prompts' KV
@@ -149,7 +138,7 @@ def test_vllm_names_count_what_ours_count_on_a_1p1d_pair(pair_1p1d):
     assert delta("prefill", "vllm:request_params_max_tokens_bucket", le="1.0") == 2
     assert delta("decode", "vllm:request_generation_tokens_sum") == 8
     assert delta("decode", "vllm:iteration_tokens_total_count") > 0
-    assert value(after["decode"], "vllm:cache_config_info", engine="0", enable_prefix_caching="True") == 1
+    assert metric_sum(after["decode"], "vllm:cache_config_info", engine="0", enable_prefix_caching="True") == 1
 
 
 def test_request_stats_times_and_prompt_sources():
@@ -212,13 +201,15 @@ def test_engine_metrics_serve_vllms_names_from_the_same_numbers():
     ours = [s for family in metrics.collect() for s in family.samples]
     labels = {"model_name": "m", "engine": "0"}
     theirs = [s for family in metrics.vllm_families(labels) for s in family.samples]
-    assert value(theirs, "vllm:prompt_tokens_total") == value(ours, "disagg_engine_prompt_tokens_total") == 40
-    assert value(theirs, "vllm:prefix_cache_hits_total") == value(theirs, "vllm:prompt_tokens_cached_total") == 32
-    assert value(theirs, "vllm:request_success_total", finished_reason="stop", **labels) == 1
-    assert value(theirs, "vllm:iteration_tokens_total_sum") == value(ours, "disagg_engine_step_tokens_sum") == 41
-    assert value(theirs, "vllm:request_prefill_kv_computed_tokens_sum") == 8
-    assert value(theirs, "vllm:num_preemptions_total") == value(ours, "disagg_engine_preemptions_total") == 3
-    assert value(theirs, "vllm:request_params_n_bucket", le="1.0") == 1
+    assert metric_sum(theirs, "vllm:prompt_tokens_total") == metric_sum(ours, "disagg_engine_prompt_tokens_total") == 40
+    assert metric_sum(theirs, "vllm:prefix_cache_hits_total") == 32
+    assert metric_sum(theirs, "vllm:prompt_tokens_cached_total") == 32
+    assert metric_sum(theirs, "vllm:request_success_total", finished_reason="stop", **labels) == 1
+    assert metric_sum(theirs, "vllm:iteration_tokens_total_sum") == 41
+    assert metric_sum(ours, "disagg_engine_step_tokens_sum") == 41
+    assert metric_sum(theirs, "vllm:request_prefill_kv_computed_tokens_sum") == 8
+    assert metric_sum(theirs, "vllm:num_preemptions_total") == metric_sum(ours, "disagg_engine_preemptions_total") == 3
+    assert metric_sum(theirs, "vllm:request_params_n_bucket", le="1.0") == 1
     # vLLM's token buckets: 1, 2, 5, ... up to max_model_len; its step buckets as they are.
     assert buckets_1_2_5(1000) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]
     le = [s.labels["le"] for s in theirs if s.name == "vllm:request_prompt_tokens_bucket"]
