@@ -32,15 +32,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from disagg.http_limits import HTTPLimits
-from disagg.router.router import (
-    NO_HEALTHY_NODE,
-    REGISTRY,
-    UPSTREAM_ERRORS,
-    DecodeNode,
-    Router,
-    describe,
-    parse_decode_nodes,
-)
+from disagg.router.metrics import DURATION, ERRORS, RECEIVED, REGISTRY, RETRIES, UPSTREAM_ERRORS
+from disagg.router.router import DecodeNode, Router, describe, parse_decode_nodes
 from disagg.serving import STATUS_CLIENT_CLOSED, HTTPOptions, make_app, openai_error_response, request_label, serve_http
 
 logger = logging.getLogger(__name__)
@@ -102,9 +95,11 @@ class UpstreamResponse(Response):
     generating for nobody. Here a watcher closes the upstream response the moment the client
     leaves, and the node's request count goes down once, however the response ends."""
 
-    def __init__(self, upstream: httpx.Response, request_id: str, node: DecodeNode, router: Router, start: float):
+    def __init__(self, upstream: httpx.Response, request_id: str, route: str, node: DecodeNode, router: Router,
+                 start: float):
         self.upstream = upstream
         self.request_id = request_id
+        self.route = route
         self.node = node
         self.router = router
         self.start = start  # when the router received the request
@@ -145,8 +140,10 @@ class UpstreamResponse(Response):
             with anyio.CancelScope(shield=True):
                 await self.upstream.aclose()
             self.router.end(self.node)
+            elapsed = time.perf_counter() - self.start
+            DURATION.labels(self.route).observe(elapsed)
             logger.info("%s <- decode node %s: HTTP %d in %.3fs", self.request_id, self.node.address,
-                        self.status_code, time.perf_counter() - self.start)
+                        self.status_code, elapsed)
 
     async def _relay(self, send: Send) -> None:
         await self._start(send)
@@ -166,6 +163,7 @@ class UpstreamResponse(Response):
     async def _fail(self, send: Send, reason: str) -> None:
         """End a response the decode node will not finish; the status is sent, so only the body can say so."""
         UPSTREAM_ERRORS.labels(self.node.address).inc()
+        ERRORS.labels(self.route, "upstream").inc()
         logger.warning("%s: %s", self.request_id, reason)
         if not self.started:
             await self._start(send)
@@ -223,11 +221,14 @@ def build_app(router: Router, client: httpx.AsyncClient, options: HTTPOptions) -
 
     async def proxy(request: Request) -> Response:
         """The request to the least busy healthy decode node, or the next if that one cannot take it."""
-        request_id = request.state.request_id
+        request_id, route = request.state.request_id, request.url.path
+        RECEIVED.labels(route).inc()
         body = await request.body()
         start = time.perf_counter()
         tried: set[str] = set()
         while (node := router.pick(exclude=tried)) is not None:
+            if tried:
+                RETRIES.labels(route).inc()
             tried.add(node.address)
             router.begin(node)
             logger.info("%s -> decode node %s (%s %s)", request_id, node.address, request.method, request.url.path)
@@ -253,9 +254,11 @@ def build_app(router: Router, client: httpx.AsyncClient, options: HTTPOptions) -
                 router.end(node)
                 logger.info("%s: the client disconnected before %s answered; request aborted", request_id,
                             node.address)
+                DURATION.labels(route).observe(time.perf_counter() - start)
                 return Response(status_code=STATUS_CLIENT_CLOSED)
-            return UpstreamResponse(upstream, request_id, node, router, start)
-        NO_HEALTHY_NODE.inc()
+            return UpstreamResponse(upstream, request_id, route, node, router, start)
+        ERRORS.labels(route, "no_healthy_node").inc()
+        DURATION.labels(route).observe(time.perf_counter() - start)
         reason = router.unavailable_reason()
         logger.warning("%s: no decode node can take it: %s", request_id, reason)
         return error_response(503, f"no healthy decode node: {reason}; check the decode nodes' logs and "
