@@ -348,6 +348,7 @@ def serve(args: argparse.Namespace) -> None:
             tiers += f", disk KV tier {args.kv_disk_path} {args.kv_disk_size:g} GiB"
         print(f"config ok: role {kv.kv_role}, pipe {kv.kv_connector} {kv.kv_ip}:{kv.kv_port}{tiers}, model {where}")
         return
+    from disagg import metrics
     from disagg.api.tool_calls import ToolOptions
     from disagg.engine.async_engine import AsyncEngine
     from disagg.engine.config import EngineConfig
@@ -365,6 +366,7 @@ def serve(args: argparse.Namespace) -> None:
     name = served_model_name(args)
     limits = HTTPLimits.from_args(args)
     engine = AsyncEngine(LLMEngine(EngineConfig(**engine_kwargs(args) | {"model": local_model(args)})))
+    metrics.register_vllm_names(name)  # every role serves vLLM's metric names, labelled with the served name
     if kv.kv_role == "producer":
         from disagg.prefill_node.server import run_prefill_node
 

@@ -1,14 +1,24 @@
-"""Prometheus metrics of a node, served at /metrics."""
+"""Prometheus metrics of a node, served at /metrics: ours as disagg_*, and the same numbers again
+under vLLM's names (vllm:*), so that vLLM's dashboards, autoscalers and scrapers read ours."""
 
 from collections.abc import Callable, Iterator
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+from prometheus_client.utils import INF, floatToGoString
 
 from disagg.engine.async_engine import AsyncEngine, EngineStats
 from disagg.engine.engine import LLMEngine
 from disagg.engine.kv_tiers.stats import Latencies, TierStats
+from disagg.engine.request_stats import (
+    EXTERNAL_KV_TRANSFER,
+    LOCAL_CACHE_HIT,
+    PROMPT_SOURCES,
+    FinishedRequest,
+    IterationStats,
+)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -66,19 +76,174 @@ def engine_gauges(stats: EngineStats) -> None:
     REQUESTS_WAITING.set(stats.num_waiting)
 
 
-class EngineErrors(Collector):
-    """Requests the engine failed, counted by the engine thread (EngineStats) and read at each scrape."""
+# vLLM's buckets where its dashboards draw the buckets themselves (heatmaps of request lengths) or
+# compare them across servers; latencies keep LATENCY_BUCKETS, finer below 10 ms than vLLM's.
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+REQUEST_N_BUCKETS = (1, 2, 5, 10, 20)
+FINISH_REASONS = ("stop", "length", "abort", "error")  # the engine's, which are vLLM's
+
+
+def buckets_1_2_5(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value: vLLM's buckets for token counts."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+class EngineMetrics(Collector):
+    """What only the engine knows: its counters (EngineStats, read at each scrape) and each request's
+    times and token counts, recorded from the IterationStats its thread hands over (`record`)."""
 
     def __init__(self, engine: AsyncEngine):
         self.engine = engine
+        self.block_size = engine.block_size
+        self.dtype = str(engine.dtype).removeprefix("torch.")
+        self.prefix_caching = engine.enable_prefix_caching
+        tokens = buckets_1_2_5(engine.max_model_len)
+
+        def histogram(name: str, documentation: str, buckets) -> Histogram:
+            return Histogram(name, documentation, buckets=buckets, registry=None)  # collected here
+
+        self.finished = Counter("disagg_engine_finished_requests", "Engine requests finished (one per choice), "
+                                "by how they ended", ["finish_reason"], registry=None)
+        for reason in FINISH_REASONS:
+            self.finished.labels(reason)
+        self.prompt_tokens = Counter("disagg_engine_prompt_tokens", "Prompt tokens of the requests that got their "
+                                     "first token, by where their KV came from: computed here (local_compute), this "
+                                     "engine's prefix cache and KV tiers (local_cache_hit), a prefill node "
+                                     "(external_kv_transfer)", ["source"], registry=None)
+        for source in PROMPT_SOURCES:
+            self.prompt_tokens.labels(source)
+        self.step_tokens = histogram("disagg_engine_step_tokens", "Tokens of an engine step, as vLLM counts them: "
+                                     "the prompts of the prefills it finished and the tokens it sampled",
+                                     STEP_TOKEN_BUCKETS)
+        self.queue_time = histogram("disagg_request_queue_time_seconds", "A request's wait for its first blocks",
+                                    LATENCY_BUCKETS)
+        self.prefill_time = histogram("disagg_request_prefill_time_seconds", "Blocks given to the first token (a "
+                                      "remote prefill: the prefill node's work and the KV's way here)",
+                                      LATENCY_BUCKETS)
+        self.decode_time = histogram("disagg_request_decode_time_seconds", "First token to last", LATENCY_BUCKETS)
+        self.inference_time = histogram("disagg_request_inference_time_seconds", "Blocks given to the last token",
+                                        LATENCY_BUCKETS)
+        self.time_per_output_token = histogram("disagg_request_time_per_output_token_seconds", "A request's decode "
+                                               "time over its output tokens after the first", LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram("disagg_request_prompt_tokens", "A finished request's prompt tokens",
+                                               tokens)
+        self.request_computed_tokens = histogram("disagg_request_computed_prompt_tokens", "A finished request's "
+                                                 "prompt tokens computed here (neither cached nor received)", tokens)
+        self.request_generation_tokens = histogram("disagg_request_generation_tokens", "A finished request's "
+                                                   "output tokens", tokens)
+        self.request_max_tokens = histogram("disagg_request_max_tokens", "A finished request's max_tokens", tokens)
+
+    def record(self, stats: IterationStats) -> None:
+        """On the engine thread, after each turn of its loop that did something."""
+        if stats.step_tokens is not None:
+            self.step_tokens.observe(stats.step_tokens)
+        for source, count in stats.prompt_tokens.items():
+            if count:
+                self.prompt_tokens.labels(source).inc(count)
+        for request in stats.finished:
+            self._finished(request)
+
+    def _finished(self, request: FinishedRequest) -> None:
+        self.finished.labels(request.finish_reason).inc()
+        self.queue_time.observe(request.queue_time)
+        self.prefill_time.observe(request.prefill_time)
+        self.decode_time.observe(request.decode_time)
+        self.inference_time.observe(request.inference_time)
+        if request.num_generation_tokens > 1:  # vLLM's: the first token is the prefill's
+            self.time_per_output_token.observe(request.decode_time / (request.num_generation_tokens - 1))
+        self.request_prompt_tokens.observe(request.num_prompt_tokens)
+        self.request_computed_tokens.observe(request.num_computed_prompt_tokens)
+        self.request_generation_tokens.observe(request.num_generation_tokens)
+        self.request_max_tokens.observe(request.max_tokens)
 
     def collect(self) -> Iterator[Metric]:
+        stats = self.engine.stats
         yield CounterMetricFamily("disagg_engine_request_errors", "Requests the engine failed (their sampling or "
-                                  "their step's forward raised)", value=self.engine.stats.num_request_errors)
+                                  "their step's forward raised)", value=stats.num_request_errors)
+        yield CounterMetricFamily("disagg_engine_preemptions", "Running requests the engine sent back to the queue "
+                                  "for want of blocks (recomputed later)", value=stats.num_preemptions)
+        for metric in (self.finished, self.prompt_tokens, self.step_tokens, self.queue_time, self.prefill_time,
+                       self.decode_time, self.inference_time, self.time_per_output_token, self.request_prompt_tokens,
+                       self.request_computed_tokens, self.request_generation_tokens, self.request_max_tokens):
+            yield from metric.collect()
+
+    def vllm_families(self, labels: dict[str, str]) -> Iterator[Metric]:
+        """The same numbers under vLLM's names, with its labels (model_name, engine)."""
+        stats = self.engine.stats
+        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels,
+                      stats.num_preemptions)
+        by_source = {s.labels["source"]: s.value for s in samples(self.prompt_tokens, "_total")}
+        cached = by_source[LOCAL_CACHE_HIT]
+        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels, sum(by_source.values()))
+        yield renamed("vllm:prompt_tokens_by_source", self.prompt_tokens, labels)
+        yield counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).", labels,
+                      cached + by_source[EXTERNAL_KV_TRANSFER])
+        # vLLM queries the prefix cache for every prompt token of each request it schedules; a hit is a cached one.
+        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                      labels, sum(by_source.values()))
+        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", labels,
+                      cached)
+        yield renamed("vllm:request_success", self.finished, labels, {"finish_reason": "finished_reason"})
+        yield renamed("vllm:iteration_tokens_total", self.step_tokens, labels)
+        yield renamed("vllm:request_queue_time_seconds", self.queue_time, labels)
+        yield renamed("vllm:request_prefill_time_seconds", self.prefill_time, labels)
+        yield renamed("vllm:request_decode_time_seconds", self.decode_time, labels)
+        yield renamed("vllm:request_inference_time_seconds", self.inference_time, labels)
+        yield renamed("vllm:request_time_per_output_token_seconds", self.time_per_output_token, labels)
+        yield renamed("vllm:request_prompt_tokens", self.request_prompt_tokens, labels)
+        yield renamed("vllm:request_prefill_kv_computed_tokens", self.request_computed_tokens, labels)
+        yield renamed("vllm:request_generation_tokens", self.request_generation_tokens, labels)
+        yield renamed("vllm:request_params_max_tokens", self.request_max_tokens, labels)
+        # A request with n choices is n engine requests of one choice each: n is 1, and the longest
+        # choice's output is its own.
+        yield renamed("vllm:request_max_num_generation_tokens", self.request_generation_tokens, labels)
+        finished = sum(s.value for s in samples(self.request_generation_tokens, "_count"))
+        n = HistogramMetricFamily("vllm:request_params_n", "Histogram of the n request parameter.",
+                                  labels=list(labels))
+        n.add_metric(list(labels.values()), [(floatToGoString(b), finished) for b in (*REQUEST_N_BUCKETS, INF)],
+                     finished)
+        yield n
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                 labels=["block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks",
+                                         "engine"])
+        info.add_metric([str(self.block_size), self.dtype, str(self.prefix_caching), str(stats.num_blocks),
+                         labels["engine"]], 1)
+        yield info
+
+
+def samples(metric: Counter | Histogram, suffix: str) -> list[Sample]:
+    """A metric's samples of one kind (`_total`, `_count`, ...)."""
+    return [s for family in metric.collect() for s in family.samples if s.name.endswith(suffix)]
+
+
+def counter(name: str, documentation: str, labels: dict[str, str], value: float) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, documentation, labels=list(labels))
+    family.add_metric(list(labels.values()), value)
+    return family
+
+
+def renamed(name: str, source: Collector, labels: dict[str, str], label_names: dict[str, str] | None = None) -> Metric:
+    """`source`'s one family as `name`, its samples given `labels` too and their label names
+    renamed by `label_names`."""
+    (family,) = source.collect()
+    metric = Metric(name, family.documentation, family.type)
+    for s in family.samples:
+        own = {(label_names or {}).get(k, k): v for k, v in s.labels.items()}
+        metric.add_sample(name + s.name.removeprefix(family.name), {**own, **labels}, s.value, s.timestamp,
+                          s.exemplar)
+    return metric
 
 
 def register_engine(engine: AsyncEngine) -> None:
-    _register_once("engine_errors", lambda: EngineErrors(engine))
+    """Serve the engine's own numbers (once per process: one engine per node)."""
+    metrics = _register_once("engine", lambda: EngineMetrics(engine))
+    engine.stat_loggers.append(metrics.record)
 
 
 def kv_sent(nbytes: int, seconds: float) -> None:
@@ -87,38 +252,44 @@ def kv_sent(nbytes: int, seconds: float) -> None:
     KV_PART_SEND.observe(seconds)
 
 
-# vLLM's names for the same series (counters without _total), so that dashboards, autoscalers and
-# `vllm bench` scrapers built for vLLM read ours; each also gets vLLM's model_name label.
+# vLLM's names for the series the API and the node keep (counters without _total); the engine's
+# own are EngineMetrics.vllm_families.
 VLLM_NAMES = {
     "vllm:num_requests_running": REQUESTS_RUNNING,
     "vllm:num_requests_waiting": REQUESTS_WAITING,
     "vllm:kv_cache_usage_perc": KV_CACHE_USAGE,  # a fraction despite the name, as in vLLM
+    "vllm:gpu_cache_usage_perc": KV_CACHE_USAGE,  # its name before vLLM 0.9, which older dashboards query
     "vllm:time_to_first_token_seconds": TTFT,
     "vllm:inter_token_latency_seconds": ITL,
+    "vllm:time_per_output_token_seconds": ITL,  # its older name, still in older dashboards
     "vllm:e2e_request_latency_seconds": E2E,
-    "vllm:prompt_tokens": PROMPT_TOKENS,
     "vllm:generation_tokens": GENERATION_TOKENS,
 }
+VLLM_ENGINE_INDEX = "0"  # vLLM's `engine` label: the engine core's index, one per node here
 
 
 class VLLMNames(Collector):
-    """Our metrics again under vLLM's names, read at each scrape: nothing is counted twice."""
+    """Our metrics again under vLLM's names, with its labels, read at each scrape: nothing is counted twice."""
 
     def __init__(self, model_name: str):
-        self.model_name = model_name
+        self.labels = {"model_name": model_name, "engine": VLLM_ENGINE_INDEX}
 
     def collect(self) -> Iterator[Metric]:
         for name, source in VLLM_NAMES.items():
-            for family in source.collect():
-                renamed = Metric(name, family.documentation, family.type)
-                for s in family.samples:
-                    renamed.add_sample(name + s.name.removeprefix(family.name),
-                                       {**s.labels, "model_name": self.model_name}, s.value, s.timestamp, s.exemplar)
-                yield renamed
+            yield renamed(name, source, self.labels)
+        engine = _registered.get("engine")
+        if engine is not None:
+            yield from engine.vllm_families(self.labels)
+        sleep = GaugeMetricFamily("vllm:engine_sleep_state", "Engine sleep state; awake = 0 means engine is "
+                                  "sleeping; awake = 1 means engine is awake; weights_offloaded = 1 means sleep "
+                                  "level 1; discard_all = 1 means sleep level 2.", labels=[*self.labels, "sleep_state"])
+        for state, value in (("awake", 1), ("weights_offloaded", 0), ("discard_all", 0)):  # it never sleeps
+            sleep.add_metric([*self.labels.values(), state], value)
+        yield sleep
 
 
 def register_vllm_names(model_name: str) -> None:
-    """Serve the vLLM names too (once per process)."""
+    """Serve the vLLM names too (once per process), labelled with the served model name."""
     _register_once("vllm_names", lambda: VLLMNames(model_name))
 
 
@@ -197,10 +368,11 @@ def register_kv_tiers(engine: LLMEngine) -> None:
     _register_once("kv_tiers", lambda: KVTiers(engine))
 
 
-_registered: set[str] = set()  # collectors registered in this process: registering one twice raises
+_registered: dict[str, Collector] = {}  # collectors registered in this process (registering one twice raises)
 
 
-def _register_once(name: str, make: Callable[[], Collector]) -> None:
+def _register_once(name: str, make: Callable[[], Collector]) -> Collector:
     if name not in _registered:
-        _registered.add(name)
-        REGISTRY.register(make())
+        _registered[name] = make()
+        REGISTRY.register(_registered[name])
+    return _registered[name]

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from disagg.launch import wait_healthy
 
@@ -65,6 +67,16 @@ class Node:
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
         pattern = re.compile(rf'^{name}\{{{label}="([^"]+)"\}} (\S+)$', re.MULTILINE)
         return {value: float(sample) for value, sample in pattern.findall(text)}
+
+    def samples(self) -> list[Sample]:
+        """Every sample of /metrics (read them with `metric_sum`)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def metric_sum(samples: list[Sample], name: str, **labels: str) -> float:
+    """The sum of the samples named `name` that carry `labels` (and maybe others)."""
+    return sum(s.value for s in samples if s.name == name and labels.items() <= s.labels.items())
 
 
 def start_node(role: str, tmp_dir: Path, *, model: str | None = None, connector: str = "tcp",

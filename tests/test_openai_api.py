@@ -541,9 +541,9 @@ def test_tokenize_detokenize_ping_load_and_vllm_metrics(server, llm, model_name)
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
                  "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total", "vllm:generation_tokens_total"):
-        assert f'{name}{{model_name="{model_name}"}}' in metrics, name
-    assert server.metric("disagg_prompt_tokens_total") == float(
-        metrics.split('vllm:prompt_tokens_total{model_name="' + model_name + '"} ')[1].split()[0])
+        assert f'{name}{{engine="0",model_name="{model_name}"}}' in metrics, name
+    assert sum(server.labelled("disagg_engine_prompt_tokens_total", "source").values()) == float(
+        metrics.split(f'vllm:prompt_tokens_total{{engine="0",model_name="{model_name}"}} ')[1].split()[0])
 
 
 def test_continuous_usage_stats(server):

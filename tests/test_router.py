@@ -1,9 +1,11 @@
 """xPyD through the router, with real processes: 2 prefill + 2 decode nodes behind `disagg router`.
 
 Greedy answers through the router equal the offline engine's, every node gets work, a prefill
-node killed mid-load costs no request, a request id can be followed through every node's log,
-a client that disconnects frees the decode node's blocks, a decode node that is gone is
-skipped, and one that hangs has its requests failed.
+node killed mid-load costs no request, a request id can be followed through every node's log and
+comes back on every response, vLLM's other endpoints reach a decode node, the router's metrics
+count by route and by decode node (under vLLM's router's names too), a client that disconnects
+frees the decode node's blocks, a decode node that is gone is skipped, and one that hangs has its
+requests failed.
 """
 
 import asyncio
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from servers import Node, free_port, read_sse_text, start_node, wait_for, wait_ready
+from servers import Node, free_port, metric_sum, read_sse_text, start_node, wait_for, wait_ready
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -216,6 +218,75 @@ def test_router_health_and_models(cluster: Cluster):
 
 
 @pytest.mark.slow
+def test_vllms_other_endpoints_reach_a_decode_node(cluster: Cluster):
+    url = cluster.router.url
+    tokenized = httpx.post(f"{url}/tokenize", json={"model": MODEL, "prompt": PROMPTS[1]}, timeout=30).json()
+    assert tokenized["count"] == len(tokenized["tokens"]) > 0 and tokenized["max_model_len"] > 0
+    detokenized = httpx.post(f"{url}/detokenize", json={"model": MODEL, "tokens": tokenized["tokens"]}, timeout=30)
+    assert detokenized.json() == {"prompt": PROMPTS[1]}
+    for method in ("GET", "POST"):
+        ping = httpx.request(method, f"{url}/ping", timeout=30)
+        assert ping.status_code == 200 and ping.json()["role"] == "consumer", ping.text  # a decode node's answer
+    assert httpx.get(f"{url}/load", timeout=30).json() == {"server_load": 0}
+    assert httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"] == MODEL
+
+
+@pytest.mark.slow
+def test_every_response_carries_the_request_id(cluster: Cluster):
+    """The client's X-Request-Id comes back, once, on whatever the router answers; without one, the
+    router's own does."""
+    url = cluster.router.url
+    calls = [("POST", "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2}),
+             ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                               "max_tokens": 2, "stream": True}),
+             ("POST", "/tokenize", {"prompt": "Hi"}), ("GET", "/ping", None), ("GET", "/health", None),
+             ("GET", "/metrics", None), ("GET", "/no-such-path", None),
+             ("POST", "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": -1})]  # the node's 400
+    for i, (method, path, body) in enumerate(calls):
+        given = httpx.request(method, url + path, json=body, headers={"X-Request-Id": f"test-id-{i}"}, timeout=60)
+        assert given.headers.get_list("x-request-id") == [f"test-id-{i}"], (path, given.headers)
+        made = httpx.request(method, url + path, json=body, timeout=60)
+        prefix = {"/v1/completions": "cmpl", "/v1/chat/completions": "chatcmpl"}.get(path, "req")
+        assert re.fullmatch(rf"{prefix}-[0-9a-f]{{32}}", made.headers["x-request-id"]), (path, made.headers)
+    assert "test-id-0 started" in "".join(d.log() for d in cluster.decodes)  # and the decode node went by it
+
+
+@pytest.mark.slow
+def test_router_metrics_count_by_route_and_decode_node(cluster: Cluster):
+    """vLLM's router's families, read from the same numbers as ours."""
+    router, decodes = cluster.router, cluster.decodes
+    before = router.samples()
+    for i in range(4):
+        text, _ = asyncio.run(_ask_once(router.url, i))
+        assert text == cluster.expected["completion" if request_kind(i).startswith("completion") else "chat"][i]
+    assert httpx.post(f"{router.url}/tokenize", json={"prompt": "Hi"}, timeout=30).status_code == 200
+    after = router.samples()
+
+    def delta(name: str, **labels: str) -> float:
+        return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+
+    routes = {path: sum(request_kind(i).startswith(kind) for i in range(4))
+              for path, kind in (("/v1/completions", "completion"), ("/v1/chat/completions", "chat"))}
+    for route, count in {**routes, "/tokenize": 1}.items():
+        assert delta("vllm_router_requests_total", route=route) == count, route
+        assert delta("vllm_router_request_duration_seconds_count", route=route) == count, route
+        assert delta("vllm_router_request_duration_seconds_bucket", route=route, le="240.0") == count, route
+    assert delta("vllm_router_processed_requests_total") == 5
+    assert delta("vllm_router_retries_total") == delta("vllm_router_request_errors_total") == 0
+    assert metric_sum(after, "vllm_router_active_workers") == len(decodes)
+    for decode in decodes:
+        worker = f"http://127.0.0.1:{decode.port}"
+        assert metric_sum(after, "vllm_router_worker_health", worker=worker) == 1
+        assert metric_sum(after, "vllm_router_running_requests", worker=worker) == 0
+        assert metric_sum(after, "vllm_router_worker_load", worker=worker) == 0
+        assert metric_sum(after, "vllm_router_processed_requests_total", worker=worker) == metric_sum(
+            after, "disagg_router_requests_total", decode_node=f"127.0.0.1:{decode.port}")
+    for theirs, ours in (("vllm_router_requests_total", "disagg_router_received_requests_total"),
+                         ("vllm_router_request_duration_seconds_sum", "disagg_router_request_duration_seconds_sum")):
+        assert metric_sum(after, theirs) == metric_sum(after, ours) > 0
+
+
+@pytest.mark.slow
 def test_decode_node_errors_pass_through(cluster: Cluster):
     """The decode node's 400 for a sampling parameter out of range comes back as it is, status and body."""
     r = httpx.post(f"{cluster.router.url}/v1/completions", timeout=30,
@@ -256,7 +327,8 @@ def test_a_huge_body_is_refused_by_the_router_itself(cluster: Cluster):
     for response in refused:
         assert response.status_code == 413, response.text
         assert "--max-request-body-bytes" in response.json()["error"]["message"]
-        assert "x-request-id" not in response.headers  # answered by the router: nothing was forwarded
+        # Answered by the router, under its own id: nothing was forwarded.
+        assert f"{response.headers['x-request-id']} -> decode node" not in cluster.router.log()
     assert health.status_code == 200
     text, _ = asyncio.run(_ask_once(cluster.router.url, 1))
     assert text == cluster.expected["completion"][1]
@@ -327,6 +399,9 @@ def test_unreachable_decode_node_is_skipped(cluster: Cluster, tmp_path: Path):
         assert f"decode node {fake.address} is unreachable" in router.log()
         errors = router.labelled("disagg_router_upstream_errors_total", "decode_node")
         assert errors.get(fake.address) == 1
+        samples = router.samples()  # the request was tried again on the other node
+        for name in ("disagg_router_retries_total", "vllm_router_retries_total"):
+            assert metric_sum(samples, name, route="/v1/completions") == 1, name
         health = httpx.get(f"{router.url}/health", timeout=10).json()
         assert health["decode_nodes"][fake.address]["healthy"] is False
     finally:
@@ -412,6 +487,9 @@ def test_a_hung_decode_node_fails_its_requests_instead_of_holding_them(tmp_path:
         health = httpx.get(f"{router.url}/health", timeout=10).json()
         assert health["decode_nodes"][node.address]["outstanding"] == 0
         assert "is down after 3 failures in a row; failing its 2 requests in flight" in router.log()
+        samples = router.samples()  # the stream broken off, the whole answer with no node left to ask
+        for error_type in ("upstream", "no_healthy_node"):
+            assert metric_sum(samples, "vllm_router_request_errors_total", error_type=error_type) == 1, error_type
     finally:
         node.close()
         router.kill()
@@ -426,10 +504,16 @@ def test_no_healthy_decode_node_answers_503_and_the_api_key_is_checked(tmp_path:
         body = {"model": MODEL, "prompt": "Hi"}
         r = httpx.post(f"{router.url}/v1/completions", json=body, timeout=10)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert r.headers["x-request-id"].startswith("cmpl-")
         r = httpx.post(f"{router.url}/v1/completions", json=body, headers={"Authorization": "Bearer k3y"}, timeout=10)
         assert r.status_code == 503
         error = r.json()["error"]
         assert error["type"] == "server_error" and "no healthy decode node" in error["message"]
+        assert httpx.get(f"{router.url}/ping", timeout=10).status_code == 503  # no key needed; no node to ask
+        samples = router.samples()
+        assert metric_sum(samples, "vllm_router_request_errors_total", route="/v1/completions",
+                          error_type="no_healthy_node") == 1
+        assert metric_sum(samples, "vllm_router_active_workers") == 0
     finally:
         router.kill()
 

@@ -40,7 +40,6 @@ async def run_decode_node(engine: AsyncEngine, model_name: str, kv: KVTransferCo
         where = (f"kv {kv.kv_connector} {kv.kv_ip}:{consumer.address[1]} prefill {','.join(prefill_nodes)}"
                  if consumer else "colocated")
         role = "decode" if consumer else "colocated"
-        metrics.register_vllm_names(model_name)
         metrics.register_engine(engine)
         metrics.register_kv_tiers(engine.engine)
         await serve_http(build_app(node, http, model_name, tools, log_requests, sampling), host, port,

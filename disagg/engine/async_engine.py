@@ -12,7 +12,9 @@ for whoever waits on it, and is counted; the other requests go on.
 
 This is the one door into the engine for the nodes: what they need (validation, grammar compiles,
 remote requests and their KV, the engine's gauges) is here, and nothing outside the engine reads
-`LLMEngine` state; the engine thread publishes what others may read (`EngineStats`) after each step.
+`LLMEngine` state; the engine thread publishes what others may read (`EngineStats`) after each step,
+and hands what each turn of its loop did (`IterationStats`: request times, token counts) to the
+`stat_loggers`, on its own thread.
 """
 
 import asyncio
@@ -29,7 +31,8 @@ import torch
 
 from disagg.engine.engine import LLMEngine
 from disagg.engine.output import RequestOutput
-from disagg.engine.remote_prefill import RemoteSlot
+from disagg.engine.remote_prefill import FirstToken, RemoteSlot
+from disagg.engine.request_stats import IterationStats, RequestStats
 from disagg.engine.sampling_params import SamplingParams, StructuredOutputSpec
 from disagg.engine.sequence import KVExport, TokenLogprob
 
@@ -73,9 +76,13 @@ class AsyncEngine:
         self.device = engine.device
         self.dtype = engine.dtype
         self.block_size = engine.config.block_size
+        self.enable_prefix_caching = engine.config.enable_prefix_caching
         self.kv_bytes_per_token_layer = engine.kv_cache.kv[0, :, 0].nbytes  # one token's K and V in one layer
         self.num_request_errors = 0  # engine thread only; published in stats
         self.stats = self._stats()
+        self.request_stats = RequestStats()  # engine thread only
+        # Called on the engine thread with each turn's IterationStats (the metrics'): keep them quick.
+        self.stat_loggers: list[Callable[[IterationStats], None]] = []
         self.calls: queue.SimpleQueue[tuple[Callable, tuple, dict, concurrent.futures.Future]] = queue.SimpleQueue()
         self.wakeup = threading.Event()
         # Request id -> where its outputs go. Read and written on the engine thread only, so a
@@ -171,13 +178,17 @@ class AsyncEngine:
         """On the engine thread: the request and its stream, together."""
         if request_id in self.streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.engine.add_request(request_id, prompt_token_ids, params, **kwargs)
+        seq = self.engine.add_request(request_id, prompt_token_ids, params, **kwargs)
         self.streams[request_id] = stream
+        self.request_stats.added(seq, time.monotonic())
         return self.engine.remote_slot(request_id) if kwargs.get("remote_prefill") else None
 
     def _drop(self, request_id: str, error: Exception | None) -> bool:
         """On the engine thread: abort the request; its stream gets `error`, or nothing more."""
         found = self.engine.abort_request(request_id)
+        if found:
+            reason = "abort" if error is None or isinstance(error, RequestAborted) else "error"
+            self.request_stats.finished(request_id, reason, time.monotonic())
         if error is None:
             self.streams.pop(request_id, None)
         else:
@@ -201,19 +212,23 @@ class AsyncEngine:
         ValueError for a token that does not fit, before anything is sent; for KV that does not fit
         too, and then the request fails (its first token is out)."""
         queue.put_nowait(slot.first.output(first_token, first_logprob))
+        sent = time.monotonic()
         try:
             # Shielded: a request whose first token is out must be loaded (or aborted) in the engine,
             # never left holding its blocks because its caller went away meanwhile.
-            await asyncio.shield(self._call(self._finish_remote, request_id, kv, slot.first, kv_start))
+            await asyncio.shield(self._call(self._finish_remote, request_id, sent, kv, slot.first, kv_start))
         except Exception as e:
             await self.fail(request_id, RequestFailed(f"loading the KV of {request_id} failed: {e}"))
             raise
 
-    def _finish_remote(self, request_id: str, *args) -> None:
-        """On the engine thread."""
-        self.engine.finish_remote_prefill(request_id, *args)
+    def _finish_remote(self, request_id: str, sent: float, kv: torch.Tensor | None, first: FirstToken,
+                       kv_start: int) -> None:
+        """On the engine thread; the first token went out at `sent`."""
+        self.engine.finish_remote_prefill(request_id, kv, first, kv_start)
+        self.request_stats.remote_first_token(request_id, sent, kv_start)
         if request_id not in self.engine.requests:  # its first token ended it: that output was its last
             self.streams.pop(request_id, None)
+            self.request_stats.finished(request_id, first.seq.finish_reason or "stop", time.monotonic())
 
     async def keep_remote_blocks_aside(self, request_id: str) -> int:
         return await self._call(self.engine.keep_remote_blocks_aside, request_id)
@@ -249,10 +264,12 @@ class AsyncEngine:
         logged = time.monotonic()
         while not self.stopped:
             self._run_calls()
+            self.request_stats.check_scheduled(time.monotonic())  # remote requests get blocks as they are added
             busy = self.engine.has_work()
             if busy and self.engine.offload is not None and time.monotonic() - logged >= TIERS_LOG_INTERVAL:
                 logged = time.monotonic()
                 logger.info("%s", self.engine.offload.summary())
+            started, steps = time.monotonic(), self.engine.num_steps
             try:
                 outputs = self.engine.step() if busy else []
             except Exception as e:
@@ -261,19 +278,39 @@ class AsyncEngine:
                 logger.exception("engine step failed outside the forward and sampling")
                 self._fail_all(e)
                 outputs = []
+            # Before the outputs: a request may end in the very step that admits it, as a prefill node's do.
+            self.request_stats.check_scheduled(started)
+            now = time.monotonic()
             for out in outputs:
                 if out.error is not None:
                     self.num_request_errors += 1
+                self.request_stats.output(out, now)
                 self._deliver(out.request_id, out)
+            if self.engine.num_steps != steps:
+                self.request_stats.stepped()
             self.stats = self._stats()
+            self._log_stats()
             if not busy:
                 self.wakeup.wait(timeout=0.5)
                 self.wakeup.clear()
         self._run_calls(stopped=EngineDeadError("the engine was stopped"))  # whoever still waits gets an answer
 
+    def _log_stats(self) -> None:
+        """On the engine thread: this turn's IterationStats to the stat loggers. A logger that fails
+        loses its numbers, never the engine."""
+        stats = self.request_stats.take()
+        if stats is None:
+            return
+        for log in self.stat_loggers:
+            try:
+                log(stats)
+            except Exception:
+                logger.exception("a stat logger failed; the engine goes on")
+
     def _fail_all(self, error: Exception) -> None:
         for request_id in list(self.engine.requests):
             self.engine.abort_request(request_id)
+            self.request_stats.finished(request_id, "error", time.monotonic())
             self.num_request_errors += 1
             self._deliver(request_id, EngineDeadError(f"engine step failed: {error}"))
 

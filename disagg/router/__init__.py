@@ -20,7 +20,7 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address the router's HTTP server binds")
     parser.add_argument("--port", type=int, default=8000, help="the router's HTTP port")
     parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on every path but /health and /metrics "
+                        help="require 'Authorization: Bearer KEY' on every path but /health, /metrics and /ping "
                              "(forwarded to the decode nodes; default: $DISAGG_API_KEY)")
     parser.add_argument("--health-interval", type=float, default=2.0,
                         help="seconds between health checks of each decode node")

@@ -14,26 +14,14 @@ import logging
 from dataclasses import dataclass, field
 
 import httpx
-from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from disagg.router.metrics import HEALTHY, OUTSTANDING, REQUESTS
 
 logger = logging.getLogger(__name__)
 
 # A decode node busy with a full batch may answer /health late; that is not a failure.
 HEALTH_TIMEOUT_S = 5.0
 DOWN_AFTER_FAILED_CHECKS = 3  # then its requests in flight are failed
-
-# The router's own registry: it serves only its own metrics, not the engine's (which it never runs).
-REGISTRY = CollectorRegistry()
-REQUESTS = Counter("disagg_router_requests_total", "Requests sent to each decode node", ["decode_node"],
-                   registry=REGISTRY)
-UPSTREAM_ERRORS = Counter("disagg_router_upstream_errors_total",
-                          "Requests a decode node could not take or broke off", ["decode_node"], registry=REGISTRY)
-OUTSTANDING = Gauge("disagg_router_outstanding_requests", "Requests in flight on each decode node",
-                    ["decode_node"], registry=REGISTRY)
-HEALTHY = Gauge("disagg_router_decode_node_healthy", "1 while the decode node passes its health checks",
-                ["decode_node"], registry=REGISTRY)
-NO_HEALTHY_NODE = Counter("disagg_router_no_healthy_node_total",
-                          "Requests answered 503: no decode node could take them", registry=REGISTRY)
 
 
 def describe(error: Exception) -> str:

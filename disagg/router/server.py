@@ -6,7 +6,11 @@ chunk by chunk, so streamed tokens reach the client as soon as the decode node s
 
 Every request carries an X-Request-Id (the client's, or a fresh `cmpl-<hex>`): the decode node
 uses it as its request id and passes it to the prefill node, so one grep follows a request
-through the router's, the decode node's and the prefill node's logs.
+through the router's, the decode node's and the prefill node's logs. Every response carries it
+back, the router's own answers (401, 413, 503, /health) too.
+
+Besides completions and chat, vLLM's other endpoints that a client of one server calls (/v1/models,
+/tokenize, /detokenize, /ping, /load) go to a healthy decode node too.
 
 Closing the upstream connection is how the decode node learns that the client went away (it
 then aborts the request on both nodes and frees its blocks), so the router closes it as soon as
@@ -25,23 +29,21 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from disagg.http_limits import HTTPLimits
-from disagg.router.router import (
-    NO_HEALTHY_NODE,
-    REGISTRY,
-    UPSTREAM_ERRORS,
-    DecodeNode,
-    Router,
-    describe,
-    parse_decode_nodes,
-)
+from disagg.router.metrics import DURATION, ERRORS, RECEIVED, REGISTRY, RETRIES, UPSTREAM_ERRORS
+from disagg.router.router import DecodeNode, Router, describe, parse_decode_nodes
 from disagg.serving import STATUS_CLIENT_CLOSED, HTTPOptions, make_app, openai_error_response, request_label, serve_http
 
 logger = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
+# The prefix of the ids the router makes, by path (vLLM's for completions and chat).
+REQUEST_ID_PREFIXES = {"/v1/completions": "cmpl", "/v1/chat/completions": "chatcmpl"}
+# vLLM's endpoints other than completions and chat that go to a decode node as they are: path -> methods.
+PASSED_ON = {"/v1/models": ["GET"], "/tokenize": ["POST"], "/detokenize": ["POST"], "/ping": ["GET", "POST"],
+             "/load": ["GET"]}
 # Headers of the client's request the decode node needs; hop-by-hop ones (Host, Content-Length,
 # Connection) are httpx's business.
 FORWARDED_HEADERS = ("content-type", "authorization", "accept")
@@ -58,6 +60,33 @@ async def wait_for_disconnect(receive: Receive) -> None:
         pass
 
 
+class RequestIdMiddleware:
+    """Gives each request its id (request_label: the client's X-Request-Id, or a fresh one), in
+    `request.state.request_id`, and puts it on the response, whoever answers. Outermost, so that the
+    refusals of the middlewares inside it carry it too."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(REQUEST_ID_HEADER.encode())
+        request_id = request_label(None if given is None else given.decode("latin-1"),
+                                   REQUEST_ID_PREFIXES.get(scope["path"], "req"))
+        scope.setdefault("state", {})["request_id"] = request_id
+        header = (REQUEST_ID_HEADER.encode(), request_id.encode())
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", []) if h[0].lower() != header[0]]
+                message = {**message, "headers": [*headers, header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 class UpstreamResponse(Response):
     """A decode node's response passed through chunk by chunk.
 
@@ -66,9 +95,11 @@ class UpstreamResponse(Response):
     generating for nobody. Here a watcher closes the upstream response the moment the client
     leaves, and the node's request count goes down once, however the response ends."""
 
-    def __init__(self, upstream: httpx.Response, request_id: str, node: DecodeNode, router: Router, start: float):
+    def __init__(self, upstream: httpx.Response, request_id: str, route: str, node: DecodeNode, router: Router,
+                 start: float):
         self.upstream = upstream
         self.request_id = request_id
+        self.route = route
         self.node = node
         self.router = router
         self.start = start  # when the router received the request
@@ -76,7 +107,7 @@ class UpstreamResponse(Response):
         self.started = False  # http.response.start was sent
         self.status_code = upstream.status_code
         self.background = None
-        headers = {REQUEST_ID_HEADER: request_id}
+        headers = {}  # X-Request-Id: RequestIdMiddleware's
         if "content-type" in upstream.headers:
             headers["content-type"] = upstream.headers["content-type"]
         self.init_headers(headers)
@@ -109,8 +140,10 @@ class UpstreamResponse(Response):
             with anyio.CancelScope(shield=True):
                 await self.upstream.aclose()
             self.router.end(self.node)
+            elapsed = time.perf_counter() - self.start
+            DURATION.labels(self.route).observe(elapsed)
             logger.info("%s <- decode node %s: HTTP %d in %.3fs", self.request_id, self.node.address,
-                        self.status_code, time.perf_counter() - self.start)
+                        self.status_code, elapsed)
 
     async def _relay(self, send: Send) -> None:
         await self._start(send)
@@ -130,6 +163,7 @@ class UpstreamResponse(Response):
     async def _fail(self, send: Send, reason: str) -> None:
         """End a response the decode node will not finish; the status is sent, so only the body can say so."""
         UPSTREAM_ERRORS.labels(self.node.address).inc()
+        ERRORS.labels(self.route, "upstream").inc()
         logger.warning("%s: %s", self.request_id, reason)
         if not self.started:
             await self._start(send)
@@ -155,6 +189,7 @@ def proxy_client() -> httpx.AsyncClient:
 def build_app(router: Router, client: httpx.AsyncClient, options: HTTPOptions) -> FastAPI:
     """The router's HTTP app; `client` carries the proxied requests to the decode nodes."""
     app = make_app("disagg router", options, error_response)
+    app.add_middleware(RequestIdMiddleware)  # added last: outermost
 
     async def send_upstream(request: Request, node: DecodeNode, request_id: str,
                             body: bytes) -> httpx.Response | None:
@@ -184,12 +219,16 @@ def build_app(router: Router, client: httpx.AsyncClient, options: HTTPOptions) -
             raise NodeDown(f"decode node {node.address} is down ({node.reason})")
         return None
 
-    async def proxy(request: Request, id_prefix: str) -> Response:
-        request_id = request_label(request.headers.get(REQUEST_ID_HEADER), id_prefix)
+    async def proxy(request: Request) -> Response:
+        """The request to the least busy healthy decode node, or the next if that one cannot take it."""
+        request_id, route = request.state.request_id, request.url.path
+        RECEIVED.labels(route).inc()
         body = await request.body()
         start = time.perf_counter()
         tried: set[str] = set()
         while (node := router.pick(exclude=tried)) is not None:
+            if tried:
+                RETRIES.labels(route).inc()
             tried.add(node.address)
             router.begin(node)
             logger.info("%s -> decode node %s (%s %s)", request_id, node.address, request.method, request.url.path)
@@ -215,25 +254,20 @@ def build_app(router: Router, client: httpx.AsyncClient, options: HTTPOptions) -
                 router.end(node)
                 logger.info("%s: the client disconnected before %s answered; request aborted", request_id,
                             node.address)
+                DURATION.labels(route).observe(time.perf_counter() - start)
                 return Response(status_code=STATUS_CLIENT_CLOSED)
-            return UpstreamResponse(upstream, request_id, node, router, start)
-        NO_HEALTHY_NODE.inc()
+            return UpstreamResponse(upstream, request_id, route, node, router, start)
+        ERRORS.labels(route, "no_healthy_node").inc()
+        DURATION.labels(route).observe(time.perf_counter() - start)
         reason = router.unavailable_reason()
         logger.warning("%s: no decode node can take it: %s", request_id, reason)
         return error_response(503, f"no healthy decode node: {reason}; check the decode nodes' logs and "
                                    "the router's /health")
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await proxy(request, "cmpl")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await proxy(request, "chatcmpl")
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        return await proxy(request, "models")
+    app.add_api_route("/v1/completions", proxy, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", proxy, methods=["POST"])
+    for path, methods in PASSED_ON.items():
+        app.add_api_route(path, proxy, methods=methods)
 
     @app.get("/health")
     async def health() -> JSONResponse:
