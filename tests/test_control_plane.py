@@ -47,7 +47,7 @@ from disagg.proto import disagg_pb2 as pb
 from disagg.serving import node_info
 
 ROOT = Path(__file__).resolve().parent.parent
-TOKEN = "s3cret"
+TOKEN = "s3cret-of-16-bytes+"  # auth tokens are at least 16 bytes
 PROMPT = list(range(1000, 1040))  # 40 tokens: two full 16-token blocks for the prefix cache
 
 
