@@ -76,7 +76,7 @@ def make_node(engine: AsyncEngine, consumer: LookupBufferConsumer) -> Iterator[C
                                         kv_buffer_size, ttl=10.0, insert_timeout=0.5)
         producers.append(producer)
         node = PrefillNode(engine, producer, node_info(engine, "tiny-llama", kv))
-        node.register(consumer.address)
+        node.register(consumer.address, "127.0.0.1")
         return node
 
     yield make
