@@ -19,7 +19,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pipe_peer import state
+from pipe_peer import messages, same, state
 
 from disagg import pipes
 from disagg.lookup_buffer import BufferFullError, LookupBufferConsumer, LookupBufferProducer
@@ -32,7 +32,7 @@ from disagg.lookup_buffer.messages import (
     decode,
     encode_hello,
 )
-from disagg.pipes import PipeClosed, PipeConfig, PipeError, ProtocolError, sockets, tcp, wire
+from disagg.pipes import PipeClosed, PipeConfig, PipeError, ProtocolError, sockets, tcp, torch_dist, wire
 
 PEER = Path(__file__).parent / "pipe_peer.py"
 TOKEN = "hardening-secret"
@@ -154,6 +154,61 @@ def test_slots_held_from_many_addresses_never_keep_a_peer_out(pipe_name, holder)
             exchange(listener, pipe_name, config, within=1.0)
             assert time.monotonic() - start < 1.0
     finally:
+        listener.close()
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of each TCP socket process `pid` listens on, from Linux's /proc."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            (address, port), state, inode = fields[1].split(":"), fields[3], fields[9]
+            if state == "0A" and inode in inodes:  # LISTEN; the address in 32-bit words, each little-endian
+                raw = b"".join(bytes.fromhex(address[i:i + 8])[::-1] for i in range(0, len(address), 8))
+                found.add((socket.inet_ntop(family, raw), int(port, 16)))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_the_torch_dist_rendezvous_listens_on_nothing_but_the_pipe_endpoint():
+    """Issue 24, finding 9: each torch_dist pipe's rendezvous TCPStore listened on every interface, for
+    the pipe's lifetime, with no auth, even with kv_ip 127.0.0.1 and a token: anyone on the network
+    could set and get its keys (gloo's addresses, NCCL's unique id). Now the store is a second
+    connection to the pipe endpoint, handshaken with the token like the first."""
+    config = PipeConfig(kv_ip="127.0.0.1", kv_port=0, auth_token=TOKEN, timeout=10)
+    before = listening(os.getpid())
+    listener = pipes.listen("torch_dist", config)
+    peer = subprocess.Popen([sys.executable, str(PEER), "torch_dist", "echo", *map(str, listener.address),
+                             "--token", TOKEN, "--count", "20", "--seed", "5"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        pipe = listener.accept(timeout=30)
+        opened = {"us": listening(os.getpid()) - before, "peer": listening(peer.pid)}
+        for message in messages(5, 20):
+            pipe.send(message)
+            assert same(pipe.recv(), message)
+        # Beside the pipe endpoint, only gloo's own sockets listen, on kv_ip: nothing on a wildcard address.
+        assert listener.address in opened["us"]
+        assert {host for side in opened.values() for host, _ in side} == {"127.0.0.1"}, opened
+        # A store connection with the token that names no pipe being set up gets nothing.
+        with sockets.connect_socket(config, *listener.address) as stranger:
+            stranger.sendall(torch_dist.STORE + os.urandom(torch_dist.PAIR_ID_BYTES))
+            assert stranger.recv(64) == b""
+        pipe.close()
+        _, err = peer.communicate(timeout=30)
+        assert peer.returncode == 0, err[-2000:]
+    finally:
+        peer.kill()
         listener.close()
 
 

@@ -246,12 +246,13 @@ class HandshakeSlots:
 class Listener(PipeListener):
     """Accepts peers on a background thread; each one is handshaken on its own thread,
     so a slow or bad peer never blocks the others and never stops the listener.
-    `make_pipe` turns a handshaken socket into the transport's pipe, on that thread too."""
+    `make_pipe` turns a handshaken socket into the transport's pipe, on that thread too, or
+    returns None for a connection that is not a pipe of its own (torch_dist's store connection)."""
 
     def __init__(
         self,
         config: PipeConfig,
-        make_pipe: Callable[[socket.socket, PipeConfig], KVPipe],
+        make_pipe: Callable[[socket.socket, PipeConfig], KVPipe | None],
     ):
         super().__init__(config)
         self._make_pipe = make_pipe
@@ -306,7 +307,8 @@ class Listener(PipeListener):
                 self._rejections.warning(type(e).__name__, f"rejected pipe peer {peer[0]}:{peer[1]}: {e}")
             sock.close()
             return
-        self._admitted(pipe)
+        if pipe is not None:
+            self._admitted(pipe)
 
     def _stop_listening(self) -> None:
         self._sock.close()
