@@ -14,6 +14,23 @@ if TYPE_CHECKING:  # the pipes import torch; the command line reads this module 
 
 logger = logging.getLogger(__name__)
 
+MIN_TOKEN_BYTES = 16  # an auth_token shorter than this is refused: anyone could guess it
+MAKE_TOKEN = 'python -c "import secrets; print(secrets.token_hex(16))"'
+
+
+def check_auth_token(token: object) -> None:
+    """An auth_token is a secret of at least MIN_TOKEN_BYTES bytes, or absent (None). An empty or short
+    one would turn auth on in name only: every key derived from it is as guessable as it is."""
+    if token is None:
+        return
+    if not isinstance(token, str):
+        raise ValueError(f"kv_connector_extra_config.auth_token must be a string, got {type(token).__name__}")
+    if len(token.encode()) < MIN_TOKEN_BYTES:
+        raise ValueError(f"kv_connector_extra_config.auth_token (or $DISAGG_KV_AUTH_TOKEN) is {len(token.encode())} "
+                         f"bytes; it must be at least {MIN_TOKEN_BYTES}: make one with {MAKE_TOKEN} and give every "
+                         "node the same, or leave it out (loopback only)")
+
+
 def derived_key(secret: str | None, purpose: str) -> str | None:
     """A key for one use of the shared secret: gRPC metadata travels in the clear, so whoever
     reads it must not learn the pipe's key (nor the secret)."""
@@ -123,6 +140,7 @@ class KVTransferConfig:
                                  f"kv_connector_extra_config.prefill_policy {extra['prefill_policy']!r}; give one")
             extra["prefill_policy"] = self.kv_load_failure_policy
         self.kv_connector_extra_config = {**EXTRA_DEFAULTS, **extra}
+        check_auth_token(self.extra("auth_token"))
         if not isinstance(self.extra("layerwise"), bool):
             raise ValueError("kv_connector_extra_config.layerwise must be true or false, "
                              f"got {self.extra('layerwise')!r}")
@@ -140,11 +158,13 @@ class KVTransferConfig:
         """This node's own pipe endpoint, with the pipe's key and stall timeout."""
         from disagg.pipes.base import PipeConfig
 
+        check_auth_token(self.extra("auth_token"))  # it may have been set since (from the environment)
         return PipeConfig(self.kv_ip, self.kv_port, derived_key(self.extra("auth_token"), "pipe"),
                           self.extra("pipe_timeout"))
 
     def grpc_token(self) -> str | None:
         """What gRPC calls carry in their metadata (in the clear, on a plaintext channel)."""
+        check_auth_token(self.extra("auth_token"))  # it may have been set since (from the environment)
         return derived_key(self.extra("auth_token"), "grpc")
 
     @classmethod

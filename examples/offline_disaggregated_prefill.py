@@ -48,7 +48,7 @@ PROMPTS = [
 MAX_TOKENS = 32
 # Greedy, so the disaggregated run must produce exactly what one colocated engine produces.
 SAMPLING = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-AUTH_TOKEN = "example-secret"  # both sides of a pipe must present the same one
+AUTH_TOKEN = "example-secret-token"  # both sides of a pipe must present the same one (16 bytes at least)
 KV_WAIT_S = 120.0  # how long one side waits for the other before giving up with an error
 ENGINE = EngineConfig(device="cpu")  # the embedded SmolLM2-135M-Instruct; both engines must run the same model
 

@@ -1,7 +1,7 @@
 """The remote end of tests/test_pipes.py, run as its own process.
 
     python tests/pipe_peer.py PIPE MODE HOST PORT [--token T] [--seed S] [--count N]
-                              [--timeout S] [--device D]
+                              [--timeout S] [--device D] [--sources A,B,...]
 
 Modes:
   echo   connect, then for each message of the seeded sequence: receive it (every other
@@ -9,13 +9,17 @@ Modes:
          it back.
   big    connect, print "sending", then send one message of --count MiB; the test kills us.
   flood  open --count raw connections and never speak; after a second print, as one JSON
-         line, how many got the listener's hello and how many it closed, then hold the
-         sockets until stdin closes.
+         line, how many are open with the listener's hello and how many it closed, then hold
+         the sockets until stdin closes.
+  hold   keep --count silent connections open from each of --sources (addresses to bind),
+         opening a new one half a second after the listener closes one, as an attacker holding
+         its handshake slots would; print "holding" once all are open, stop when stdin closes.
 """
 
 import argparse
 import json
 import random
+import select
 import socket
 import sys
 import time
@@ -83,19 +87,57 @@ def same(a: list[torch.Tensor] | None, b: list[torch.Tensor] | None) -> bool:
     )
 
 
+def state(s: socket.socket) -> str:
+    """"closed" by the listener (after its hello or before), else "hello" once the hello came, or "pending"."""
+    s.setblocking(False)  # a socket with a timeout would wait that long for more
+    got = b""
+    while True:
+        try:
+            data = s.recv(64)
+        except BlockingIOError:
+            return "hello" if got else "pending"
+        except ConnectionResetError:
+            return "closed"
+        if not data:
+            return "closed"
+        got += data
+
+
 def flood(host: str, port: int, count: int) -> None:
     socks = [socket.create_connection((host, port), timeout=10) for _ in range(count)]
     time.sleep(1.0)
     counts = {"hello": 0, "closed": 0, "pending": 0}
     for s in socks:
-        try:
-            counts["hello" if s.recv(64, socket.MSG_DONTWAIT) else "closed"] += 1
-        except BlockingIOError:
-            counts["pending"] += 1
-        except ConnectionResetError:
-            counts["closed"] += 1
+        counts[state(s)] += 1
     print(json.dumps(counts), flush=True)
     sys.stdin.read()
+
+
+def hold(host: str, port: int, sources: list[str], count: int) -> None:
+    def open_from(source: str) -> socket.socket:
+        s = socket.socket()
+        s.bind((source, 0))
+        s.connect((host, port))
+        return s
+
+    socks = {open_from(source): source for source in sources for _ in range(count)}
+    closed: list[tuple[float, str]] = []  # (when to open again, source)
+    print("holding", flush=True)
+    while True:
+        readable, _, _ = select.select([*socks, sys.stdin], [], [], 0.1)
+        if sys.stdin in readable:
+            return
+        for s in readable:
+            try:
+                data = s.recv(64)  # the listener's hello, or its close
+            except OSError:
+                data = b""
+            if not data:
+                closed.append((time.monotonic() + 0.5, socks.pop(s)))
+                s.close()
+        while closed and closed[0][0] <= time.monotonic():
+            source = closed.pop(0)[1]
+            socks[open_from(source)] = source
 
 
 def main() -> int:
@@ -103,12 +145,13 @@ def main() -> int:
 
     p = argparse.ArgumentParser()
     p.add_argument("pipe")
-    p.add_argument("mode", choices=["echo", "big", "flood"])
+    p.add_argument("mode", choices=["echo", "big", "flood", "hold"])
     p.add_argument("host")
     p.add_argument("port", type=int)
     p.add_argument("--token")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--count", type=int, default=500)
+    p.add_argument("--sources", default="127.0.0.1", help="hold: source addresses, comma-separated")
     p.add_argument("--timeout", type=float, default=20.0)
     p.add_argument(
         "--device", default="cpu", help="where preallocated receive tensors live"
@@ -116,6 +159,9 @@ def main() -> int:
     args = p.parse_args()
     if args.mode == "flood":
         flood(args.host, args.port, args.count)
+        return 0
+    if args.mode == "hold":
+        hold(args.host, args.port, args.sources.split(","), args.count)
         return 0
     device = torch.device(args.device)
     if device.type == "cuda":

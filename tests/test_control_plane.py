@@ -47,7 +47,7 @@ from disagg.proto import disagg_pb2 as pb
 from disagg.serving import node_info
 
 ROOT = Path(__file__).resolve().parent.parent
-TOKEN = "s3cret"
+TOKEN = "s3cret-of-16-bytes+"  # auth tokens are at least 16 bytes
 PROMPT = list(range(1000, 1040))  # 40 tokens: two full 16-token blocks for the prefix cache
 
 
@@ -76,7 +76,7 @@ def make_node(engine: AsyncEngine, consumer: LookupBufferConsumer) -> Iterator[C
                                         kv_buffer_size, ttl=10.0, insert_timeout=0.5)
         producers.append(producer)
         node = PrefillNode(engine, producer, node_info(engine, "tiny-llama", kv))
-        node.register(consumer.address)
+        node.register(consumer.address, "127.0.0.1")
         return node
 
     yield make

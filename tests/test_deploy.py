@@ -298,22 +298,24 @@ def test_a_node_open_beyond_loopback_needs_a_token_or_insecure(monkeypatch: pyte
 def test_grpc_and_the_pipe_use_different_keys_derived_from_the_secret():
     from disagg.config import KVTransferConfig
 
+    secret = "s3cret-of-16-bytes+"
+
     def config(role: str, token: str | None) -> KVTransferConfig:
         return KVTransferConfig(kv_role=role, kv_connector_extra_config={"auth_token": token} if token else None)
 
-    grpc_key = config("producer", "s3cret").grpc_token()
-    pipe_key = config("producer", "s3cret").pipe_config().auth_token
-    assert len({grpc_key, pipe_key, "s3cret"}) == 3  # what gRPC metadata shows opens no pipe
-    assert (config("consumer", "s3cret").grpc_token(), config("consumer", "s3cret").pipe_config().auth_token) == \
+    grpc_key = config("producer", secret).grpc_token()
+    pipe_key = config("producer", secret).pipe_config().auth_token
+    assert len({grpc_key, pipe_key, secret}) == 3  # what gRPC metadata shows opens no pipe
+    assert (config("consumer", secret).grpc_token(), config("consumer", secret).pipe_config().auth_token) == \
         (grpc_key, pipe_key)
-    assert config("consumer", "other").grpc_token() != grpc_key
+    assert config("consumer", "another-16-byte-secret").grpc_token() != grpc_key
     assert config("producer", None).grpc_token() is None and config("producer", None).pipe_config().auth_token is None
 
 
 def test_the_auth_token_comes_from_the_environment_unless_the_config_gives_one(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv(cli.KV_AUTH_TOKEN_ENV, "from-env")
+    monkeypatch.setenv(cli.KV_AUTH_TOKEN_ENV, "from-the-environment")
     kv = cli.transfer_config(argparse.Namespace(kv_transfer_config=None, kv_role="producer"))
-    assert kv.extra("auth_token") == "from-env"
-    given = '{"kv_connector_extra_config": {"auth_token": "given"}}'
+    assert kv.extra("auth_token") == "from-the-environment"
+    given = '{"kv_connector_extra_config": {"auth_token": "given-in-the-config"}}'
     given_config = cli.transfer_config(argparse.Namespace(kv_transfer_config=given, kv_role=None))
-    assert given_config.extra("auth_token") == "given"
+    assert given_config.extra("auth_token") == "given-in-the-config"

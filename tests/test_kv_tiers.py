@@ -2,11 +2,13 @@
 engine with the embedded model, whose outputs must equal transformers' float32 greedy ones
 whichever tier a prefix comes back from."""
 
-import json
+import asyncio
+import contextlib
 import logging
 import os
 import shutil
-import socket
+import stat
+import threading
 import time
 from pathlib import Path
 
@@ -18,7 +20,12 @@ from prompts import PASSAGE, hf_greedy
 from servers import start_node, wait_for
 
 from disagg import LLM, SamplingParams
+from disagg.engine import async_engine
+from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.block_manager import BlockManager
+from disagg.engine.config import EngineConfig
+from disagg.engine.engine import LLMEngine
+from disagg.engine.kv_tiers import disk as disk_module
 from disagg.engine.kv_tiers.disk import HEADER, DiskTier
 from disagg.engine.kv_tiers.host import HostTier
 from disagg.engine.kv_tiers.offload import slot_runs
@@ -118,6 +125,100 @@ def test_disk_tier_rejects_corrupt_truncated_and_foreign_files(tmp_path):
     assert disk.stats.rejected == 3
     disk.close()
     foreign.close()
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_disk_tier_files_are_this_users_alone(tmp_path, monkeypatch, caplog):
+    """Issue 24, finding 11: block files were 0644 in a 0755 directory, and they hold prompts' token ids."""
+    identity = bytes(32)
+    disk = DiskTier(tmp_path / "new" / "kv", 10**6, identity, 48, 4)
+    disk.write(1, (1, 2, 3, 4), torch.ones(12), None)
+    finish(disk)
+    disk.close()
+    assert mode(tmp_path / "new" / "kv") == 0o700 and mode(disk.file_path(1)) == 0o600
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    with caplog.at_level(logging.WARNING, logger="disagg.engine.kv_tiers.disk"):
+        DiskTier(shared, 10**6, identity, 48, 4).close()
+    assert mode(shared) == 0o700 and "was open to other users (mode 755); it is now 0700" in caplog.text
+    monkeypatch.setattr(disk_module.os, "geteuid", lambda: os.getuid() + 1)  # as if another user owned it
+    with pytest.raises(ValueError, match="belongs to uid .* give a directory of your own"):
+        DiskTier(shared, 10**6, identity, 48, 4)
+
+
+@pytest.mark.timeout(30)
+def test_disk_tier_reads_regular_files_only(tmp_path):
+    """Issue 24, finding 10: block files replaced by FIFOs held all four readers forever (an open of a
+    FIFO waits for a writer). Now a FIFO, a link or a directory in a block's place is a miss at once,
+    deleted, and the readers read the other blocks."""
+    identity, block = bytes(32), torch.arange(12, dtype=torch.float32)
+    disk = DiskTier(tmp_path, 10**6, identity, 48, 4)
+    for h in range(1, 11):
+        disk.write(h, (h, 0, 0, 0), block + h, None)
+    finish(disk)
+    for h in range(1, 7):  # more FIFOs than readers
+        disk.file_path(h).unlink()
+        os.mkfifo(disk.file_path(h))
+    disk.file_path(7).unlink()
+    disk.file_path(7).symlink_to(disk.file_path(10))  # another block's (good) file
+    disk.file_path(8).unlink()
+    disk.file_path(8).mkdir()
+    start = time.monotonic()
+    into = {h: torch.zeros(12) for h in range(1, 11)}
+    for h, tensor in into.items():
+        disk.read(h, (h, 0, 0, 0), tensor, None)
+    results = {r.job.h: r for r in finish(disk)}
+    assert time.monotonic() - start < disk_module.READ_DEADLINE_S
+    assert all(not results[h].ok and results[h].corrupt for h in range(1, 9)), results
+    assert all(results[h].ok and torch.equal(into[h], block + h) for h in (9, 10))
+    finish(disk)  # the deletes
+    assert not any(disk.file_path(h).is_fifo() or disk.file_path(h).is_symlink() for h in range(1, 8))
+    assert disk.file_path(10).exists() and disk.stats.rejected == 8
+    disk.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_stuck_disk_read_is_a_miss_at_its_deadline_and_never_lands_after(tmp_path, monkeypatch, caplog):
+    """A read that hangs (a disk or network filesystem that stopped answering) is a miss once
+    READ_DEADLINE_S have passed: the engine learns it then, its reader is replaced, and when the read
+    comes back at last nothing of it is copied into the block, which the engine may have reused."""
+    monkeypatch.setattr(disk_module, "READ_DEADLINE_S", 0.5)
+    identity, block = bytes(32), torch.arange(12, dtype=torch.float32)
+    disk = DiskTier(tmp_path, 10**6, identity, 48, 4)
+    for h in (1, 2, 3):
+        disk.write(h, (h, 0, 0, 0), block + h, None)
+    finish(disk)
+    stalled, release = stall_reads_of(disk.file_path(1), monkeypatch)
+    try:
+        stuck, fine = torch.full((12,), -1.0), torch.zeros(12)
+        start = time.monotonic()
+        disk.read(1, (1, 0, 0, 0), stuck, None)
+        assert stalled.wait(10)
+        disk.read(2, (2, 0, 0, 0), fine, None)  # the other readers serve on meanwhile
+        with caplog.at_level(logging.WARNING, logger="disagg.engine.kv_tiers.disk"):
+            results = {r.job.h: r for r in finish(disk)}
+        assert results[2].ok and torch.equal(fine, block + 2)
+        assert results[1].timed_out and 0.5 <= time.monotonic() - start < 2.0
+        assert "was not read within 0.5s; computed instead, and forgotten" in caplog.text
+        assert not disk.lookup(1) and disk.file_path(1).exists()  # forgotten, not deleted (that could hang too)
+        assert len(disk.threads) == 1 + disk_module.READERS  # the stuck reader was replaced
+        release.set()  # the read comes back: the block stays as the engine left it
+        results[1].job.reader.join(10)
+        assert not results[1].job.reader.is_alive() and torch.equal(stuck, torch.full((12,), -1.0))
+        # After MAX_STUCK_READERS such reads, the tier is read no more (a lookup misses).
+        monkeypatch.setattr(disk_module, "MAX_STUCK_READERS", 2)
+        stalled, release = stall_reads_of(disk.file_path(3), monkeypatch)
+        disk.read(3, (3, 0, 0, 0), torch.zeros(12), None)
+        with caplog.at_level(logging.WARNING, logger="disagg.engine.kv_tiers.disk"):
+            [result] = finish(disk)
+        assert result.timed_out and disk.reads_stopped and not disk.lookup(2)
+        assert "the disk tier is read no more" in caplog.text
+    finally:
+        release.set()
+        disk.close()
 
 
 def test_block_manager_lists_blocks_for_the_tiers_and_lends_them():
@@ -317,58 +418,76 @@ def test_a_node_serves_with_tiers_and_exports_their_metrics(tmp_path):
         node.kill()
 
 
-def test_a_client_gone_mid_load_frees_every_block_and_the_log_sums_up_the_tiers(model_dir, tmp_path):
-    """A streaming client hangs up while its prefix is read from the disk tier, one file of which
-    stalls (a FIFO nobody writes to yet, as a stuck disk would): the node aborts the request, and
-    once the read ends every block of every tier is free. Meanwhile the node is busy, so its log
-    gets the periodic one-line tier summary."""
+def stall_reads_of(path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Make the disk tier's reads of `path`'s payload hang, as on a disk that stopped answering, until
+    the returned `release` is set; `stalled` is set once one hangs."""
+    stalled, release = threading.Event(), threading.Event()
+    read_exact_into = disk_module._read_exact_into
+
+    def read(fd: int, view: memoryview) -> None:
+        if not stalled.is_set() and os.readlink(f"/proc/self/fd/{fd}") == str(path):
+            stalled.set()
+            release.wait(60)
+        read_exact_into(fd, view)
+
+    monkeypatch.setattr(disk_module, "_read_exact_into", read)
+    return stalled, release
+
+
+def test_a_request_gone_mid_load_frees_every_block_and_the_log_sums_up_the_tiers(model_dir, tmp_path, monkeypatch,
+                                                                                 caplog):
+    """A request goes away (its client hung up) while its prefix is read from the disk tier, one file of
+    which stalls: the engine aborts it, and once the read ends every block of every tier is free.
+    Meanwhile the engine is busy, so the log gets the periodic one-line tier summary."""
     disk_dir = tmp_path / "kv"
-    writer = LLM(str(model_dir), device="cpu", kv_cache_memory=48 * BLOCK_BYTES, kv_offloading_size=gib(64),
-                 kv_disk_path=str(disk_dir), kv_disk_size=gib(100))  # the node's model, dtype and layout
+    config = {"kv_cache_memory": 48 * BLOCK_BYTES, "kv_offloading_size": gib(64), "kv_disk_path": str(disk_dir),
+              "kv_disk_size": gib(100)}
+    writer = LLM(str(model_dir), device="cpu", **config)
     prompt = CONVERSATIONS[0]
-    writer.generate([prompt], greedy())
+    [expected] = writer.generate([prompt], greedy())
     writer.engine.close()
     keys = writer.engine.block_manager.block_keys(Sequence("p", writer.tokenizer.encode(prompt), greedy()))
-    stalled = writer.engine.offload.disk.file_path(keys[4][0])
-    node = start_node("both", tmp_path, extra_args=["--kv-offloading-size", "0.05", "--kv-disk-path", str(disk_dir),
-                                                    "--kv-disk-size", "0.1"])
+    stalled, release = stall_reads_of(writer.engine.offload.disk.file_path(keys[4][0]), monkeypatch)
+    monkeypatch.setattr(disk_module, "READ_DEADLINE_S", 60.0)  # the test ends the stall itself
+    monkeypatch.setattr(async_engine, "TIERS_LOG_INTERVAL", 0.5)
+    engine = AsyncEngine(LLMEngine(EngineConfig(model=str(model_dir), device="cpu", **config)))
+    offload = engine.engine.offload
+    tokens = writer.tokenizer.encode(prompt)
+
+    async def first_output(request_id: str) -> None:
+        async for _ in engine.generate(request_id, tokens, greedy()):
+            return
+
+    async def scenario() -> list[int]:
+        client = asyncio.create_task(first_output("gone"))
+        # Blocks 0-3 arrive, 4 waits for its read, 5-11 wait behind it: 12 blocks in flight.
+        await asyncio.to_thread(stalled.wait, 30)
+        await asyncio.to_thread(wait_for, lambda: offload.blocks_in_flight() == 12, 30, "the prefix loading")
+        await asyncio.to_thread(wait_for, lambda: "in flight 12 blocks, 1 loads" in caplog.text, 15, "the summary")
+        client.cancel()  # the client hangs up
+        with contextlib.suppress(asyncio.CancelledError):
+            await client
+        # Blocks 0-3 came back to the pool; 4-11 are held by the load until their reads end.
+        await asyncio.to_thread(wait_for, lambda: engine.stats.num_blocks - engine.stats.num_free_blocks == 8, 10,
+                                "the abort")
+        release.set()
+        await asyncio.to_thread(wait_for, lambda: offload.blocks_in_flight() == 0 and not offload.busy, 10,
+                                "the load to end")
+        assert engine.stats.num_free_blocks == engine.stats.num_blocks
+        async for out in engine.generate("again", tokens, greedy()):  # and the prompt is served as usual
+            final = out
+        return final.token_ids
+
     try:
-        stalled.unlink()  # the node indexed it at start
-        os.mkfifo(stalled)
-        body = {"model": DEFAULT_MODEL_NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True}
-        data = json.dumps(body).encode()
-        # A plain socket: an HTTP client would wait for the response head, which comes with the first token.
-        with socket.create_connection(("127.0.0.1", node.port)) as client:
-            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                           b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
-            # Blocks 0-3 arrive, 4 waits for the FIFO, 5-11 wait behind it: 12 blocks in flight.
-            wait_for(lambda: node.labelled("disagg_kv_tier_blocks_in_flight", "tier")["host"] == 12, 30,
-                     "the prefix loading from disk")
-            wait_for(lambda: "in flight 12 blocks, 1 loads" in node.log(), 15, "the tier summary in the log")
-        line = next(line for line in node.log().splitlines() if "in flight 12 blocks, 1 loads" in line)
+        with caplog.at_level(logging.INFO, logger="disagg.engine.async_engine"):
+            token_ids = asyncio.run(asyncio.wait_for(scenario(), 120))
+        line = next(line for line in caplog.text.splitlines() if "in flight 12 blocks, 1 loads" in line)
         # The prefix's 12 blocks and one for its last token; all 12 found on disk.
         assert "KV tiers: device 13/" in line and "; disk 12/" in line and "hits 12/12" in line
-        wait_for(lambda: "finish reason abort" in node.log(), 10, "the node to abort the request")
-        # Blocks 0-3 came back to the pool; 4-11 are held by the load until their reads end.
-        wait_for(lambda: node.labelled("disagg_kv_tier_blocks_used", "tier")["device"] == 8, 10, "the abort")
-        deadline = time.monotonic() + 10
-        while True:  # the reader opened the FIFO: a byte and the end of it, a truncated file
-            try:
-                fd = os.open(stalled, os.O_WRONLY | os.O_NONBLOCK)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the disk reader never opened the stalled file"
-                time.sleep(0.05)
-        os.write(fd, b"x")
-        os.close(fd)
-        wait_for(lambda: set(node.labelled("disagg_kv_tier_blocks_in_flight", "tier").values()) == {0}, 10,
-                 "the load to end")
-        assert node.labelled("disagg_kv_tier_blocks_used", "tier")["device"] == 0
-        assert node.labelled("disagg_kv_tier_rejected_files_total", "tier")["disk"] == 1
-        body["stream"] = False  # and the node serves that prompt as usual
-        assert httpx.post(f"{node.url}/v1/completions", json=body, timeout=60).status_code == 200
+        assert token_ids == expected.token_ids
     finally:
-        node.kill()
+        release.set()
+        engine.stop()
 
 
 @pytest.mark.slow

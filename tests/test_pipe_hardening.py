@@ -19,6 +19,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pipe_peer import messages, same, state
 
 from disagg import pipes
 from disagg.lookup_buffer import BufferFullError, LookupBufferConsumer, LookupBufferProducer
@@ -31,7 +32,7 @@ from disagg.lookup_buffer.messages import (
     decode,
     encode_hello,
 )
-from disagg.pipes import PipeClosed, PipeConfig, PipeError, ProtocolError, sockets, tcp, wire
+from disagg.pipes import PipeClosed, PipeConfig, PipeError, ProtocolError, sockets, tcp, torch_dist, wire
 
 PEER = Path(__file__).parent / "pipe_peer.py"
 TOKEN = "hardening-secret"
@@ -69,6 +70,25 @@ def flood() -> Iterator:
         proc.stdout.close()
 
 
+@pytest.fixture
+def holder() -> Iterator:
+    """holder(address, sources, count): a process keeping `count` silent connections from each source
+    address open, opening another for each the listener closes (tests/pipe_peer.py hold)."""
+    procs = []
+
+    def start(address: tuple[str, int], sources: list[str], count: int) -> None:
+        cmd = [sys.executable, str(PEER), "tcp", "hold", address[0], str(address[1]), "--count", str(count),
+               "--sources", ",".join(sources)]
+        procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        assert procs[-1].stdout.readline().strip() == "holding"
+
+    yield start
+    for proc in procs:
+        proc.stdin.close()
+        proc.wait(timeout=10)
+        proc.stdout.close()
+
+
 def exchange(listener: pipes.PipeListener, pipe_name: str, config: PipeConfig, within: float) -> None:
     """A real authenticated peer gets in (retrying while refused, as a producer does) and a message
     crosses; torch_dist's send waits for the recv, so it runs on its own thread."""
@@ -97,7 +117,8 @@ def test_idle_connections_cost_bounded_threads_fds_and_log_lines(pipe_name, floo
     listener = pipes.listen(pipe_name, config)
     try:
         threads, fds = threading.active_count(), open_fds() + 2  # + the flood process's stdin and stdout
-        counts = flood(listener.address, 300)  # all from 127.0.0.1: max_handshakes_per_host (16) bounds them
+        # All from 127.0.0.1: max_handshakes_per_host (16) bounds them, each newcomer taking the oldest's slot.
+        counts = flood(listener.address, 300)
         assert counts == {"hello": 16, "closed": 284, "pending": 0}
         assert threading.active_count() - threads <= 16
         assert open_fds() - fds <= 16
@@ -105,13 +126,89 @@ def test_idle_connections_cost_bounded_threads_fds_and_log_lines(pipe_name, floo
         assert threading.active_count() <= threads
         assert open_fds() <= fds
         rejections = [r for r in caplog.records if r.name == "disagg.pipes.base"]
-        # 284 refusals and 16 timeouts: one line per reason, the rest held back
+        # 284 evictions and 16 timeouts: one line per reason, the rest held back
         assert [r.getMessage().split(":")[0] for r in rejections] == [
-            "refused a pipe peer from 127.0.0.1 at once",
+            "dropped the oldest pipe handshake from 127.0.0.1 for a new peer from 127.0.0.1",
             "rejected pipe peer 127.0.0.1",
         ], [r.getMessage() for r in rejections]
         exchange(listener, pipe_name, config, within=5.0)
     finally:
+        listener.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pipe_name", ["tcp", "torch_dist"])
+def test_slots_held_from_many_addresses_never_keep_a_peer_out(pipe_name, holder):
+    """Issue 24, finding 5: idle connections from five addresses (16 each) held all 64 handshake slots,
+    so a peer whose connection had closed could not connect again until they timed out, and the
+    attacker opened new ones at once. Here they come from 127.0.0.2-5 and from the peer's own
+    address, and are opened again as soon as they close: the peer still gets in, every time, at once
+    (a first time as a stranger, then as a known peer, whose slots strangers cannot take)."""
+    config = PipeConfig(kv_port=0, auth_token=TOKEN, timeout=10, handshake_timeout=5.0)
+    listener = pipes.listen(pipe_name, config)
+    try:
+        holder(listener.address, ["127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"], 16)
+        for _ in range(5):
+            start = time.monotonic()
+            exchange(listener, pipe_name, config, within=1.0)
+            assert time.monotonic() - start < 1.0
+    finally:
+        listener.close()
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of each TCP socket process `pid` listens on, from Linux's /proc."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            (address, port), state, inode = fields[1].split(":"), fields[3], fields[9]
+            if state == "0A" and inode in inodes:  # LISTEN; the address in 32-bit words, each little-endian
+                raw = b"".join(bytes.fromhex(address[i:i + 8])[::-1] for i in range(0, len(address), 8))
+                found.add((socket.inet_ntop(family, raw), int(port, 16)))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_the_torch_dist_rendezvous_listens_on_nothing_but_the_pipe_endpoint():
+    """Issue 24, finding 9: each torch_dist pipe's rendezvous TCPStore listened on every interface, for
+    the pipe's lifetime, with no auth, even with kv_ip 127.0.0.1 and a token: anyone on the network
+    could set and get its keys (gloo's addresses, NCCL's unique id). Now the store is a second
+    connection to the pipe endpoint, handshaken with the token like the first."""
+    config = PipeConfig(kv_ip="127.0.0.1", kv_port=0, auth_token=TOKEN, timeout=10)
+    before = listening(os.getpid())
+    listener = pipes.listen("torch_dist", config)
+    peer = subprocess.Popen([sys.executable, str(PEER), "torch_dist", "echo", *map(str, listener.address),
+                             "--token", TOKEN, "--count", "20", "--seed", "5"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        pipe = listener.accept(timeout=30)
+        opened = {"us": listening(os.getpid()) - before, "peer": listening(peer.pid)}
+        for message in messages(5, 20):
+            pipe.send(message)
+            assert same(pipe.recv(), message)
+        # Beside the pipe endpoint, only gloo's own sockets listen, on kv_ip: nothing on a wildcard address.
+        assert listener.address in opened["us"]
+        assert {host for side in opened.values() for host, _ in side} == {"127.0.0.1"}, opened
+        # A store connection with the token that names no pipe being set up gets nothing.
+        with sockets.connect_socket(config, *listener.address) as stranger:
+            stranger.sendall(torch_dist.STORE + os.urandom(torch_dist.PAIR_ID_BYTES))
+            assert stranger.recv(64) == b""
+        pipe.close()
+        _, err = peer.communicate(timeout=30)
+        assert peer.returncode == 0, err[-2000:]
+    finally:
+        peer.kill()
         listener.close()
 
 
@@ -120,8 +217,9 @@ def test_max_handshakes_bounds_all_sources_together():
     listener = pipes.listen("tcp", PipeConfig(kv_port=0, max_handshakes=4, max_handshakes_per_host=100))
     socks = [socket.create_connection(listener.address, timeout=5) for _ in range(10)]
     try:
-        answered = [len(s.recv(64)) for s in socks]  # the hello, or b"" once closed
-        assert sorted(answered) == [0] * 6 + [wire.HELLO.size] * 4
+        time.sleep(0.5)
+        # Each newcomer took the slot of the oldest: the last four are in their handshake.
+        assert [state(s) for s in socks] == ["closed"] * 6 + ["hello"] * 4
     finally:
         for s in socks:
             s.close()

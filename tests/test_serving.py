@@ -20,6 +20,7 @@ EXTRA_PROMPTS = [
 ]
 PROMPTS_20 = PROMPTS + EXTRA_PROMPTS
 MAX_TOKENS = 24
+NODE_TOKEN = "s3cret-of-16-bytes+"  # the nodes' auth_token (16 bytes at least)
 
 
 def greedy_body(prompt, **extra) -> dict:
@@ -67,9 +68,9 @@ def pair(request, tmp_path_factory):
     if request.param == "nixl" and importlib.util.find_spec("nixl_cu12") is None:  # found, not imported:
         pytest.skip("the nixl pipe needs nixl-cu12")  # NIXL and grpc_tools abort one process (test_pipes.py)
     tmp = tmp_path_factory.mktemp(f"pair-{request.param}")
-    prefill = start_node("producer", tmp, connector=request.param, kv_extra={"auth_token": "s3cret"})
+    prefill = start_node("producer", tmp, connector=request.param, kv_extra={"auth_token": NODE_TOKEN})
     decode = start_node("consumer", tmp, connector=request.param, prefill_nodes=[prefill.grpc_address],
-                        kv_extra={"auth_token": "s3cret", "prefill_policy": "fail", "remote_prefill": "always",
+                        kv_extra={"auth_token": NODE_TOKEN, "prefill_policy": "fail", "remote_prefill": "always",
                                   # 20 prompts queue up on one CPU core: the last waits for all the others.
                                   "prefill_timeout": 240.0, "lookup_timeout": 60.0})
     yield prefill, decode, request.param
@@ -310,15 +311,15 @@ def test_client_disconnect_mid_stream_frees_both_nodes(tmp_path):
 
 @pytest.fixture(scope="module")
 def secret_prefill(tmp_path_factory):
-    node = start_node("producer", tmp_path_factory.mktemp("secret-prefill"), kv_extra={"auth_token": "s3cret"})
+    node = start_node("producer", tmp_path_factory.mktemp("secret-prefill"), kv_extra={"auth_token": NODE_TOKEN})
     yield node
     node.kill()
 
 
 @pytest.mark.parametrize("decode_args,kv_extra,needle", [
-    ([], {"auth_token": "wrong"}, "auth"),
-    (["--block-size", "32"], {"auth_token": "s3cret"}, "block_size"),
-    (["--dtype", "bfloat16"], {"auth_token": "s3cret"}, "dtype"),
+    ([], {"auth_token": "wrong-but-16-bytes+"}, "auth"),
+    (["--block-size", "32"], {"auth_token": NODE_TOKEN}, "block_size"),
+    (["--dtype", "bfloat16"], {"auth_token": NODE_TOKEN}, "dtype"),
 ])
 def test_mismatched_decode_node_is_refused_at_start(secret_prefill, tmp_path, decode_args, kv_extra, needle):
     decode = start_node("consumer", tmp_path, prefill_nodes=[secret_prefill.grpc_address], kv_extra=kv_extra,

@@ -3,21 +3,26 @@ the socket; torch_dist and nixl use it as their control connection. All three co
 and handshake the same way, read a message's head the same way and close the same way.
 
 The handshake as a whole must finish within `config.handshake_timeout`; after it, every
-socket call waits at most `config.timeout` for progress.
+socket call waits at most `config.timeout` for progress. Who may handshake at a time is
+HandshakeSlots' business.
 """
 
 import socket
 import threading
 import time
+from collections import Counter, OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from disagg.pipes import wire
 from disagg.pipes.base import Destination, KVPipe, PipeConfig, PipeListener
 from disagg.pipes.errors import NoMessage, PipeClosed, PipeError, PipeTimeout
+from disagg.rate_limited_log import RateLimitedLog
 
 IOV_MAX = 1024  # sendmsg() takes at most this many buffers per call on Linux
+MAX_KNOWN_HOSTS = 256  # addresses that passed a handshake, remembered (least recently passed forgotten)
 
 
 class socket_errors:
@@ -175,18 +180,83 @@ def shut(sock: socket.socket) -> None:
     sock.close()
 
 
+@dataclass(eq=False)  # each handshake is itself
+class Handshake:
+    """A peer in its handshake, holding one slot until it passes or fails."""
+    host: str
+    sock: socket.socket
+    known: bool  # its address passed a handshake here before
+    evicted: bool = False  # its slot was given to a newer peer, and its socket shut
+
+
+class HandshakeSlots:
+    """Which peers may handshake at a time. Strangers (addresses that never passed a handshake here)
+    share `max_handshakes` slots, `max_handshakes_per_host` from one address; addresses that did (the
+    peers this listener serves, reconnecting) have as many again of their own, which strangers
+    cannot take, however many addresses they come from. A peer that finds its share full is not
+    refused: it takes the slot of the oldest handshake in progress there (of the address holding
+    the most), whose socket is shut. A real peer's handshake takes a round trip and an idle one
+    seconds, so holding slots costs an attacker a steady flood of connections, never a few idle
+    sockets; from the address of a known peer itself it must outpace that peer's round trip."""
+
+    def __init__(self, config: PipeConfig, rejections: RateLimitedLog):
+        self._config = config
+        self._rejections = rejections
+        self._lock = threading.Lock()
+        self._pending: list[Handshake] = []  # oldest first
+        self._known: OrderedDict[str, None] = OrderedDict()
+
+    def take(self, host: str, sock: socket.socket) -> Handshake:
+        with self._lock:
+            known = host in self._known
+            share = [h for h in self._pending if h.known == known]
+            same_host = [h for h in share if h.host == host]
+            victim, limit = None, ""
+            if len(same_host) >= self._config.max_handshakes_per_host:
+                victim, limit = same_host[0], "max_handshakes_per_host"
+            elif len(share) >= self._config.max_handshakes:
+                most, _ = Counter(h.host for h in share).most_common(1)[0]
+                victim, limit = next(h for h in share if h.host == most), "max_handshakes"
+            if victim is not None:
+                victim.evicted = True
+                self._pending.remove(victim)
+            handshake = Handshake(host, sock, known)
+            self._pending.append(handshake)
+        if victim is not None:
+            try:
+                victim.sock.shutdown(socket.SHUT_RDWR)  # its thread wakes up and closes it
+            except OSError:
+                pass  # it ended meanwhile
+            who = "known peers'" if known else "strangers'"
+            self._rejections.warning(limit, f"dropped the oldest pipe handshake from {victim.host} for a new peer "
+                                            f"from {host}: the {who} slots were full ({limit})")
+        return handshake
+
+    def give_back(self, handshake: Handshake, passed: bool) -> None:
+        with self._lock:
+            if not handshake.evicted:
+                self._pending.remove(handshake)
+            if passed:
+                self._known[handshake.host] = None
+                self._known.move_to_end(handshake.host)
+                if len(self._known) > MAX_KNOWN_HOSTS:
+                    self._known.popitem(last=False)
+
+
 class Listener(PipeListener):
     """Accepts peers on a background thread; each one is handshaken on its own thread,
     so a slow or bad peer never blocks the others and never stops the listener.
-    `make_pipe` turns a handshaken socket into the transport's pipe, on that thread too."""
+    `make_pipe` turns a handshaken socket into the transport's pipe, on that thread too, or
+    returns None for a connection that is not a pipe of its own (torch_dist's store connection)."""
 
     def __init__(
         self,
         config: PipeConfig,
-        make_pipe: Callable[[socket.socket, PipeConfig], KVPipe],
+        make_pipe: Callable[[socket.socket, PipeConfig], KVPipe | None],
     ):
         super().__init__(config)
         self._make_pipe = make_pipe
+        self._slots = HandshakeSlots(config, self._rejections)
         try:
             self._sock = socket.create_server(
                 (config.kv_ip, config.kv_port), backlog=128
@@ -217,27 +287,28 @@ class Listener(PipeListener):
                 self._rejections.warning("accept", f"pipe listener: accept failed: {e}")
                 time.sleep(0.1)
                 continue
-            if not self._start_handshake(peer[0]):
-                sock.close()
-                continue
+            handshake = self._slots.take(peer[0], sock)
             threading.Thread(
-                target=self._admit, args=(sock, peer), name="pipe-admit", daemon=True
+                target=self._admit, args=(handshake, peer), name="pipe-admit", daemon=True
             ).start()
 
-    def _admit(self, sock: socket.socket, peer: tuple) -> None:
+    def _admit(self, handshake: Handshake, peer: tuple) -> None:
+        sock, passed = handshake.sock, False
         try:
-            configure(sock, self._config)
-            handshake_socket(sock, self._config, is_listener=True)
+            try:
+                configure(sock, self._config)
+                handshake_socket(sock, self._config, is_listener=True)
+                passed = True
+            finally:
+                self._slots.give_back(handshake, passed)
             pipe = self._make_pipe(sock, self._config)
         except Exception as e:  # noqa: BLE001  a bad peer is logged and dropped, never fatal to the listener
-            self._rejections.warning(
-                type(e).__name__, f"rejected pipe peer {peer[0]}:{peer[1]}: {e}"
-            )
+            if passed or not handshake.evicted:  # an eviction was logged as it happened
+                self._rejections.warning(type(e).__name__, f"rejected pipe peer {peer[0]}:{peer[1]}: {e}")
             sock.close()
             return
-        finally:
-            self._end_handshake(peer[0])
-        self._admitted(pipe)
+        if pipe is not None:
+            self._admitted(pipe)
 
     def _stop_listening(self) -> None:
         self._sock.close()

@@ -2,8 +2,10 @@
 
 Each connection gets its own groups, never the global default group, so a node can
 hold any number of pipes. The listener's endpoint takes a TCP control connection
-(connected and handshaken as the tcp pipe's, auth included: sockets.py); the listener
-then hosts a TCPStore on a free port for the pair's rendezvous.
+(connected and handshaken as the tcp pipe's, auth included: sockets.py), then a second
+one, handshaken the same way, for the pair's rendezvous store (PairStore), which lives as
+long as the pipe (NCCL forms its communicator at the first transfer). No TCPStore: it
+would listen on every interface, for anyone's keys.
 
 A message's header goes over the control socket, followed by one route byte per
 tensor saying how that tensor's bytes travel:
@@ -25,8 +27,11 @@ communicator can deadlock.
 """
 
 import math
+import os
+import queue
 import socket
 import struct
+import threading
 from datetime import timedelta
 
 import torch
@@ -37,8 +42,108 @@ from disagg.pipes.base import Destination, KVPipe, PipeConfig, fill
 from disagg.pipes.errors import NoMessage, PipeClosed, PipeError, PipeTimeout
 
 INLINE, GLOO, NCCL = 0, 1, 2  # a tensor's route, one byte per tensor after the header
-RENDEZVOUS = struct.Struct("!HB")  # listener -> connector: store port, has_cuda
+# A connector's first byte on a handshaken connection: a new pipe, or the store connection of one.
+PIPE, STORE = b"P", b"S"
+PAIR_ID_BYTES = 16
+RENDEZVOUS = struct.Struct(f"!{PAIR_ID_BYTES}sB")  # listener -> connector: the pair's id, has_cuda
 HAS_CUDA = struct.Struct("!B")  # connector -> listener
+# PairStore's requests (connector -> listener: op, then the keys and the value, with their sizes) and replies.
+SET, GET, ADD, CHECK, WAIT = range(5)
+REQUEST = struct.Struct("!BII")
+REPLY = struct.Struct("!BI")  # ok, then the value (or the error) and its size
+MAX_STORE_BYTES = 1 << 20  # keys or value of one request: gloo's and NCCL's are addresses and ids
+
+
+class PairStore(dist.Store):
+    """The pair's rendezvous store, where gloo and NCCL leave what the other side needs to connect
+    (addresses, NCCL's unique id). The keys live on the listener's side (`host`), which also answers
+    the connector's requests, sent over the pair's store connection: no other process can reach
+    them. A key asked for waits up to the pipe's timeout for the other side to set it."""
+
+    def __init__(self, sock: socket.socket, timeout: float, host: bool):
+        super().__init__()
+        self._sock = sock
+        self._timeout = timeout
+        self._host = host
+        self._keys: dict[str, bytes] = {}  # the host's
+        self._changed = threading.Condition()
+        self._asking = threading.Lock()  # the connector's: one request at a time
+        if host:
+            sock.settimeout(None)  # requests may come whenever NCCL connects; close() ends the wait
+            threading.Thread(target=self._serve, name="torch-dist-store", daemon=True).start()
+        else:
+            sock.settimeout(timeout + 5.0)  # a reply may wait the timeout for its key
+
+    def set(self, key: str, value: bytes) -> None:
+        self._do(SET, [key], value)
+
+    def get(self, key: str) -> bytes:
+        return self._do(GET, [key])
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._do(ADD, [key], str(amount).encode()))
+
+    def check(self, keys: list[str]) -> bool:
+        return self._do(CHECK, keys) == b"1"
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._do(WAIT, keys)
+
+    def close(self) -> None:
+        sockets.shut(self._sock)
+
+    def _do(self, op: int, keys: list[str], value: bytes = b"") -> bytes:
+        return self._apply(op, keys, value) if self._host else self._ask(op, keys, value)
+
+    def _apply(self, op: int, keys: list[str], value: bytes) -> bytes:
+        """On the host: one operation on the keys, ours or the connector's."""
+        with self._changed:
+            if op in (SET, ADD):  # a number is kept as text, as TCPStore does: a get of the key reads it
+                total = int(self._keys.get(keys[0], b"0")) + int(value) if op == ADD else 0
+                self._keys[keys[0]] = value if op == SET else str(total).encode()
+                self._changed.notify_all()
+                return self._keys[keys[0]]
+            there = all(key in self._keys for key in keys)
+            if op == CHECK:
+                return b"1" if there else b"0"
+            if not there and not self._changed.wait_for(lambda: all(k in self._keys for k in keys), self._timeout):
+                raise RuntimeError(f"torch_dist rendezvous: the peer did not set {keys} within {self._timeout}s "
+                                   "(pipe timeout)")
+            return self._keys[keys[0]] if op == GET else b""
+
+    def _serve(self) -> None:
+        """On the host's thread: answer the connector's requests until the pipe closes, or one
+        makes no sense (the store connection is closed then)."""
+        try:
+            while True:
+                op, key_bytes, value_bytes = REQUEST.unpack(sockets.recv_exact(self._sock, REQUEST.size))
+                if op > WAIT or max(key_bytes, value_bytes) > MAX_STORE_BYTES:
+                    return
+                keys = sockets.recv_exact(self._sock, key_bytes).decode().split("\0")
+                value = sockets.recv_exact(self._sock, value_bytes)
+                try:
+                    ok, reply = 1, self._apply(op, keys, value)
+                except (RuntimeError, ValueError) as e:  # a key not set in time, or an add of no number
+                    ok, reply = 0, str(e).encode()
+                self._sock.sendall(REPLY.pack(ok, len(reply)) + reply)
+        except (OSError, PipeError, UnicodeDecodeError):
+            return  # the pipe closed
+        finally:
+            sockets.shut(self._sock)
+
+    def _ask(self, op: int, keys: list[str], value: bytes) -> bytes:
+        """On the connector: one operation on the host's keys."""
+        key = "\0".join(keys).encode()
+        with self._asking:
+            try:
+                self._sock.sendall(REQUEST.pack(op, len(key), len(value)) + key + value)
+                ok, nbytes = REPLY.unpack(sockets.recv_exact(self._sock, REPLY.size))
+                reply = sockets.recv_exact(self._sock, nbytes)
+            except (OSError, PipeError) as e:
+                raise RuntimeError(f"torch_dist rendezvous: the store connection failed: {e}") from None
+        if not ok:
+            raise RuntimeError(reply.decode(errors="replace"))
+        return reply
 
 
 def _make_groups(
@@ -115,7 +220,7 @@ class TorchDistPipe(KVPipe):
         self,
         sock: socket.socket,
         config: PipeConfig,
-        store: dist.Store,
+        store: PairStore,
         gloo: dist.ProcessGroup,
         nccl: dist.ProcessGroup | None,
     ):
@@ -123,7 +228,7 @@ class TorchDistPipe(KVPipe):
         self._sock = sock
         self._reader = ControlReader(sock, config)
         self._config = config
-        self._store = store  # the listener side hosts it; keep it alive as long as the pipe
+        self._store = store  # as long as the pipe: NCCL asks it when it connects, at the first transfer
         self._gloo = gloo
         self._nccl = nccl
         self._peer = 1 - gloo.rank()
@@ -214,6 +319,7 @@ class TorchDistPipe(KVPipe):
         self._say_goodbye(lambda: sockets.send_close(self._sock))
         self._closed = True
         sockets.shut(self._sock)
+        self._store.close()
         if self._nccl is not None:
             self._nccl.abort()  # frees the communicator's GPU buffers now, not at exit
 
@@ -225,42 +331,69 @@ def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.uint8) if tensor.dim() else tensor.reshape(1).view(torch.uint8)
 
 
-def _accept_pipe(sock: socket.socket, config: PipeConfig) -> TorchDistPipe:
-    """Runs on the listener's admit thread after the handshake: host the pair's store."""
-    local_ip = sock.getsockname()[0]
-    store = dist.TCPStore(
-        local_ip,
-        0,
-        world_size=2,
-        is_master=True,
-        timeout=timedelta(seconds=config.timeout),
-        wait_for_workers=False,
-    )
-    with sockets.socket_errors("torch_dist rendezvous", config.timeout):
-        sock.sendall(RENDEZVOUS.pack(store.port, torch.cuda.is_available()))
-        (peer_cuda,) = HAS_CUDA.unpack(sockets.recv_exact(sock, HAS_CUDA.size))
-    gloo, nccl = _make_groups(store, 0, local_ip, bool(peer_cuda) and torch.cuda.is_available(), config)
-    return TorchDistPipe(sock, config, store, gloo, nccl)
+class PairSetup:
+    """A listener's half of setting pipes up: each pipe's control connection, then its store
+    connection, matched by the pair's id (random, and sent over the control connection alone)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: dict[bytes, queue.Queue[socket.socket]] = {}  # pair id -> where its store connection goes
+
+    def accept(self, sock: socket.socket, config: PipeConfig) -> TorchDistPipe | None:
+        """On the listener's admit thread, after the handshake: the new pipe, or None for a store
+        connection (handed to its pipe's setup)."""
+        with sockets.socket_errors("torch_dist rendezvous", config.timeout):
+            kind = sockets.recv_exact(sock, 1)
+            if kind == STORE:
+                pair_id = sockets.recv_exact(sock, PAIR_ID_BYTES)
+                with self._lock:
+                    handoff = self._waiting.pop(pair_id, None)
+                if handoff is None:
+                    raise wire.ProtocolError("a torch_dist store connection for no pipe being set up")
+                handoff.put(sock)
+                return None
+            if kind != PIPE:
+                raise wire.ProtocolError(f"unknown torch_dist connection kind {kind!r}")
+            pair_id, handoff = os.urandom(PAIR_ID_BYTES), queue.Queue(maxsize=1)
+            with self._lock:
+                self._waiting[pair_id] = handoff
+            try:
+                sock.sendall(RENDEZVOUS.pack(pair_id, torch.cuda.is_available()))
+                (peer_cuda,) = HAS_CUDA.unpack(sockets.recv_exact(sock, HAS_CUDA.size))
+                store_sock = handoff.get(timeout=config.timeout)
+            except queue.Empty:
+                raise PipeTimeout(f"torch_dist rendezvous: the peer's store connection did not come within "
+                                  f"{config.timeout}s (pipe timeout)") from None
+            finally:
+                with self._lock:
+                    self._waiting.pop(pair_id, None)
+        store = PairStore(store_sock, config.timeout, host=True)
+        local_ip = sock.getsockname()[0]
+        try:
+            gloo, nccl = _make_groups(store, 0, local_ip, bool(peer_cuda) and torch.cuda.is_available(), config)
+        except BaseException:
+            store.close()
+            raise
+        return TorchDistPipe(sock, config, store, gloo, nccl)
 
 
 def listen(config: PipeConfig) -> sockets.Listener:
-    return sockets.Listener(config, _accept_pipe)
+    return sockets.Listener(config, PairSetup().accept)
 
 
 def connect(config: PipeConfig, host: str, port: int) -> TorchDistPipe:
     sock = sockets.connect_socket(config, host, port)
+    store_sock = None
     try:
         with sockets.socket_errors("torch_dist rendezvous", config.timeout):
-            store_port, peer_cuda = RENDEZVOUS.unpack(sockets.recv_exact(sock, RENDEZVOUS.size))
+            sock.sendall(PIPE)
+            pair_id, peer_cuda = RENDEZVOUS.unpack(sockets.recv_exact(sock, RENDEZVOUS.size))
             sock.sendall(HAS_CUDA.pack(torch.cuda.is_available()))
+        store_sock = sockets.connect_socket(config, host, port)  # handshaken (authenticated) as the first
+        with sockets.socket_errors("torch_dist rendezvous", config.timeout):
+            store_sock.sendall(STORE + pair_id)
+        store = PairStore(store_sock, config.timeout, host=False)
         try:
-            store = dist.TCPStore(
-                host,
-                store_port,
-                world_size=2,
-                is_master=False,
-                timeout=timedelta(seconds=config.timeout),
-            )
             gloo, nccl = _make_groups(
                 store,
                 1,
@@ -272,5 +405,7 @@ def connect(config: PipeConfig, host: str, port: int) -> TorchDistPipe:
             raise PipeError(f"torch_dist: could not form the pair's process group with {host}: {e}") from None
     except BaseException:
         sock.close()
+        if store_sock is not None:
+            store_sock.close()
         raise
     return TorchDistPipe(sock, config, store, gloo, nccl)

@@ -208,6 +208,8 @@ def handshake(
     is_listener: bool,
 ) -> None:
     """Run the connection handshake; raises ProtocolError or AuthError on a bad peer."""
+    if auth_token == "":  # an HMAC keyed with nothing proves nothing: auth would be on in name only
+        raise AuthError("kv_auth_token is empty; give a secret, or None for no auth")
     nonce = os.urandom(16)
     send(HELLO.pack(MAGIC, PROTOCOL_VERSION, auth_token is not None, nonce))
     magic, version, peer_has_token, peer_nonce = HELLO.unpack(recv_exact(HELLO.size))

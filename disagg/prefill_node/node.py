@@ -24,7 +24,11 @@ from disagg.lookup_buffer import LookupBufferProducer, token_digest
 
 logger = logging.getLogger(__name__)
 
-MAX_REGISTERED_DESTINATIONS = 1024  # decode nodes' pipe endpoints remembered, least recently used dropped
+MAX_REGISTERED_DESTINATIONS = 1024  # decode nodes' pipe endpoints remembered
+MAX_DESTINATIONS_PER_PEER = 16  # of those, registered from one address (a decode node needs one, a few over restarts)
+# A registration seen (its Info, or a Prefill naming it) this recently, or with a Prefill in flight, is live: never
+# dropped to make room for another, so a flood of Info calls cannot unregister the decode nodes at work.
+REGISTRATION_LIVE_S = 300.0
 # A layer-wise entry goes in about this many groups of layers, and the last layer alone: each part costs
 # the decode node's receiver thread a wait and some Python, slow beside its busy engine and event loop
 # (docs/ARCHITECTURE.md, "Threads and the GIL"), while only the last part's transfer waits for the
@@ -63,6 +67,13 @@ class LayerSender:
             self.tokens_put += kv.shape[2]
 
 
+@dataclasses.dataclass
+class Registration:
+    """A decode node's pipe endpoint, as its Info handshake registered it."""
+    peer: str  # the address its first Info came from; it counts against that address's share
+    seen: float  # time.monotonic() of its last Info, or of a Prefill naming it
+
+
 class PrefillNode:
     def __init__(self, engine: AsyncEngine, producer: LookupBufferProducer, info: NodeInfo,
                  kv_buffer_device: str = "cpu", layerwise: bool = True):
@@ -74,9 +85,9 @@ class PrefillNode:
         self.copy_stream: torch.cuda.Stream | None = None  # KV to host memory, off the engine's stream
         self.callers: dict[str, tuple[str, int]] = {}  # request id -> the kv_dest of the call computing it
         self.senders: dict[str, LayerSender] = {}  # request id -> where its KV goes, as it is computed
-        # Pipe endpoints decode nodes registered at their Info handshake: the only places KV goes,
-        # so a caller cannot make this node connect anywhere it likes.
-        self.destinations: OrderedDict[tuple[str, int], None] = OrderedDict()
+        # Pipe endpoints decode nodes registered at their Info handshake, least recently seen first: the
+        # only places KV goes, so a caller cannot make this node connect anywhere it likes.
+        self.destinations: OrderedDict[tuple[str, int], Registration] = OrderedDict()
 
     async def prefill(self, call: PrefillCall) -> PrefillResult:
         start = time.perf_counter()
@@ -145,14 +156,41 @@ class PrefillNode:
         if not opening.cancelled() and opening.exception() is None:
             self.producer.abort(request_id)
 
-    def register(self, dest: tuple[str, int]) -> None:
-        self.destinations[dest] = None
-        self.destinations.move_to_end(dest)
-        if len(self.destinations) > MAX_REGISTERED_DESTINATIONS:
-            self.destinations.popitem(last=False)
+    def register(self, dest: tuple[str, int], peer: str) -> bool:
+        """Remember a decode node's pipe endpoint, registered from address `peer`. Each address registers
+        at most MAX_DESTINATIONS_PER_PEER, all of them MAX_REGISTERED_DESTINATIONS: past either, the least
+        recently seen registration that is not live (of that address, or of any) makes room, and if all
+        are live, False: not registered."""
+        now = time.monotonic()
+        if dest in self.destinations:  # seen again; still its first registrant's
+            self.destinations[dest].seen = now
+            self.destinations.move_to_end(dest)
+            return True
+        mine = [d for d, r in self.destinations.items() if r.peer == peer]
+        if len(mine) >= MAX_DESTINATIONS_PER_PEER:
+            candidates = mine
+        elif len(self.destinations) >= MAX_REGISTERED_DESTINATIONS:
+            candidates = list(self.destinations)
+        else:
+            candidates = None
+        if candidates is not None:
+            in_flight = set(self.callers.values())
+            victim = next((d for d in candidates
+                           if d not in in_flight and now - self.destinations[d].seen >= REGISTRATION_LIVE_S), None)
+            if victim is None:
+                return False
+            del self.destinations[victim]
+        self.destinations[dest] = Registration(peer, now)
+        return True
 
     def is_registered(self, dest: tuple[str, int]) -> bool:
-        return dest in self.destinations
+        """Whether KV may go to `dest`; a registered one counts as seen now (a Prefill names it)."""
+        registration = self.destinations.get(dest)
+        if registration is None:
+            return False
+        registration.seen = time.monotonic()
+        self.destinations.move_to_end(dest)
+        return True
 
     def progress(self, request_id: str) -> PrefillProgress:
         """A heartbeat: the engine's steps and the prompt tokens whose KV was handed out (each

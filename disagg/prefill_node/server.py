@@ -19,7 +19,8 @@ logger = logging.getLogger(__name__)
 
 
 def build_health_app(node: PrefillNode) -> FastAPI:
-    app = FastAPI(title="disagg prefill node")
+    # No /docs, /redoc or /openapi.json: they would map the node for anyone who reaches the port.
+    app = FastAPI(title="disagg prefill node", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -7,11 +7,13 @@ import asyncio
 import contextlib
 import hmac
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from disagg.engine.sampling_params import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_TOKEN_IDS
 from disagg.lookup_buffer import BufferFullError
 from disagg.prefill_node.node import PrefillNode
 from disagg.proto import AUTH_METADATA_KEY, SERVICE_NAME, convert, disagg_pb2_grpc
@@ -21,17 +23,40 @@ logger = logging.getLogger(__name__)
 
 # How often a Prefill call reports progress; a decode node's prefill_timeout should be a few times this.
 PROGRESS_INTERVAL_S = 0.5
+MAX_ABORTABLE = 4096  # recent Prefill calls remembered with the connection they came on, for their Abort
 AUTH_ERROR = "wrong or missing node auth token (kv_connector_extra_config.auth_token)"
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
+
+
+def max_request_bytes(max_model_len: int) -> int:
+    """The largest Prefill request a decode node sends: a prompt of max_model_len token ids (each at most
+    a 10-byte varint), a grammar of MAX_GRAMMAR_CHARS characters (4 bytes each in UTF-8), the logit bias
+    and stop token ids at their limits, and room for the rest. A larger message is refused as its
+    length arrives, before it is read, authenticated or not."""
+    logit_bias = MAX_LOGIT_BIAS_ENTRIES * 24  # a map entry: tags, lengths, a varint key, a double
+    return 10 * max_model_len + 4 * MAX_GRAMMAR_CHARS + logit_bias + 10 * MAX_STOP_TOKEN_IDS + 64 * 1024
+
+
+def peer_address(peer: str) -> str:
+    """The address in a gRPC peer string ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000"); others whole."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return rest.rpartition(":")[0].strip("[]")
+    return peer
 
 
 class PrefillServicer(disagg_pb2_grpc.PrefillServiceServicer):
     def __init__(self, node: PrefillNode):
         self.node = node
+        # Request id -> the gRPC connection (peer string, with its port) its Prefill came on: every node
+        # holds the same token, so only that connection may abort it, whatever kv_dest an Abort names.
+        self.connections: OrderedDict[str, str] = OrderedDict()
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.NodeInfo:
-        if request.kv_host:
-            self.node.register((request.kv_host, request.kv_port))
+        if request.kv_host and not self.node.register((request.kv_host, request.kv_port), peer_address(context.peer())):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"cannot register {request.kv_host}:{request.kv_port}: every decode node registration "
+                                "from this address, or of all, is in use; retry later")
         return convert.node_info_to_proto(self.node.info)
 
     async def Prefill(self, request: pb.PrefillRequest,
@@ -47,6 +72,10 @@ class PrefillServicer(disagg_pb2_grpc.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"prefill of {request.request_id} refused: kv_dest {call.kv_dest[0]}:{call.kv_dest[1]} "
                                 "is not a registered decode node; its Info handshake registers it")
+        self.connections[call.request_id] = context.peer()
+        self.connections.move_to_end(call.request_id)
+        if len(self.connections) > MAX_ABORTABLE:
+            self.connections.popitem(last=False)
         task = asyncio.create_task(self.node.prefill(call))
         try:
             while not (await asyncio.wait({task}, timeout=PROGRESS_INTERVAL_S))[0]:
@@ -68,6 +97,8 @@ class PrefillServicer(disagg_pb2_grpc.PrefillServiceServicer):
         yield pb.PrefillUpdate(done=convert.prefill_result_to_proto(result))
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortReply:
+        if self.connections.get(request.request_id) != context.peer():
+            return pb.AbortReply(aborted=False)  # not a request this connection asked for
         try:
             aborted = await self.node.abort(request.request_id, (request.kv_dest_host, request.kv_dest_port))
         except Exception as e:
@@ -118,7 +149,9 @@ async def start_grpc_server(node: PrefillNode, host: str, port: int, auth_token:
     """Serve PrefillService and grpc.health.v1 on host:port (port 0: any free port)."""
     interceptors = [AuthInterceptor(auth_token)] if auth_token else []
     # gRPC sets SO_REUSEPORT by default, which lets a second server bind a port another one serves.
-    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+    options = [("grpc.so_reuseport", 0),
+               ("grpc.max_receive_message_length", max_request_bytes(node.engine.max_model_len))]
+    server = grpc.aio.server(interceptors=interceptors, options=options)
     disagg_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(node), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
