@@ -455,8 +455,9 @@ class ResponsesFormat:
         return events + [StreamEvent(type="response.output_item.done", output_index=len(self.items) - 1,
                                      item=item.model_dump())]
 
-    def chunk(self, run: "Run", parts: list[StreamEvent], usage_info: object = None) -> str:
-        """One event, as OpenAI and vLLM send it: its type as the SSE event name, then its JSON."""
+    def chunk(self, run: "Run", parts: list[StreamEvent], usage_info: object = None, prompt: object = None) -> str:
+        """One event, as OpenAI and vLLM send it: its type as the SSE event name, then its JSON (a
+        response's events carry neither the usage chunk's fields nor the prompt's token ids)."""
         lines = []
         for event in parts:
             event.sequence_number = self.num_events
