@@ -24,6 +24,8 @@ from disagg.vllm_flags import add_vllm_flags, check_vllm_flags, normalize_argv
 
 logger = logging.getLogger(__name__)
 
+BATCHED_TOKENS = 2048  # --max-num-batched-tokens' default: prompt chunks short enough to keep decodes moving
+PREFILL_NODE_BATCHED_TOKENS = 8192  # a prefill node's on a GPU, where no decode batch waits (see serve)
 SAMPLE_PROMPTS = [
     "What is disaggregated prefill in LLM serving?",
     "Write a haiku about the sea.",
@@ -42,8 +44,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                        help="tokens per step (longer prompts are chunked)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help=f"tokens per step (longer prompts are chunked); default {BATCHED_TOKENS}, and "
+                             f"{PREFILL_NODE_BATCHED_TOKENS} on a prefill node on a GPU")
     parser.add_argument("--kv-cache-memory", type=parse_memory, default=None,
                         help="KV cache size: bytes (e.g. 2GiB) or a fraction of free memory (e.g. 0.8)")
     parser.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=True,
@@ -90,10 +93,19 @@ def parse_memory(text: str) -> int | float:
     return value if value <= 1.0 else int(value)
 
 
+def prefill_node_on_gpu(args: argparse.Namespace, kv_role: str) -> bool:
+    if kv_role != "producer" or (args.device or "cuda").split(":")[0] != "cuda":
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+                max_num_batched_tokens=args.max_num_batched_tokens or BATCHED_TOKENS,
+                kv_cache_memory=args.kv_cache_memory,
                 gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
                 enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
                 enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
@@ -338,6 +350,11 @@ def sampling_options(args: argparse.Namespace, model_dir: Path):
 def serve(args: argparse.Namespace) -> None:
     check_vllm_flags(args)
     kv = transfer_config(args)
+    if args.max_num_batched_tokens is None and prefill_node_on_gpu(args, kv.kv_role):
+        # No decode batch waits behind a prefill node's chunks, and a prompt computed in one chunk sends
+        # its KV in one chunk's parts: a 4k prompt in two chunks waited 100-160 ms longer for its KV on
+        # the H200 pair under load (BENCHMARKS.md, "KV handoff on GPUs").
+        args.max_num_batched_tokens = PREFILL_NODE_BATCHED_TOKENS
     prefill_nodes = check_serve_args(args, kv)
     where = check_engine_args(args)
     if args.check_config:
