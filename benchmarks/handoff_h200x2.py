@@ -3,6 +3,7 @@
     python benchmarks/handoff_h200x2.py --tokenizer-dir DIR --phase ttft --json ttft.json
     python benchmarks/handoff_h200x2.py --tokenizer-dir DIR --phase goodput --json goodput.json
     python benchmarks/handoff_h200x2.py --merge ttft.json goodput.json --json benchmarks/results/handoff_h200x2.json
+    python benchmarks/handoff_h200x2.py --json benchmarks/results/handoff_h200x2.json --plot goodput.png
 
 The random-weight 8B shape of gpu_e2e.py's write_model, bfloat16, KV over torch_dist (NCCL) with
 the KV buffer on the GPU. Each phase fits one 10-minute call of the GPU machine.
@@ -234,6 +235,37 @@ def summarize_goodput(result: dict) -> dict:
     return out
 
 
+def plot_goodput(result: dict, png: str) -> None:
+    """Per workload: attainment against rate at the SLO, and against SLO scale at each rate (DistServe's
+    two plots), both systems."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = result["goodput"]
+    fig, axes = plt.subplots(len(workloads), 2, figsize=(11, 4 * len(workloads)), squeeze=False)
+    for row, (workload, w) in zip(axes, workloads.items()):
+        for name, runs in w["runs"].items():
+            rates = sorted(runs, key=float)
+            row[0].plot([float(r) for r in rates], [100 * runs[r]["goodput_fraction"] for r in rates], "o-", label=name)
+            for rate in rates:
+                scales = runs[rate]["attainment_by_slo_scale"]
+                row[1].plot([float(k) for k in scales], [100 * v for v in scales.values()],
+                            "o-" if name == "disagg_1p1d" else "s--", label=f"{name} @ {rate} req/s")
+        slo = w["slo"]
+        row[0].set(title=f"{workload}: TTFT <= {slo['ttft_ms']:.0f} ms, TPOT <= {slo['tpot_ms']:.2f} ms",
+                   xlabel="request rate (req/s)", ylabel="% of requests within SLO", ylim=(0, 105))
+        row[1].set(title=f"{workload}: attainment against SLO scale", xlabel="SLO scale (x both limits)",
+                   ylabel="% within SLO", ylim=(0, 105))
+        row[0].axhline(100 * ATTAINMENT, color="grey", lw=0.5)
+        row[1].axhline(100 * ATTAINMENT, color="grey", lw=0.5)
+        row[0].legend()
+        row[1].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+
+
 def write_json(args: argparse.Namespace, result: dict) -> None:
     args_key = f"{args.phase}_args"
     Path(args.json).write_text(json.dumps({args_key: {k: v for k, v in vars(args).items() if k != "merge"}} | result,
@@ -265,7 +297,11 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=16384 + 64)
     ap.add_argument("--max-num-batched-tokens", type=int, help="the nodes' chunk size (default: theirs, 2048)")
     ap.add_argument("--json", required=True)
+    ap.add_argument("--plot", help="with --json of a goodput result: write its attainment plots to this PNG")
     args = ap.parse_args()
+    if args.plot:
+        plot_goodput(json.loads(Path(args.json).read_text()), args.plot)
+        return 0
     if args.merge:
         result = {}
         for path in args.merge:
