@@ -28,6 +28,7 @@ from disagg.pipes import (
     PipeError,
     PipeTimeout,
     ProtocolError,
+    RowScatter,
     wire,
 )
 
@@ -467,7 +468,8 @@ def test_layer_wise_entries_on_every_pipe(pipe_name):
     views of a cache (into a tensor of its own where the peer writes one-sided), an entry cancelled
     after its first part, then a whole entry."""
     config = PipeConfig(kv_port=0, timeout=20)
-    consumer = LookupBufferConsumer(pipe_name, config)
+    received: list[int] = []  # bytes of each KV message the consumer took
+    consumer = LookupBufferConsumer(pipe_name, config, on_received=received.append)
     producer = LookupBufferProducer(pipe_name, config, 1 << 24, 30.0, 5.0)
     try:
         kv = torch.randn(4, 2, 5, 2, 3)
@@ -484,12 +486,54 @@ def test_layer_wise_entries_on_every_pipe(pipe_name):
         assert entry.in_place
         got = torch.cat([cache[:, :, 3:5], cache[:, :, 0:3]], dim=2) if entry.in_place else entry.kv_tensors[0]
         assert torch.equal(got, kv)
+        # Aborted once on the wire (its first part received): the consumer is told. Aborted before, it
+        # would be dropped unsent and untold (the prefill node's failed call tells the decode node).
+        deadline = time.monotonic() + 20
+        while len(received) < len(groups) + 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
         producer.abort("cancelled")
         with pytest.raises(EntryCancelled):
             consumer.drop_select("cancelled", [2], 20)
         producer.insert("whole", [3], [torch.ones(3)], None, consumer.address)
         assert torch.equal(consumer.drop_select("whole", [3], 20).kv_tensors[0], torch.ones(3))
         assert consumer.stats().connections == 1
+    finally:
+        producer.close()
+        consumer.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pipe_name", ALL_PIPES)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_chunked_cuda_parts_land_in_the_rows_of_a_cache_between_two_gpus(pipe_name):
+    """A prompt computed in two chunks on cuda:0, its layer parts landing in scattered rows of a cache on
+    cuda:1 (a RowScatter, as a decode node's reserved blocks): the chunk message between them (a CPU
+    tensor alone) and every part arrive, and nothing lands outside those rows; twice on one connection."""
+    torch.cuda.set_device(0)
+    config = PipeConfig(kv_port=0, timeout=60)
+    consumer = LookupBufferConsumer(pipe_name, config, device="cuda:1")
+    producer = LookupBufferProducer(pipe_name, config, 1 << 30, 30.0, 5.0)
+    try:
+        groups = [(0, 3), (3, 7), (7, 8)]
+        for request in ("a", "b"):
+            kv = torch.randn(8, 2, 3000, 8, 128, device="cuda:0")
+            cache = torch.zeros(8, 2, 8192, 8, 128, device="cuda:1")
+            rows = torch.randperm(8192, generator=torch.Generator().manual_seed(len(request)))[:3000].pin_memory()
+            consumer.expect(request, [RowScatter(cache, rows)])
+            producer.open(request, [1], groups, 3000, kv.nbytes, consumer.address)
+            for start, stop in ((0, 2048), (2048, 3000)):
+                for first, end in groups:
+                    ready = torch.cuda.Event()
+                    part = kv[first:end, :, start:stop] * 1.0
+                    ready.record()
+                    producer.put(request, first, end, part, ready)
+            entry = consumer.drop_select(request, [1], 60)
+            torch.cuda.synchronize("cuda:1")
+            assert entry.in_place
+            assert torch.equal(cache[:, :, rows.to("cuda:1")].cpu(), kv.cpu())
+            others = torch.ones(8192, dtype=torch.bool, device="cuda:1")
+            others[rows.to("cuda:1")] = False
+            assert not cache[:, :, others].any()
     finally:
         producer.close()
         consumer.close()
