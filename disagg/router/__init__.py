@@ -31,6 +31,9 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
                              "tokenizer_config.json), to hash the prompt's blocks as the nodes do")
     parser.add_argument("--load-weight", type=float, default=8.0,
                         help="cache_aware: how many prompt blocks held one request in flight on a node is worth")
+    parser.add_argument("--cache-threshold", type=float, default=0.3,
+                        help="cache_aware: a prompt of which no node holds this fraction of the blocks is new and goes "
+                             "to the least loaded node (a shared system prompt is no reason to pile on one node)")
     parser.add_argument("--balance-abs-threshold", type=int, default=32,
                         help="cache_aware: when the busiest node has more than this many requests in flight beyond "
                              "the least busy, the least busy takes the request")

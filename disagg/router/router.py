@@ -13,10 +13,12 @@ picks by its `--routing` policy:
   for each request it has in flight (score = matched blocks - load_weight x in flight; ties as
   least_loaded). Each node publishes the block hashes its prefix cache holds (GET /kv_events,
   followed in kv_view.py), and the router hashes the prompt's blocks the same way
-  (block_hash.py) from its token ids (prompt_tokens.py). When the busiest candidate has more than
-  `balance_abs_threshold` requests in flight beyond the least busy, the least busy takes it (as
-  SGLang's router does), so that a hot prefix cannot pile everything on one node. A node whose
-  events stopped matches nothing and is scored by its load alone.
+  (block_hash.py) from its token ids (prompt_tokens.py). Two guards, as in SGLang's router, so
+  that a hot node cannot take everything: a prompt of which no node holds `cache_threshold` of the
+  blocks is new (the chat template's header and a short system prompt, which every node holds, are
+  no reason to pile new conversations on one node) and goes to the least loaded; and when the
+  busiest candidate has more than `balance_abs_threshold` requests in flight beyond the least
+  busy, the least busy takes it. A node whose events stopped matches nothing.
 """
 
 import asyncio
@@ -60,6 +62,7 @@ def parse_decode_nodes(text: str) -> list[str]:
 class Routing:
     policy: str = "least_loaded"  # cache_aware, least_loaded or round_robin
     load_weight: float = 8.0  # cache_aware: prefix blocks one request in flight is worth
+    cache_threshold: float = 0.3  # cache_aware: below this fraction of the prompt's blocks held, least loaded
     balance_abs_threshold: int = 32  # cache_aware: beyond this spread of requests in flight, least loaded
 
 
@@ -104,10 +107,14 @@ def least_loaded(candidates: list[DecodeNode]) -> DecodeNode:
     return min(candidates, key=lambda n: (n.outstanding, n.routed))
 
 
-def cache_aware(candidates: list[DecodeNode], matched: dict[str, int], routing: Routing) -> DecodeNode:
-    """The best scored candidate: prefix blocks held (`matched`, by address) less load_weight per
-    request in flight; the least loaded one when their loads are too far apart."""
+def cache_aware(candidates: list[DecodeNode], matched: dict[str, int], num_blocks: int,
+                routing: Routing) -> DecodeNode:
+    """The best scored candidate: prefix blocks held (`matched`, by address, of the prompt's
+    `num_blocks`) less load_weight per request in flight; the least loaded one for a prompt no node
+    holds enough of, or when their loads are too far apart."""
     lightest = least_loaded(candidates)
+    if max(matched.values()) < routing.cache_threshold * num_blocks:
+        return lightest
     if max(n.outstanding for n in candidates) - lightest.outstanding > routing.balance_abs_threshold:
         return lightest
     return max(candidates, key=lambda n: (matched[n.address] - routing.load_weight * n.outstanding,
@@ -161,7 +168,8 @@ class Router:
             if size and size not in hashes:
                 hashes[size] = prompt_block_hashes(token_ids, size)
             matched[n.address] = n.cache.matched_blocks(hashes[size]) if size else 0
-        node = cache_aware(candidates, matched, self.routing)
+        num_blocks = len(next(iter(hashes.values()), []))
+        node = cache_aware(candidates, matched, num_blocks, self.routing)
         MATCHED_BLOCKS.labels(node.address).inc(matched[node.address])
         return node
 

@@ -341,6 +341,8 @@ def main(args: argparse.Namespace) -> None:
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     if args.load_weight < 0:
         raise ValueError(f"--load-weight must be >= 0, got {args.load_weight}")
+    if not 0 <= args.cache_threshold <= 1:
+        raise ValueError(f"--cache-threshold must be between 0 and 1, got {args.cache_threshold}")
     if args.balance_abs_threshold < 0:
         raise ValueError(f"--balance-abs-threshold must be >= 0, got {args.balance_abs_threshold}")
     prompts = None
@@ -351,6 +353,6 @@ def main(args: argparse.Namespace) -> None:
         prompts = PromptTokens(args.tokenizer)
     options = HTTPOptions(args.api_key, args.max_request_body_bytes, args.enable_docs)
     limits = HTTPLimits.from_args(args)
-    routing = Routing(args.routing, args.load_weight, args.balance_abs_threshold)
+    routing = Routing(args.routing, args.load_weight, args.cache_threshold, args.balance_abs_threshold)
     asyncio.run(run_router(parse_decode_nodes(args.decode_nodes), args.host, args.port, options,
                            args.health_interval, args.log_level, limits, routing, prompts))
