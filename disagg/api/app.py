@@ -1030,8 +1030,8 @@ def build_app(node: DecodeNode, options: HTTPOptions, served_model_name: str,
         return JSONResponse(status, status_code=200 if status.get("status") == "ok" else 503)
 
     @app.get("/kv_events")  # for `disagg router --routing cache_aware` (kv_events.py)
-    async def kv_events() -> StreamingResponse:
-        return await kv_events_response(node.engine)
+    async def kv_events(request: Request) -> StreamingResponse:
+        return await kv_events_response(node.engine, request)
 
     @app.get("/load")
     async def load() -> dict:

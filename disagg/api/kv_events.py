@@ -7,13 +7,15 @@ knows them only by their HTTP address, which it health-checks already. One JSON 
 `{"type": "events", "seq", "stored", "removed"}` whenever the cache changed, and a heartbeat
 `{"type": "heartbeat", "seq"}` every HEARTBEAT_S when it did not, so that the router can tell a
 quiet node from one that stopped publishing. A subscriber that falls behind is cut off; it
-reconnects and starts from a new snapshot.
+reconnects and starts from a new snapshot. The stream ends when the server shuts down
+(`app.state.shutting_down`, set by serving.py), within a heartbeat.
 """
 
 import json
 import logging
 from collections.abc import AsyncIterator
 
+from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from disagg.engine.async_engine import AsyncEngine
@@ -29,7 +31,7 @@ def line(message: dict) -> bytes:
     return json.dumps(message, separators=(",", ":")).encode() + b"\n"
 
 
-async def kv_events_response(engine: AsyncEngine) -> StreamingResponse:
+async def kv_events_response(engine: AsyncEngine, request: Request) -> StreamingResponse:
     subscription = await engine.subscribe_kv_events()
 
     async def lines() -> AsyncIterator[bytes]:
@@ -38,7 +40,7 @@ async def kv_events_response(engine: AsyncEngine) -> StreamingResponse:
             yield line({"type": "snapshot", "seq": snapshot.seq, "block_size": snapshot.block_size,
                         "hashes": snapshot.hashes})
             seq = snapshot.seq
-            while True:
+            while not getattr(request.app.state, "shutting_down", False):
                 batch = await subscription.next(HEARTBEAT_S)
                 if batch is None:
                     yield line({"type": "heartbeat", "seq": seq})
