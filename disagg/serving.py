@@ -76,6 +76,12 @@ class _Server(uvicorn.Server):
         if self.started:
             print(self.ready_line, flush=True)
 
+    async def shutdown(self, sockets=None) -> None:
+        # Streams that never end by themselves (GET /kv_events) read this and end, instead of
+        # holding the shutdown for its whole timeout.
+        self.config.app.state.shutting_down = True
+        await super().shutdown(sockets)
+
 
 # Descriptors left for what is not an HTTP connection: KV pipes, gRPC, model and log files.
 FD_RESERVE = 256

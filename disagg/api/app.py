@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from disagg import metrics
+from disagg.api.kv_events import kv_events_response
 from disagg.api.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -1027,6 +1028,10 @@ def build_app(node: DecodeNode, options: HTTPOptions, served_model_name: str,
     async def health() -> JSONResponse:
         status = node.health()
         return JSONResponse(status, status_code=200 if status.get("status") == "ok" else 503)
+
+    @app.get("/kv_events")  # for `disagg router --routing cache_aware` (kv_events.py)
+    async def kv_events(request: Request) -> StreamingResponse:
+        return await kv_events_response(node.engine, request)
 
     @app.get("/load")
     async def load() -> dict:

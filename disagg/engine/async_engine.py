@@ -11,10 +11,10 @@ A request the engine fails (its sampling, or its step's forward, raised) ends wi
 for whoever waits on it, and is counted; the other requests go on.
 
 This is the one door into the engine for the nodes: what they need (validation, grammar compiles,
-remote requests and their KV, the engine's gauges) is here, and nothing outside the engine reads
-`LLMEngine` state; the engine thread publishes what others may read (`EngineStats`) after each step,
-and hands what each turn of its loop did (`IterationStats`: request times, token counts) to the
-`stat_loggers`, on its own thread.
+remote requests and their KV, the engine's gauges, its prefix cache's KV events) is here, and
+nothing outside the engine reads `LLMEngine` state; the engine thread publishes what others may
+read (`EngineStats`, KV events) after each step, and hands what each turn of its loop did
+(`IterationStats`: request times, token counts) to the `stat_loggers`, on its own thread.
 """
 
 import asyncio
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from disagg.engine.engine import LLMEngine
+from disagg.engine.kv_events import KVEventPublisher, KVEventSubscription
 from disagg.engine.output import RequestOutput
 from disagg.engine.remote_prefill import FirstToken, RemoteSlot
 from disagg.engine.request_stats import IterationStats, RequestStats
@@ -88,6 +89,7 @@ class AsyncEngine:
         # Request id -> where its outputs go. Read and written on the engine thread only, so a
         # request's outputs can never reach another request's stream, whatever ids callers reuse.
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.kv_events = KVEventPublisher(engine.block_manager)  # engine thread only
         self.stopped = False
         self.thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self.thread.start()
@@ -236,6 +238,13 @@ class AsyncEngine:
     async def prefill_locally(self, request_id: str) -> None:
         await self._call(self.engine.prefill_locally, request_id)
 
+    async def subscribe_kv_events(self, max_pending: int = 1024) -> KVEventSubscription:
+        """The prefix cache's hashes now (`snapshot`) and, through `next`, each later change;
+        `close` it when done (kv_events.py)."""
+        subscription = KVEventSubscription(asyncio.get_running_loop(), max_pending)
+        subscription.snapshot = await self._call(self.kv_events.subscribe, subscription)
+        return subscription
+
     async def _call(self, fn, *args, **kwargs):
         """Run fn(*args, **kwargs) on the engine thread before its next step; its result or error."""
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -289,6 +298,7 @@ class AsyncEngine:
             if self.engine.num_steps != steps:
                 self.request_stats.stepped()
             self.stats = self._stats()
+            self.kv_events.publish()
             self._log_stats()
             if not busy:
                 self.wakeup.wait(timeout=0.5)

@@ -7,27 +7,18 @@ first, and a cached block hit again is taken back out of the free list.
 
 With KV tiers (docs/ARCHITECTURE.md, "Engine (as built)") the manager also lists the blocks the
 tiers must copy: newly cached ones (`eager`) or evicted ones (`lazy`), and lends blocks to them.
+For KV events (`kv_events.py`) it notes which hashes entered or left the prefix cache.
 """
 
-import hashlib
-import struct
 import time
 from collections import OrderedDict
 
+from disagg.engine.block_hash import chain_hash
 from disagg.engine.kv_tiers.stats import Latencies, TierStats
 from disagg.engine.sequence import Sequence
 
 # A block key: its chained hash and its own tokens.
 BlockKey = tuple[int, tuple[int, ...]]
-
-
-def chain_hash(prev_hash: int | None, token_ids: list[int] | tuple[int, ...]) -> int:
-    """64 bits of sha256 over the previous block's hash and this block's tokens. Not Python's
-    hash(): one can build a prefix that collides with someone else's under it, and then be served
-    their KV (a hit checks the block's own tokens, not the blocks before it). The same in every
-    process, so the disk tier finds blocks after a restart."""
-    data = struct.pack(f"<Q{len(token_ids)}q", prev_hash or 0, *token_ids)
-    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
 
 
 class Block:
@@ -50,6 +41,9 @@ class BlockManager:
         # evicted from the cache, with their key, before anything overwrites them ("lazy").
         self.newly_cached: list[int] | None = None
         self.evicted: list[tuple[int, BlockKey]] | None = None
+        # Filled only when KV events are published (AsyncEngine): hashes that entered or left the
+        # prefix cache since the last publish. Only the hash: whether it is in now says which.
+        self.changed_hashes: set[int] | None = None
         self.stats = TierStats()  # lookups and hits of admitted sequences
         self.allocation_latency = Latencies()
 
@@ -155,6 +149,8 @@ class BlockManager:
         block = self.blocks[block_id]
         block.hash, block.token_ids = h, token_ids
         self.hash_to_block[h] = block_id
+        if self.changed_hashes is not None:
+            self.changed_hashes.add(h)
         return True
 
     def free(self, seq: Sequence) -> None:
@@ -193,6 +189,8 @@ class BlockManager:
             if self.evicted is not None:
                 self.evicted.append((block_id, (block.hash, block.token_ids)))
             del self.hash_to_block[block.hash]
+            if self.changed_hashes is not None:
+                self.changed_hashes.add(block.hash)
             block.hash, block.token_ids = None, ()
         block.ref_count = 1
         return block_id

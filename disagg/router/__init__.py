@@ -10,6 +10,7 @@ from disagg.http_limits import add_http_limit_args
 # The request body limit of the router and of the decode nodes' API (`disagg serve` uses it too);
 # it lives here because this module must stay light. Prompts of a full context fit with room to spare.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 2**20
+ROUTINGS = ("cache_aware", "least_loaded", "round_robin")  # router.py says how each picks
 
 
 def add_router_parser(sub: argparse._SubParsersAction) -> None:
@@ -22,6 +23,20 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on every path but /health, /metrics and /ping "
                              "(forwarded to the decode nodes; default: $DISAGG_API_KEY)")
+    parser.add_argument("--routing", choices=ROUTINGS, default="least_loaded",
+                        help="how a decode node is picked: fewest requests in flight, each in turn, or the one whose "
+                             "prefix cache holds most of the prompt (less --load-weight blocks per request in flight)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="cache_aware: the served model's Hugging Face directory (tokenizer.json, "
+                             "tokenizer_config.json), to hash the prompt's blocks as the nodes do")
+    parser.add_argument("--load-weight", type=float, default=8.0,
+                        help="cache_aware: how many prompt blocks held one request in flight on a node is worth")
+    parser.add_argument("--cache-threshold", type=float, default=0.3,
+                        help="cache_aware: a prompt of which no node holds this fraction of the blocks is new and goes "
+                             "to the least loaded node (a shared system prompt is no reason to pile on one node)")
+    parser.add_argument("--balance-abs-threshold", type=int, default=32,
+                        help="cache_aware: when the busiest node has more than this many requests in flight beyond "
+                             "the least busy, the least busy takes the request")
     parser.add_argument("--health-interval", type=float, default=2.0,
                         help="seconds between health checks of each decode node")
     parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,

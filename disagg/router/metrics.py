@@ -23,6 +23,9 @@ OUTSTANDING = Gauge("disagg_router_outstanding_requests", "Requests in flight on
                     ["decode_node"], registry=REGISTRY)
 HEALTHY = Gauge("disagg_router_decode_node_healthy", "1 while the decode node passes its health checks",
                 ["decode_node"], registry=REGISTRY)
+MATCHED_BLOCKS = Counter("disagg_router_matched_blocks_total", "Prompt KV blocks the decode node held when "
+                         "cache_aware routing sent it the request (from its KV events)", ["decode_node"],
+                         registry=REGISTRY)
 # Per route: the path a client called, one of those the router passes on.
 RECEIVED = Counter("disagg_router_received_requests_total", "Requests the router received, by route", ["route"],
                    registry=REGISTRY)

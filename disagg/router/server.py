@@ -1,7 +1,8 @@
 """`disagg router`: one OpenAI-compatible front door over several decode nodes (xPyD).
 
-Each request goes to the healthy decode node with the fewest requests in flight. The router
-never parses a response: it passes the decode node's status, content type and bytes through
+Each request goes to the healthy decode node the routing policy picks (router.py: least loaded,
+round robin, or cache aware, which tokenizes the prompt to match it against the KV blocks each node
+holds). The router never parses a response: it passes the decode node's status, content type and bytes through
 chunk by chunk, so streamed tokens reach the client as soon as the decode node sends them.
 
 Every request carries an X-Request-Id (the client's, or a fresh `cmpl-<hex>`): the decode node
@@ -33,7 +34,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from disagg.http_limits import HTTPLimits
 from disagg.router.metrics import DURATION, ERRORS, RECEIVED, REGISTRY, RETRIES, UPSTREAM_ERRORS
-from disagg.router.router import DecodeNode, Router, describe, parse_decode_nodes
+from disagg.router.prompt_tokens import PromptTokens
+from disagg.router.router import DecodeNode, Router, Routing, describe, parse_decode_nodes
 from disagg.serving import STATUS_CLIENT_CLOSED, HTTPOptions, make_app, openai_error_response, request_label, serve_http
 
 logger = logging.getLogger(__name__)
@@ -186,8 +188,23 @@ def proxy_client() -> httpx.AsyncClient:
                                                  keepalive_expiry=KEEPALIVE_EXPIRY_S))
 
 
-def build_app(router: Router, client: httpx.AsyncClient, options: HTTPOptions) -> FastAPI:
-    """The router's HTTP app; `client` carries the proxied requests to the decode nodes."""
+async def prompt_token_ids(prompts: PromptTokens, path: str, body: bytes) -> list[int] | None:
+    """The prompt's token ids for cache-aware routing, in a worker thread (a long prompt must not
+    hold up the event loop); None for a body the router cannot read: the decode node judges it."""
+    def tokenize() -> list[int] | None:
+        return prompts.token_ids(path, json.loads(body))
+
+    try:
+        return await asyncio.to_thread(tokenize)
+    except (ValueError, TypeError, AttributeError) as e:
+        logger.debug("routing a %s request by load: its prompt could not be read (%s)", path, describe(e))
+        return None
+
+
+def build_app(router: Router, client: httpx.AsyncClient, options: HTTPOptions,
+              prompts: PromptTokens | None = None) -> FastAPI:
+    """The router's HTTP app; `client` carries the proxied requests to the decode nodes; `prompts`
+    (cache_aware routing) reads their prompts' token ids."""
     app = make_app("disagg router", options, error_response)
     app.add_middleware(RequestIdMiddleware)  # added last: outermost
 
@@ -225,8 +242,11 @@ def build_app(router: Router, client: httpx.AsyncClient, options: HTTPOptions) -
         RECEIVED.labels(route).inc()
         body = await request.body()
         start = time.perf_counter()
+        token_ids = None
+        if prompts is not None and route in REQUEST_ID_PREFIXES:
+            token_ids = await prompt_token_ids(prompts, route, body)
         tried: set[str] = set()
-        while (node := router.pick(exclude=tried)) is not None:
+        while (node := router.pick(exclude=tried, token_ids=token_ids)) is not None:
             if tried:
                 RETRIES.labels(route).inc()
             tried.add(node.address)
@@ -273,6 +293,10 @@ def build_app(router: Router, client: httpx.AsyncClient, options: HTTPOptions) -
     async def health() -> JSONResponse:
         nodes = {n.address: {"healthy": n.healthy, "reason": n.reason, "outstanding": n.outstanding,
                              "routed": n.routed} for n in router.nodes}
+        if router.routing.policy == "cache_aware":
+            for n in router.nodes:
+                nodes[n.address]["kv_events"] = {"live": n.cache.live, "reason": n.cache.reason,
+                                                 "cached_blocks": len(n.cache.hashes)}
         ok = any(n.healthy for n in router.nodes)
         return JSONResponse({"status": "ok" if ok else "no healthy decode node", "role": "router",
                              "decode_nodes": nodes}, status_code=200 if ok else 503)
@@ -289,8 +313,9 @@ def build_app(router: Router, client: httpx.AsyncClient, options: HTTPOptions) -
 
 
 async def run_router(decode_nodes: list[str], host: str, port: int, options: HTTPOptions, health_interval: float,
-                     log_level: str, limits: HTTPLimits | None = None) -> None:
-    router = Router(decode_nodes, health_interval)
+                     log_level: str, limits: HTTPLimits | None, routing: Routing,
+                     prompts: PromptTokens | None) -> None:
+    router = Router(decode_nodes, health_interval, routing, options.api_key)
     client = proxy_client()
     try:
         await router.start()
@@ -298,9 +323,9 @@ async def run_router(decode_nodes: list[str], host: str, port: int, options: HTT
         if not healthy:
             logger.warning("no decode node is healthy yet (%s); answering 503 until one is",
                            router.unavailable_reason())
-        await serve_http(build_app(router, client, options), host, port,
+        await serve_http(build_app(router, client, options, prompts), host, port,
                          f"disagg router ready: http://{host}:{port} decode {','.join(decode_nodes)} "
-                         f"({healthy} healthy)", log_level, limits=limits)
+                         f"({healthy} healthy, routing {routing.policy})", log_level, limits=limits)
     finally:
         await client.aclose()
         await router.close()
@@ -314,7 +339,20 @@ def main(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-request-body-bytes must be at least 1, got {args.max_request_body_bytes}")
     # httpx logs every request at INFO: the health checks would drown the router's own lines.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    if args.load_weight < 0:
+        raise ValueError(f"--load-weight must be >= 0, got {args.load_weight}")
+    if not 0 <= args.cache_threshold <= 1:
+        raise ValueError(f"--cache-threshold must be between 0 and 1, got {args.cache_threshold}")
+    if args.balance_abs_threshold < 0:
+        raise ValueError(f"--balance-abs-threshold must be >= 0, got {args.balance_abs_threshold}")
+    prompts = None
+    if args.routing == "cache_aware":
+        if args.tokenizer is None:
+            raise ValueError("--routing cache_aware needs --tokenizer: the served model's Hugging Face directory "
+                             "(tokenizer.json and tokenizer_config.json), to hash prompts as the nodes do")
+        prompts = PromptTokens(args.tokenizer)
     options = HTTPOptions(args.api_key, args.max_request_body_bytes, args.enable_docs)
     limits = HTTPLimits.from_args(args)
+    routing = Routing(args.routing, args.load_weight, args.cache_threshold, args.balance_abs_threshold)
     asyncio.run(run_router(parse_decode_nodes(args.decode_nodes), args.host, args.port, options,
-                           args.health_interval, args.log_level, limits))
+                           args.health_interval, args.log_level, limits, routing, prompts))

@@ -1,0 +1,88 @@
+"""What the router knows of one decode node's prefix cache: the block hashes it holds, followed
+from the node's GET /kv_events stream (disagg/api/kv_events.py).
+
+The view is live only between a snapshot and the end of its stream: a stream that breaks, skips a
+sequence number or stays silent past KV_EVENTS_SILENCE_S (the node sends a heartbeat every second)
+empties the view, and the router reconnects for a fresh snapshot. An empty view matches nothing, so
+a node that stopped publishing is scored by its load alone.
+"""
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, field
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+KV_EVENTS_SILENCE_S = 5.0  # no line for this long: the node stopped publishing
+KV_EVENTS_RETRY_S = 1.0  # between attempts to (re)subscribe
+
+
+class KVEventsError(Exception):
+    """The stream said something the view cannot follow (a gap in its sequence, a bad line)."""
+
+
+@dataclass
+class CacheView:
+    block_size: int = 0  # 0: no snapshot yet
+    hashes: set[int] = field(default_factory=set)
+    seq: int = 0
+    live: bool = False
+    reason: str = "not subscribed yet"  # why it is not live, for /health
+
+    def apply(self, message: dict) -> None:
+        """One line of the stream; raises KVEventsError when the view can no longer be trusted."""
+        kind = message.get("type")
+        if kind == "snapshot":
+            self.block_size = int(message["block_size"])
+            self.hashes = set(message["hashes"])
+            self.seq = int(message["seq"])
+            self.live, self.reason = True, ""
+            return
+        if not self.live:
+            raise KVEventsError(f"a {kind!r} line before the snapshot")
+        if kind == "heartbeat":
+            return
+        if kind != "events":
+            raise KVEventsError(f"unknown line type {kind!r}")
+        if message["seq"] != self.seq + 1:
+            raise KVEventsError(f"batch {message['seq']} after {self.seq}: batches were missed")
+        self.seq = message["seq"]
+        self.hashes.update(message["stored"])
+        self.hashes.difference_update(message["removed"])
+
+    def drop(self, reason: str) -> None:
+        self.hashes = set()
+        self.live, self.reason = False, reason
+
+    def matched_blocks(self, block_hashes: list[int]) -> int:
+        """How many of the prompt's leading blocks the node holds (a chained hash names its whole prefix)."""
+        if not self.live:
+            return 0
+        for i, h in enumerate(block_hashes):
+            if h not in self.hashes:
+                return i
+        return len(block_hashes)
+
+
+async def follow_kv_events(view: CacheView, url: str, client: httpx.AsyncClient, headers: dict[str, str]) -> None:
+    """Keep `view` in step with the node's GET /kv_events at `url`, reconnecting for ever (cancel to stop)."""
+    while True:
+        try:
+            async with client.stream("GET", url, headers=headers,
+                                     timeout=httpx.Timeout(KV_EVENTS_SILENCE_S)) as response:
+                if response.status_code != 200:
+                    raise KVEventsError(f"GET /kv_events answered {response.status_code}")
+                async for text in response.aiter_lines():
+                    if text:
+                        view.apply(json.loads(text))
+                raise KVEventsError("the stream ended")
+        except (httpx.HTTPError, KVEventsError, ValueError, KeyError, TypeError) as e:
+            reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            if view.live:
+                logger.warning("KV events of %s stopped (%s); its cache view is dropped until it resubscribes",
+                               url, reason)
+            view.drop(reason)
+        await asyncio.sleep(KV_EVENTS_RETRY_S)

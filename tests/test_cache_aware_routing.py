@@ -1,0 +1,302 @@
+"""Cache-aware routing: the fast lane drives its parts with fakes (the hashes the router computes
+equal the block manager's, the engine's KV events, the router's view of them, the scoring); the
+slow test runs two colocated nodes behind `disagg router --routing cache_aware` and a multi-turn
+conversation through it."""
+
+import asyncio
+import json
+import random
+import re
+import time
+
+import httpx
+import pytest
+from servers import Node, metric_sum, start_node, wait_for
+from test_router import MODEL, start_router
+
+from disagg.engine.block_hash import prompt_block_hashes
+from disagg.engine.block_manager import BlockManager
+from disagg.engine.kv_events import KVEventPublisher, KVEventsLagged, KVEventSubscription
+from disagg.engine.sampling_params import SamplingParams
+from disagg.engine.sequence import Sequence
+from disagg.router.kv_view import CacheView, KVEventsError, follow_kv_events
+from disagg.router.router import DecodeNode, Router, Routing, cache_aware
+
+BLOCK = 4
+
+
+# The engine side.
+
+def test_the_router_hashes_a_prompt_as_the_block_manager_keys_it():
+    bm = BlockManager(16, BLOCK)
+    for length in (1, 4, 5, 8, 9, 13):
+        tokens = list(range(100, 100 + length))
+        seq = Sequence(f"r{length}", tokens, SamplingParams())
+        assert prompt_block_hashes(tokens, BLOCK) == [h for h, _ in bm.block_keys(seq)]
+
+
+def test_a_subscriber_gets_a_snapshot_then_what_entered_and_left_the_cache():
+    async def run() -> None:
+        bm = BlockManager(2, BLOCK)
+        publisher = KVEventPublisher(bm)
+        first = bm.take_free()
+        bm.cache_block(first, 11, (1, 2, 3, 4))
+        assert bm.changed_hashes is None  # nobody subscribed: nothing noted
+        sub = KVEventSubscription(asyncio.get_running_loop(), max_pending=2)
+        sub.snapshot = publisher.subscribe(sub)
+        assert (sub.snapshot.seq, sub.snapshot.block_size, sub.snapshot.hashes) == (0, BLOCK, [11])
+        bm.release(first)
+        bm.cache_block(bm.take_free(), 22, (5, 6, 7, 8))
+        publisher.publish()
+        batch = await sub.next(1.0)
+        assert (batch.seq, batch.stored, batch.removed) == (1, [22], [])
+        bm.take_free()  # the least recently used free block, 11's, is evicted
+        publisher.publish()
+        publisher.publish()  # nothing changed: no batch
+        batch = await sub.next(1.0)
+        assert (batch.seq, batch.stored, batch.removed) == (2, [], [11])
+        assert await sub.next(0.01) is None
+        sub.close()
+        publisher.publish()
+        assert publisher.subscribers == [] and bm.changed_hashes is None
+
+    asyncio.run(run())
+
+
+def test_a_subscriber_that_falls_behind_is_cut_off():
+    async def run() -> None:
+        bm = BlockManager(8, BLOCK)
+        publisher = KVEventPublisher(bm)
+        sub = KVEventSubscription(asyncio.get_running_loop(), max_pending=2)
+        sub.snapshot = publisher.subscribe(sub)
+        for h in range(3):
+            bm.cache_block(bm.take_free(), h, (h,) * BLOCK)
+            publisher.publish()
+        await asyncio.sleep(0)  # the batches cross the loop (call_soon_threadsafe)
+        with pytest.raises(KVEventsLagged):
+            await sub.next(1.0)
+
+    asyncio.run(run())
+
+
+# The router's view.
+
+def test_the_view_follows_batches_and_refuses_a_gap():
+    view = CacheView()
+    with pytest.raises(KVEventsError):
+        view.apply({"type": "heartbeat", "seq": 0})  # nothing before the snapshot
+    view.apply({"type": "snapshot", "seq": 5, "block_size": BLOCK, "hashes": [1, 2]})
+    view.apply({"type": "events", "seq": 6, "stored": [3], "removed": [2]})
+    view.apply({"type": "heartbeat", "seq": 6})
+    assert view.live and view.hashes == {1, 3}
+    assert view.matched_blocks([1, 3, 4]) == 2
+    assert view.matched_blocks([3, 1]) == 2 and view.matched_blocks([2, 1]) == 0  # leading blocks only
+    with pytest.raises(KVEventsError):
+        view.apply({"type": "events", "seq": 8, "stored": [], "removed": []})
+    view.drop("test")
+    assert not view.live and view.matched_blocks([1]) == 0
+
+
+def test_a_stream_that_ends_drops_the_view_until_a_new_snapshot():
+    lines = [{"type": "snapshot", "seq": 0, "block_size": BLOCK, "hashes": [7]},
+             {"type": "events", "seq": 1, "stored": [8], "removed": []}]
+    seen: list[set[int]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.headers["authorization"] == "Bearer k"
+        return httpx.Response(200, content=b"".join(json.dumps(m).encode() + b"\n" for m in lines))
+
+    async def run() -> None:
+        view = CacheView()
+        original = view.drop
+        dropped = asyncio.Event()
+
+        def drop(reason: str) -> None:
+            seen.append(set(view.hashes))
+            original(reason)
+            dropped.set()
+
+        view.drop = drop
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            task = asyncio.create_task(follow_kv_events(view, "http://node/kv_events", client,
+                                                        {"authorization": "Bearer k"}))
+            await asyncio.wait_for(dropped.wait(), 5)
+            task.cancel()
+        assert seen[0] == {7, 8}  # followed to the end of the stream
+        assert not view.live and view.hashes == set() and "ended" in view.reason
+
+    asyncio.run(run())
+
+
+# The scoring.
+
+def node(address: str, hashes: set[int] = frozenset(), outstanding: int = 0, routed: int = 0) -> DecodeNode:
+    n = DecodeNode(address, healthy=True, outstanding=outstanding, routed=routed)
+    n.cache.apply({"type": "snapshot", "seq": 0, "block_size": BLOCK, "hashes": list(hashes)})
+    return n
+
+
+def test_the_node_holding_the_prefix_wins_until_its_load_outweighs_it():
+    routing = Routing("cache_aware", load_weight=2.0, cache_threshold=0.0, balance_abs_threshold=10)
+    a, b = node("a"), node("b", routed=5)
+    assert cache_aware([a, b], {"a": 0, "b": 6}, 10, routing) is b
+    b.outstanding = 3  # 6 - 2 x 3 = 0 ties with a's 0: the less loaded one
+    assert cache_aware([a, b], {"a": 0, "b": 6}, 10, routing) is a
+    b.outstanding = 2
+    assert cache_aware([a, b], {"a": 0, "b": 6}, 10, routing) is b
+    assert cache_aware([a, b], {"a": 0, "b": 0}, 10, routing) is a  # nothing held: least loaded
+
+
+def test_a_prompt_held_too_little_anywhere_is_new_and_goes_to_the_least_loaded():
+    routing = Routing("cache_aware", load_weight=0.0, cache_threshold=0.3, balance_abs_threshold=10)
+    a, b = node("a", routed=1), node("b", routed=0)
+    assert cache_aware([a, b], {"a": 2, "b": 0}, 10, routing) is b  # a shared header: 20% of the prompt
+    assert cache_aware([a, b], {"a": 3, "b": 0}, 10, routing) is a  # the conversation so far: 30%
+
+
+def test_past_the_balance_threshold_the_least_loaded_takes_it():
+    routing = Routing("cache_aware", load_weight=0.0, cache_threshold=0.0, balance_abs_threshold=3)
+    a, b = node("a", outstanding=1), node("b", outstanding=4)
+    assert cache_aware([a, b], {"a": 0, "b": 100}, 100, routing) is b  # a spread of 3: still by cache
+    b.outstanding = 5
+    assert cache_aware([a, b], {"a": 0, "b": 100}, 100, routing) is a
+
+
+def test_pick_scores_live_healthy_nodes_by_the_prompts_blocks():
+    async def run() -> None:
+        router = Router(["a:1", "b:2", "c:3"], routing=Routing("cache_aware"))
+        prompt = list(range(40))
+        hashes = prompt_block_hashes(prompt, BLOCK)
+        a, b, c = router.nodes
+        for n, held in ((a, set()), (b, set(hashes[:5])), (c, set(hashes))):
+            n.mark_healthy()
+            n.cache.apply({"type": "snapshot", "seq": 0, "block_size": BLOCK, "hashes": list(held)})
+        assert router.pick(token_ids=prompt) is c
+        c.cache.drop("stopped publishing")  # matches nothing now
+        assert router.pick(token_ids=prompt) is b
+        b.mark_unhealthy("test")  # out of the running
+        assert router.pick(token_ids=prompt) is a
+        assert router.pick(token_ids=None) is a  # a prompt the router could not read: by load
+        await router.close()
+
+    asyncio.run(run())
+
+
+def test_round_robin_takes_each_healthy_node_in_turn():
+    async def run() -> None:
+        router = Router(["a:1", "b:2", "c:3"], routing=Routing("round_robin"))
+        for n in router.nodes:
+            n.mark_healthy()
+        assert [router.pick().address for _ in range(4)] == ["a:1", "b:2", "c:3", "a:1"]
+        router.nodes[2].mark_unhealthy("test")
+        assert [router.pick().address for _ in range(3)] == ["b:2", "a:1", "b:2"]
+        await router.close()
+
+    asyncio.run(run())
+
+
+# Real processes: two colocated nodes behind the router.
+
+CONVERSATIONS = 3
+TURNS = 3
+MAX_TOKENS = 8
+
+
+def user_message(conversation: int, turn: int) -> str:
+    """A few hundred tokens of text of its own, so that turns extend the prompt by that much."""
+    rng = random.Random(conversation * 100 + turn)
+    words = ["river", "stone", "lantern", "orbit", "copper", "meadow", "signal", "harbor", "violet", "engine",
+             "thunder", "paper", "glacier", "window", "cedar", "falcon", "marble", "canyon", "ember", "tide"]
+    sentences = [" ".join(rng.choice(words) for _ in range(12)).capitalize() + "." for _ in range(20)]
+    return f"Conversation {conversation}, note {turn}: " + " ".join(sentences) + " Summarize it in a word."
+
+
+def messages_up_to(conversation: int, turn: int) -> list[dict]:
+    """The conversation through `turn`'s user message; earlier answers are fixed, so each turn's
+    prompt extends the one before whatever the model said."""
+    messages = [{"role": "system", "content": "You are a terse assistant."}]
+    for t in range(turn + 1):
+        messages.append({"role": "user", "content": user_message(conversation, t)})
+        if t < turn:
+            messages.append({"role": "assistant", "content": f"Noted ({conversation}.{t})."})
+    return messages
+
+
+def converse(router: Node, turns: range) -> dict[tuple[int, int], str]:
+    """Each conversation's turns, interleaved (turn t of every conversation before turn t + 1), one
+    request at a time: {(conversation, turn): answer}. Ids name the turn in the router's log."""
+    answers = {}
+    with httpx.Client(timeout=120) as client:
+        for turn in turns:
+            for c in range(CONVERSATIONS):
+                r = client.post(f"{router.url}/v1/chat/completions",
+                                headers={"x-request-id": f"conv{c}-turn{turn}-{router.port}"},
+                                json={"model": MODEL, "messages": messages_up_to(c, turn), "max_tokens": MAX_TOKENS,
+                                      "temperature": 0})
+                assert r.status_code == 200, r.text
+                answers[c, turn] = r.json()["choices"][0]["message"]["content"]
+                time.sleep(0.2)  # a user's think time: the node's KV events reach the router meanwhile
+    return answers
+
+
+def served_by(router: Node, nodes: list[Node]) -> dict[tuple[int, int], int]:
+    """{(conversation, turn): index of the node that answered}, from the router's log."""
+    index = {f"127.0.0.1:{n.port}": i for i, n in enumerate(nodes)}
+    found = re.findall(rf"conv(\d+)-turn(\d+)-{router.port} <- decode node (\S+): HTTP 200", router.log())
+    return {(int(c), int(t)): index[address] for c, t, address in found}
+
+
+def prefix_hits(nodes: list[Node]) -> float:
+    return sum(metric_sum(n.samples(), "vllm:prefix_cache_hits_total") for n in nodes)
+
+
+def kv_events_live(router: Node) -> dict[str, bool]:
+    """{decode node: whether the router follows its KV events}, from the router's /health."""
+    nodes = httpx.get(f"{router.url}/health", timeout=5).json()["decode_nodes"]
+    return {address: view["kv_events"]["live"] for address, view in nodes.items()}
+
+
+def serve_conversations(tmp_path, routing: str, tokenizer_dir: str) -> tuple[dict, dict, float]:
+    """Two fresh colocated nodes behind a router with `routing`, the conversations through it:
+    (answers, which node served each turn, the nodes' prefix-cache hits in tokens). Under
+    cache_aware, conversation 0's node is then killed and one more turn of each is sent."""
+    nodes = [start_node("both", tmp_path) for _ in range(2)]
+    addresses = [f"127.0.0.1:{n.port}" for n in nodes]
+    router = start_router(tmp_path, addresses, ["--routing", routing, "--tokenizer", tokenizer_dir])
+    try:
+        if routing == "cache_aware":
+            wait_for(lambda: all(kv_events_live(router).values()), 30, "the router follows both nodes' KV events")
+        answers = converse(router, range(TURNS))
+        result = answers, served_by(router, nodes), prefix_hits(nodes)
+        if routing == "cache_aware":
+            first = result[1][0, 0]
+            nodes[first].kill()  # mid-run: conversation 0's node dies
+            wait_for(lambda: not kv_events_live(router)[addresses[first]], 30, "the dead node's KV view is dropped")
+            more = converse(router, range(TURNS, TURNS + 1))  # every one answered, by the node left
+            assert all(more.values())
+            assert {served_by(router, nodes)[c, TURNS] for c in range(CONVERSATIONS)} == {1 - first}
+        return result
+    finally:
+        router.kill()
+        for n in nodes:
+            n.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_later_turns_land_where_their_prefix_is_and_a_dead_node_drops_out(tmp_path):
+    from disagg.engine.loader import resolve_model
+
+    tokenizer_dir = str(resolve_model(None))
+    plain, plain_nodes, plain_hits = serve_conversations(tmp_path, "least_loaded", tokenizer_dir)
+    cached, cached_nodes, cached_hits = serve_conversations(tmp_path, "cache_aware", tokenizer_dir)
+    print(f"prefix-cache hits (tokens): cache_aware {cached_hits:.0f}, least_loaded {plain_hits:.0f}; "
+          f"served by: cache_aware {cached_nodes}, least_loaded {plain_nodes}")
+    assert cached == plain  # token-exact: answers from cached KV equal those computed afresh
+    for c in range(CONVERSATIONS):  # every later turn went where the earlier ones had
+        assert {cached_nodes[c, t] for t in range(TURNS)} == {cached_nodes[c, 0]}, cached_nodes
+    assert len({cached_nodes[c, 0] for c in range(CONVERSATIONS)}) == 2  # both nodes got conversations
+    # Each later turn hits at least its previous turn's prompt (a few hundred tokens a turn) ...
+    assert cached_hits >= CONVERSATIONS * (TURNS - 1) * 250, (cached_hits, plain_hits)
+    # ... and least_loaded, alternating, lands most later turns on the other node.
+    assert plain_hits < cached_hits / 2, (cached_hits, plain_hits, plain_nodes)
