@@ -35,6 +35,11 @@ GRAMMAR_LIMITS = {
     "step_lexer_fuel": 200_000,  # each later mask (llguidance's default)
     "max_lexer_states": 50_000,  # 1-2 kB each: <= ~100 MB of DFA (default 250,000)
     "max_grammar_size": 200_000,  # symbols in the grammar (default 500,000)
+    # Earley items in one row: a rule of N alternatives puts N in the row after its first token, so
+    # the default 2,000 failed a guided_choice of 5,000 entries (or a 6,000-alternative GBNF) at
+    # its second token, a 500 (issue 24). Served instead, up to the work llguidance allows one
+    # step (step_max_items, 50,000 by default): such rows take under a millisecond a mask.
+    "max_items_in_row": 50_000,
     "verbose_errors": False,  # errors go to the client: no dump of the parser's state
 }
 DEFAULT_GRAMMAR_CACHE_BYTES = 256 * 2**20  # --grammar-cache-mb
@@ -134,16 +139,16 @@ class GrammarCompiler:
             raise SamplingParamError("structured", f"the {spec.kind} does not compile: {llguidance_error(matcher)}")
         # The first mask builds the lexer; one token more on a copy shows a grammar whose first
         # step already runs out of fuel (the attack above), which would otherwise fail its request
-        # after the response started.
+        # after the response started. The first, middle and last allowed tokens are tried: which
+        # one costs most depends on the grammar (a choice of "0".."4999" is cheap after "0" only).
         bitmask = torch.full(((self.vocab_size + 31) // 32,), -1, dtype=torch.int32)
         matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * bitmask.element_size())
         if matcher.is_error():
             return matcher, llguidance_error(matcher)
-        allowed = allowed_tokens(bitmask, self.vocab_size)
-        first = next((t for t in allowed if t not in self.eos_token_ids), None)
-        if first is not None:
+        allowed = [t for t in allowed_tokens(bitmask, self.vocab_size) if t not in self.eos_token_ids]
+        for token in sorted({allowed[0], allowed[len(allowed) // 2], allowed[-1]} if allowed else set()):
             probe = matcher.deep_copy()
-            if probe.consume_token(first):
+            if probe.consume_token(token):
                 probe.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * bitmask.element_size())
             if probe.is_error():
                 return matcher, llguidance_error(probe)
