@@ -97,3 +97,69 @@ def test_large_choice_and_gbnf_are_served(pair_1p1d, victim_text):
     assert r.status_code == 200, r.text
     assert all(choice["text"] in alternatives for choice in r.json()["choices"]), r.json()["choices"]
     assert_victim_exact(decode, victim_text)
+
+
+# --- fast lane: no process ------------------------------------------------------------------------
+
+class SlowMatcher:
+    """Stands in for an llguidance matcher whose every mask takes `seconds` (allowing every token)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.masks = 0
+
+    def unsafe_compute_mask_ptr(self, ptr: int, size: int) -> None:
+        time.sleep(self.seconds)
+        self.masks += 1
+
+    def is_stopped(self) -> bool:
+        return False
+
+    def consume_token(self, token: int) -> bool:
+        return True
+
+
+def test_costly_masks_fail_their_own_request_past_the_step_budget():
+    """Finding 4: 64 rows of a grammar whose mask takes 20 ms held every token of the batch for
+    1.3 s a step (0.15 s a row before llguidance's fuel was limited: 14.7 s gaps). Now, past
+    MASK_STEP_BUDGET_S, the costly rows are failed, each alone; the cheap one is computed."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from disagg.engine.structured_output import MASK_STEP_BUDGET_S, StructuredOutput
+
+    structured = StructuredOutput(SimpleNamespace(vocab_size=64))
+    costly = {f"attack-{i}": SlowMatcher(0.02) for i in range(64)}
+    cheap = SlowMatcher(0.0)
+    structured.matchers = {**costly, "victim": cheap}
+    seqs = [SimpleNamespace(request_id=rid) for rid in [*costly, "victim"]]
+    steps = []
+    for _ in range(3):
+        start = time.monotonic()
+        structured.mask(torch.zeros(len(seqs), 64), seqs)
+        steps.append(time.monotonic() - start)
+    assert cheap.masks == 3 and "victim" not in structured.failed
+    failed = [rid for rid in costly if rid in structured.failed]
+    assert failed and "grammar too expensive" in structured.failed[failed[0]]
+    with pytest.raises(ValueError, match="grammar too expensive"):
+        structured.accept(failed[0], 5)
+    # The first step measures every row once; later ones stay near the budget.
+    assert max(steps[1:]) < MASK_STEP_BUDGET_S + 0.1, steps
+    structured.release(failed[0])
+    assert failed[0] not in structured.failed and failed[0] not in structured.mask_seconds
+
+
+def test_open_api_without_a_key_is_warned_about(caplog):
+    """A decode, colocated node or router on 0.0.0.0 with no --api-key starts, as vLLM's does, with
+    one warning line saying what to do."""
+    from disagg.serving import HTTPOptions, make_app, openai_error_response, warn_if_open
+
+    open_app = make_app("t", HTTPOptions(None, 2**20), openai_error_response)
+    keyed_app = make_app("t", HTTPOptions("k" * 16, 2**20), openai_error_response)
+    with caplog.at_level("WARNING", logger="disagg.serving"):
+        warn_if_open(open_app, "127.0.0.1", 8000)
+        warn_if_open(keyed_app, "0.0.0.0", 8000)
+        assert not caplog.records
+        warn_if_open(open_app, "0.0.0.0", 8000)
+    assert len(caplog.records) == 1 and "--api-key" in caplog.text and "127.0.0.1" in caplog.text
