@@ -3,6 +3,7 @@ and the ASGI middlewares its API and the router's share."""
 
 import asyncio
 import importlib.metadata
+import ipaddress
 import logging
 import resource
 import secrets
@@ -49,6 +50,7 @@ async def serve_http(app: FastAPI, host: str, port: int, ready_line: str, log_le
     socket closes (new connections are refused) and requests in flight get `shutdown_timeout`
     seconds to finish before they are cancelled. Connections are bounded by `limits`
     (BoundedH11Protocol)."""
+    warn_if_open(app, host, port)
     limits = limits or HTTPLimits()
     cap, backlog = connection_bounds(limits)
     protocol = type("BoundedH11Protocol", (BoundedH11Protocol,), {"pool": ConnectionPool(cap, limits)})
@@ -61,6 +63,26 @@ async def serve_http(app: FastAPI, host: str, port: int, ready_line: str, log_le
         await server.serve()
     except SystemExit:  # it could not start (a port in use, say); uvicorn has logged why
         raise SystemExit(f"disagg: error: cannot serve HTTP on {host}:{port}") from None
+
+
+def warn_if_open(app: FastAPI, host: str, port: int) -> None:
+    """One warning line when the API (decode, colocated node or router) listens beyond loopback
+    with no --api-key. Not a refusal: vLLM serves every interface by default and asks for no key,
+    and deployments that keep their network private (a compose network, a Kubernetes service
+    behind its own auth) start it that way; refusing would break them for a line of advice."""
+    if getattr(app.state, "api_key_required", True) or is_loopback(host):
+        return
+    logger.warning("the API on %s:%d takes requests from anyone who reaches it: no --api-key (or $DISAGG_API_KEY) "
+                   "is set; pass one, or bind --host 127.0.0.1 to serve this machine only", host, port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost may resolve anywhere
+        return False
 
 
 class _Server(uvicorn.Server):
@@ -247,6 +269,7 @@ def make_app(title: str, options: HTTPOptions, error_response: Callable[..., Res
         else dict(docs_url=None, redoc_url=None, openapi_url=None)
     app = FastAPI(title=title, version=package_version(), **docs)
     app.add_middleware(BodyLimitMiddleware, max_bytes=options.max_request_body_bytes, error_response=error_response)
+    app.state.api_key_required = bool(options.api_key)  # serve_http warns when it is not, beyond loopback
     if options.api_key:  # added last, so it runs first: a request without the key is refused before its body is read
         app.add_middleware(APIKeyMiddleware, api_key=options.api_key, error_response=error_response)
     return app

@@ -11,6 +11,7 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 from schemathesis.generation import GenerationMode
 from servers import PAIR_MAX_MODEL_LEN, Node, read_sse_text, start_node, wait_for
@@ -78,10 +79,10 @@ def keep_cheap(body) -> None:
     Values of the wrong type or sign stay, for the API to refuse."""
     if not isinstance(body, dict):
         return
-    for field in ("max_tokens", "max_completion_tokens"):
+    for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if is_int(body.get(field)) and body[field] > FUZZ_MAX_TOKENS:
             body[field] = FUZZ_MAX_TOKENS
-    if "max_tokens" not in body and "max_completion_tokens" not in body:
+    if not {"max_tokens", "max_completion_tokens", "max_output_tokens"} & body.keys():
         body["max_tokens"] = FUZZ_MAX_TOKENS  # absent: the rest of the context, up to 512 tokens
     for field in ("n", "best_of"):
         if is_int(body.get(field)) and body[field] > FUZZ_MAX_N:
@@ -114,6 +115,67 @@ def test_fuzzed_requests_get_no_server_error(api_schema, method, path, max_examp
             case.call_and_validate(checks=[not_a_server_error], timeout=60)
 
         fuzz()
+
+
+# --- hypothesis: grammars and chat bodies -------------------------------------------------------
+
+FUZZ_TEXT = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]) | st.sampled_from("{}[]()|*+?\\\"'"),
+                    max_size=40)
+ODD_REGEXES = st.one_of(FUZZ_TEXT, st.sampled_from(["(a{1000}){300}", "a{1000}{1000}", "[", "(?P<x>a)", "\\", "a**",
+                                                    "(a|b){0,3000}c", ".*", "[^\\x00-\\x7f]{5}", "x{2,1}"]))
+ODD_GRAMMARS = st.one_of(FUZZ_TEXT, st.sampled_from([
+    "root ::= " + " | ".join(f'"{i}"' for i in range(3000)), 'root ::= "a" root | ""', "root ::= root",
+    "start: start", 'start: "a"+', "root ::= [", "%llguidance {}\nstart: /a{1000}{1000}/"]))
+ODD_SCHEMAS = st.one_of(st.dictionaries(st.sampled_from(["type", "properties", "enum", "pattern", "items",
+                                                          "minItems", "$ref", "anyOf", "maxLength"]),
+                                        st.one_of(FUZZ_TEXT, st.integers(-5, 10**6), st.booleans(),
+                                                  st.lists(FUZZ_TEXT, max_size=3)), max_size=4),
+                        st.sampled_from([{"type": "object", "properties": {"a": {"$ref": "#/a"}}},
+                                         {"type": "string", "pattern": "(a{1000}){300}"},
+                                         {"type": "array", "minItems": 10**9}]))
+GRAMMAR_FIELDS = st.one_of(
+    ODD_REGEXES.map(lambda r: {"guided_regex": r}), ODD_GRAMMARS.map(lambda g: {"guided_grammar": g}),
+    ODD_SCHEMAS.map(lambda s: {"guided_json": s}),
+    ODD_SCHEMAS.map(lambda s: {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}}),
+    st.lists(FUZZ_TEXT, max_size=5).map(lambda c: {"guided_choice": c}))
+CONTENT = st.one_of(FUZZ_TEXT, st.none(), st.integers(), st.lists(st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": FUZZ_TEXT}),
+    st.fixed_dictionaries({"type": st.sampled_from(["image_url", "input_audio", "file", "", "text"]),
+                           "image_url": st.just({"url": "http://127.0.0.1:1/x.png"})}),
+    FUZZ_TEXT), max_size=3))
+MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "tool", "developer", "function", "", "USER", "bot"]),
+     "content": CONTENT},
+    optional={"name": FUZZ_TEXT, "tool_calls": st.lists(st.dictionaries(FUZZ_TEXT, FUZZ_TEXT, max_size=2), max_size=2),
+              "tool_call_id": FUZZ_TEXT})
+
+
+def check_answer(response: httpx.Response) -> None:
+    """A 2xx, or a 4xx in OpenAI's error shape; never a 5xx."""
+    assert response.status_code < 500, response.text
+    if response.status_code >= 400:
+        error = response.json()["error"]
+        assert {"message", "type", "param", "code"} <= error.keys(), error
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@given(fields=GRAMMAR_FIELDS, chat=st.booleans(), n=st.integers(1, FUZZ_MAX_N))
+def test_fuzzed_grammars_get_no_server_error(fuzz_node, fields, chat, n):
+    body = {"max_tokens": FUZZ_MAX_TOKENS, "n": n, "temperature": 1.0, "seed": 1, **fields}
+    if chat:
+        body["messages"] = [{"role": "user", "content": "Answer:"}]
+    else:
+        body["prompt"] = "Answer:"
+    check_answer(httpx.post(f"{fuzz_node.url}/v1/{'chat/' if chat else ''}completions", json=body, timeout=60))
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@given(messages=st.lists(MESSAGE, min_size=1, max_size=4), extra=st.sampled_from(
+    [{}, {"add_generation_prompt": False}, {"continue_final_message": True, "add_generation_prompt": False},
+     {"echo": True}, {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}]))
+def test_fuzzed_chat_bodies_get_no_server_error(fuzz_node, messages, extra):
+    body = {"messages": messages, "max_tokens": FUZZ_MAX_TOKENS, **extra}
+    check_answer(httpx.post(f"{fuzz_node.url}/v1/chat/completions", json=body, timeout=60))
 
 
 def test_node_serves_correctly_after_fuzzing(fuzz_node, reference):

@@ -72,6 +72,7 @@ from disagg.api.protocol import (
     UsageInfo,
     check_context_length,
     check_request_size,
+    check_unicode,
 )
 from disagg.api.reasoning import ReasoningParser, ReasoningStream
 from disagg.api.responses import RESPONSES_PARAMS, ResponseObject, ResponsesFormat, ResponsesRequest, ResponseStore
@@ -890,6 +891,7 @@ def parse_request(model: type[BaseModel], body: bytes) -> BaseModel:
         raise APIError(400, f"the body is not valid JSON: {e}") from None
     try:
         check_request_size(data)
+        check_unicode(body, data)
         return model.model_validate(data)
     except ValidationError as e:
         raise APIError(400, *validation_problems(e.errors(include_url=False))) from None

@@ -11,6 +11,7 @@ StructuredOutputSpec, and the field it came from names the 400 when its grammar 
 
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -96,6 +97,43 @@ def check_request_size(body: object) -> None:
     if isinstance(prompt, list) and len(prompt) > MAX_CHOICES and not isinstance(prompt[0], int):
         raise SamplingParamError("prompt", f"at most {MAX_CHOICES} prompts a request (n times the number of "
                                            f"prompts is at most {MAX_CHOICES}), got {len(prompt)}")
+
+
+# A JSON \u escape of a UTF-16 surrogate. json.loads joins a valid pair into one character and keeps a
+# lone one as it is, which no UTF-8 encoder (the tokenizer's included) takes: a 500 (issue 24).
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def check_unicode(body: bytes, data: object) -> None:
+    """Refuses (SamplingParamError naming the field) a body whose strings hold a lone surrogate.
+    The body's bytes are scanned first, so that bodies with no surrogate escape (nearly all) cost
+    one regex pass; only those that have one are walked."""
+    if SURROGATE_ESCAPE.search(body) is None:
+        return
+    path = lone_surrogate_path(data)
+    if path is not None:
+        raise SamplingParamError(path or "body", f"{path or 'the body'} holds a lone UTF-16 surrogate (a \\uD800-"
+                                                 "\\uDFFF escape that is not half of a pair), which is no text; "
+                                                 "send valid Unicode")
+
+
+def lone_surrogate_path(value: object, path: str = "") -> str | None:
+    """The dotted path of the first string (or key) in the parsed JSON that cannot be UTF-8, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        inner = f"{path}.{key}" if path else str(key)
+        if isinstance(key, str) and lone_surrogate_path(key) is not None:
+            return inner
+        found = lone_surrogate_path(item, inner)
+        if found is not None:
+            return found
+    return None
 
 
 class StreamOptions(OpenAIRequest):

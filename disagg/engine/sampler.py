@@ -125,6 +125,9 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         sorted_probs, order = torch.sort(probs, descending=True)
         # Keep the smallest set whose mass reaches top_p (the first token always stays).
         drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        # Said outright: a top_p below float32's smallest number (1e-300) is 0 there, and 0 >= 0
+        # would drop every token, leaving nothing to sample (issue 24: a 500).
+        drop[0] = False
         probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)

@@ -20,6 +20,9 @@ MAX_TOKEN_ID = 2**31 - 1  # no vocabulary comes near 2^31 tokens
 MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0  # presence and frequency penalties, OpenAI's range
 MAX_REPETITION_PENALTY = 1e4  # beyond this every repeated token is already ruled out
+# Below this a positive logit divided by it overflows float32 (1e-300 was a 500, issue 24); by
+# then every repeated token is already the only choice, as MAX_REPETITION_PENALTY rules them out.
+MIN_REPETITION_PENALTY = 1 / MAX_REPETITION_PENALTY
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range; vLLM clamps to it
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_GRAMMAR_CHARS = 65536  # a JSON schema, regex or grammar; compiling one costs time on the engine's thread
@@ -128,9 +131,10 @@ class SamplingParams:
             if not is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
                 raise SamplingParamError(name, f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
         r = self.repetition_penalty
-        if not is_number(r) or not 0.0 < r <= MAX_REPETITION_PENALTY:
-            raise SamplingParamError("repetition_penalty", f"repetition_penalty must be > 0 and at most "
-                                                           f"{MAX_REPETITION_PENALTY:g} (1: off), got {r!r}")
+        if not is_number(r) or not MIN_REPETITION_PENALTY <= r <= MAX_REPETITION_PENALTY:
+            raise SamplingParamError("repetition_penalty", f"repetition_penalty must be between "
+                                                           f"{MIN_REPETITION_PENALTY:g} and {MAX_REPETITION_PENALTY:g} "
+                                                           f"(1: off), got {r!r}")
         bias = self.logit_bias
         if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS_ENTRIES:
             raise SamplingParamError("logit_bias", f"logit_bias must map at most {MAX_LOGIT_BIAS_ENTRIES} token ids "

@@ -9,6 +9,7 @@ instead of hundreds, and reads tokenizer.json itself, with no dependency on tran
 import ctypes
 import os
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -35,9 +36,21 @@ GRAMMAR_LIMITS = {
     "step_lexer_fuel": 200_000,  # each later mask (llguidance's default)
     "max_lexer_states": 50_000,  # 1-2 kB each: <= ~100 MB of DFA (default 250,000)
     "max_grammar_size": 200_000,  # symbols in the grammar (default 500,000)
+    # Earley items in one row: a rule of N alternatives puts N in the row after its first token, so
+    # the default 2,000 failed a guided_choice of 5,000 entries (or a 6,000-alternative GBNF) at
+    # its second token, a 500 (issue 24). Served instead, up to the work llguidance allows one
+    # step (step_max_items, 50,000 by default): such rows take under a millisecond a mask.
+    "max_items_in_row": 50_000,
     "verbose_errors": False,  # errors go to the client: no dump of the parser's state
 }
 DEFAULT_GRAMMAR_CACHE_BYTES = 256 * 2**20  # --grammar-cache-mb
+# A step's masks are computed on the engine thread while every request in the batch waits for its
+# token (issue 24: 64 choices of one costly grammar stretched other requests' token gaps to 14.7 s).
+# Once a step has spent MASK_STEP_BUDGET_S on masks, a row whose last mask took over
+# EXPENSIVE_MASK_S is failed instead of computed ("grammar too expensive"), that request alone;
+# cheap rows are computed first and always. Ordinary grammars take well under a millisecond a mask.
+MASK_STEP_BUDGET_S = 0.25
+EXPENSIVE_MASK_S = 0.005
 # An entry's smallest cost: its RSS growth reads 0 when it reused memory freed before.
 MIN_GRAMMAR_BYTES = 256 * 2**10
 
@@ -134,16 +147,16 @@ class GrammarCompiler:
             raise SamplingParamError("structured", f"the {spec.kind} does not compile: {llguidance_error(matcher)}")
         # The first mask builds the lexer; one token more on a copy shows a grammar whose first
         # step already runs out of fuel (the attack above), which would otherwise fail its request
-        # after the response started.
+        # after the response started. The first, middle and last allowed tokens are tried: which
+        # one costs most depends on the grammar (a choice of "0".."4999" is cheap after "0" only).
         bitmask = torch.full(((self.vocab_size + 31) // 32,), -1, dtype=torch.int32)
         matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * bitmask.element_size())
         if matcher.is_error():
             return matcher, llguidance_error(matcher)
-        allowed = allowed_tokens(bitmask, self.vocab_size)
-        first = next((t for t in allowed if t not in self.eos_token_ids), None)
-        if first is not None:
+        allowed = [t for t in allowed_tokens(bitmask, self.vocab_size) if t not in self.eos_token_ids]
+        for token in sorted({allowed[0], allowed[len(allowed) // 2], allowed[-1]} if allowed else set()):
             probe = matcher.deep_copy()
-            if probe.consume_token(first):
+            if probe.consume_token(token):
                 probe.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * bitmask.element_size())
             if probe.is_error():
                 return matcher, llguidance_error(probe)
@@ -201,6 +214,7 @@ class StructuredOutput:
         self.compiler = compiler
         self.matchers: dict[str, llguidance.LLMatcher] = {}
         self.failed: dict[str, str] = {}  # request id -> why its mask could not be computed
+        self.mask_seconds: dict[str, float] = {}  # request id -> how long its last mask took
 
     def add(self, request_id: str, spec: StructuredOutputSpec) -> None:
         self.matchers[request_id] = self.compiler.matcher(spec)
@@ -208,6 +222,7 @@ class StructuredOutput:
     def release(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
         self.failed.pop(request_id, None)
+        self.mask_seconds.pop(request_id, None)
 
     def accept(self, request_id: str, token: int) -> None:
         """Raises ValueError if the token breaks the request's grammar (the engine fails that request)."""
@@ -235,12 +250,25 @@ class StructuredOutput:
             return logits
         bitmask = torch.full((len(rows), (self.compiler.vocab_size + 31) // 32), -1, dtype=torch.int32)
         row_bytes = bitmask.shape[1] * bitmask.element_size()
-        for i, row in enumerate(rows):  # llguidance writes row i of the (contiguous, CPU) bitmask in place
+        start = time.monotonic()
+        cheapest_first = sorted(enumerate(rows), key=lambda pair: self.mask_seconds.get(seqs[pair[1]].request_id, 0.0))
+        for i, row in cheapest_first:  # llguidance writes row i of the (contiguous, CPU) bitmask in place
             request_id = seqs[row].request_id
+            cost = self.mask_seconds.get(request_id, 0.0)
+            if request_id in self.failed:
+                continue  # failed when its token is accepted
+            if cost > EXPENSIVE_MASK_S and time.monotonic() - start > MASK_STEP_BUDGET_S:
+                self.failed[request_id] = (f"grammar too expensive: its token mask takes {cost * 1000:.0f} ms a "
+                                           f"step, and this step's masks had already taken the "
+                                           f"{MASK_STEP_BUDGET_S:g} s this server gives them; send a simpler "
+                                           "grammar, or fewer choices (n) of it")
+                continue
+            began = time.monotonic()
             try:
                 self.matchers[request_id].unsafe_compute_mask_ptr(bitmask[i].data_ptr(), row_bytes)
             except Exception as e:  # noqa: BLE001  that request alone fails, when its token is accepted
                 self.failed[request_id] = f"computing the grammar's token mask failed: {e}"
+            self.mask_seconds[request_id] = time.monotonic() - began
         index = torch.tensor(rows, device=logits.device)
         logits = logits.clone()
         logits[index] = apply_token_bitmask(logits[index], bitmask.to(logits.device))
