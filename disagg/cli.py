@@ -563,6 +563,8 @@ def main(argv: list[str] | None = None) -> None:
             {"generate": generate, "serve": serve}[args.command](args)
     except (ValueError, RuntimeError) as e:
         parser.exit(2, f"disagg: error: {e}\n")
+    except KeyboardInterrupt:  # Ctrl-C before a server took over SIGINT (loading the model, say)
+        parser.exit(130, f"disagg {args.command}: interrupted\n")  # 128 + SIGINT, as a shell reports it
 
 
 if __name__ == "__main__":
