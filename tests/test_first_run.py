@@ -190,3 +190,14 @@ def test_up_exits_non_zero_when_a_node_dies_and_stops_the_other():
     finally:
         with contextlib.suppress(ProcessLookupError):  # whatever is left of the group
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_generate_answers():
+    """`disagg generate`, the README's offline command, failed with a TypeError before it loaded anything."""
+    result = subprocess.run([sys.executable, "-m", "disagg.cli", "generate", "--device", "cpu", "--prompt", "Hi!",
+                             "--max-tokens", "4"], capture_output=True, text=True, timeout=100,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and re.search(r"1 completions, \d+ tokens", result.stdout), output
