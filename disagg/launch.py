@@ -25,7 +25,7 @@ def serve_command(args: argparse.Namespace, role: str, port: int, kv_port: int) 
     kv = {"kv_connector": args.kv_connector, "kv_port": kv_port}
     if role == "consumer":  # the quick start shows a handoff: under "auto" its short sample would stay here
         kv["kv_connector_extra_config"] = {"remote_prefill": "always"}
-    command += ["--kv-role", role, "--port", str(port), "--log-level", "WARNING",
+    command += ["--kv-role", role, "--port", str(port), "--log-level", args.log_level,
                 "--kv-transfer-config", json.dumps(kv)]
     if role == "producer":
         command += ["--grpc-port", str(args.grpc_port)]
