@@ -71,8 +71,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="directory with tokenizer.json (and tokenizer_config.json) to use instead of the model's")
     parser.add_argument("--chat-template", default=None,
                         help="chat template to use instead of the tokenizer's: a file, or the jinja template itself")
-    parser.add_argument("--grammar-cache-mb", type=float, default=256,
-                        help="MiB of memory for compiled structured-output grammars (least recently used out first)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="accepted for vLLM's command lines and ignored: disagg runs "
                              "no code from the model directory")
@@ -111,8 +109,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
                 kv_offloading_size=args.kv_offloading_size, kv_offloading_backend=args.kv_offloading_backend,
                 kv_offloading_mode=args.kv_offloading_mode, kv_disk_path=args.kv_disk_path,
-                kv_disk_size=args.kv_disk_size, tokenizer=args.tokenizer,
-                chat_template=args.chat_template, grammar_cache_bytes=int(args.grammar_cache_mb * 2**20))
+                kv_disk_size=args.kv_disk_size, tokenizer=args.tokenizer, chat_template=args.chat_template)
 
 
 def local_model(args: argparse.Namespace) -> str | None:
@@ -382,7 +379,8 @@ def serve(args: argparse.Namespace) -> None:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     name = served_model_name(args)
     limits = HTTPLimits.from_args(args)
-    engine = AsyncEngine(LLMEngine(EngineConfig(**engine_kwargs(args) | {"model": local_model(args)})))
+    engine = AsyncEngine(LLMEngine(EngineConfig(**engine_kwargs(args) | {
+        "model": local_model(args), "grammar_cache_bytes": int(args.grammar_cache_mb * 2**20)})))
     metrics.register_vllm_names(name)  # every role serves vLLM's metric names, labelled with the served name
     if kv.kv_role == "producer":
         from disagg.prefill_node.server import run_prefill_node
@@ -428,6 +426,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              f"(default: ${API_KEY_ENV})")
     parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         help="decode/colocated node: larger request bodies are refused with 413")
+    # A server's only: `generate` takes no structured output.
+    parser.add_argument("--grammar-cache-mb", type=float, default=256,
+                        help="MiB of memory for compiled structured-output grammars (least recently used out first)")
     parser.add_argument("--enable-docs", action="store_true",
                         help="serve /docs and /openapi.json (off: they map the API for anyone who reaches the port)")
     add_http_limit_args(parser)
@@ -580,6 +581,8 @@ def main(argv: list[str] | None = None) -> None:
             {"generate": generate, "serve": serve}[args.command](args)
     except (ValueError, RuntimeError) as e:
         parser.exit(2, f"disagg: error: {e}\n")
+    except KeyboardInterrupt:  # Ctrl-C before a server took over SIGINT (loading the model, say)
+        parser.exit(130, f"disagg {args.command}: interrupted\n")  # 128 + SIGINT, as a shell reports it
 
 
 if __name__ == "__main__":

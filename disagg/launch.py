@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,7 +25,7 @@ def serve_command(args: argparse.Namespace, role: str, port: int, kv_port: int) 
     kv = {"kv_connector": args.kv_connector, "kv_port": kv_port}
     if role == "consumer":  # the quick start shows a handoff: under "auto" its short sample would stay here
         kv["kv_connector_extra_config"] = {"remote_prefill": "always"}
-    command += ["--kv-role", role, "--port", str(port), "--log-level", "WARNING",
+    command += ["--kv-role", role, "--port", str(port), "--log-level", args.log_level,
                 "--kv-transfer-config", json.dumps(kv)]
     if role == "producer":
         command += ["--grpc-port", str(args.grpc_port)]
@@ -81,16 +82,41 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
-def wait_for_stop(stop: threading.Event, procs: tuple[subprocess.Popen, ...]) -> None:
-    """Until `stop` is set or a node exits; the caller then stops what is left."""
+def wait_for_stop(stop: threading.Event, nodes: dict[str, subprocess.Popen]) -> None:
+    """Until `stop` is set; RuntimeError if a node exits first (the caller then stops the other)."""
     while not stop.wait(0.2):
-        exited = [p for p in procs if p.poll() is not None]
-        if exited:
-            print(f"a node exited with code {exited[0].returncode}; stopping", file=sys.stderr)
-            return
+        exited = [(name, proc) for name, proc in nodes.items() if proc.poll() is not None]
+        if exited and not stop.wait(1.0):  # not Ctrl-C, which the terminal sends the nodes too
+            name, proc = exited[0]
+            raise RuntimeError(f"the {name} node exited with code {proc.returncode}; stopped the other "
+                               "(its output is above)")
+
+
+def bound_ports(args: argparse.Namespace) -> dict[int, str]:
+    """The ports the two nodes listen on, and the flag that sets each (the prefill node's pipe
+    port, kv_port, is only its name: the decode node's consumer listens, the producer connects)."""
+    return {args.port: "the decode node's HTTP port, --port", args.port + 1: "the prefill node's HTTP port, --port + 1",
+            args.grpc_port: "the prefill node's gRPC port, --grpc-port",
+            args.kv_port + 1: "the decode node's pipe port, --kv-port + 1"}
+
+
+def check_ports_free(ports: dict[int, str]) -> None:
+    """RuntimeError naming the first port something listens on: nodes started there would die with
+    a traceback each, and the sample would go to whatever answers on the port (issue 25: a second
+    `make run` asked the first one's nodes)."""
+    for port, what in ports.items():
+        with socket.socket() as probe:
+            # As the nodes bind: a port a closed connection left in TIME_WAIT is free for them.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                raise RuntimeError(f"port {port} ({what}) is in use, by another `disagg up` perhaps: stop it, or "
+                                   "start this one on other ports (--port, --grpc-port, --kv-port)") from None
 
 
 def up(args: argparse.Namespace) -> None:
+    check_ports_free(bound_ports(args))
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     prefill_port, decode_port = args.port + 1, args.port
     prefill = subprocess.Popen(serve_command(args, "producer", prefill_port, args.kv_port), env=env)
@@ -109,7 +135,7 @@ def up(args: argparse.Namespace) -> None:
             return
         stop = stop_on_signals()  # before the line that invites Ctrl-C
         print(f"serving {model}: OpenAI API at {url}/v1 (prefill node http://127.0.0.1:{prefill_port}); Ctrl-C stops")
-        wait_for_stop(stop, (decode, prefill))
+        wait_for_stop(stop, {"decode": decode, "prefill": prefill})
     finally:
         for proc in (decode, prefill):
             proc.terminate()

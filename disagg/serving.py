@@ -2,14 +2,17 @@
 and the ASGI middlewares its API and the router's share."""
 
 import asyncio
+import contextlib
 import importlib.metadata
 import ipaddress
 import logging
 import resource
 import secrets
+import signal
+import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -46,10 +49,11 @@ def openai_error_response(status: int, message: str, param: str | None = None,
 
 async def serve_http(app: FastAPI, host: str, port: int, ready_line: str, log_level: str,
                      shutdown_timeout: float = 5.0, limits: HTTPLimits | None = None) -> None:
-    """Serve until SIGINT/SIGTERM; print `ready_line` once the socket listens. On the signal the
-    socket closes (new connections are refused) and requests in flight get `shutdown_timeout`
-    seconds to finish before they are cancelled. Connections are bounded by `limits`
-    (BoundedH11Protocol)."""
+    """Serve until SIGINT/SIGTERM; print `ready_line` ("<what> ready: ...") once the socket listens.
+    On the signal the socket closes (new connections are refused), requests in flight get
+    `shutdown_timeout` seconds to finish before they are cancelled, "<what> stopped (SIGINT)" is
+    printed and this returns, so that the caller's cleanup runs and the process exits 0.
+    Connections are bounded by `limits` (BoundedH11Protocol)."""
     warn_if_open(app, host, port)
     limits = limits or HTTPLimits()
     cap, backlog = connection_bounds(limits)
@@ -63,6 +67,8 @@ async def serve_http(app: FastAPI, host: str, port: int, ready_line: str, log_le
         await server.serve()
     except SystemExit:  # it could not start (a port in use, say); uvicorn has logged why
         raise SystemExit(f"disagg: error: cannot serve HTTP on {host}:{port}") from None
+    if server.stopped_by is not None:
+        print(f"{ready_line.partition(' ready')[0]} stopped ({server.stopped_by.name})", flush=True)
 
 
 def warn_if_open(app: FastAPI, host: str, port: int) -> None:
@@ -87,11 +93,17 @@ def is_loopback(host: str) -> bool:
 
 class _Server(uvicorn.Server):
     """Prints its ready line as soon as the socket listens, before it has answered anything (a line
-    printed later could land in the middle of what a first client prints to the same terminal)."""
+    printed later could land in the middle of what a first client prints to the same terminal).
+
+    Stops on SIGINT or SIGTERM as uvicorn does (a second SIGINT cuts the grace period short), but
+    does not raise the signal again once it has shut down, as uvicorn would: SIGINT would then
+    reach asyncio.run's own handler, which cancels the node's cleanup (gRPC server, pipes) half
+    way and ends in a CancelledError and KeyboardInterrupt traceback (issue 25)."""
 
     def __init__(self, config: uvicorn.Config, ready_line: str):
         super().__init__(config)
         self.ready_line = ready_line
+        self.stopped_by: signal.Signals | None = None
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
@@ -103,6 +115,22 @@ class _Server(uvicorn.Server):
         # holding the shutdown for its whole timeout.
         self.config.app.state.shutting_down = True
         await super().shutdown(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():  # only there can signals be caught
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.stopped_by = self.stopped_by or signal.Signals(sig)
+        super().handle_exit(sig, frame)
 
 
 # Descriptors left for what is not an HTTP connection: KV pipes, gRPC, model and log files.

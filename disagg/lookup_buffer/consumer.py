@@ -39,7 +39,7 @@ from disagg.lookup_buffer.errors import (
 )
 from disagg.lookup_buffer.messages import MAX_HEADER_BYTES, Hello, KVEntry, decode, decode_chunk, token_digest
 from disagg.pipes.base import Destination, KVPipe, PipeConfig
-from disagg.pipes.errors import PeerMayWrite, PipeError, PipeTimeout, ProtocolError
+from disagg.pipes.errors import PeerMayWrite, PipeClosed, PipeError, PipeTimeout, ProtocolError
 from disagg.pipes.row_scatter import RowScatter
 from disagg.rate_limited_log import RateLimitedLog
 
@@ -342,6 +342,8 @@ class LookupBufferConsumer:
     def _recv_loop(self, pipe: KVPipe) -> None:
         source: tuple[str, int] | None = None
         reason = "closed"
+        between_entries = False  # waiting for the next entry's header: nothing is in flight on this connection
+        routine = False  # closed between entries: see the log line below
         try:
             self._use_own_stream()
             hello = decode(self._recv(pipe))
@@ -351,7 +353,9 @@ class LookupBufferConsumer:
             with self._cond:
                 self._stats.connections += 1
             while True:
+                between_entries = True
                 entry = decode(self._recv(pipe))
+                between_entries = False
                 if not isinstance(entry, KVEntry):
                     raise ProtocolError("a producer sent a second hello on one connection")
                 start = time.perf_counter()
@@ -365,6 +369,7 @@ class LookupBufferConsumer:
                 # WITHDRAWN: the producer sends it again, from its start, later
         except PipeError as e:  # a malformed message too: this connection ends, the consumer carries on
             reason = str(e)
+            routine = between_entries and isinstance(e, PipeClosed)
         except Exception as e:  # a bug, not the peer; still only this connection ends
             log.exception("KV consumer: receiving from producer %s failed", source or "(before its hello)")
             reason = repr(e)
@@ -378,7 +383,12 @@ class LookupBufferConsumer:
                     self._losses[source] = self._losses.get(source, 0) + 1
                     self._loss_reasons[source] = reason
                     self._wake()
-                if not self._closed:
+                # A producer closes a connection idle for a minute (its IDLE_SENDER_S), and every one as it
+                # stops: routine, and nothing was in flight (a decode node hears of a prefill node that died
+                # from its gRPC health check).
+                if not self._closed and routine:
+                    log.info("KV producer %s closed its connection between entries: %s", source, reason)
+                elif not self._closed:
                     log.warning("KV producer %s disconnected: %s", source or "(before its hello)", reason)
 
     def _use_own_stream(self) -> None:
