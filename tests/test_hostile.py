@@ -12,6 +12,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import TypeAdapter, ValidationError
 from schemathesis.checks import not_a_server_error
 from schemathesis.generation import GenerationMode
 from servers import PAIR_MAX_MODEL_LEN, Node, read_sse_text, start_node, wait_for
@@ -70,28 +71,44 @@ def api_schema(fuzz_node):
     return schemathesis.openapi.from_url(f"{fuzz_node.url}/openapi.json")
 
 
-def is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+INT = TypeAdapter(int)
 
 
-def keep_cheap(body) -> None:
+def as_int(value) -> int | None:
+    """The int the API reads a value as, or None: pydantic's lax mode takes 4.0 and "4" for 4 too."""
+    try:
+        return INT.validate_python(value)
+    except ValidationError:
+        return None
+
+
+TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+# The fields that cap an endpoint's generation; keep_cheap sets the first when none is sent. /v1/responses
+# reads only max_output_tokens: max_tokens there is an unknown field, ignored, and with it left as the
+# only cap a Responses body ran to the end of the context (a 480-token stream on a shared CPU for
+# minutes, each event inside the read timeout).
+TOKEN_CAPS = {"/v1/responses": ("max_output_tokens",)}
+DEFAULT_TOKEN_CAPS = ("max_tokens", "max_completion_tokens")
+
+
+def keep_cheap(body, path: str) -> None:
     """Generation is what costs: at most FUZZ_MAX_TOKENS tokens and FUZZ_MAX_N choices a prompt.
-    Values of the wrong type or sign stay, for the API to refuse."""
+    Values the API cannot read as an int stay, for it to refuse."""
     if not isinstance(body, dict):
         return
-    for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
-        if is_int(body.get(field)) and body[field] > FUZZ_MAX_TOKENS:
-            body[field] = FUZZ_MAX_TOKENS
-    if not {"max_tokens", "max_completion_tokens", "max_output_tokens"} & body.keys():
-        body["max_tokens"] = FUZZ_MAX_TOKENS  # absent: the rest of the context, up to 512 tokens
-    for field in ("n", "best_of"):
-        if is_int(body.get(field)) and body[field] > FUZZ_MAX_N:
-            body[field] = FUZZ_MAX_N
+    for field in (*TOKEN_FIELDS, "n", "best_of"):
+        limit = FUZZ_MAX_N if field in ("n", "best_of") else FUZZ_MAX_TOKENS
+        if field in body and (as_int(body[field]) or 0) > limit:
+            body[field] = limit
+    caps = TOKEN_CAPS.get(path, DEFAULT_TOKEN_CAPS)
+    if all(body.get(field) is None for field in caps):
+        body[caps[0]] = FUZZ_MAX_TOKENS  # absent or null: the rest of the context, up to 512 tokens
 
 
 @pytest.mark.parametrize("method, path, max_examples", [
     ("POST", "/v1/completions", 50),
     ("POST", "/v1/chat/completions", 50),
+    ("POST", "/v1/responses", 30),
     ("POST", "/tokenize", 20),
     ("POST", "/detokenize", 20),
     ("GET", "/v1/models", 3),
@@ -111,11 +128,28 @@ def test_fuzzed_requests_get_no_server_error(api_schema, method, path, max_examp
                   suppress_health_check=list(HealthCheck))
         @given(case=operation.as_strategy(generation_mode=mode))
         def fuzz(case):
-            keep_cheap(case.body)
+            keep_cheap(case.body, path)
             case.call_and_validate(checks=[not_a_server_error], timeout=60)
 
         fuzz()
 
+
+
+def test_keep_cheap_caps_the_field_each_endpoint_reads():
+    """/v1/responses gets max_output_tokens (its max_tokens is ignored); a cap the API reads from a float,
+    a numeric string or null is capped too; a value it refuses stays."""
+    bodies = [({"input": "", "max_tokens": 4}, "/v1/responses"), ({"input": "", "max_output_tokens": None},
+              "/v1/responses"), ({"prompt": "", "max_tokens": "500", "n": 9.0}, "/v1/completions"),
+              ({"messages": [], "max_tokens": None}, "/v1/chat/completions"),
+              ({"messages": [], "max_completion_tokens": -1, "n": "x"}, "/v1/chat/completions")]
+    for body, path in bodies:
+        keep_cheap(body, path)
+    assert [body for body, _ in bodies] == [
+        {"input": "", "max_tokens": 4, "max_output_tokens": FUZZ_MAX_TOKENS},
+        {"input": "", "max_output_tokens": FUZZ_MAX_TOKENS},
+        {"prompt": "", "max_tokens": FUZZ_MAX_TOKENS, "n": FUZZ_MAX_N},
+        {"messages": [], "max_tokens": FUZZ_MAX_TOKENS},
+        {"messages": [], "max_completion_tokens": -1, "n": "x"}]
 
 # --- hypothesis: grammars and chat bodies -------------------------------------------------------
 

@@ -215,6 +215,26 @@ def test_bad_requests_are_400s_naming_the_responses_field(decode, body, param):
     assert answer.json()["error"]["param"] == param, answer.json()
 
 
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.timeout(120)
+def test_max_tokens_does_not_cap_a_response_max_output_tokens_does(decode, stream):
+    """The fuzzer's body that ran for minutes, {"input": "", "max_tokens": 4}: max_tokens is chat's field,
+    unknown here and ignored (as vLLM's), so it ran to the end of the context. max_output_tokens caps
+    it, read as pydantic reads an int ("3" is 3), and the answer comes at once."""
+    body = {"input": "", "max_tokens": 1, "max_output_tokens": "3", "temperature": 0, "ignore_eos": True,
+            "stream": stream}
+    answer = httpx.post(f"{decode.url}/v1/responses", json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    if stream:
+        blocks = [b for b in answer.text.split("\n\n") if b]
+        assert blocks[-1].startswith("event: response.incomplete\n")
+        response = json.loads(blocks[-1].split("\ndata: ")[1])["response"]
+    else:
+        response = answer.json()
+    assert response["status"] == "incomplete" and response["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert response["usage"]["output_tokens"] == 3 and response["max_output_tokens"] == 3
+
 @pytest.mark.timeout(120)
 def test_langchain_chat_openai_with_the_responses_api(decode, model):
     langchain_openai = pytest.importorskip("langchain_openai")
