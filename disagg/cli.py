@@ -5,7 +5,6 @@ Building the parser imports no torch (nor the servers): `disagg --help`, `disagg
 
 import argparse
 import asyncio
-import ipaddress
 import json
 import logging
 import os
@@ -18,6 +17,7 @@ from disagg.api.reasoning import REASONING_PARSERS
 from disagg.api.tool_calls import TOOL_CALL_PARSERS
 from disagg.config import ROLES, KVTransferConfig
 from disagg.help_format import HelpFormatter
+from disagg.hosts import is_loopback
 from disagg.http_limits import HTTPLimits, add_http_limit_args
 from disagg.router import DEFAULT_MAX_REQUEST_BODY_BYTES
 from disagg.vllm_flags import add_vllm_flags, check_vllm_flags, normalize_argv
@@ -289,15 +289,6 @@ def node_ports_off_loopback(args: argparse.Namespace, kv: KVTransferConfig) -> s
     if kv.kv_role == "consumer" and (kv.kv_connector == "ucx" or not is_loopback(kv.kv_ip)):
         return f"the {kv.kv_connector} pipe {'every interface (ucx)' if kv.kv_connector == 'ucx' else kv.kv_ip}"
     return None
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name other than localhost may resolve anywhere
-        return False
 
 
 def served_model_names(args: argparse.Namespace) -> list[str]:

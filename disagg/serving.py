@@ -4,7 +4,6 @@ and the ASGI middlewares its API and the router's share."""
 import asyncio
 import contextlib
 import importlib.metadata
-import ipaddress
 import logging
 import resource
 import secrets
@@ -25,6 +24,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from disagg.config import KVTransferConfig
 from disagg.control_plane import NodeInfo
+from disagg.hosts import is_loopback
 from disagg.http_limits import HTTPLimits
 from disagg.rate_limited_log import RateLimitedLog
 
@@ -80,15 +80,6 @@ def warn_if_open(app: FastAPI, host: str, port: int) -> None:
         return
     logger.warning("the API on %s:%d takes requests from anyone who reaches it: no --api-key (or $DISAGG_API_KEY) "
                    "is set; pass one, or bind --host 127.0.0.1 to serve this machine only", host, port)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name other than localhost may resolve anywhere
-        return False
 
 
 class _Server(uvicorn.Server):
