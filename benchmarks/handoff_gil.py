@@ -25,7 +25,7 @@ import torch
 
 from disagg.engine.kv_cache import KVCache
 from disagg.lookup_buffer import LookupBufferConsumer, LookupBufferProducer
-from disagg.pipes import PipeConfig
+from disagg.pipes import PipeConfig, RowScatter
 
 LAYERS, LAYER_SHAPE = 32, (2, 1024, 8, 32)
 
@@ -57,9 +57,9 @@ def measure(pipe: str, in_place: bool, interval: float, parts: int, busy: bool, 
     if in_place:  # every entry into the same blocks, one after the other
         _, _, tokens, heads, dim = (LAYERS, *LAYER_SHAPE)
         cache = KVCache(LAYERS, tokens // BLOCK_SIZE, BLOCK_SIZE, heads, dim, torch.float32, torch.device("cpu"))
-        views = cache.views(list(range(tokens // BLOCK_SIZE)), 0, tokens)
+        into = RowScatter(cache.kv, cache.rows(list(range(tokens // BLOCK_SIZE)), 0, tokens))
         for i in range(n):
-            consumer.expect(f"r{i}", [views])
+            consumer.expect(f"r{i}", [into])
     ctx = mp.get_context("spawn")
     next_entry = ctx.Queue()
     producer = ctx.Process(target=produce, args=(pipe, consumer.address[1], n, parts, next_entry))

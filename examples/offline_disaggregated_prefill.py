@@ -39,6 +39,7 @@ from disagg.engine.engine import LLMEngine
 from disagg.engine.output import RequestOutput
 from disagg.engine.sequence import KVExport
 from disagg.lookup_buffer import LookupBufferConsumer, LookupBufferProducer
+from disagg.pipes import RowScatter
 
 PROMPTS = [
     "Hello, my name is",
@@ -103,16 +104,16 @@ def run_decode(consumer_port: Synchronized, consumer_ready: Event, kv_received: 
     consumer = LookupBufferConsumer(kv.kv_connector, kv.pipe_config(), ttl=kv.extra("buffer_ttl"))
     try:
         # Reserve KV blocks for each prompt; the engine will not compute these prompts itself. Their
-        # KV is received straight into the reserved blocks (their views, in the KV's byte order).
+        # KV is received straight into the reserved blocks (their cache rows, in token order).
         slots = {}
         seqs = [engine.add_request(request_id(i), prompt, SAMPLING, remote_prefill=True)
                 for i, prompt in enumerate(PROMPTS)]
         for seq in seqs:
             slots[seq.request_id] = slot = engine.remote_slot(seq.request_id)
-            # No views if the pool had no room yet: then it lands in a buffer first. (The prefill
-            # process sends every prompt's KV from token 0, so views from a prefix hit on would not do.)
-            if slot.views is not None and slot.cached_tokens == 0:
-                consumer.expect(seq.request_id, [slot.views])
+            # No rows if the pool had no room yet: then it lands in a buffer first. (The prefill
+            # process sends every prompt's KV from token 0, so rows from a prefix hit on would not do.)
+            if slot.rows is not None and slot.cached_tokens == 0:
+                consumer.expect(seq.request_id, [RowScatter(slot.cache, slot.rows)])
         consumer_port.value = consumer.address[1]
         consumer_ready.set()
         first = dict(first_tokens.get(timeout=KV_WAIT_S) for _ in seqs)
