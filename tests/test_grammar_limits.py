@@ -67,6 +67,16 @@ def test_ordinary_grammars_fit_the_limits(compiler):
         assert not compiler.compile(spec).is_error()
 
 
+def test_text_the_vocabulary_cannot_write_is_refused_at_compile(compiler):
+    """A regex forcing U+76719 (UTF-8 F1 B6 9C 99): this model's vocabulary has no token for the lone
+    byte F1, and llguidance's mask let a token through that its matcher then refused, failing the
+    request after its first token (a 500 the fuzzer found). Now a 400 at compile; text it can write
+    still compiles."""
+    with pytest.raises(SamplingParamError, match="cannot write"):
+        compiler.compile(StructuredOutputSpec("regex", "\u00ba\U00076719\u009d"))
+    assert not compiler.compile(StructuredOutputSpec("regex", "\u00ba caf\u00e9 [a-z]+")).is_error()
+
+
 def rss(node: Node) -> int:
     with open(f"/proc/{node.proc.pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024

@@ -160,6 +160,14 @@ class GrammarCompiler:
                 probe.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * bitmask.element_size())
             if probe.is_error():
                 return matcher, llguidance_error(probe)
+        # The bytes the grammar forces, as tokens, on a copy: a vocabulary with no token for one of
+        # them (this model's has none for some lone UTF-8 bytes) would otherwise fail the request
+        # tokens later, after the response started.
+        probe = matcher.deep_copy()
+        forced = probe.compute_ff_tokens()
+        if forced and (not probe.consume_tokens(forced) or probe.is_error()):
+            raise SamplingParamError("structured", f"the {spec.kind} forces text that this model's tokens cannot "
+                                                   f"write ({llguidance_error(probe)}); leave such characters out")
         return matcher, None
 
     def matcher(self, spec: StructuredOutputSpec) -> llguidance.LLMatcher:
