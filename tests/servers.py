@@ -28,6 +28,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_pair() -> int:
+    """A port p with p + 1 free too (`disagg up` gives the prefill node port + 1)."""
+    while True:
+        p = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + 1))
+                return p
+            except OSError:
+                continue
+
+
+def start_up(port: int, grpc_port: int, kv_port: int) -> subprocess.Popen:
+    """`disagg up` on the CPU in a process group of its own, as a terminal starts it (Ctrl-C signals the
+    group: up and both nodes); its output on stdout, text."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "disagg.cli", "up", "--port", str(port), "--grpc-port", str(grpc_port),
+         "--kv-port", str(kv_port), "--device", "cpu"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+
+
+def output_until_serving(proc: subprocess.Popen) -> str:
+    """`disagg up`'s output up to the line that says both nodes serve (or to its end, if it exits first)."""
+    output = ""
+    for line in proc.stdout:
+        output += line
+        if "Ctrl-C stops" in line:
+            break
+    return output
+
+
 @dataclass
 class Node:
     role: str

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from lookup_peer import make_request
-from servers import Node, free_port, wait_for, wait_ready
+from servers import Node, free_port, free_port_pair, output_until_serving, start_up, wait_for, wait_ready
 
 from disagg import cli
 from disagg.lookup_buffer import LookupBufferConsumer, LookupBufferProducer
@@ -157,26 +157,9 @@ def children(pid: int) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_up_exits_non_zero_when_a_node_dies_and_stops_the_other():
-    port = free_port()
-    while True:  # `up` takes port + 1 too
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-                break
-            except OSError:
-                port = free_port()
-    kv_port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "disagg.cli", "up", "--port", str(port), "--grpc-port", str(free_port()),
-         "--kv-port", str(kv_port), "--device", "cpu"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    proc = start_up(free_port_pair(), free_port(), free_port())
     try:
-        output = ""
-        for line in proc.stdout:
-            output += line
-            if "Ctrl-C stops" in line:
-                break
+        output = output_until_serving(proc)
         nodes = {pid: Path(f"/proc/{pid}/cmdline").read_text() for pid in children(proc.pid)}
         prefill = next(pid for pid, cmdline in nodes.items() if "producer" in cmdline)
         os.kill(prefill, signal.SIGKILL)

@@ -2,30 +2,15 @@
 
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
-from servers import free_port
+from servers import free_port, free_port_pair, output_until_serving, start_up
 
 from disagg import LLM, SamplingParams
 from disagg.launch import SAMPLE
 
 pytestmark = pytest.mark.slow
-
-
-def free_port_pair() -> int:
-    """A port p with p + 1 free too (`disagg up` gives the prefill node port + 1)."""
-    while True:
-        p = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p + 1))
-                return p
-            except OSError:
-                continue
 
 
 def group_alive(pgid: int) -> bool:
@@ -38,19 +23,9 @@ def group_alive(pgid: int) -> bool:
 
 @pytest.mark.timeout(300)
 def test_up_starts_both_nodes_answers_the_sample_and_stops_on_ctrl_c(model_dir):
-    port, grpc_port, kv_port = free_port_pair(), free_port(), free_port_pair()
-    # Its own process group, as a terminal gives it: Ctrl-C signals the group (up and both nodes).
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "disagg.cli", "up", "--port", str(port), "--grpc-port", str(grpc_port),
-         "--kv-port", str(kv_port), "--device", "cpu"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    proc = start_up(free_port_pair(), free_port(), free_port_pair())
     try:
-        output = ""
-        for line in proc.stdout:
-            output += line
-            if "Ctrl-C stops" in line:
-                break
+        output = output_until_serving(proc)
         assert "Ctrl-C stops" in output, output
         os.killpg(proc.pid, signal.SIGINT)
         start = time.monotonic()
