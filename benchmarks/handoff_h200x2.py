@@ -47,6 +47,9 @@ HANDOFF_STEPS = {"decode": ["remote_prefill_call", "kv_lookup_wait", "kv_entry_r
                  "prefill": ["prefill_compute", "kv_buffer_insert", "kv_part_send"]}
 
 
+STEP_PREFIXES = ("colocated_", "decode_", "prefill_")  # measure()'s per-request splits
+
+
 def node_kwargs(args: argparse.Namespace, model: Path, mode: str) -> dict:
     extra = ["--kv-cache-memory", args.kv_cache_memory, "--max-model-len", str(args.max_model_len)]
     if args.max_num_batched_tokens:  # prompts longer than this are computed (and sent) in chunks
@@ -78,13 +81,16 @@ def ttft_phase(args: argparse.Namespace, model: Path) -> dict:
         out[mode] = {n: {"ttft_colocated_ms": r["ttft_colocated"] * 1e3, "ttft_disagg_ms": r["ttft_disagg"] * 1e3,
                          "prefill_ms": r["prefill"] * 1e3, "exposed_ms": r["overhead"] * 1e3,
                          "ttft_ratio": r["ttft_disagg"] / r["ttft_colocated"], "kv_mib": r["kv_mib"],
+                         # Medians of each request's split (kv_handoff.py's docstring says what each is).
+                         "timeline_ms": {k: r[k] * 1e3 for k in r if k.startswith(STEP_PREFIXES)},
                          "samples_s": r["samples"]}
                      for n, r in rows.items()}
         print(f"[{mode}] " + "; ".join(f"{n}: ratio {r['ttft_ratio']:.3f}, exposed {r['exposed_ms']:+.1f} ms"
                                        for n, r in out[mode].items()), flush=True)
     first = next(iter(out.values()))
     return {"ttft": out, "ttft_ratio": {str(n): r["ttft_ratio"] for n, r in first.items()},
-            "exposed_handoff_ms_8k": {mode: rows[8192]["exposed_ms"] for mode, rows in out.items() if 8192 in rows}}
+            "exposed_handoff_ms_8k": {mode: rows[8192]["exposed_ms"] for mode, rows in out.items() if 8192 in rows},
+            "ttft_fixed_ms_512": first[512]["timeline_ms"]["colocated_fixed"] if 512 in first else None}
 
 
 def start_router(log_dir: Path, fronts: list[System]) -> tuple[subprocess.Popen, str]:

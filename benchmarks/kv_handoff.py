@@ -14,6 +14,14 @@ Split of the disagg TTFT, per request:
   -> KV loaded into its blocks), read as the histogram's _sum delta around the request;
 - transfer+load = kv_transfer - prefill: gRPC round trip, the pipe, drop_select and the load;
 - rest = TTFT - kv_transfer: HTTP, tokenization, block reservation, the first token's stream.
+
+The fixed cost of a colocated TTFT, per request, from the node's own histograms read around it:
+- engine = queue + prefill time (`disagg_request_queue_time_seconds` + `..._prefill_time_seconds`:
+  the request added to the engine -> its first token sampled, at the end of that step);
+- fixed = TTFT (client) - engine; of it, `api` = server TTFT (`disagg_time_to_first_token_seconds`:
+  the API's request object made -> the token taken off its queue) - engine, and `http` = the rest
+  (the client's send, parsing, validation, tokenization, the SSE write and its read).
+For 1P1D, each handoff step's share of the request (HANDOFF_STEPS' histograms) is kept too.
 """
 
 import argparse
@@ -59,6 +67,27 @@ def ttft_of(url: str, prompt: list[int]) -> float:
     raise RuntimeError("no content in the stream")
 
 
+# Histograms read around each request: the colocated node's engine and API times, the pair's handoff steps.
+COLOCATED_TIMES = ["request_queue_time", "request_prefill_time", "time_to_first_token"]
+DECODE_STEPS = ["time_to_first_token", "remote_prefill_call", "kv_lookup_wait", "kv_entry_receive", "kv_load",
+                "first_token_delay", "request_queue_time", "request_prefill_time"]
+PREFILL_STEPS = ["prefill_compute", "kv_buffer_insert"]
+
+
+def scrape(url: str, names: list[str]) -> dict[str, float]:
+    """The _sum of each disagg_<name>_seconds histogram on one node's /metrics."""
+    text = CLIENT.get(f"{url}/metrics").text
+    sums = {}
+    for line in text.splitlines():
+        if line.startswith("disagg_") and "_seconds_sum " in line:
+            sums[line[len("disagg_"):line.index("_seconds_sum ")]] = float(line.split()[1])
+    return {name: sums.get(name, 0.0) for name in names}
+
+
+def deltas(before: dict[str, float], after: dict[str, float], prefix: str = "") -> dict[str, float]:
+    return {prefix + name: after[name] - before[name] for name in after}
+
+
 def last_prefill(system: System) -> tuple[float, float]:
     """(prefill seconds, KiB of KV) from the prefill node's newest log line."""
     matches = PREFILL_LINE.findall(system.prefill.log())
@@ -87,10 +116,24 @@ def measure(sys_by_name: dict[str, System], lens: list[int], repeats: int, vocab
                 if name == "disagg":
                     before = system.front.metric_sum("disagg_kv_transfer_seconds_sum")
                     count = system.front.metric_sum("disagg_kv_transfer_seconds_count")
+                    steps = scrape(system.front.url, DECODE_STEPS), scrape(system.prefill.url, PREFILL_STEPS)
+                else:
+                    times = scrape(system.front.url, COLOCATED_TIMES)
                 ttft = ttft_of(system.front.url, prompt)
                 rec.setdefault(f"ttft_{name}", []).append(ttft)
+                time.sleep(0.2)  # histograms are observed as requests finish; the prefill node logs after answering
+                if name == "colocated":
+                    d = deltas(times, scrape(system.front.url, COLOCATED_TIMES))
+                    engine = d["request_queue_time"] + d["request_prefill_time"]
+                    for key, value in {"engine": engine, "fixed": ttft - engine,
+                                       "api": d["time_to_first_token"] - engine,
+                                       "http": ttft - d["time_to_first_token"]}.items():
+                        rec.setdefault(f"colocated_{key}", []).append(value)
                 if name == "disagg":
-                    time.sleep(0.2)  # the prefill node logs after answering
+                    for key, value in {**deltas(steps[0], scrape(system.front.url, DECODE_STEPS), "decode_"),
+                                       **deltas(steps[1], scrape(system.prefill.url, PREFILL_STEPS), "prefill_")
+                                       }.items():
+                        rec.setdefault(key, []).append(value)
                     transfer = system.front.metric_sum("disagg_kv_transfer_seconds_sum") - before
                     if system.front.metric_sum("disagg_kv_transfer_seconds_count") != count + 1:
                         raise RuntimeError("the KV did not come from the prefill node (recomputed?): "
@@ -141,7 +184,8 @@ def main() -> None:
     start = time.time()
     same_core = NodeSpec(cpus=first, threads=args.threads)
     with systems(Path(args.log_dir), same_core, same_core, NodeSpec(cpus=second, threads=args.threads),
-                 model=args.model, connector=args.connector) as sys_by_name:
+                 model=args.model, connector=args.connector,
+                 kv_extra={"remote_prefill": "always"}) as sys_by_name:  # the handoff is what is measured
         measure(sys_by_name, [64], 1, args.vocab_size, seed=999)  # warm-up
         results = measure(sys_by_name, lens, args.repeats, args.vocab_size)
     print(f"\n{time.time() - start:.0f}s")

@@ -11,10 +11,12 @@ A message's header goes over the control socket, followed by one route byte per
 tensor saying how that tensor's bytes travel:
 - NCCL: CUDA tensors, when both sides have CUDA. One tensor is one plain send; several
   go in one coalesced group (the benchmark's layer list).
-- INLINE: the CPU tensors of a message that also has CUDA tensors (a lookup-buffer
-  header beside its KV) follow the header on the control socket, so they need neither
-  a host-to-device copy nor a device sync on the receiver, and arrive on the CPU.
-- GLOO: everything else (no CUDA on one side, or only CPU tensors).
+- INLINE: the CPU tensors of a message that also has CUDA tensors, and on a pair with
+  CUDA a message of CPU tensors alone up to INLINE_MAX_BYTES (a lookup-buffer header or
+  chunk message), follow the header on the control socket: they need neither a
+  host-to-device copy nor a device sync on the receiver, nor a gloo rendezvous that
+  would hold the sender until the receiver, busy with the parts before, comes to it.
+- GLOO: everything else (no CUDA on one side, or larger CPU tensors).
 Tensors travel as uint8 views, which sidesteps backends' dtype gaps (bool, bfloat16).
 
 With gloo, send() returns only once the peer's recv() has taken the message (gloo
@@ -42,6 +44,7 @@ from disagg.pipes.base import Destination, KVPipe, PipeConfig, fill
 from disagg.pipes.errors import NoMessage, PipeClosed, PipeError, PipeTimeout
 
 INLINE, GLOO, NCCL = 0, 1, 2  # a tensor's route, one byte per tensor after the header
+INLINE_MAX_BYTES = 64 << 10  # a message of CPU tensors alone this small goes on the control socket (GPU pairs)
 # A connector's first byte on a handshaken connection: a new pipe, or the store connection of one.
 PIPE, STORE = b"P", b"S"
 PAIR_ID_BYTES = 16
@@ -239,10 +242,11 @@ class TorchDistPipe(KVPipe):
             return
         # Lean on purpose: at 16 MiB NCCL needs ~60 us a message, and this runs per message.
         cuda = [t for t in tensors if t.is_cuda]
-        if cuda and self._nccl is not None:
-            device = cuda[0].get_device()  # the whole message goes through one GPU's communicator
+        small = not cuda and sum(t.nbytes for t in tensors) <= INLINE_MAX_BYTES
+        if self._nccl is not None and (cuda or small):
             routes = bytes(NCCL if t.is_cuda else INLINE for t in tensors)
             inline = [sockets.byte_view(t.contiguous()) for t in tensors if not t.is_cuda and t.numel()]
+            device = cuda[0].get_device() if cuda else -1  # the whole message goes through one GPU's communicator
             bulk = [_flat_bytes(t if t.get_device() == device else t.to(device)) for t in cuda if t.numel()]
             backend = NCCL
         else:

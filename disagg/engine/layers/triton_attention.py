@@ -44,6 +44,10 @@ class TritonAttention:
         # Query rows of a prefill tile: wide for the matrix units, a power of two, at least 16 for tl.dot.
         self.block_m = min(128, max(16, triton.next_power_of_2(32 * self.group)))
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        # The step's metadata goes through pinned memory: from pageable memory the copy is staged by
+        # the driver on the engine thread. `copied` marks when the last copy has read the buffer.
+        self.staging = torch.empty(0, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None
 
     def num_splits(self, batch: int) -> int:
         """Enough programs to fill the GPU twice over, in powers of two; slices with no keys exit at once."""
@@ -81,14 +85,26 @@ class TritonAttention:
         if seq_lens:
             parts += [query_start, seq_lens, seq_rows, tile_seq, tile_start]
         host = np.concatenate([np.fromiter(itertools.chain.from_iterable(parts), np.int32), updates.reshape(-1)])
-        # Everything the step needs from the host, in one copy.
-        flat = torch.from_numpy(host).to(self.kv_cache.kv.device, non_blocking=True)
+        flat = self._to_device(host)
         views = flat.split([len(p) for p in parts] + [updates.size])
         self.block_table.apply(views[-1].view(2, -1))
         meta = TritonMetadata(views[1], views[2], num_decodes, self.num_splits(max(num_decodes, 1)))
         if seq_lens:
             meta.query_start, meta.seq_lens, meta.seq_rows, meta.tile_seq, meta.tile_start = views[4:9]
         return StepInputs(views[0], views[1], meta, views[3])
+
+    def _to_device(self, host: np.ndarray) -> torch.Tensor:
+        """Everything the step needs from the host, in one copy."""
+        if self.copied is None:
+            return torch.from_numpy(host)
+        if self.staging.numel() < host.size:  # the old buffer's pending copy keeps it alive (caching host allocator)
+            self.staging = torch.empty(max(host.size, 2 * self.staging.numel()), dtype=torch.int32, pin_memory=True)
+        self.copied.synchronize()  # the previous step's copy has read the buffer (long done: its step ended)
+        staged = self.staging[:host.size]
+        staged.numpy()[:] = host
+        flat = staged.to(self.kv_cache.kv.device, non_blocking=True)
+        self.copied.record()
+        return flat
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: TritonMetadata) -> torch.Tensor:
