@@ -59,9 +59,15 @@ EXTRA_DEFAULTS: dict[str, object] = {
     # pipe, its load: several ms) that a prompt this short would not win back on the prefill node.
     "local_prefill_max_tokens": 64,
     "layerwise": True,  # a prefill node sends each layer's KV as soon as it is computed, else all at the end
+    # Prompts with fewer tokens to send go whole even when layerwise; None: LAYERWISE_MIN_TOKENS_GPU on
+    # a GPU, 0 elsewhere (a CPU's prefill is slow beside a part's cost, so every prompt gains).
+    "layerwise_min_tokens": None,
 }
 EXTRA_NUMBERS = ("pipe_timeout", "lookup_timeout", "prefill_timeout", "buffer_ttl", "insert_timeout")
 REMOTE_PREFILL = ("auto", "always", "never")
+# On an H200 pair each layer part costs both engines more than the overlap saves below about 4k tokens
+# (BENCHMARKS.md, "TTFT, one request at a time").
+LAYERWISE_MIN_TOKENS_GPU = 4096
 # vLLM fields that mean nothing here: accepted, so that vLLM's configs start, with a warning.
 IGNORED = ("engine_id", "kv_connector_module_path")
 
@@ -126,14 +132,13 @@ class KVTransferConfig:
             raise ValueError(f"kv_connector_extra_config has unknown field(s) {sorted(unknown)}; "
                              f"known: {sorted(EXTRA_DEFAULTS)}")
         for name in EXTRA_NUMBERS:
-            if name in extra:
+            if extra.get(name) is not None:
                 extra[name] = number(f"kv_connector_extra_config.{name}", extra[name], float)
-        if "local_prefill_max_tokens" in extra:
-            extra["local_prefill_max_tokens"] = number("kv_connector_extra_config.local_prefill_max_tokens",
-                                                       extra["local_prefill_max_tokens"], int)
-            if extra["local_prefill_max_tokens"] < 0:
-                raise ValueError("kv_connector_extra_config.local_prefill_max_tokens must be 0 or more, "
-                                 f"got {extra['local_prefill_max_tokens']}")
+        for name in ("local_prefill_max_tokens", "layerwise_min_tokens"):
+            if extra.get(name) is not None:
+                extra[name] = number(f"kv_connector_extra_config.{name}", extra[name], int)
+                if extra[name] < 0:
+                    raise ValueError(f"kv_connector_extra_config.{name} must be 0 or more, got {extra[name]}")
         if self.kv_load_failure_policy is not None:
             if extra.get("prefill_policy", self.kv_load_failure_policy) != self.kv_load_failure_policy:
                 raise ValueError(f"kv_load_failure_policy {self.kv_load_failure_policy!r} disagrees with "
@@ -153,6 +158,12 @@ class KVTransferConfig:
 
     def extra(self, key: str):
         return self.kv_connector_extra_config[key]
+
+    def layerwise_min_tokens(self, device_type: str) -> int:
+        chosen = self.extra("layerwise_min_tokens")
+        if chosen is not None:
+            return chosen
+        return LAYERWISE_MIN_TOKENS_GPU if device_type == "cuda" else 0
 
     def pipe_config(self) -> "PipeConfig":
         """This node's own pipe endpoint, with the pipe's key and stall timeout."""

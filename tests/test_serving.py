@@ -200,8 +200,9 @@ def test_a_prompt_prefilled_in_chunks_crosses_chunk_by_chunk(tmp_path, hf_model,
     """A prefill node that computes long prompts in chunks of 128 tokens sends each chunk's KV as it
     computes it: a 640-token prompt crosses in 5 chunks of 9 layer parts, and the decode node's
     answer equals transformers'; so does a second prompt whose leading blocks the decode node
-    holds already (only its tail crosses)."""
-    prefill = start_node("producer", tmp_path, extra_args=["--max-num-batched-tokens", "128"])
+    holds already: only its tail crosses, in one part, being shorter than layerwise_min_tokens."""
+    prefill = start_node("producer", tmp_path, extra_args=["--max-num-batched-tokens", "128"],
+                         kv_extra={"layerwise_min_tokens": 200})
     # "always": the second prompt's tail alone is short enough to be computed on the decode node.
     decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address],
                         kv_extra={"prefill_policy": "fail", "remote_prefill": "always"})
@@ -212,10 +213,12 @@ def test_a_prompt_prefilled_in_chunks_crosses_chunk_by_chunk(tmp_path, hf_model,
         first = post_completion(decode.url, prompts[0])
         assert first.status_code == 200 and first.json()["choices"][0]["text"] == expected[0]
         chunks = -(-first.json()["usage"]["prompt_tokens"] // 128)
-        assert chunks == 5 and prefill.metric("disagg_kv_part_send_seconds_count") >= chunks * 9
+        parts = prefill.metric("disagg_kv_part_send_seconds_count")
+        assert chunks == 5 and parts >= chunks * 9
         second = post_completion(decode.url, prompts[1])
         assert second.status_code == 200 and second.json()["choices"][0]["text"] == expected[1]
         assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 600
+        assert prefill.metric("disagg_kv_part_send_seconds_count") == parts + 1
     finally:
         decode.kill()
         prefill.kill()

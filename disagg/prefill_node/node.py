@@ -76,12 +76,13 @@ class Registration:
 
 class PrefillNode:
     def __init__(self, engine: AsyncEngine, producer: LookupBufferProducer, info: NodeInfo,
-                 kv_buffer_device: str = "cpu", layerwise: bool = True):
+                 kv_buffer_device: str = "cpu", layerwise: bool = True, layerwise_min_tokens: int = 0):
         self.engine = engine
         self.producer = producer
         self.info = info
         self.kv_buffer_device = kv_buffer_device
         self.layerwise = layerwise  # else a prompt's KV goes as one message once all layers have run
+        self.layerwise_min_tokens = layerwise_min_tokens  # a prompt with fewer tokens to send goes whole
         self.copy_stream: torch.cuda.Stream | None = None  # KV to host memory, off the engine's stream
         self.callers: dict[str, tuple[str, int]] = {}  # request id -> the kv_dest of the call computing it
         self.senders: dict[str, LayerSender] = {}  # request id -> where its KV goes, as it is computed
@@ -135,7 +136,8 @@ class PrefillNode:
         per_layer = engine.kv_bytes_per_token_layer
         tokens = len(call.prompt_token_ids) - call.skip_tokens
         nbytes = num_layers * per_layer * tokens
-        layers = layer_groups(num_layers) if self.layerwise else [(0, num_layers)]
+        layerwise = self.layerwise and tokens >= self.layerwise_min_tokens
+        layers = layer_groups(num_layers) if layerwise else [(0, num_layers)]
         entry = (call.request_id, call.prompt_token_ids, layers, tokens, nbytes, call.kv_dest)
         if not self.producer.open(*entry, wait=False):  # at once when there is room: no thread hop
             # Full: wait (bounded) for buffer space off the event loop, and shielded, so that a call
@@ -150,7 +152,7 @@ class PrefillNode:
             self.copy_stream = torch.cuda.Stream(engine.device)
         copy_stream = self.copy_stream if self.kv_buffer_device == "cpu" else None
         sender = LayerSender(self.producer, call.request_id, num_layers, copy_stream)
-        return KVExport(call.skip_tokens, layers, sender.put, at_end=not self.layerwise), sender, nbytes
+        return KVExport(call.skip_tokens, layers, sender.put, at_end=not layerwise), sender, nbytes
 
     def _abort_opened(self, opening: asyncio.Future, request_id: str) -> None:
         if not opening.cancelled() and opening.exception() is None:

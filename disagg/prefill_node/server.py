@@ -45,7 +45,7 @@ async def run_prefill_node(engine: AsyncEngine, model_name: str, kv: KVTransferC
                                     kv.extra("buffer_ttl"), kv.extra("insert_timeout"),
                                     on_sent=metrics.kv_sent)
     node = PrefillNode(engine, producer, node_info(engine, model_name, kv), kv.kv_buffer_device,
-                       kv.extra("layerwise"))
+                       kv.extra("layerwise"), kv.layerwise_min_tokens(engine.device.type))
     grpc_server = await start_grpc_server(node, host, grpc_port, kv.grpc_token())
     metrics.register_engine(engine)
     metrics.register_kv_tiers(engine.engine)
