@@ -74,7 +74,7 @@ from disagg.api.protocol import (
     check_request_size,
     check_unicode,
 )
-from disagg.api.reasoning import ReasoningParser, ReasoningStream
+from disagg.api.reasoning import THINK_END, ReasoningParser, ReasoningStream
 from disagg.api.responses import RESPONSES_PARAMS, ResponseObject, ResponsesFormat, ResponsesRequest, ResponseStore
 from disagg.api.tool_calls import CallDelta, ToolCall, ToolCallStream, ToolOptions, ToolParser, tool_parser
 from disagg.decode_node.node import DecodeNode, PrefillUnavailable
@@ -743,10 +743,10 @@ class OpenAIServing:
         if self.tool_options.reasoning_parser is not None:
             reasoning = ReasoningParser.for_prompt(self.tool_options.reasoning_parser, text)
             if reasoning.in_reasoning and params.structured is not None:
-                field = request.structured()[0]
-                raise APIError(400, f"{field} with --reasoning-parser {reasoning.name} is not supported: the grammar "
-                                    "would hold the reasoning too (vLLM applies it only once the reasoning ends, which "
-                                    "this server does not build yet); leave one of them out", param=field)
+                # As vLLM: the grammar holds the answer only, from the reasoning's end on.
+                end = tuple(self.node.tokenizer.encode(THINK_END, add_special_tokens=False))  # 8 characters
+                params = dataclasses.replace(params, structured=dataclasses.replace(params.structured,
+                                                                                    after_tokens=end))
         fmt = wrap(ChatFormat(request, self.node.tokenizer, self.model, tools, reasoning))
         return await self.serve(request, raw_request, prefix, [prompt], params, fmt)
 
