@@ -30,7 +30,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.datastructures import Headers, MutableHeaders
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from disagg import metrics
@@ -920,11 +919,6 @@ async def on_api_error(_: Request, e: APIError) -> JSONResponse:
     return error_response(e.status, e.message, e.param, e.code)
 
 
-async def on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-    """FastAPI's own refusals (404 no such path, 405 wrong method) in OpenAI's shape, naming the call."""
-    return error_response(e.status_code, f"{e.detail}: {request.method} {request.url.path}", headers=e.headers)
-
-
 async def on_unexpected_error(request: Request, e: Exception) -> JSONResponse:
     # A bug, not bad input; uvicorn logs the traceback. This answer is sent from outside every
     # middleware (Starlette's ServerErrorMiddleware), so it adds the request id RequestIdHeader would.
@@ -999,8 +993,7 @@ def build_app(node: DecodeNode, options: HTTPOptions, served_model_name: str,
     app.add_middleware(RequestIdHeader)  # added last, so it wraps the API key and body limit refusals too
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
-    app.add_exception_handler(StarletteHTTPException, on_http_error)
-    app.add_exception_handler(Exception, on_unexpected_error)
+    app.add_exception_handler(Exception, on_unexpected_error)  # make_app's, with the request id
 
     serving = OpenAIServing(node, served_model_name, tool_options or ToolOptions(), log_requests,
                             sampling or ServerSamplingOptions())
