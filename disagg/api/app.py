@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -95,10 +96,14 @@ class APIError(Exception):
         self.code = code
 
     def renamed(self, names: dict[str, str]) -> "APIError":
-        """The error with its param named as another endpoint names the field (its first part)."""
+        """The error with its param named as another endpoint names the field (its first part), in
+        the message too where it starts with the field's name ("max_completion_tokens must be ...")."""
         if self.param is not None:
             head, dot, rest = self.param.partition(".")
-            self.param = names.get(head, head) + dot + rest
+            new = names.get(head, head)
+            self.param = new + dot + rest
+            if re.match(rf"{re.escape(head)}\b", self.message):
+                self.message = new + self.message[len(head):]
         return self
 
 
