@@ -261,10 +261,12 @@ class Run:
     not streamed, and aborts every choice."""
 
     def __init__(self, node: DecodeNode, request_id: str, prompts: list[Prompt], params: SamplingParams, n: int,
-                 prefill_policy: str | None, raw_request: Request, log_requests: bool):
+                 prefill_policy: str | None, raw_request: Request, log_requests: bool, n_param: int):
         self.request_id = request_id
         self.choices: list[Choice] = []  # those answered: every candidate, until keep_best
         self.closed = False
+        self.n_param = n_param  # the request's n (`n` here is the candidates of each prompt: best_of)
+        self.num_prompts = len(prompts)
         for index in range(len(prompts) * n):
             # vLLM's per-choice seeds: choice j of each prompt samples with seed + j.
             seed = None if params.seed is None else params.seed + index % n
@@ -344,6 +346,11 @@ class Run:
         self.watcher.cancel()
         for choice in self.candidates:
             await choice.generation.close()
+        # vLLM's vllm:request_params_n: each prompt's n, once all its choices have finished.
+        per_prompt = len(self.candidates) // self.num_prompts
+        for p in range(self.num_prompts):
+            if all(c.out is not None and c.out.finished for c in self.candidates[p * per_prompt:(p + 1) * per_prompt]):
+                metrics.REQUEST_PARAMS_N.observe(self.n_param)
 
 
 # Real text averages about 4 characters a token; a prompt over max_model_len times this many
@@ -798,7 +805,7 @@ class OpenAIServing:
         request_id = request_label(raw_request.headers.get("x-request-id"), prefix)
         raw_request.state.request_id = request_id  # RequestIdHeader answers with it
         run = Run(self.node, request_id, prompts, params, request.num_candidates, request.prefill_policy, raw_request,
-                  self.log_requests)
+                  self.log_requests, request.n)
         self.num_requests += 1
         try:
             await run.start()
