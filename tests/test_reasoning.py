@@ -251,16 +251,16 @@ def test_structured_output_holds_only_what_follows_the_reasoning(reasoning_node)
     sampled on the prefill node: a reasoning token that the grammar alone would refuse."""
     name, node = reasoning_node
     messages = few_shot(name)
-    reasoning = raw_answer(node, messages, 24).removeprefix("<think>").partition("</think>")[0]
-    body = {"messages": messages, "max_tokens": 40, "temperature": 0,
+    body = {"messages": messages, "max_tokens": 32, "temperature": 0,
             "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER_SCHEMA}}}
     answer = httpx.post(f"{node.url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
     message = answer["message"]
-    assert message["reasoning_content"] == reasoning and reasoning.strip() == "3 plus 3 is 6.", answer
+    reasoning = message["reasoning_content"]  # the model's own (test_chat_answers_...: the same without a grammar)
+    assert reasoning.strip() == "3 plus 3 is 6.", answer
     assert json.loads(message["content"]) == {"answer": 6} and answer["finish_reason"] == "stop"
     assert streamed_message(node, body) == (reasoning, message["content"])
     # The Responses API, with vLLM's guided choice: the same split into a reasoning item and the message.
-    body = {"instructions": messages[0]["content"], "input": messages[1:], "max_output_tokens": 40,
+    body = {"instructions": messages[0]["content"], "input": messages[1:], "max_output_tokens": 32,
             "temperature": 0, "structured_outputs": {"choice": ["six", "seven"]}}
     response = httpx.post(f"{node.url}/v1/responses", json=body, timeout=60).json()
     assert [o["type"] for o in response["output"]] == ["reasoning", "message"], response
