@@ -7,7 +7,6 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
-from prometheus_client.utils import INF, floatToGoString
 
 from disagg.engine.async_engine import AsyncEngine, EngineStats
 from disagg.engine.engine import LLMEngine
@@ -80,6 +79,8 @@ def engine_gauges(stats: EngineStats) -> None:
 # compare them across servers; latencies keep LATENCY_BUCKETS, finer below 10 ms than vLLM's.
 STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 REQUEST_N_BUCKETS = (1, 2, 5, 10, 20)
+REQUEST_PARAMS_N = Histogram("disagg_request_params_n", "The n of each prompt of a finished request (one observation "
+                             "for its n choices)", buckets=REQUEST_N_BUCKETS)
 FINISH_REASONS = ("stop", "length", "abort", "error")  # the engine's, which are vLLM's
 
 
@@ -200,15 +201,9 @@ class EngineMetrics(Collector):
         yield renamed("vllm:request_prefill_kv_computed_tokens", self.request_computed_tokens, labels)
         yield renamed("vllm:request_generation_tokens", self.request_generation_tokens, labels)
         yield renamed("vllm:request_params_max_tokens", self.request_max_tokens, labels)
-        # A request with n choices is n engine requests of one choice each: n is 1, and the longest
-        # choice's output is its own.
+        # A request with n choices is n engine requests of one choice each: the longest choice's
+        # output is its own (the API observes the request's n: REQUEST_PARAMS_N).
         yield renamed("vllm:request_max_num_generation_tokens", self.request_generation_tokens, labels)
-        finished = sum(s.value for s in samples(self.request_generation_tokens, "_count"))
-        n = HistogramMetricFamily("vllm:request_params_n", "Histogram of the n request parameter.",
-                                  labels=list(labels))
-        n.add_metric(list(labels.values()), [(floatToGoString(b), finished) for b in (*REQUEST_N_BUCKETS, INF)],
-                     finished)
-        yield n
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                  labels=["block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks",
                                          "engine"])
@@ -264,6 +259,7 @@ VLLM_NAMES = {
     "vllm:time_per_output_token_seconds": ITL,  # its older name, still in older dashboards
     "vllm:e2e_request_latency_seconds": E2E,
     "vllm:generation_tokens": GENERATION_TOKENS,
+    "vllm:request_params_n": REQUEST_PARAMS_N,
 }
 VLLM_ENGINE_INDEX = "0"  # vLLM's `engine` label: the engine core's index, one per node here
 

@@ -4,6 +4,7 @@ and the ASGI middlewares its API and the router's share."""
 import asyncio
 import contextlib
 import importlib.metadata
+import json
 import logging
 import resource
 import secrets
@@ -17,7 +18,8 @@ from typing import TYPE_CHECKING
 
 import h11
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -42,9 +44,24 @@ def openai_error(status: int, message: str, param: str | None = None, code: str 
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def openai_error_response(status: int, message: str, param: str | None = None,
-                          code: str | None = None) -> JSONResponse:
-    return JSONResponse(openai_error(status, message, param, code), status_code=status)
+def openai_error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                          headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(openai_error(status, message, param, code), status_code=status, headers=headers)
+
+
+def add_error_handlers(app: FastAPI, error_response: Callable[..., Response]) -> None:
+    """Starlette's own refusals (404 no such path, 405 wrong method) and an unexpected exception in
+    `error_response`'s shape (OpenAI's), where Starlette would answer {"detail": ...} or plain text."""
+
+    async def on_http_error(request: Request, e: StarletteHTTPException) -> Response:
+        return error_response(e.status_code, f"{e.detail}: {request.method} {request.url.path}", headers=e.headers)
+
+    async def on_unexpected_error(_: Request, e: Exception) -> Response:
+        # A bug, not bad input; uvicorn logs the traceback.
+        return error_response(500, f"internal server error: {e!r}")
+
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected_error)
 
 
 async def serve_http(app: FastAPI, host: str, port: int, ready_line: str, log_level: str,
@@ -246,6 +263,19 @@ class BoundedH11Protocol(H11Protocol):
         if not self.transport.is_closing():
             self.transport.close()
 
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse (malformed request line, headers or chunked body): uvicorn's
+        400 in OpenAI's shape instead of plain text, and the connection closed."""
+        body = json.dumps(openai_error(400, "invalid HTTP request: its request line, headers or chunked body do not "
+                                            "parse as HTTP/1.1")).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        with contextlib.suppress(h11.LocalProtocolError):  # a response already started: closing is all that is left
+            self.transport.write(self.conn.send(h11.Response(status_code=400, headers=headers, reason=b"Bad Request")))
+            self.transport.write(self.conn.send(h11.Data(data=body)))
+            self.transport.write(self.conn.send(h11.EndOfMessage()))
+        self.transport.close()
+
 
 ACCEPT_ERRORS = RateLimitedLog(logger)
 
@@ -282,11 +312,13 @@ def package_version() -> str:
 
 
 def make_app(title: str, options: HTTPOptions, error_response: Callable[..., Response]) -> FastAPI:
-    """A FastAPI app with the body limit and API key checks. /docs and /openapi.json are off unless
-    asked for: they map the whole API for anyone who can reach the port, key or not."""
+    """A FastAPI app with the body limit and API key checks, its errors in `error_response`'s shape.
+    /docs and /openapi.json are off unless asked for: they map the whole API for anyone who can
+    reach the port, key or not."""
     docs = dict(docs_url="/docs", redoc_url="/redoc", openapi_url="/openapi.json") if options.enable_docs \
         else dict(docs_url=None, redoc_url=None, openapi_url=None)
     app = FastAPI(title=title, version=package_version(), **docs)
+    add_error_handlers(app, error_response)
     app.add_middleware(BodyLimitMiddleware, max_bytes=options.max_request_body_bytes, error_response=error_response)
     app.state.api_key_required = bool(options.api_key)  # serve_http warns when it is not, beyond loopback
     if options.api_key:  # added last, so it runs first: a request without the key is refused before its body is read

@@ -145,6 +145,18 @@ def start_node(role: str, tmp_dir: Path, *, model: str | None = None, connector:
     return node
 
 
+def malformed_http_answer(port: int) -> tuple[bytes, dict]:
+    """What a node's HTTP server answers a request h11 cannot parse: (status line, the JSON body)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nno colon in this header\r\n\r\n")
+        answer = b""
+        while chunk := sock.recv(65536):  # the server closes the connection after it
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head.lower(), answer
+    return head.split(b"\r\n")[0], json.loads(body)
+
+
 async def read_sse_text(response: httpx.Response) -> str:
     """The text of a streamed completion or chat answer (every choice's text or delta content),
     checked to carry no error event and to end with [DONE]."""

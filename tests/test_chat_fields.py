@@ -12,7 +12,7 @@ import json
 import httpx
 import openai
 import pytest
-from servers import PAIR_MAX_MODEL_LEN, Node, start_node
+from servers import PAIR_MAX_MODEL_LEN, Node, malformed_http_answer, start_node
 
 from disagg.engine.tokenizer import Tokenizer
 
@@ -257,7 +257,14 @@ def test_every_response_carries_x_request_id(decode):
     assert httpx.get(f"{decode.url}/v1/models").headers["x-request-id"]
 
 
-def test_fastapis_own_refusals_are_in_openais_error_shape(decode):
+def test_fastapis_and_uvicorns_own_refusals_are_in_openais_error_shape(pair_1p1d, decode):
+    for node in pair_1p1d:  # a request that is not HTTP at all: uvicorn answers before any app
+        status, body = malformed_http_answer(node.port)
+        assert status == b"HTTP/1.1 400 Bad Request" and "not parse as HTTP/1.1" in body["error"]["message"]
+        assert body["error"]["type"] == "invalid_request_error"
+    prefill = pair_1p1d[0]  # its health app too
+    assert_openai_error(httpx.get(f"{prefill.url}/v1/completions"), 404, None, "Not Found: GET /v1/completions")
+    assert_openai_error(httpx.post(f"{prefill.url}/health"), 405, None, "Method Not Allowed: POST /health")
     assert_openai_error(httpx.get(f"{decode.url}/v1/no-such-path"), 404, None, "Not Found: GET /v1/no-such-path")
     refused = httpx.post(f"{decode.url}/v1/models")
     assert_openai_error(refused, 405, None, "Method Not Allowed: POST /v1/models")

@@ -134,10 +134,10 @@ def test_check_notices_a_changed_proto(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 def test_the_grammar_crosses_the_grpc_boundary():
-    """The prefill node samples the first token: it gets the structured-output spec (and nothing
-    for a request without one)."""
+    """The prefill node samples the first token: it gets the structured-output spec, with where the
+    grammar starts (after a reasoning's end), and nothing for a request without one."""
     spec = StructuredOutputSpec("regex", "[0-9]{3}")
-    for structured in (spec, None):
+    for structured in (spec, StructuredOutputSpec("regex", "[0-9]{3}", (9617, 17400, 46)), None):
         call = PrefillCall("r1", [1, 2, 3], SamplingParams(temperature=0.0, structured=structured), ("127.0.0.1", 9))
         wire = pb.PrefillRequest.FromString(convert.prefill_call_to_proto(call).SerializeToString())
         assert convert.prefill_call_from_proto(wire).params.structured == structured

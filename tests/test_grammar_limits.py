@@ -53,8 +53,8 @@ def test_cache_bounded_by_bytes(model_dir):
         assert compiler.cached_bytes == sum(cost for _, cost in compiler.compiled.values())
     assert 1 <= len(compiler.compiled) <= 3
     assert specs[-1] in compiler.compiled and specs[0] not in compiler.compiled  # least recently used out
-    matcher = compiler.matcher(specs[0])  # compiled again, once evicted
-    assert not matcher.is_error()
+    grammar = compiler.grammar(specs[0])  # compiled again, once evicted
+    assert not grammar.matcher.is_error()
 
 
 def test_ordinary_grammars_fit_the_limits(compiler):

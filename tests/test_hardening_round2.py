@@ -127,12 +127,12 @@ def test_costly_masks_fail_their_own_request_past_the_step_budget():
 
     import torch
 
-    from disagg.engine.structured_output import MASK_STEP_BUDGET_S, StructuredOutput
+    from disagg.engine.structured_output import MASK_STEP_BUDGET_S, Grammar, StructuredOutput
 
     structured = StructuredOutput(SimpleNamespace(vocab_size=64))
     costly = {f"attack-{i}": SlowMatcher(0.02) for i in range(64)}
     cheap = SlowMatcher(0.0)
-    structured.matchers = {**costly, "victim": cheap}
+    structured.grammars = {rid: Grammar(matcher) for rid, matcher in {**costly, "victim": cheap}.items()}
     seqs = [SimpleNamespace(request_id=rid) for rid in [*costly, "victim"]]
     steps = []
     for _ in range(3):

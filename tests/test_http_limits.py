@@ -16,7 +16,7 @@ import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from servers import Node, free_port, start_node, wait_ready
+from servers import Node, free_port, malformed_http_answer, start_node, wait_ready
 
 from disagg.api.app import MAX_PROBLEMS, APIError, parse_request
 from disagg.api.protocol import MAX_MESSAGES, ChatCompletionRequest
@@ -208,6 +208,11 @@ def test_router_closes_slow_connections_and_guards_its_paths(node, tmp_path):
     try:
         wait_ready(router)
         assert httpx.get(f"{router.url}/version", timeout=10).status_code == 401
+        # Its own refusals in OpenAI's shape, as the nodes': not HTTP, and a probe's path with the wrong method.
+        status, body = malformed_http_answer(port)
+        assert status == b"HTTP/1.1 400 Bad Request" and body["error"]["type"] == "invalid_request_error"
+        refused = httpx.post(f"{router.url}/health", timeout=10)
+        assert refused.status_code == 405 and refused.json()["error"]["message"] == "Method Not Allowed: POST /health"
         with open_connection(router) as sock:
             took = closed_by_server_within(sock, 15, b"GET /health HTTP/1.1\r\nHost: x\r\n")
         assert took is not None and took < TIMEOUTS["--timeout-request-headers"] + 2, took

@@ -1,16 +1,19 @@
 """The reasoning parsers (--reasoning-parser deepseek_r1, qwen3): on text, and on the embedded model's
-real answers through nodes started with them. Shown a few turns that reason in <think>...</think>
-first, the model (greedy) reasons the same way, so no grammar is needed to make it (a grammar is
-refused while the answer starts in its reasoning, as the last test shows)."""
+real answers through nodes started with them (deepseek_r1's a decode node of the shared 1P1D pair's
+prefill node, qwen3's colocated). Shown a few turns that reason in <think>...</think> first, the
+model (greedy) reasons the same way, so no grammar is needed to make it; structured output holds
+only what follows the reasoning, as vLLM's does."""
 
 import json
 
 import httpx
 import openai
 import pytest
-from servers import Node, start_node
+from servers import PAIR_MAX_MODEL_LEN, Node, start_node
 
-from disagg.api.reasoning import ReasoningParser, ReasoningStream, prompt_ends_reasoning
+from disagg.api.reasoning import THINK_END, ReasoningParser, ReasoningStream, prompt_ends_reasoning
+from disagg.engine.sampling_params import SamplingParamError, StructuredOutputSpec
+from disagg.engine.structured_output import GrammarCompiler
 
 # --- on text ----------------------------------------------------------------------------------------
 
@@ -59,6 +62,43 @@ def test_a_prompt_that_closed_the_reasoning_leaves_all_content():
     assert ReasoningStream(parser).update("The ans", False) == ("", "The ans")
 
 
+# --- the grammar after the reasoning, on tokens ---------------------------------------------------------
+
+def test_the_grammar_starts_where_the_reasoning_ends_however_its_tokens_spell_it(model_dir):
+    """</think> is three tokens in this vocabulary (</ think >), and a model may spell it with others;
+    the grammar waits for its bytes. Before them every token is free (EOS too); a token that
+    completes it may carry the answer's first bytes, which the grammar must take."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = {text: tokenizer.convert_tokens_to_ids(text) for text in ("<", "/", "</", "think", ">", ">>", '>"', "{", "x")}
+    compiler = GrammarCompiler(model_dir / "tokenizer.json", len(tokenizer), [tokenizer.eos_token_id])
+    end = tuple(tokenizer.encode(THINK_END, add_special_tokens=False))
+    assert end == (ids["</"], ids["think"], ids[">"])
+    grammar = compiler.grammar(StructuredOutputSpec("json", '{"type": "object"}', end))
+    for text in ("x", "</", "think"):  # the reasoning: free, tokens the grammar alone refuses included
+        assert grammar.allows(ids[text]) and grammar.allows(tokenizer.eos_token_id)
+        assert grammar.refused_now() == []
+        grammar.accept(ids[text])
+    # After "</think", of the tokens that would finish the marker, those whose rest JSON refuses are masked.
+    refused = grammar.refused_now()
+    assert ids[">>"] in refused and ids['>"'] in refused and ids[">"] not in refused and ids["x"] not in refused
+    grammar.accept(ids[">"])
+    assert grammar.start is None and not grammar.allows(ids["x"]) and grammar.allows(ids["{"])
+    with pytest.raises(ValueError, match="does not follow"):
+        grammar.accept(ids["x"])
+    # Spelled "<" "/" "think" '>"': the marker's last token carries the answer's first byte.
+    quoted = compiler.grammar(StructuredOutputSpec("regex", '"[a-z]+"', end))
+    for text in ("<", "/", "think"):
+        quoted.accept(ids[text])
+    assert quoted.allows(ids['>"']) and not quoted.allows(ids[">>"])
+    quoted.accept(ids['>"'])
+    for token in tokenizer.encode('yes"', add_special_tokens=False):
+        quoted.accept(token)
+    assert quoted.start is None and quoted.matcher.is_accepting()
+    with pytest.raises(SamplingParamError, match="outside the vocabulary"):
+        compiler.compile(StructuredOutputSpec("json", "{}", (len(tokenizer) + 5,)))
+
+
 # --- on real answers ----------------------------------------------------------------------------------
 
 FEW_SHOT = [
@@ -80,15 +120,21 @@ QWEN3_TEMPLATE = (
 
 @pytest.fixture(scope="module", params=["deepseek_r1", "qwen3"])
 def reasoning_node(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """A colocated node with one --reasoning-parser at a time; qwen3's with Qwen3's kind of template.
-    The hermes tool parser too, so that calls are read out of what follows the reasoning."""
+    """A node with one --reasoning-parser at a time, and the hermes tool parser, so that calls are
+    read out of what follows the reasoning. deepseek_r1's is a decode node of the shared pair's
+    prefill node, which samples every first token (remote_prefill always); qwen3's is colocated,
+    with Qwen3's kind of template."""
     tmp = tmp_path_factory.mktemp(f"reasoning-{request.param}")
     args = ["--reasoning-parser", request.param, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
             "--disable-log-requests"]
     if request.param == "qwen3":
         (tmp / "template.jinja").write_text(QWEN3_TEMPLATE)
-        args += ["--chat-template", str(tmp / "template.jinja")]
-    node = start_node("both", tmp, extra_args=args)
+        node = start_node("both", tmp, extra_args=[*args, "--chat-template", str(tmp / "template.jinja")])
+    else:
+        prefill = request.getfixturevalue("pair_1p1d")[0]
+        node = start_node("consumer", tmp, prefill_nodes=[prefill.grpc_address],
+                          extra_args=[*args, "--max-model-len", str(PAIR_MAX_MODEL_LEN)],
+                          kv_extra={"prefill_policy": "fail", "remote_prefill": "always"})
     yield request.param, node
     node.kill()
 
@@ -182,24 +228,56 @@ def test_tool_calls_are_read_out_of_what_follows_the_reasoning(reasoning_node):
     assert call in answer.message.model_extra["reasoning_content"]
 
 
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+
+
+def streamed_message(node: Node, body: dict) -> tuple[str, str]:
+    """(reasoning_content, content) of a streamed chat answer, its deltas joined."""
+    reasoning, content = "", ""
+    with httpx.stream("POST", f"{node.url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                reasoning += delta.get("reasoning_content") or ""
+                content += delta.get("content") or ""
+    return reasoning, content
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_structured_output_is_refused_while_the_answer_starts_in_reasoning(reasoning_node):
-    """vLLM holds the answer to the grammar only once the reasoning ends; this engine cannot yet, so
-    the request is a 400 naming the field. Where the template closed the reasoning (qwen3 with
-    thinking off) the whole answer is content and the grammar applies."""
+def test_structured_output_holds_only_what_follows_the_reasoning(reasoning_node):
+    """As vLLM's: the reasoning is the model's own, as without a grammar, and the grammar holds the
+    answer after </think>; streamed == not. Through deepseek_r1's decode node the first token is
+    sampled on the prefill node: a reasoning token that the grammar alone would refuse."""
     name, node = reasoning_node
-    body = {"messages": [{"role": "user", "content": "Yes or no?"}], "max_tokens": 4,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "boolean"}}}}
-    response = httpx.post(f"{node.url}/v1/chat/completions", json=body, timeout=60)
-    assert response.status_code == 400 and response.json()["error"]["param"] == "response_format"
-    assert f"--reasoning-parser {name}" in response.json()["error"]["message"]
-    body = {"input": "Yes or no?", "max_output_tokens": 4, "text": {"format": {"type": "json_object"}}}
-    response = httpx.post(f"{node.url}/v1/responses", json=body, timeout=60)
-    assert response.status_code == 400 and response.json()["error"]["param"] == "text.format"
-    if name == "qwen3":
-        body = {"messages": [{"role": "user", "content": "Yes or no? /no_think"}], "max_tokens": 4,
-                "structured_outputs": {"choice": ["yes", "no"]}}
-        message = httpx.post(f"{node.url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
-        assert message["content"] in ("yes", "no") and "reasoning_content" not in message
-        assert json.dumps(message)  # no reasoning fields at all when there is none
+    messages = few_shot(name)
+    body = {"messages": messages, "max_tokens": 32, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER_SCHEMA}}}
+    answer = httpx.post(f"{node.url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+    message = answer["message"]
+    reasoning = message["reasoning_content"]  # the model's own (test_chat_answers_...: the same without a grammar)
+    assert reasoning.strip() == "3 plus 3 is 6.", answer
+    assert json.loads(message["content"]) == {"answer": 6} and answer["finish_reason"] == "stop"
+    assert streamed_message(node, body) == (reasoning, message["content"])
+    # The Responses API, with vLLM's guided choice: the same split into a reasoning item and the message.
+    body = {"instructions": messages[0]["content"], "input": messages[1:], "max_output_tokens": 32,
+            "temperature": 0, "structured_outputs": {"choice": ["six", "seven"]}}
+    response = httpx.post(f"{node.url}/v1/responses", json=body, timeout=60).json()
+    assert [o["type"] for o in response["output"]] == ["reasoning", "message"], response
+    assert response["output"][0]["content"][0]["text"] == reasoning
+    assert response["output"][1]["content"][0]["text"] in ("six", "seven")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_prompt_that_closed_the_reasoning_leaves_the_grammar_all_the_answer(reasoning_node):
+    """Where the template closed the reasoning (qwen3 with thinking off) the whole answer is content,
+    and the grammar holds it from its first token."""
+    name, node = reasoning_node
+    if name != "qwen3":
+        pytest.skip("only Qwen3's template closes the reasoning in the prompt")
+    body = {"messages": [{"role": "user", "content": "Yes or no? /no_think"}], "max_tokens": 4,
+            "structured_outputs": {"choice": ["yes", "no"]}}
+    message = httpx.post(f"{node.url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+    assert message["content"] in ("yes", "no") and "reasoning_content" not in message
+    assert "reasoning" not in message  # no reasoning fields at all when there is none

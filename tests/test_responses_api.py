@@ -215,6 +215,13 @@ def test_bad_requests_are_400s_naming_the_responses_field(decode, body, param):
     assert answer.json()["error"]["param"] == param, answer.json()
 
 
+def test_a_400_message_names_the_responses_field_too(decode):
+    answer = httpx.post(f"{decode.url}/v1/responses", json={"input": "Hi", "max_output_tokens": 0}, timeout=60)
+    error = answer.json()["error"]
+    assert error["param"] == "max_output_tokens", error
+    assert error["message"] == "max_output_tokens must be an integer >= 1, got 0", error
+
+
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.timeout(120)

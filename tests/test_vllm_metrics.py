@@ -141,6 +141,24 @@ def test_vllm_names_count_what_ours_count_on_a_1p1d_pair(pair_1p1d):
     assert metric_sum(after["decode"], "vllm:cache_config_info", engine="0", enable_prefix_caching="True") == 1
 
 
+def test_request_params_n_observes_each_prompts_n(pair_1p1d):
+    """vLLM's: one observation of n per prompt of a finished request, not one per choice."""
+    decode = pair_1p1d[1]
+    before = decode.samples()
+    body = {"model": MODEL, "prompt": ["Hi", "Bye"], "n": 3, "max_tokens": 2, "temperature": 1.0, "seed": 0}
+    assert httpx.post(f"{decode.url}/v1/completions", json=body, timeout=120).status_code == 200
+    after = decode.samples()
+
+    def delta(name: str, **labels: str) -> float:
+        return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+
+    labels = {"model_name": MODEL, "engine": "0"}
+    assert (delta("vllm:request_params_n_count", **labels), delta("vllm:request_params_n_sum", **labels)) == (2, 6)
+    assert delta("vllm:request_params_n_bucket", le="2.0", **labels) == 0
+    assert delta("vllm:request_params_n_bucket", le="5.0", **labels) == 2
+    assert delta("disagg_request_params_n_sum") == 6
+
+
 def test_request_stats_times_and_prompt_sources():
     """The engine thread's record of two requests: one computed here from a partly cached prompt,
     one whose KV came from a prefill node and that was aborted after its first token."""
@@ -209,7 +227,6 @@ def test_engine_metrics_serve_vllms_names_from_the_same_numbers():
     assert metric_sum(ours, "disagg_engine_step_tokens_sum") == 41
     assert metric_sum(theirs, "vllm:request_prefill_kv_computed_tokens_sum") == 8
     assert metric_sum(theirs, "vllm:num_preemptions_total") == metric_sum(ours, "disagg_engine_preemptions_total") == 3
-    assert metric_sum(theirs, "vllm:request_params_n_bucket", le="1.0") == 1
     # vLLM's token buckets: 1, 2, 5, ... up to max_model_len; its step buckets as they are.
     assert buckets_1_2_5(1000) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]
     le = [s.labels["le"] for s in theirs if s.name == "vllm:request_prompt_tokens_bucket"]

@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -30,7 +31,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.datastructures import Headers, MutableHeaders
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from disagg import metrics
@@ -74,7 +74,7 @@ from disagg.api.protocol import (
     check_request_size,
     check_unicode,
 )
-from disagg.api.reasoning import ReasoningParser, ReasoningStream
+from disagg.api.reasoning import THINK_END, ReasoningParser, ReasoningStream
 from disagg.api.responses import RESPONSES_PARAMS, ResponseObject, ResponsesFormat, ResponsesRequest, ResponseStore
 from disagg.api.tool_calls import CallDelta, ToolCall, ToolCallStream, ToolOptions, ToolParser, tool_parser
 from disagg.decode_node.node import DecodeNode, PrefillUnavailable
@@ -96,10 +96,14 @@ class APIError(Exception):
         self.code = code
 
     def renamed(self, names: dict[str, str]) -> "APIError":
-        """The error with its param named as another endpoint names the field (its first part)."""
+        """The error with its param named as another endpoint names the field (its first part), in
+        the message too where it starts with the field's name ("max_completion_tokens must be ...")."""
         if self.param is not None:
             head, dot, rest = self.param.partition(".")
-            self.param = names.get(head, head) + dot + rest
+            new = names.get(head, head)
+            self.param = new + dot + rest
+            if re.match(rf"{re.escape(head)}\b", self.message):
+                self.message = new + self.message[len(head):]
         return self
 
 
@@ -257,10 +261,12 @@ class Run:
     not streamed, and aborts every choice."""
 
     def __init__(self, node: DecodeNode, request_id: str, prompts: list[Prompt], params: SamplingParams, n: int,
-                 prefill_policy: str | None, raw_request: Request, log_requests: bool):
+                 prefill_policy: str | None, raw_request: Request, log_requests: bool, n_param: int):
         self.request_id = request_id
         self.choices: list[Choice] = []  # those answered: every candidate, until keep_best
         self.closed = False
+        self.n_param = n_param  # the request's n (`n` here is the candidates of each prompt: best_of)
+        self.num_prompts = len(prompts)
         for index in range(len(prompts) * n):
             # vLLM's per-choice seeds: choice j of each prompt samples with seed + j.
             seed = None if params.seed is None else params.seed + index % n
@@ -340,6 +346,11 @@ class Run:
         self.watcher.cancel()
         for choice in self.candidates:
             await choice.generation.close()
+        # vLLM's vllm:request_params_n: each prompt's n, once all its choices have finished.
+        per_prompt = len(self.candidates) // self.num_prompts
+        for p in range(self.num_prompts):
+            if all(c.out is not None and c.out.finished for c in self.candidates[p * per_prompt:(p + 1) * per_prompt]):
+                metrics.REQUEST_PARAMS_N.observe(self.n_param)
 
 
 # Real text averages about 4 characters a token; a prompt over max_model_len times this many
@@ -743,10 +754,10 @@ class OpenAIServing:
         if self.tool_options.reasoning_parser is not None:
             reasoning = ReasoningParser.for_prompt(self.tool_options.reasoning_parser, text)
             if reasoning.in_reasoning and params.structured is not None:
-                field = request.structured()[0]
-                raise APIError(400, f"{field} with --reasoning-parser {reasoning.name} is not supported: the grammar "
-                                    "would hold the reasoning too (vLLM applies it only once the reasoning ends, which "
-                                    "this server does not build yet); leave one of them out", param=field)
+                # As vLLM: the grammar holds the answer only, from the reasoning's end on.
+                end = tuple(self.node.tokenizer.encode(THINK_END, add_special_tokens=False))  # 8 characters
+                params = dataclasses.replace(params, structured=dataclasses.replace(params.structured,
+                                                                                    after_tokens=end))
         fmt = wrap(ChatFormat(request, self.node.tokenizer, self.model, tools, reasoning))
         return await self.serve(request, raw_request, prefix, [prompt], params, fmt)
 
@@ -794,7 +805,7 @@ class OpenAIServing:
         request_id = request_label(raw_request.headers.get("x-request-id"), prefix)
         raw_request.state.request_id = request_id  # RequestIdHeader answers with it
         run = Run(self.node, request_id, prompts, params, request.num_candidates, request.prefill_policy, raw_request,
-                  self.log_requests)
+                  self.log_requests, request.n)
         self.num_requests += 1
         try:
             await run.start()
@@ -920,11 +931,6 @@ async def on_api_error(_: Request, e: APIError) -> JSONResponse:
     return error_response(e.status, e.message, e.param, e.code)
 
 
-async def on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-    """FastAPI's own refusals (404 no such path, 405 wrong method) in OpenAI's shape, naming the call."""
-    return error_response(e.status_code, f"{e.detail}: {request.method} {request.url.path}", headers=e.headers)
-
-
 async def on_unexpected_error(request: Request, e: Exception) -> JSONResponse:
     # A bug, not bad input; uvicorn logs the traceback. This answer is sent from outside every
     # middleware (Starlette's ServerErrorMiddleware), so it adds the request id RequestIdHeader would.
@@ -999,8 +1005,7 @@ def build_app(node: DecodeNode, options: HTTPOptions, served_model_name: str,
     app.add_middleware(RequestIdHeader)  # added last, so it wraps the API key and body limit refusals too
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
-    app.add_exception_handler(StarletteHTTPException, on_http_error)
-    app.add_exception_handler(Exception, on_unexpected_error)
+    app.add_exception_handler(Exception, on_unexpected_error)  # make_app's, with the request id
 
     serving = OpenAIServing(node, served_model_name, tool_options or ToolOptions(), log_requests,
                             sampling or ServerSamplingOptions())

@@ -140,7 +140,7 @@ class LLMEngine:
         and the maker of its first token's output, which belongs to the caller from now on."""
         seq = self._remote_seq(request_id)
         spec = seq.params.structured
-        first = FirstToken(seq, self.requests[request_id].text, None if spec is None else self.grammars.matcher(spec),
+        first = FirstToken(seq, self.requests[request_id].text, None if spec is None else self.grammars.grammar(spec),
                            self.tokenizer.eos_token_ids, self.max_model_len, self.model_config.vocab_size)
         return self.remote.slot(seq, first)
 

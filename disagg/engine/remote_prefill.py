@@ -16,7 +16,6 @@ import copy
 import logging
 from dataclasses import dataclass
 
-import llguidance
 import torch
 
 from disagg.engine.block_manager import BlockManager
@@ -24,6 +23,7 @@ from disagg.engine.kv_arrival import KVArrival
 from disagg.engine.kv_cache import KVCache
 from disagg.engine.output import RequestOutput, TextState, advance, make_output
 from disagg.engine.sequence import RemotePrefill, Sequence, SequenceStatus, TokenLogprob
+from disagg.engine.structured_output import Grammar
 
 logger = logging.getLogger(__name__)
 
@@ -31,15 +31,15 @@ logger = logging.getLogger(__name__)
 class FirstToken:
     """A remote request's first token made into its output, once, by whoever holds this: made on the
     engine thread when the request is added, from copies of the request's state (its tokens, text
-    and, with a grammar, a matcher of its own), and from then on the caller's alone, so no thread
+    and, with a grammar, a copy of its own), and from then on the caller's alone, so no thread
     reads the engine's. The engine takes its state over with the KV (LLMEngine.finish_remote_prefill)."""
 
-    def __init__(self, seq: Sequence, text: TextState, matcher: llguidance.LLMatcher | None,
+    def __init__(self, seq: Sequence, text: TextState, grammar: Grammar | None,
                  eos_token_ids: set[int], max_model_len: int, vocab_size: int):
         self.seq = copy.copy(seq)
         self.seq.token_ids, self.seq.logprobs = list(seq.token_ids), list(seq.logprobs)
         self.text = text.copy()
-        self.matcher = matcher
+        self.grammar = grammar
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -52,7 +52,7 @@ class FirstToken:
             raise ValueError(f"request {self.seq.request_id} has its first token already")
         if not 0 <= token < self.vocab_size:
             raise ValueError(f"first token {token} of {self.seq.request_id} is outside the vocabulary")
-        if self.matcher is not None and not self.matcher.is_stopped() and self.matcher.validate_tokens([token]) != 1:
+        if self.grammar is not None and not self.grammar.allows(token):
             raise ValueError(f"first token {token} of {self.seq.request_id} does not follow the request's grammar")
         advance(self.seq, self.text, token, logprob, self.eos_token_ids, self.max_model_len)
         self.token = token

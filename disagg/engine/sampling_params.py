@@ -26,6 +26,7 @@ MIN_REPETITION_PENALTY = 1 / MAX_REPETITION_PENALTY
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range; vLLM clamps to it
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_GRAMMAR_CHARS = 65536  # a JSON schema, regex or grammar; compiling one costs time on the engine's thread
+MAX_AFTER_TOKENS = 16  # a reasoning end marker: </think> is one to three tokens in the vocabularies we serve
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
 
 
@@ -41,9 +42,14 @@ class SamplingParamError(ValueError):
 class StructuredOutputSpec:
     """What the output must match, as vLLM's structured_outputs names it: `json` (a JSON schema as
     text), `regex`, `choice` (a JSON list of strings) or `grammar` (Lark or GBNF). Plain strings,
-    so that it travels to a prefill node as it is; the engine compiles it (structured_output.py)."""
+    so that it travels to a prefill node as it is; the engine compiles it (structured_output.py).
+
+    `after_tokens`: the grammar holds only the output after the text of these tokens first appears
+    in it (the reasoning's end, </think>, with --reasoning-parser: vLLM applies the grammar once the
+    reasoning ends); before that the output is free. Empty: the grammar holds all of it."""
     kind: str
     value: str
+    after_tokens: tuple[int, ...] = ()
 
 
 @dataclass
@@ -120,6 +126,10 @@ class SamplingParams:
                                  or not isinstance(spec.value, str) or not 0 < len(spec.value) <= MAX_GRAMMAR_CHARS):
             raise SamplingParamError("structured", f"structured output must be one of {STRUCTURED_KINDS} with a "
                                                    f"non-empty text of at most {MAX_GRAMMAR_CHARS} characters")
+        if spec is not None and (not isinstance(spec.after_tokens, tuple) or len(spec.after_tokens) > MAX_AFTER_TOKENS
+                                 or any(not is_int(t) or not 0 <= t <= MAX_TOKEN_ID for t in spec.after_tokens)):
+            raise SamplingParamError("structured", f"structured output's after_tokens must be at most "
+                                                   f"{MAX_AFTER_TOKENS} token ids, got {spec.after_tokens!r}")
         if spec is not None and self.min_tokens > 0:
             # A finished grammar allows only EOS, which min_tokens masks: nothing would be left to sample.
             raise SamplingParamError("min_tokens", "min_tokens cannot be combined with structured output: "

@@ -11,6 +11,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 import llguidance
@@ -53,6 +54,7 @@ MASK_STEP_BUDGET_S = 0.25
 EXPENSIVE_MASK_S = 0.005
 # An entry's smallest cost: its RSS growth reads 0 when it reused memory freed before.
 MIN_GRAMMAR_BYTES = 256 * 2**10
+MAX_START_MARKERS = 8  # start markers kept (one per reasoning parser's end in practice)
 
 
 def parser_limits() -> llguidance.LLParserLimits:
@@ -79,6 +81,8 @@ class GrammarCompiler:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self.compiled: OrderedDict[StructuredOutputSpec, tuple[llguidance.LLMatcher, int]] = OrderedDict()
         self.cached_bytes = 0  # the sum of the entries' costs
+        self.markers: OrderedDict[tuple[int, ...], StartMarker] = OrderedDict()
+        self._token_bytes: list[bytes] | None = None  # each token's bytes, read at the first start marker
         self.lock = threading.Lock()  # the cache
         self.compile_lock = threading.Lock()  # one compile at a time
 
@@ -102,6 +106,9 @@ class GrammarCompiler:
         """The spec's matcher at its start, shared: copy it before use. Raises SamplingParamError
         ("structured") with llguidance's reason when the spec does not compile, or when it is too
         large or complex for llguidance's limits or the cache."""
+        if spec.after_tokens:
+            self.start_marker(spec.after_tokens)  # checked and built here, in the caller's thread
+        spec = StructuredOutputSpec(spec.kind, spec.value)  # the grammar alone: where it starts is the request's
         matcher = self.cached(spec)
         if matcher is not None:
             return matcher
@@ -170,10 +177,107 @@ class GrammarCompiler:
                                                    f"write ({llguidance_error(probe)}); leave such characters out")
         return matcher, None
 
-    def matcher(self, spec: StructuredOutputSpec) -> llguidance.LLMatcher:
-        template = self.compile(spec)
+    def start_marker(self, token_ids: tuple[int, ...]) -> "StartMarker":
+        """The start marker written by these tokens. Raises SamplingParamError for ids outside the vocabulary."""
+        if any(t >= self.vocab_size for t in token_ids):
+            raise SamplingParamError("structured", f"after_tokens has token ids outside the vocabulary "
+                                                   f"[0, {self.vocab_size}): {list(token_ids)}")
+        tokenizer = self.tokenizer
         with self.lock:
-            return template.deep_copy()
+            if token_ids in self.markers:
+                self.markers.move_to_end(token_ids)
+                return self.markers[token_ids]
+        # Built outside the lock, which the engine thread takes: the first scans the vocabulary (~0.25 s).
+        if self._token_bytes is None:
+            self._token_bytes = [tokenizer.decode_bytes([t]) for t in range(self.vocab_size)]
+        marker = StartMarker.of(tokenizer.decode_bytes(list(token_ids)), self._token_bytes)
+        with self.lock:
+            self.markers[token_ids] = marker
+            if len(self.markers) > MAX_START_MARKERS:
+                self.markers.popitem(last=False)
+        return marker
+
+    def grammar(self, spec: StructuredOutputSpec) -> "Grammar":
+        """A request's grammar for this spec, at its start. Raises SamplingParamError as compile does."""
+        template = self.compile(spec)
+        start = self.start_marker(spec.after_tokens) if spec.after_tokens else None
+        with self.lock:
+            matcher = template.deep_copy()
+        return Grammar(matcher, self.tokenizer, start)
+
+
+@dataclass(frozen=True)
+class StartMarker:
+    """The text whose first appearance in the output starts a request's grammar (the reasoning's end,
+    </think>: several tokens in some vocabularies, one in others, and the model may write it with
+    any tokens that spell it, so it is matched as bytes), and the tokens that can complete it:
+    `whole` hold all of it, `rest[k]` start with its bytes from k on (they complete it after output
+    that ends in its first k bytes)."""
+    text: bytes
+    whole: tuple[int, ...]
+    rest: dict[int, tuple[int, ...]]
+
+    @classmethod
+    def of(cls, text: bytes, token_bytes: list[bytes]) -> "StartMarker":
+        whole = tuple(t for t, b in enumerate(token_bytes) if text in b)
+        rest = {k: tuple(t for t, b in enumerate(token_bytes) if b.startswith(text[k:]) and text not in b)
+                for k in range(1, len(text))}
+        return cls(text, whole, rest)
+
+
+class Grammar:
+    """One request's grammar: its llguidance matcher and, until the output writes it, the marker that
+    starts it. Before the marker the output is free, as vLLM leaves the reasoning; the token that
+    completes it may carry the answer's first bytes, which the matcher takes then."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, tokenizer: llguidance.LLTokenizer | None = None,
+                 start: StartMarker | None = None):
+        self.matcher = matcher
+        self.tokenizer = tokenizer
+        self.start = start  # None: the grammar holds every token from now on
+        self.tail = b""  # while waiting: the output's last bytes, fewer than the marker's
+
+    def answer_start(self, token: int) -> bytes | None:
+        """While waiting: this token's bytes after the marker if it completes the marker, else None."""
+        text = self.tail + self.tokenizer.decode_bytes([token])
+        at = text.find(self.start.text)  # the marker is not in the tail alone, which is shorter
+        return None if at == -1 else text[at + len(self.start.text):]
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar would take this token next (accept without advancing)."""
+        if self.start is None:
+            return self.matcher.is_stopped() or self.matcher.validate_tokens([token]) == 1
+        answer = self.answer_start(token)
+        if not answer:
+            return True
+        tokens = self.tokenizer.tokenize_bytes(answer)
+        return self.matcher.validate_tokens(tokens) == len(tokens)
+
+    def accept(self, token: int) -> None:
+        """Advance by one token. Raises ValueError if it breaks the grammar."""
+        if self.start is None:  # a stopped matcher is done (with ignore_eos only EOS comes after)
+            if not self.matcher.is_stopped() and not self.matcher.consume_token(token):
+                raise ValueError(f"token {token} does not follow the request's grammar: "
+                                 f"{llguidance_error(self.matcher)}")
+            return
+        answer = self.answer_start(token)
+        if answer is None:
+            keep = len(self.start.text) - 1
+            self.tail = (self.tail + self.tokenizer.decode_bytes([token]))[-keep:] if keep else b""
+            return
+        self.start, self.tail = None, b""
+        if answer and not self.matcher.consume_tokens(self.tokenizer.tokenize_bytes(answer)):
+            raise ValueError(f"token {token} starts an answer that does not follow the request's grammar: "
+                             f"{llguidance_error(self.matcher)}")
+
+    def refused_now(self) -> list[int]:
+        """While waiting: the tokens that would complete the marker with bytes the grammar refuses
+        (all others are free). Usually none can complete it, and this costs a few comparisons."""
+        candidates = [*self.start.whole]
+        for k, tokens in self.start.rest.items():
+            if self.tail.endswith(self.start.text[:k]):
+                candidates += tokens
+        return [t for t in candidates if not self.allows(t)]
 
 
 def llguidance_error(matcher: llguidance.LLMatcher) -> str:
@@ -215,20 +319,20 @@ def release_freed_memory() -> None:
 
 
 class StructuredOutput:
-    """The matchers of the engine's requests that have a grammar, by request id. A matcher
-    advances with every token the request gets (sampled here or sent by a prefill node)."""
+    """The grammars of the engine's requests that have one, by request id. A grammar advances with
+    every token the request gets (sampled here or sent by a prefill node)."""
 
     def __init__(self, compiler: GrammarCompiler):
         self.compiler = compiler
-        self.matchers: dict[str, llguidance.LLMatcher] = {}
+        self.grammars: dict[str, Grammar] = {}
         self.failed: dict[str, str] = {}  # request id -> why its mask could not be computed
         self.mask_seconds: dict[str, float] = {}  # request id -> how long its last mask took
 
     def add(self, request_id: str, spec: StructuredOutputSpec) -> None:
-        self.matchers[request_id] = self.compiler.matcher(spec)
+        self.grammars[request_id] = self.compiler.grammar(spec)
 
     def release(self, request_id: str) -> None:
-        self.matchers.pop(request_id, None)
+        self.grammars.pop(request_id, None)
         self.failed.pop(request_id, None)
         self.mask_seconds.pop(request_id, None)
 
@@ -236,24 +340,18 @@ class StructuredOutput:
         """Raises ValueError if the token breaks the request's grammar (the engine fails that request)."""
         if request_id in self.failed:
             raise ValueError(self.failed[request_id])
-        matcher = self.matchers.get(request_id)
-        if matcher is None or matcher.is_stopped():  # done (with ignore_eos only EOS comes after): nothing to check
-            return
-        if not matcher.consume_token(token):
-            raise ValueError(f"token {token} does not follow the request's grammar: {matcher.get_error()}")
-
-    def check(self, request_id: str, token: int) -> None:
-        """accept's ValueError, without advancing the matcher (a token about to be sent early)."""
-        if request_id in self.failed:
-            raise ValueError(self.failed[request_id])
-        matcher = self.matchers.get(request_id)
-        if matcher is not None and not matcher.is_stopped() and matcher.validate_tokens([token]) != 1:
-            raise ValueError(f"token {token} does not follow the request's grammar")
+        grammar = self.grammars.get(request_id)
+        if grammar is not None:
+            grammar.accept(token)
 
     def mask(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """logits [B, vocab] with the tokens each row's grammar forbids at -inf (rows without one
-        untouched). EOS is allowed only where the grammar accepts what came so far."""
-        rows = [row for row, seq in enumerate(seqs) if seq.request_id in self.matchers]
+        untouched). EOS is allowed only where the grammar accepts what came so far. A grammar still
+        waiting for its start marker forbids only the tokens that would complete it wrongly."""
+        refused = {row: self.grammars[seq.request_id].refused_now() for row, seq in enumerate(seqs)
+                   if seq.request_id in self.grammars and self.grammars[seq.request_id].start is not None}
+        rows = [row for row, seq in enumerate(seqs)
+                if seq.request_id in self.grammars and (row not in refused or refused[row])]
         if not rows:
             return logits
         bitmask = torch.full((len(rows), (self.compiler.vocab_size + 31) // 32), -1, dtype=torch.int32)
@@ -265,6 +363,11 @@ class StructuredOutput:
             cost = self.mask_seconds.get(request_id, 0.0)
             if request_id in self.failed:
                 continue  # failed when its token is accepted
+            if row in refused:
+                bits = bitmask[i].view(torch.uint8)
+                for token in refused[row]:
+                    bits[token // 8] &= 0xFF ^ (1 << token % 8)
+                continue
             if cost > EXPENSIVE_MASK_S and time.monotonic() - start > MASK_STEP_BUDGET_S:
                 self.failed[request_id] = (f"grammar too expensive: its token mask takes {cost * 1000:.0f} ms a "
                                            f"step, and this step's masks had already taken the "
@@ -273,7 +376,7 @@ class StructuredOutput:
                 continue
             began = time.monotonic()
             try:
-                self.matchers[request_id].unsafe_compute_mask_ptr(bitmask[i].data_ptr(), row_bytes)
+                self.grammars[request_id].matcher.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), row_bytes)
             except Exception as e:  # noqa: BLE001  that request alone fails, when its token is accepted
                 self.failed[request_id] = f"computing the grammar's token mask failed: {e}"
             self.mask_seconds[request_id] = time.monotonic() - began

@@ -13,7 +13,7 @@ from disagg.http_limits import HTTPLimits
 from disagg.lookup_buffer import LookupBufferProducer
 from disagg.prefill_node.node import PrefillNode
 from disagg.prefill_node.service import start_grpc_server
-from disagg.serving import node_info, serve_http
+from disagg.serving import add_error_handlers, node_info, openai_error_response, serve_http
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 def build_health_app(node: PrefillNode) -> FastAPI:
     # No /docs, /redoc or /openapi.json: they would map the node for anyone who reaches the port.
     app = FastAPI(title="disagg prefill node", docs_url=None, redoc_url=None, openapi_url=None)
+    add_error_handlers(app, openai_error_response)  # 404, 405 in the decode nodes' shape
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -29,7 +29,7 @@ def prefill_call_to_proto(call: PrefillCall) -> pb.PrefillRequest:
     sampling = {k: v for k, v in sampling_fields(call.params).items() if v is not None}
     if "structured" in sampling:
         spec = sampling["structured"]
-        sampling["structured"] = pb.StructuredOutput(kind=spec.kind, value=spec.value)
+        sampling["structured"] = pb.StructuredOutput(kind=spec.kind, value=spec.value, after_tokens=spec.after_tokens)
     return pb.PrefillRequest(request_id=call.request_id, prompt_token_ids=call.prompt_token_ids,
                              sampling=pb.SamplingFields(**sampling), kv_dest_host=host, kv_dest_port=port,
                              skip_tokens=call.skip_tokens)
@@ -45,7 +45,8 @@ def prefill_call_from_proto(msg: pb.PrefillRequest) -> PrefillCall:
                             repetition_penalty=s.repetition_penalty or 1.0,  # unset: an older sender's 0
                             logit_bias=dict(s.logit_bias), min_tokens=min(s.min_tokens, 1),
                             stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, max_tokens=1,
-                            structured=StructuredOutputSpec(s.structured.kind, s.structured.value)
+                            structured=StructuredOutputSpec(s.structured.kind, s.structured.value,
+                                                            tuple(s.structured.after_tokens))
                             if s.HasField("structured") else None)
     if not 0 <= msg.skip_tokens < len(msg.prompt_token_ids):
         raise ValueError(

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64isagg/proto/disagg.proto\x12\tdisagg.v1\"/\n\x0bInfoRequest\x12\x0f\n\x07kv_host\x18\x01 \x01(\t\x12\x0f\n\x07kv_port\x18\x02 \x01(\x05\"\xcd\x01\n\x08NodeInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x14\n\x0ckv_connector\x18\x07 \x01(\t\x12\r\n\x05kv_ip\x18\x08 \x01(\t\x12\x0f\n\x07kv_port\x18\t \x01(\x05\x12\x18\n\x10protocol_version\x18\n \x01(\x05\"\xd8\x03\n\x0eSamplingFields\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x15\n\x08logprobs\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x01\x12<\n\nlogit_bias\x18\n \x03(\x0b\x32(.disagg.v1.SamplingFields.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x03\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x34\n\nstructured\x18\x0e \x01(\x0b\x32\x1b.disagg.v1.StructuredOutputH\x02\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\r\n\x0b_structured\"/\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"\xac\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.disagg.v1.SamplingFields\x12\x14\n\x0ckv_dest_host\x18\x04 \x01(\t\x12\x14\n\x0ckv_dest_port\x18\x05 \x01(\x05\x12\x13\n\x0bskip_tokens\x18\x06 \x01(\x05\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"P\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.disagg.v1.TopLogprob\"\xc1\x01\n\x0cPrefillReply\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x03\x12.\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x12.disagg.v1.LogprobH\x00\x88\x01\x01\x12\x14\n\x0ctoken_digest\x18\x03 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x05 \x01(\x03\x12\x17\n\x0fprefill_seconds\x18\x06 \x01(\x01\x42\x10\n\x0e_first_logprob\"D\n\x0fPrefillProgress\x12\x14\n\x0c\x65ngine_steps\x18\x01 \x01(\x03\x12\x1b\n\x13num_computed_tokens\x18\x02 \x01(\x05\"r\n\rPrefillUpdate\x12.\n\x08progress\x18\x01 \x01(\x0b\x32\x1a.disagg.v1.PrefillProgressH\x00\x12\'\n\x04\x64one\x18\x02 \x01(\x0b\x32\x17.disagg.v1.PrefillReplyH\x00\x42\x08\n\x06update\"N\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0ckv_dest_host\x18\x02 \x01(\t\x12\x14\n\x0ckv_dest_port\x18\x03 \x01(\x05\"\x1d\n\nAbortReply\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\x32\xc0\x01\n\x0ePrefillService\x12\x33\n\x04Info\x12\x16.disagg.v1.InfoRequest\x1a\x13.disagg.v1.NodeInfo\x12@\n\x07Prefill\x12\x19.disagg.v1.PrefillRequest\x1a\x18.disagg.v1.PrefillUpdate0\x01\x12\x37\n\x05\x41\x62ort\x12\x17.disagg.v1.AbortRequest\x1a\x15.disagg.v1.AbortReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64isagg/proto/disagg.proto\x12\tdisagg.v1\"/\n\x0bInfoRequest\x12\x0f\n\x07kv_host\x18\x01 \x01(\t\x12\x0f\n\x07kv_port\x18\x02 \x01(\x05\"\xcd\x01\n\x08NodeInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x14\n\x0ckv_connector\x18\x07 \x01(\t\x12\r\n\x05kv_ip\x18\x08 \x01(\t\x12\x0f\n\x07kv_port\x18\t \x01(\x05\x12\x18\n\x10protocol_version\x18\n \x01(\x05\"\xd8\x03\n\x0eSamplingFields\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x15\n\x08logprobs\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x01\x12<\n\nlogit_bias\x18\n \x03(\x0b\x32(.disagg.v1.SamplingFields.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x03\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x34\n\nstructured\x18\x0e \x01(\x0b\x32\x1b.disagg.v1.StructuredOutputH\x02\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\r\n\x0b_structured\"E\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\x12\x14\n\x0c\x61\x66ter_tokens\x18\x03 \x03(\x03\"\xac\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.disagg.v1.SamplingFields\x12\x14\n\x0ckv_dest_host\x18\x04 \x01(\t\x12\x14\n\x0ckv_dest_port\x18\x05 \x01(\x05\x12\x13\n\x0bskip_tokens\x18\x06 \x01(\x05\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"P\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.disagg.v1.TopLogprob\"\xc1\x01\n\x0cPrefillReply\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x03\x12.\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x12.disagg.v1.LogprobH\x00\x88\x01\x01\x12\x14\n\x0ctoken_digest\x18\x03 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x05 \x01(\x03\x12\x17\n\x0fprefill_seconds\x18\x06 \x01(\x01\x42\x10\n\x0e_first_logprob\"D\n\x0fPrefillProgress\x12\x14\n\x0c\x65ngine_steps\x18\x01 \x01(\x03\x12\x1b\n\x13num_computed_tokens\x18\x02 \x01(\x05\"r\n\rPrefillUpdate\x12.\n\x08progress\x18\x01 \x01(\x0b\x32\x1a.disagg.v1.PrefillProgressH\x00\x12\'\n\x04\x64one\x18\x02 \x01(\x0b\x32\x17.disagg.v1.PrefillReplyH\x00\x42\x08\n\x06update\"N\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0ckv_dest_host\x18\x02 \x01(\t\x12\x14\n\x0ckv_dest_port\x18\x03 \x01(\x05\"\x1d\n\nAbortReply\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\x32\xc0\x01\n\x0ePrefillService\x12\x33\n\x04Info\x12\x16.disagg.v1.InfoRequest\x1a\x13.disagg.v1.NodeInfo\x12@\n\x07Prefill\x12\x19.disagg.v1.PrefillRequest\x1a\x18.disagg.v1.PrefillUpdate0\x01\x12\x37\n\x05\x41\x62ort\x12\x17.disagg.v1.AbortRequest\x1a\x15.disagg.v1.AbortReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,23 +42,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGFIELDS_LOGITBIASENTRY']._serialized_start=685
   _globals['_SAMPLINGFIELDS_LOGITBIASENTRY']._serialized_end=733
   _globals['_STRUCTUREDOUTPUT']._serialized_start=772
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=819
-  _globals['_PREFILLREQUEST']._serialized_start=822
-  _globals['_PREFILLREQUEST']._serialized_end=994
-  _globals['_TOPLOGPROB']._serialized_start=996
-  _globals['_TOPLOGPROB']._serialized_end=1043
-  _globals['_LOGPROB']._serialized_start=1045
-  _globals['_LOGPROB']._serialized_end=1125
-  _globals['_PREFILLREPLY']._serialized_start=1128
-  _globals['_PREFILLREPLY']._serialized_end=1321
-  _globals['_PREFILLPROGRESS']._serialized_start=1323
-  _globals['_PREFILLPROGRESS']._serialized_end=1391
-  _globals['_PREFILLUPDATE']._serialized_start=1393
-  _globals['_PREFILLUPDATE']._serialized_end=1507
-  _globals['_ABORTREQUEST']._serialized_start=1509
-  _globals['_ABORTREQUEST']._serialized_end=1587
-  _globals['_ABORTREPLY']._serialized_start=1589
-  _globals['_ABORTREPLY']._serialized_end=1618
-  _globals['_PREFILLSERVICE']._serialized_start=1621
-  _globals['_PREFILLSERVICE']._serialized_end=1813
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=841
+  _globals['_PREFILLREQUEST']._serialized_start=844
+  _globals['_PREFILLREQUEST']._serialized_end=1016
+  _globals['_TOPLOGPROB']._serialized_start=1018
+  _globals['_TOPLOGPROB']._serialized_end=1065
+  _globals['_LOGPROB']._serialized_start=1067
+  _globals['_LOGPROB']._serialized_end=1147
+  _globals['_PREFILLREPLY']._serialized_start=1150
+  _globals['_PREFILLREPLY']._serialized_end=1343
+  _globals['_PREFILLPROGRESS']._serialized_start=1345
+  _globals['_PREFILLPROGRESS']._serialized_end=1413
+  _globals['_PREFILLUPDATE']._serialized_start=1415
+  _globals['_PREFILLUPDATE']._serialized_end=1529
+  _globals['_ABORTREQUEST']._serialized_start=1531
+  _globals['_ABORTREQUEST']._serialized_end=1609
+  _globals['_ABORTREPLY']._serialized_start=1611
+  _globals['_ABORTREPLY']._serialized_end=1640
+  _globals['_PREFILLSERVICE']._serialized_start=1643
+  _globals['_PREFILLSERVICE']._serialized_end=1835
 # @@protoc_insertion_point(module_scope)
