@@ -143,11 +143,14 @@ def goodput_phase(args: argparse.Namespace, model: Path) -> dict:
         disagg = pair_and_first["disagg"]
         try:
             urls = {"colocated_x2": router_url, "disagg_1p1d": disagg.front.url}
+            decoders = {"colocated_x2": [pair_and_first["colocated"].front, second["colocated"].front],
+                        "disagg_1p1d": [disagg.front]}
             for system in (pair_and_first["colocated"], second["colocated"], disagg):
                 warm_up(system, args.vocab)
             for workload in args.workloads.split(","):
                 rates = getattr(args, f"rates_{workload}").split(",")
-                result[workload] = workload_sweep(args, workload, rates, urls, pair_and_first, disagg, log_dir)
+                result[workload] = workload_sweep(args, workload, rates, urls, decoders, pair_and_first, disagg,
+                                                  log_dir)
                 write_json(args, summarize_goodput(result))  # what is known so far, if the time limit stops the run
         finally:
             router.terminate()
@@ -155,8 +158,8 @@ def goodput_phase(args: argparse.Namespace, model: Path) -> dict:
     return summarize_goodput(result)
 
 
-def workload_sweep(args: argparse.Namespace, workload: str, rates: list[str], urls: dict, pair_and_first: dict,
-                   disagg: System, log_dir: Path) -> dict:
+def workload_sweep(args: argparse.Namespace, workload: str, rates: list[str], urls: dict, decoders: dict,
+                   pair_and_first: dict, disagg: System, log_dir: Path) -> dict:
     for url in urls.values():  # a few loaded batches of the sweep's shape: first-batch costs stay out
         serve_once(url, args, workload, rates[len(rates) // 2], 8, 99, [])
     # Unloaded: one request at a time on one colocated node.
@@ -171,8 +174,9 @@ def workload_sweep(args: argparse.Namespace, workload: str, rates: list[str], ur
         for name in (list(urls) if i % 2 == 0 else list(urls)[::-1]):
             profile = args.profile and name == "disagg_1p1d" and rate == rates[len(rates) // 2]
             samplers = start_profiles(disagg, log_dir, f"{workload}-{rate}") if profile else []
-            before = handoff_sums(disagg)
+            before, engines_before = handoff_sums(disagg), engine_sums(decoders[name])
             r = runs[name][rate] = serve_once(urls[name], args, workload, rate, args.num_requests, 7 + i, goodput)
+            r["engine"] = engine_means(engines_before, engine_sums(decoders[name]))
             stop_profiles(samplers)
             r["attainment_by_slo_scale"] = {str(k): attainment(r["per_request"], k * slo["ttft_ms"], k * slo["tpot_ms"])
                                             for k in SLO_SCALES}
@@ -180,6 +184,7 @@ def workload_sweep(args: argparse.Namespace, workload: str, rates: list[str], ur
                     f"TTFT p50/p99 {r['median_ttft_ms']:.0f}/{r['p99_ttft_ms']:.0f} ms, TPOT p50/p99 "
                     f"{r['median_tpot_ms']:.2f}/{r['p99_tpot_ms']:.2f} ms, ITL p99 {r['p99_itl_ms']:.1f} ms")
             print(line, flush=True)
+            print("    decoding engines: " + ", ".join(f"{k} {v:.2f}" for k, v in r["engine"].items()), flush=True)
             if name == "disagg_1p1d":
                 r["handoff_mean_ms"] = handoff_means(before, handoff_sums(disagg))
                 print("    handoff means, ms: " + ", ".join(f"{step} {ms:.1f}"
@@ -221,6 +226,27 @@ def handoff_sums(disagg: System) -> dict[str, tuple[float, float]]:
     return {name: (nodes[role].metric_sum(f"disagg_{name}_seconds_sum"),
                    nodes[role].metric_sum(f"disagg_{name}_seconds_count"))
             for role, names in HANDOFF_STEPS.items() for name in names}
+
+
+# The decoding nodes' own view of a run: histograms (sum, count) summed over a system's decoding nodes.
+ENGINE_SUMS = {"tpot_ms": "disagg_request_time_per_output_token_seconds", "step_tokens": "disagg_engine_step_tokens",
+               "ttft_ms": "disagg_time_to_first_token_seconds"}
+
+
+def engine_sums(nodes: list) -> dict[str, tuple[float, float]]:
+    return {key: (sum(n.metric_sum(f"{name}_sum") for n in nodes), sum(n.metric_sum(f"{name}_count") for n in nodes))
+            for key, name in ENGINE_SUMS.items()}
+
+
+def engine_means(before: dict, after: dict) -> dict[str, float]:
+    """Means over one run: the engines' TPOT (first token to last, per token) and the node's TTFT (its API's
+    request to first token), both in ms, and the tokens of a step (with decoding alone, the batch)."""
+    out = {}
+    for key, (total, count) in after.items():
+        mean = (total - before[key][0]) / max(1.0, count - before[key][1])
+        out[key] = mean * 1e3 if key.endswith("_ms") else mean
+    out["steps"] = after["step_tokens"][1] - before["step_tokens"][1]
+    return out
 
 
 def handoff_means(before: dict, after: dict) -> dict[str, float]:
