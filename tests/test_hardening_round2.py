@@ -171,7 +171,7 @@ def test_echo_logprobs_n4_long_prompt_does_not_stall_a_victim_stream(pair_1p1d):
     filled whole steps (4 x the prompt, each token with a log-softmax row) and the victim stalled
     21.5 s. Now such prompts take PROMPT_LOGPROB_TOKENS of a step together and the n choices score
     the prompt once, so the victim's stream keeps moving: several tokens while the hostile request
-    runs (on main: one, its step held every token of the four prompts), no gap near a whole step."""
+    runs (on main: two, one step held every token of the four prompts), no gap near its whole time."""
     decode = pair_1p1d[1]
     prompt = list(range(1000, 1480))  # 480 tokens: under the pair's max_model_len of 512
     times: list[float] = []
@@ -199,6 +199,8 @@ def test_echo_logprobs_n4_long_prompt_does_not_stall_a_victim_stream(pair_1p1d):
                                      for c in choices)
     during = [t for t in times if hostile["start"] < t < hostile["end"]]
     gaps = [b - a for a, b in zip(times, times[1:])]
-    print(f"victim: {len(during)} tokens during the hostile request ({hostile['end'] - hostile['start']:.1f} s), "
-          f"max gap {max(gaps):.2f} s")
-    assert len(during) >= 3 and max(gaps) < 4.0
+    duration = hostile["end"] - hostile["start"]
+    print(f"victim: {len(during)} tokens during the hostile request ({duration:.1f} s), max gap {max(gaps):.2f} s")
+    # Relative to the hostile request's own time, so that a slower or busier machine does not decide it: on
+    # main the victim waited nearly all of it at once (10.0 s of 10.3 s, 2 tokens); here 0.7 s of 1.7 s, 4.
+    assert len(during) >= 3 and max(gaps) < 0.75 * duration
