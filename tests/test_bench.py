@@ -128,3 +128,49 @@ def test_request_building(tmp_path: Path):
     args = parser.parse_args(["--endpoint", "chat", "--prompt-kind", "token-ids"])
     with pytest.raises(ValueError, match="completions"):
         build_requests(args, random.Random(0))
+
+
+def test_shared_prefix_conversations():
+    import argparse
+    import random
+
+    from disagg.bench import add_serve_args
+    from disagg.bench.serve import build_conversations
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args(["--workload", "shared-prefix", "--num-prefixes", "3", "--prefix-len", "20",
+                              "--turns", "2", "--num-requests", "11", "--input-len", "5", "--prompt-kind", "token-ids"])
+    conversations = build_conversations(args, random.Random(0))
+    assert [len(turns) for turns in conversations].count(2) == 5 and sum(map(len, conversations)) == 11
+    prefixes = {tuple(turns[0].prompt[:20]) for turns in conversations}
+    assert len(prefixes) == 3  # six conversations over three prefixes
+    for turns in conversations:
+        assert [t.input_len for t in turns] == [25, 30][:len(turns)]
+        if len(turns) == 2:
+            assert turns[1].prompt[:25] == turns[0].prompt  # a turn extends the one before
+    chat = parser.parse_args(["--workload", "shared-prefix", "--endpoint", "chat", "--num-requests", "2"])
+    turns = build_conversations(chat, random.Random(0))[0]
+    assert len(turns[0].messages[0]["content"].split()) == 256 + 128
+    with pytest.raises(ValueError, match="--turns"):
+        build_conversations(parser.parse_args(["--workload", "shared-prefix", "--turns", "0"]), random.Random(0))
+
+
+@pytest.mark.slow
+def test_serve_shared_prefix_reports_the_prefix_cache_hit_rate(node, tmp_path: Path):
+    """Two conversations of two turns on two prefixes: each second turn finds its first turn's full
+    blocks in the node's prefix cache, which is what the node's /metrics counts."""
+    out_json = tmp_path / "shared.json"
+    done = bench("serve", "--base-url", node.url, "--workload", "shared-prefix", "--num-prefixes", "2",
+                 "--prefix-len", "64", "--turns", "2", "--num-requests", "4", "--input-len", "8", "--output-len", "2",
+                 "--prompt-kind", "token-ids", "--vocab-size", "49152", "--metrics-url", f"{node.url}/metrics",
+                 "--save-json", str(out_json), "--no-progress")
+    assert done.returncode == 0, done.stdout + done.stderr
+    run = json.loads(out_json.read_text())["runs"][0]
+    assert run["completed"] == 4
+    assert sorted(r["prompt_tokens"] for r in run["requests"]) == [72, 72, 80, 80]
+    # Turn 2 (80 tokens) hits turn 1's 4 full 16-token blocks; turn 1 hits nothing.
+    cache = run["prefix_cache"]
+    assert (cache["hits"], cache["queries"]) == (2 * 64, 2 * (72 + 80))
+    assert cache["hit_rate"] == pytest.approx(128 / 304) and cache["without_counters"] == []
+    assert "prefix cache hit rate 0.421 (128/304 prompt tokens)" in done.stdout

@@ -8,18 +8,22 @@ import json
 import random
 import re
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
+import torch
 from servers import Node, metric_sum, start_node, wait_for
 from test_router import MODEL, start_router
 
 from disagg.engine.block_hash import prompt_block_hashes
 from disagg.engine.block_manager import BlockManager
 from disagg.engine.kv_events import KVEventPublisher, KVEventsLagged, KVEventSubscription
+from disagg.engine.kv_tiers.disk import DiskTier
+from disagg.engine.kv_tiers.host import HostTier
 from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.sequence import Sequence
-from disagg.router.kv_view import CacheView, KVEventsError, follow_kv_events
+from disagg.router.kv_view import MEDIUM_WEIGHTS, CacheView, KVEventsError, follow_kv_events
 from disagg.router.router import DecodeNode, Router, Routing, cache_aware
 
 BLOCK = 4
@@ -44,12 +48,12 @@ def test_a_subscriber_gets_a_snapshot_then_what_entered_and_left_the_cache():
         assert bm.changed_hashes is None  # nobody subscribed: nothing noted
         sub = KVEventSubscription(asyncio.get_running_loop(), max_pending=2)
         sub.snapshot = publisher.subscribe(sub)
-        assert (sub.snapshot.seq, sub.snapshot.block_size, sub.snapshot.hashes) == (0, BLOCK, [11])
+        assert (sub.snapshot.seq, sub.snapshot.block_size, sub.snapshot.hashes) == (0, BLOCK, {"device": [11]})
         bm.release(first)
         bm.cache_block(bm.take_free(), 22, (5, 6, 7, 8))
         publisher.publish()
         batch = await sub.next(1.0)
-        assert (batch.seq, batch.stored, batch.removed) == (1, [22], [])
+        assert (batch.seq, batch.medium, batch.stored, batch.removed) == (1, "device", [22], [])
         bm.take_free()  # the least recently used free block, 11's, is evicted
         publisher.publish()
         publisher.publish()  # nothing changed: no batch
@@ -79,27 +83,58 @@ def test_a_subscriber_that_falls_behind_is_cut_off():
     asyncio.run(run())
 
 
+def test_the_host_and_disk_tiers_publish_what_entered_and_left_them(tmp_path):
+    async def run() -> None:
+        bm = BlockManager(4, BLOCK)
+        host = HostTier(2, (1,), torch.float32, pin_memory=False)
+        disk = DiskTier(tmp_path, 2**20, b"i" * 32, 4, BLOCK)
+        publisher = KVEventPublisher(bm, SimpleNamespace(host=host, disk=disk))
+        host.allocate(10, (1,) * BLOCK).ref_count = 0  # before anyone subscribes: in the snapshot only
+        sub = KVEventSubscription(asyncio.get_running_loop(), max_pending=8)
+        sub.snapshot = publisher.subscribe(sub)
+        assert sub.snapshot.hashes == {"device": [], "host": [10], "disk": []}
+        host.allocate(20, (2,) * BLOCK).ref_count = 0
+        host.allocate(30, (3,) * BLOCK)  # the tier is full: its least recently used block, 10, goes
+        assert disk.write(20, (2,) * BLOCK, torch.zeros(1), None)
+        def written() -> bool:
+            disk.results()  # takes in the finished write
+            return 20 in disk.files
+
+        wait_for(written, 10, "the disk write")
+        publisher.publish()
+        host_batch, disk_batch = await sub.next(1.0), await sub.next(1.0)
+        assert (host_batch.seq, host_batch.medium, sorted(host_batch.stored), host_batch.removed) == (1, "host",
+                                                                                                     [20, 30], [10])
+        assert (disk_batch.seq, disk_batch.medium, disk_batch.stored, disk_batch.removed) == (2, "disk", [20], [])
+        sub.close()
+        publisher.publish()
+        assert host.changed_hashes is None and disk.changed_hashes is None  # nobody listens: nothing noted
+        disk.close()
+
+    asyncio.run(run())
+
+
 # The router's view.
 
 def test_the_view_follows_batches_and_refuses_a_gap():
     view = CacheView()
     with pytest.raises(KVEventsError):
         view.apply({"type": "heartbeat", "seq": 0})  # nothing before the snapshot
-    view.apply({"type": "snapshot", "seq": 5, "block_size": BLOCK, "hashes": [1, 2]})
-    view.apply({"type": "events", "seq": 6, "stored": [3], "removed": [2]})
+    view.apply({"type": "snapshot", "seq": 5, "block_size": BLOCK, "hashes": {"device": [1, 2]}})
+    view.apply({"type": "events", "seq": 6, "medium": "device", "stored": [3], "removed": [2]})
     view.apply({"type": "heartbeat", "seq": 6})
-    assert view.live and view.hashes == {1, 3}
+    assert view.live and view.hashes == {"device": {1, 3}}
     assert view.matched_blocks([1, 3, 4]) == 2
     assert view.matched_blocks([3, 1]) == 2 and view.matched_blocks([2, 1]) == 0  # leading blocks only
     with pytest.raises(KVEventsError):
-        view.apply({"type": "events", "seq": 8, "stored": [], "removed": []})
+        view.apply({"type": "events", "seq": 8, "medium": "device", "stored": [], "removed": []})
     view.drop("test")
     assert not view.live and view.matched_blocks([1]) == 0
 
 
 def test_a_stream_that_ends_drops_the_view_until_a_new_snapshot():
-    lines = [{"type": "snapshot", "seq": 0, "block_size": BLOCK, "hashes": [7]},
-             {"type": "events", "seq": 1, "stored": [8], "removed": []}]
+    lines = [{"type": "snapshot", "seq": 0, "block_size": BLOCK, "hashes": {"device": [7]}},
+             {"type": "events", "seq": 1, "medium": "device", "stored": [8], "removed": []}]
     seen: list[set[int]] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -112,7 +147,7 @@ def test_a_stream_that_ends_drops_the_view_until_a_new_snapshot():
         dropped = asyncio.Event()
 
         def drop(reason: str) -> None:
-            seen.append(set(view.hashes))
+            seen.append(set(view.hashes["device"]))
             original(reason)
             dropped.set()
 
@@ -123,16 +158,27 @@ def test_a_stream_that_ends_drops_the_view_until_a_new_snapshot():
             await asyncio.wait_for(dropped.wait(), 5)
             task.cancel()
         assert seen[0] == {7, 8}  # followed to the end of the stream
-        assert not view.live and view.hashes == set() and "ended" in view.reason
+        assert not view.live and view.hashes == {} and "ended" in view.reason
 
     asyncio.run(run())
+
+
+def test_blocks_held_in_any_tier_count_by_the_tiers_weight():
+    view = CacheView()
+    view.apply({"type": "snapshot", "seq": 0, "block_size": BLOCK, "hashes": {"device": [1], "host": [1, 2],
+                                                                              "disk": [3]}})
+    weight = MEDIUM_WEIGHTS
+    assert view.matched_blocks([1, 2, 3, 4]) == weight["device"] + weight["host"] + weight["disk"]
+    view.apply({"type": "events", "seq": 1, "medium": "host", "stored": [], "removed": [2]})
+    assert view.matched_blocks([1, 2, 3]) == weight["device"]  # the chain stops at a block held nowhere
+    assert weight["device"] > weight["host"] > weight["disk"] > 0
 
 
 # The scoring.
 
 def node(address: str, hashes: set[int] = frozenset(), outstanding: int = 0, routed: int = 0) -> DecodeNode:
     n = DecodeNode(address, healthy=True, outstanding=outstanding, routed=routed)
-    n.cache.apply({"type": "snapshot", "seq": 0, "block_size": BLOCK, "hashes": list(hashes)})
+    n.cache.apply({"type": "snapshot", "seq": 0, "block_size": BLOCK, "hashes": {"device": list(hashes)}})
     return n
 
 
@@ -170,7 +216,7 @@ def test_pick_scores_live_healthy_nodes_by_the_prompts_blocks():
         a, b, c = router.nodes
         for n, held in ((a, set()), (b, set(hashes[:5])), (c, set(hashes))):
             n.mark_healthy()
-            n.cache.apply({"type": "snapshot", "seq": 0, "block_size": BLOCK, "hashes": list(held)})
+            n.cache.apply({"type": "snapshot", "seq": 0, "block_size": BLOCK, "hashes": {"device": list(held)}})
         assert router.pick(token_ids=prompt) is c
         c.cache.drop("stopped publishing")  # matches nothing now
         assert router.pick(token_ids=prompt) is b

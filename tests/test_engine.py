@@ -433,8 +433,8 @@ def test_prompt_logprobs_match_transformers_chunked_and_cached(model_dir, hf_mod
     with torch.no_grad():
         want = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
     llm.generate(prompt, greedy(1))  # its blocks are now in the prefix cache, which prompt logprobs skip
-    batch = llm.generate([prompt, PROMPTS[3]], [SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2),
-                                                 greedy(4)])
+    scoring = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    batch = llm.generate([prompt, PROMPTS[3], prompt], [scoring, greedy(4), scoring])
     out = batch[0]
     assert len(ids) > 64 and out.num_cached_tokens == 0  # computed in two chunks, nothing from the cache
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
@@ -444,6 +444,9 @@ def test_prompt_logprobs_match_transformers_chunked_and_cached(model_dir, hf_mod
         assert [t for t, _ in entry.top] == torch.topk(want[i - 1], 2).indices.tolist()
     assert out.token_ids == reference(hf_model, ids, 2)
     assert batch[1].prompt_logprobs is None
+    twin = batch[2]  # the same prompt scored once: the twin took those logprobs and the prefix cache
+    assert twin.num_cached_tokens > 0 and twin.prompt_logprobs == out.prompt_logprobs
+    assert twin.token_ids == out.token_ids
 
 
 def test_a_remote_first_token_off_the_grammar_is_refused_before_it_is_sent(llm):

@@ -9,7 +9,7 @@ from disagg.engine.block_table import DeviceBlockTable
 from disagg.engine.kv_arrival import KVArrival
 from disagg.engine.kv_cache import KVCache
 from disagg.engine.sampling_params import SamplingParams
-from disagg.engine.scheduler import Scheduler
+from disagg.engine.scheduler import PROMPT_LOGPROB_TOKENS, Scheduler
 from disagg.engine.sequence import Sequence, SequenceStatus
 from disagg.pipes import RowScatter
 
@@ -88,6 +88,45 @@ def test_scheduler_chunks_long_prompts_under_the_token_budget():
     assert chunks == [[("a", 16)], [("a", 16)], [("a", 8), ("b", 5)]]
     assert sampled == [[], [], ["a", "b"]]  # a prompt's token is sampled once its last chunk ran
     assert len(manager.block_hashes["a"]) == 10  # its full blocks went into the prefix cache
+
+
+def test_prompt_scoring_takes_a_capped_share_of_each_step_and_twins_score_once():
+    """Issue 24: echo + logprobs + n on a long prompt filled whole steps while every stream waited.
+    Prompts that ask for prompt logprobs take PROMPT_LOGPROB_TOKENS of a step together; a twin waits
+    for the one scoring its prompt, takes its prompt logprobs and hits the prefix cache."""
+    manager = BlockManager(256, BS)
+    scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=2048)
+    victim = seq("victim", [7] * 5)
+    scheduler.add(victim)
+    victim.append_token(scheduler.postprocess(scheduler.schedule())[0].request_id == "victim")  # decoding now
+    prompt = list(range(1000, 1000 + 2 * PROMPT_LOGPROB_TOKENS + 10))
+    scorers = [Sequence(f"s{i}", prompt, SamplingParams(temperature=0.0, prompt_logprobs=1)) for i in range(3)]
+    for s in scorers:
+        scheduler.add(s)
+    other = seq("other", list(range(50)))  # no prompt logprobs: not held back by them
+    scheduler.add(other)
+    steps = []
+    while scorers[0].num_computed_tokens < len(prompt):
+        batch = scheduler.schedule()
+        steps.append({item.seq.request_id: item.num_new_tokens for item in batch})
+        for item in batch:  # as the runner's prompt logprobs would
+            if item.seq.scores_prompt:
+                end = min(item.seq.num_computed_tokens + item.num_new_tokens, len(prompt) - 1)
+                item.seq.prompt_logprobs += [None] * (end + 1 - len(item.seq.prompt_logprobs))
+        for sampled in scheduler.postprocess(batch):
+            sampled.append_token(1)
+    assert steps == [{"victim": 1, "s0": PROMPT_LOGPROB_TOKENS, "other": 50},
+                     {"victim": 1, "s0": PROMPT_LOGPROB_TOKENS, "other": 1},
+                     {"victim": 1, "s0": 10, "other": 1}]
+    twin = scorers[1]
+    assert twin.status == SequenceStatus.WAITING and not twin.scores_prompt  # handed over
+    assert twin.prompt_logprobs == scorers[0].prompt_logprobs
+    cached = (len(prompt) - 1) // BS * BS  # its whole blocks but the last token's, from the prefix cache
+    batch = scheduler.schedule()
+    rest = len(prompt) - cached
+    assert {item.seq.request_id: item.num_new_tokens for item in batch} == {"victim": 1, "other": 1, "s0": 1,
+                                                                           "s1": rest, "s2": rest}
+    assert twin.num_cached_tokens == cached
 
 
 def test_scheduler_caps_running_sequences():

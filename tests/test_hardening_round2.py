@@ -3,6 +3,7 @@ CPU 1P1D pair (every prompt crosses to the prefill node, so both nodes see each 
 answer is a 2xx or a 4xx in OpenAI's error shape, and a victim request is token-exact after."""
 
 import json
+import threading
 import time
 
 import httpx
@@ -163,3 +164,45 @@ def test_open_api_without_a_key_is_warned_about(caplog):
         assert not caplog.records
         warn_if_open(open_app, "0.0.0.0", 8000)
     assert len(caplog.records) == 1 and "--api-key" in caplog.text and "127.0.0.1" in caplog.text
+
+
+def test_echo_logprobs_n4_long_prompt_does_not_stall_a_victim_stream(pair_1p1d):
+    """Finding 7: echo + logprobs + n=4 on a long prompt is computed on the decode node itself; it
+    filled whole steps (4 x the prompt, each token with a log-softmax row) and the victim stalled
+    21.5 s. Now such prompts take PROMPT_LOGPROB_TOKENS of a step together and the n choices score
+    the prompt once, so the victim's stream keeps moving: several tokens while the hostile request
+    runs (on main: two, one step held every token of the four prompts), no gap near its whole time."""
+    decode = pair_1p1d[1]
+    prompt = list(range(1000, 1480))  # 480 tokens: under the pair's max_model_len of 512
+    times: list[float] = []
+    hostile: dict = {}
+
+    def attack() -> None:
+        hostile["start"] = time.monotonic()
+        hostile["response"] = complete(decode, {"prompt": prompt, "echo": True, "logprobs": 1, "n": 4,
+                                                "max_tokens": 1, "temperature": 0})
+        hostile["end"] = time.monotonic()
+
+    attacker = threading.Thread(target=attack)
+    body = {**VICTIM, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{decode.url}/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                times.append(time.monotonic())
+                if len(times) == 5:
+                    attacker.start()
+                if "end" in hostile and sum(t > hostile["end"] for t in times) == 2:
+                    break  # the victim's gaps around the hostile request are in; the rest is not needed
+    attacker.join()
+    response = hostile["response"]
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert len(choices) == 4 and all(c["logprobs"]["token_logprobs"] == choices[0]["logprobs"]["token_logprobs"]
+                                     for c in choices)
+    during = [t for t in times if hostile["start"] < t < hostile["end"]]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    duration = hostile["end"] - hostile["start"]
+    print(f"victim: {len(during)} tokens during the hostile request ({duration:.1f} s), max gap {max(gaps):.2f} s")
+    # Relative to the hostile request's own time, so that a slower or busier machine does not decide it: on
+    # main the victim waited nearly all of it at once (10.0 s of 10.3 s, 2 tokens); here 0.7 s of 1.7 s, 4.
+    assert len(during) >= 3 and max(gaps) < 0.75 * duration

@@ -4,6 +4,7 @@ whichever tier a prefix comes back from."""
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -22,6 +23,7 @@ from servers import start_node, wait_for
 from disagg import LLM, SamplingParams
 from disagg.engine import async_engine
 from disagg.engine.async_engine import AsyncEngine
+from disagg.engine.block_hash import prompt_block_hashes
 from disagg.engine.block_manager import BlockManager
 from disagg.engine.config import EngineConfig
 from disagg.engine.engine import LLMEngine
@@ -31,6 +33,7 @@ from disagg.engine.kv_tiers.host import HostTier
 from disagg.engine.kv_tiers.offload import slot_runs
 from disagg.engine.loader import DEFAULT_MODEL_NAME
 from disagg.engine.sequence import Sequence, SequenceStatus
+from disagg.router.kv_view import MEDIUM_WEIGHTS, CacheView
 
 BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4  # one 16-token block of the embedded model, float32
 MAX_TOKENS = 8
@@ -414,6 +417,19 @@ def test_a_node_serves_with_tiers_and_exports_their_metrics(tmp_path):
             "disk": 0.1 * 2**30 // (BLOCK_BYTES + HEADER.size + 8 * 16)}
         assert node.labelled("disagg_kv_tier_offloaded_bytes_total", "tier")["host"] == 12 * BLOCK_BYTES
         assert node.metric("disagg_kv_block_allocation_seconds_count") == 1
+        # Its KV events name each tier that holds the prompt's blocks, as the router's view reads them.
+        tokens = httpx.post(f"{node.url}/tokenize", json={"prompt": CONVERSATIONS[0]}, timeout=10).json()["tokens"]
+        hashes = prompt_block_hashes(tokens, 16)
+        assert len(hashes) == 12
+        view, deadline = CacheView(), time.monotonic() + 30
+        with httpx.stream("GET", f"{node.url}/kv_events", timeout=10) as events:
+            for line in events.iter_lines():  # a heartbeat a second at least
+                view.apply(json.loads(line))
+                if set(hashes) <= view.hashes.get("disk", set()) or time.monotonic() > deadline:
+                    break
+        for medium in ("device", "host", "disk"):  # the disk's written in the background
+            assert set(hashes) <= view.hashes[medium], medium
+        assert view.matched_blocks(hashes) == 12 * MEDIUM_WEIGHTS["device"]
     finally:
         node.kill()
 

@@ -1,10 +1,11 @@
-"""GET /kv_events: the node's prefix-cache KV events as a stream, for a router (`disagg router
---routing cache_aware`) to know which prompts' blocks this node holds.
+"""GET /kv_events: the node's KV events as a stream, for a router (`disagg router --routing
+cache_aware`) to know which prompts' blocks this node holds, and in which tier.
 
 HTTP, not gRPC: decode and colocated nodes serve no gRPC (only prefill nodes do), and the router
 knows them only by their HTTP address, which it health-checks already. One JSON object a line
-(NDJSON): first a snapshot `{"type": "snapshot", "seq", "block_size", "hashes"}`, then a batch
-`{"type": "events", "seq", "stored", "removed"}` whenever the cache changed, and a heartbeat
+(NDJSON): first a snapshot `{"type": "snapshot", "seq", "block_size", "hashes": {medium: [...]}}`
+(medium "device", and "host" and "disk" where the node has those tiers), then a batch
+`{"type": "events", "seq", "medium", "stored", "removed"}` whenever a tier changed, and a heartbeat
 `{"type": "heartbeat", "seq"}` every HEARTBEAT_S when it did not, so that the router can tell a
 quiet node from one that stopped publishing. A subscriber that falls behind is cut off; it
 reconnects and starts from a new snapshot. The stream ends when the server shuts down
@@ -46,7 +47,8 @@ async def kv_events_response(engine: AsyncEngine, request: Request) -> Streaming
                     yield line({"type": "heartbeat", "seq": seq})
                     continue
                 seq = batch.seq
-                yield line({"type": "events", "seq": batch.seq, "stored": batch.stored, "removed": batch.removed})
+                yield line({"type": "events", "seq": batch.seq, "medium": batch.medium, "stored": batch.stored,
+                            "removed": batch.removed})
         except KVEventsLagged as e:
             logger.warning("KV events subscriber cut off: %s; it will reconnect", e)
         finally:

@@ -48,6 +48,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts-file", default=None,
                         help='JSONL, one request a line: {"prompt": str | [ids]} or {"messages": [...]}, '
                              'optional "max_tokens"; used in order, cycled')
+    parser.add_argument("--workload", choices=["random", "shared-prefix"], default="random",
+                        help="random: each prompt its own; shared-prefix: conversations, each opening with one of "
+                             "--num-prefixes prefixes of --prefix-len tokens, in random order, of --turns turns "
+                             "that each add --input-len tokens to the prompt before (the next turn is sent when "
+                             "the answer is in)")
+    parser.add_argument("--num-prefixes", type=int, default=8, help="shared-prefix: distinct prefixes")
+    parser.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: tokens in each prefix")
+    parser.add_argument("--turns", type=int, default=1, help="shared-prefix: requests in each conversation")
+    parser.add_argument("--metrics-url", action="append", default=None, metavar="URL",
+                        help="a /metrics to read the prefix-cache counters from, before and after each run, for "
+                             "its hit rate (repeat for several nodes, e.g. each decode node behind a router, which "
+                             "has none); default: BASE_URL/metrics")
     parser.add_argument("--no-ignore-eos", action="store_true",
                         help="do not send ignore_eos (for servers that refuse it)")
     parser.add_argument("--temperature", type=float, default=0.0,

@@ -11,6 +11,17 @@ Prompts: the served model's tokenizer is not assumed to be at hand, so by defaul
 N random common English words (about one token each for BPE tokenizers; the server's usage
 reports the true count, saved per request). `--prompt-kind token-ids` sends N random token ids
 instead (exact lengths, completions endpoint only). `--prompts-file` takes JSONL.
+
+`--workload shared-prefix` sends conversations instead of single requests: each opens with one of
+`--num-prefixes` random prefixes of `--prefix-len` tokens (conversation i takes prefix i mod N, in a
+shuffled order), and each of its `--turns` turns adds `--input-len` new tokens to the previous
+turn's prompt (earlier answers are not included, so a turn's prompt extends the one before
+whatever the model said; a chat turn is one user message). Conversations arrive at the asked rate;
+a conversation's next turn is sent when its answer is in. Every run reads the servers'
+prefix-cache counters (`vllm:prefix_cache_hits_total`, `vllm:prefix_cache_queries_total`: prompt
+tokens served from the cache, prompt tokens asked; vLLM's names, which our nodes serve too) from
+`--metrics-url` (default: the base URL's /metrics) before and after, and reports the hit rate of
+the run's prompt tokens, summed over those servers. A router exports none: name its nodes.
 """
 
 import argparse
@@ -23,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 WORDS = [
     "the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "his",
@@ -39,6 +51,7 @@ WORDS = [
 ]
 
 METRICS = ("ttft", "tpot", "itl", "e2e")
+PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 
 
 @dataclass
@@ -149,6 +162,73 @@ def build_requests(args: argparse.Namespace, rng: random.Random) -> list[Request
     return specs
 
 
+def build_conversations(args: argparse.Namespace, rng: random.Random) -> list[list[RequestSpec]]:
+    """The run's requests as conversations, each a list of turns sent one after another (under the
+    random workload, one request each)."""
+    if args.workload == "random":
+        return [[spec] for spec in build_requests(args, rng)]
+    if args.prompts_file:
+        raise ValueError("--workload shared-prefix makes its own prompts; it does not take --prompts-file")
+    if args.prompt_kind == "token-ids" and args.endpoint == "chat":
+        raise ValueError("--prompt-kind token-ids needs --endpoint completions (chat messages are text)")
+    for name in ("num_prefixes", "prefix_len", "turns", "num_requests"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+
+    def tokens(n: int) -> list:
+        if args.prompt_kind == "token-ids":
+            return [rng.randrange(1000, args.vocab_size) for _ in range(n)]  # above most special tokens
+        return [rng.choice(WORDS) for _ in range(n)]
+
+    prefixes = [tokens(args.prefix_len) for _ in range(args.num_prefixes)]
+    num_conversations = math.ceil(args.num_requests / args.turns)
+    order = list(range(num_conversations))
+    rng.shuffle(order)
+    conversations, left = [], args.num_requests
+    for c in order:
+        prompt, turns = list(prefixes[c % args.num_prefixes]), []
+        for _ in range(min(args.turns, left)):
+            prompt += tokens(sample_len(rng, args.input_len, args.len_dist, args.len_range))
+            out_len = sample_len(rng, args.output_len, args.len_dist, args.len_range)
+            text = list(prompt) if args.prompt_kind == "token-ids" else " ".join(prompt)
+            if args.endpoint == "chat":
+                turns.append(RequestSpec(None, [{"role": "user", "content": text}], len(prompt), out_len))
+            else:
+                turns.append(RequestSpec(text, None, len(prompt), out_len))
+        left -= len(turns)
+        conversations.append(turns)
+    return conversations
+
+
+def prefix_cache_counters(urls: list[str], headers: dict[str, str]) -> dict[str, dict[str, float] | None]:
+    """{url: {"hits", "queries"}} (each summed over its label sets), None for a URL that cannot be
+    read or serves neither counter (a router, a server without /metrics): the benchmark goes on, and
+    its summary names the URL."""
+    counters = {}
+    for url in urls:
+        try:
+            response = httpx.get(url, headers=headers, timeout=30)
+            response.raise_for_status()
+            samples = [s for family in text_string_to_metric_families(response.text) for s in family.samples]
+        except (httpx.HTTPError, ValueError):
+            counters[url] = None
+            continue
+        names = {s.name for s in samples}
+        counters[url] = None if not {PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES} <= names else {
+            "hits": sum(s.value for s in samples if s.name == PREFIX_CACHE_HITS),
+            "queries": sum(s.value for s in samples if s.name == PREFIX_CACHE_QUERIES)}
+    return counters
+
+
+def prefix_cache_delta(before: dict, after: dict) -> dict:
+    """The run's prefix-cache hits and queries (prompt tokens) over the servers that count them."""
+    counted = [url for url in before if before[url] is not None and after[url] is not None]
+    hits = sum(after[url]["hits"] - before[url]["hits"] for url in counted)
+    queries = sum(after[url]["queries"] - before[url]["queries"] for url in counted)
+    return {"hit_rate": hits / queries if queries else None, "hits": hits, "queries": queries,
+            "metrics_urls": counted, "without_counters": [url for url in before if url not in counted]}
+
+
 def request_body(spec: RequestSpec, args: argparse.Namespace, model: str) -> dict:
     body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
             "temperature": args.temperature, "max_tokens": spec.output_len}
@@ -246,8 +326,8 @@ def summarize(results: list[RequestResult], duration: float, slo: SLO) -> dict:
     return summary
 
 
-async def run_rate(args: argparse.Namespace, rate: float, specs: list[RequestSpec], model: str, slo: SLO,
-                   rng: random.Random) -> tuple[dict, list[RequestResult]]:
+async def run_rate(args: argparse.Namespace, rate: float, conversations: list[list[RequestSpec]], model: str,
+                   slo: SLO, rng: random.Random) -> tuple[dict, list[RequestResult]]:
     url = f"{args.base_url.rstrip('/')}/v1/{'chat/completions' if args.endpoint == 'chat' else 'completions'}"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -256,7 +336,7 @@ async def run_rate(args: argparse.Namespace, rate: float, specs: list[RequestSpe
     if not args.no_progress:
         from tqdm import tqdm
 
-        progress = tqdm(total=len(specs), desc=f"qps {rate}", unit="req", leave=False)
+        progress = tqdm(total=sum(map(len, conversations)), desc=f"qps {rate}", unit="req", leave=False)
 
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=args.timeout) as client:
         run_start = time.perf_counter()
@@ -272,12 +352,15 @@ async def run_rate(args: argparse.Namespace, rate: float, specs: list[RequestSpe
                 progress.update(1)
             return result
 
+        async def converse(turns: list[RequestSpec]) -> list[RequestResult]:
+            return [await one(spec) for spec in turns]  # each turn once the answer before it is in
+
         tasks = []
-        for i, spec in enumerate(specs):
+        for i, turns in enumerate(conversations):
             if i > 0 and math.isfinite(rate):
                 await asyncio.sleep(rng.expovariate(rate))
-            tasks.append(asyncio.create_task(one(spec)))
-        results = list(await asyncio.gather(*tasks))
+            tasks.append(asyncio.create_task(converse(turns)))
+        results = [result for turns in await asyncio.gather(*tasks) for result in turns]
         duration = time.perf_counter() - run_start
     if progress is not None:
         progress.close()
@@ -306,10 +389,14 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     config["model"] = model
     out = {"label": args.label or args.base_url, "model": model, "endpoint": args.endpoint, "config": config,
            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "runs": []}
+    metrics_urls = args.metrics_url or [f"{args.base_url.rstrip('/')}/metrics"]
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     for index, rate in enumerate(rates):
         rng = random.Random(args.seed + index)
-        specs = build_requests(args, rng)
-        summary, results = asyncio.run(run_rate(args, rate, specs, model, slo, rng))
+        conversations = build_conversations(args, rng)
+        before = prefix_cache_counters(metrics_urls, headers)
+        summary, results = asyncio.run(run_rate(args, rate, conversations, model, slo, rng))
+        summary["prefix_cache"] = prefix_cache_delta(before, prefix_cache_counters(metrics_urls, headers))
         out["runs"].append({**summary, "requests": [{**asdict(r), "tpot": r.tpot} for r in results]})
         print(format_summary(summary), flush=True)
     return out
@@ -323,6 +410,12 @@ def format_summary(s: dict) -> str:
     line = (f"qps {s['qps']}: {s['completed']}/{s['num_requests']} ok in {s['duration_s']:.1f}s, "
             f"{s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} out tok/s | "
             f"mean/median/p99 ms: TTFT {ms('ttft')}  TPOT {ms('tpot')}  ITL {ms('itl')}  E2E {ms('e2e')}")
+    cache = s.get("prefix_cache")
+    if cache is not None:
+        rate = "-" if cache["hit_rate"] is None else f"{cache['hit_rate']:.3f}"
+        line += f" | prefix cache hit rate {rate} ({cache['hits']:.0f}/{cache['queries']:.0f} prompt tokens)"
+        if cache["without_counters"]:
+            line += f" (no prefix-cache counters at {', '.join(cache['without_counters'])})"
     if "goodput" in s:
         line += f" | goodput {s['goodput']:.2f} req/s ({100 * s['goodput_fraction']:.0f}% within SLO)"
     if s.get("errors"):

@@ -89,7 +89,7 @@ class AsyncEngine:
         # Request id -> where its outputs go. Read and written on the engine thread only, so a
         # request's outputs can never reach another request's stream, whatever ids callers reuse.
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self.kv_events = KVEventPublisher(engine.block_manager)  # engine thread only
+        self.kv_events = KVEventPublisher(engine.block_manager, engine.offload)  # engine thread only
         self.stopped = False
         self.thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self.thread.start()

@@ -61,8 +61,8 @@ class BlockManager:
     def num_block_keys(self, seq: Sequence) -> int:
         """How many of the sequence's leading full blocks a cache may serve. At least one token is
         always left to compute, since the last position's logits pick the next token. A sequence
-        that asks for prompt logprobs gets none: it needs the logits of every prompt position."""
-        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+        still to score its prompt gets none: it needs the logits of every prompt position."""
+        if not self.enable_prefix_caching or seq.scores_prompt:
             return 0
         return (seq.num_tokens - 1) // self.block_size
 

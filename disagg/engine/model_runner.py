@@ -55,7 +55,7 @@ class ModelRunner:
             seq, start = item.seq, item.seq.num_computed_tokens
             # Position p's logits score token p + 1; the last prompt position's pick the first output token.
             count = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1) - start
-            if seq.prompt_logprobs is not None and count > 0:
+            if seq.scores_prompt and count > 0:
                 targets = torch.tensor(seq.token_ids[start + 1:start + 1 + count], device=hidden.device)
                 entries = []
                 for i in range(0, count, PROMPT_LOGITS_ROWS):
@@ -120,6 +120,6 @@ def exports_now(item: ScheduledSeq) -> bool:
 
 
 def scores_prompt(seq: Sequence) -> bool:
-    """It asks for prompt logprobs and some of its prompt is still to be computed."""
-    return seq.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens - 1
+    """It is still to score its prompt, and some of the prompt is still to be computed."""
+    return seq.scores_prompt and seq.num_computed_tokens < seq.num_prompt_tokens - 1
 

@@ -9,6 +9,11 @@ arrived, and then runs. max_num_seqs caps every sequence that holds blocks, runn
 its KV, so a batch never has more. When a running sequence needs a block and none is free, the
 newest running sequence is preempted: its blocks are freed and it goes back to the head of the
 queue, to be recomputed from its tokens later.
+
+Prompts that ask for prompt logprobs (which skip the prefix cache, and a decode node computes itself)
+take at most PROMPT_LOGPROB_TOKENS of a step together, and a request's n choices score their prompt
+once: a twin (same prompt, same prompt_logprobs) waits while another computes it, then takes its
+prompt logprobs and its KV from the prefix cache.
 """
 
 from collections import deque
@@ -17,6 +22,11 @@ from dataclasses import dataclass
 from disagg.engine.block_manager import BlockManager
 from disagg.engine.kv_arrival import KVArrival
 from disagg.engine.sequence import Sequence, SequenceStatus
+
+# Prompt tokens that sequences scoring their prompt may compute in one step, together. echo + logprobs
+# with n = 4 on a 1,000-token prompt filled two whole steps of a CPU decode node (4,000 tokens, each
+# with a full-vocabulary log-softmax row): every stream in the batch waited ~10 s a token (issue 24).
+PROMPT_LOGPROB_TOKENS = 256
 
 
 @dataclass
@@ -86,12 +96,19 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
+        scoring_budget = PROMPT_LOGPROB_TOKENS
         batch: list[ScheduledSeq] = []
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.scores_prompt:
+                n = min(n, scoring_budget)
+                scoring_budget -= n
+                if n == 0:  # its next chunk waits for the next step
+                    i += 1
+                    continue
             while not self.block_manager.can_append(seq, n):
                 preempted = True
                 victim = self.running.pop()
@@ -110,6 +127,9 @@ class Scheduler:
             if seq.status == SequenceStatus.WAITING_FOR_KV and self.kv_pending(seq):
                 i += 1  # the others go on meanwhile
                 continue
+            if seq.scores_prompt and (scoring_budget == 0 or self.twin_scoring(seq)):
+                i += 1  # the others go on meanwhile
+                continue
             if seq.status == SequenceStatus.WAITING:
                 if not self.admit(seq):
                     if self.num_holding >= self.max_num_seqs or not any(a.blocked(seq) for a in self.arrivals):
@@ -123,6 +143,9 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.scores_prompt:
+                n = min(n, scoring_budget)
+                scoring_budget -= n
             if not self.block_manager.can_append(seq, n):  # a remote first token's slot: the next step preempts
                 break
             self.block_manager.append_slots(seq, n)
@@ -140,7 +163,20 @@ class Scheduler:
             self.block_manager.commit(seq)
             if seq.num_computed_tokens == seq.num_tokens:
                 sampled.append(seq)
+                if seq.num_output_tokens == 0 and seq.prompt_logprobs is not None and not seq.scores_prompt:
+                    self.hand_prompt_logprobs_to_twins(seq)
         return sampled
+
+    def twin_scoring(self, seq: Sequence) -> bool:
+        """A running twin of this sequence is scoring the prompt: this one waits and takes the result."""
+        return any(is_twin(other, seq) and other.scores_prompt for other in self.running)
+
+    def hand_prompt_logprobs_to_twins(self, seq: Sequence) -> None:
+        """The sequence has scored its whole prompt: its waiting twins take its prompt logprobs (the
+        same computation, so the same values) and need compute only what the prefix cache lacks."""
+        for other in self.waiting:
+            if other.status == SequenceStatus.WAITING and other.scores_prompt and is_twin(other, seq):
+                other.prompt_logprobs = list(seq.prompt_logprobs)
 
     def preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -163,3 +199,9 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
+
+
+def is_twin(a: Sequence, b: Sequence) -> bool:
+    """Same prompt, same prompt logprobs asked (n choices of one request, or equal requests)."""
+    return (a is not b and a.params.prompt_logprobs == b.params.prompt_logprobs
+            and a.prompt_token_ids == b.prompt_token_ids)

@@ -79,6 +79,12 @@ class Sequence:
         return len(self.prompt_token_ids)
 
     @property
+    def scores_prompt(self) -> bool:
+        """It asks for prompt logprobs and does not hold them all yet (a twin computing the same prompt
+        may have handed them over: Scheduler.postprocess)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 

@@ -1,5 +1,10 @@
-"""What the router knows of one decode node's prefix cache: the block hashes it holds, followed
-from the node's GET /kv_events stream (disagg/api/kv_events.py).
+"""What the router knows of one decode node's KV: the block hashes each of its tiers holds (device,
+host, disk), followed from the node's GET /kv_events stream (disagg/api/kv_events.py).
+
+A prompt's leading blocks held in any tier count, each by its tier's weight (MEDIUM_WEIGHTS): a
+device block is not computed at all, a host block is copied in instead of computed, a disk block
+read (a decode node's remote request takes host hits only, and on a GPU a disk read can be slower
+than computing the block).
 
 The view is live only between a snapshot and the end of its stream: a stream that breaks, skips a
 sequence number or stays silent past KV_EVENTS_SILENCE_S (the node sends a heartbeat every second)
@@ -18,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 KV_EVENTS_SILENCE_S = 5.0  # no line for this long: the node stopped publishing
 KV_EVENTS_RETRY_S = 1.0  # between attempts to (re)subscribe
+MEDIUM_WEIGHTS = {"device": 1.0, "host": 0.5, "disk": 0.25}  # what a block held there is worth
 
 
 class KVEventsError(Exception):
@@ -27,7 +33,7 @@ class KVEventsError(Exception):
 @dataclass
 class CacheView:
     block_size: int = 0  # 0: no snapshot yet
-    hashes: set[int] = field(default_factory=set)
+    hashes: dict[str, set[int]] = field(default_factory=dict)  # medium -> the hashes that tier holds
     seq: int = 0
     live: bool = False
     reason: str = "not subscribed yet"  # why it is not live, for /health
@@ -37,7 +43,7 @@ class CacheView:
         kind = message.get("type")
         if kind == "snapshot":
             self.block_size = int(message["block_size"])
-            self.hashes = set(message["hashes"])
+            self.hashes = {medium: set(held) for medium, held in message["hashes"].items()}
             self.seq = int(message["seq"])
             self.live, self.reason = True, ""
             return
@@ -50,21 +56,27 @@ class CacheView:
         if message["seq"] != self.seq + 1:
             raise KVEventsError(f"batch {message['seq']} after {self.seq}: batches were missed")
         self.seq = message["seq"]
-        self.hashes.update(message["stored"])
-        self.hashes.difference_update(message["removed"])
+        held = self.hashes.setdefault(message["medium"], set())
+        held.update(message["stored"])
+        held.difference_update(message["removed"])
 
     def drop(self, reason: str) -> None:
-        self.hashes = set()
+        self.hashes = {}
         self.live, self.reason = False, reason
 
-    def matched_blocks(self, block_hashes: list[int]) -> int:
-        """How many of the prompt's leading blocks the node holds (a chained hash names its whole prefix)."""
+    def matched_blocks(self, block_hashes: list[int]) -> float:
+        """The prompt's leading blocks the node holds in any tier, each counted by its tier's weight
+        (a chained hash names its whole prefix, so the count stops at the first block held nowhere)."""
         if not self.live:
-            return 0
-        for i, h in enumerate(block_hashes):
-            if h not in self.hashes:
-                return i
-        return len(block_hashes)
+            return 0.0
+        matched = 0.0
+        for h in block_hashes:
+            weight = max((MEDIUM_WEIGHTS.get(medium, 0.0) for medium, held in self.hashes.items() if h in held),
+                         default=0.0)
+            if not weight:
+                break
+            matched += weight
+        return matched
 
 
 async def follow_kv_events(view: CacheView, url: str, client: httpx.AsyncClient, headers: dict[str, str]) -> None:

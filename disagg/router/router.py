@@ -11,7 +11,7 @@ picks by its `--routing` policy:
 - round_robin: each node in turn.
 - cache_aware: the node that holds most of the prompt's leading KV blocks, less `load_weight` blocks
   for each request it has in flight (score = matched blocks - load_weight x in flight; ties as
-  least_loaded). Each node publishes the block hashes its prefix cache holds (GET /kv_events,
+  least_loaded). Each node publishes the block hashes its prefix cache and KV tiers hold (GET /kv_events,
   followed in kv_view.py), and the router hashes the prompt's blocks the same way
   (block_hash.py) from its token ids (prompt_tokens.py). Two guards, as in SGLang's router, so
   that a hot node cannot take everything: a prompt of which no node holds `cache_threshold` of the

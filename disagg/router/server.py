@@ -296,7 +296,8 @@ def build_app(router: Router, client: httpx.AsyncClient, options: HTTPOptions,
         if router.routing.policy == "cache_aware":
             for n in router.nodes:
                 nodes[n.address]["kv_events"] = {"live": n.cache.live, "reason": n.cache.reason,
-                                                 "cached_blocks": len(n.cache.hashes)}
+                                                 "cached_blocks": {medium: len(held) for medium, held
+                                                                   in n.cache.hashes.items()}}
         ok = any(n.healthy for n in router.nodes)
         return JSONResponse({"status": "ok" if ok else "no healthy decode node", "role": "router",
                              "decode_nodes": nodes}, status_code=200 if ok else 503)

@@ -109,6 +109,8 @@ class DiskTier:
         self.file_bytes = HEADER.size + 8 * block_size + block_bytes
         self.max_files = max_bytes // self.file_bytes
         self.files: OrderedDict[int, None] = OrderedDict()  # hashes on disk, least recently used first
+        # Filled only when KV events are published (kv_events.py): hashes that entered or left `files`.
+        self.changed_hashes: set[int] | None = None
         self.writing: set[int] = set()
         self.writes_stopped = False
         self.stats = TierStats()
@@ -207,12 +209,12 @@ class DiskTier:
             elif result.timed_out:  # not deleted: the delete could hang on that disk too
                 logger.warning("KV disk tier: %s was not read within %gs; computed instead, and forgotten",
                                self.file_path(job.h), READ_DEADLINE_S)
-                self.files.pop(job.h, None)
+                self._forget(job.h)
             elif result.corrupt:  # a file that cannot be right goes; one that failed to read (EIO, EMFILE) stays
                 self.stats.rejected += 1
                 logger.warning("KV disk tier: %s is not loaded (%s); it is deleted", self.file_path(job.h),
                                result.error)
-                self.files.pop(job.h, None)
+                self._forget(job.h)
                 self._submit(self.write_jobs, DiskJob("delete", job.h))
             else:
                 logger.warning("KV disk tier: reading %s failed (%s); computed instead", self.file_path(job.h),
@@ -256,6 +258,7 @@ class DiskTier:
             self.writes_stopped = True
             return
         self.files[job.h] = None
+        self._note(job.h)
         self.stats.offloaded_bytes += self.file_bytes
         self.stats.offload_latency.observe(result.seconds)
         self._delete_over_budget()
@@ -263,8 +266,18 @@ class DiskTier:
     def _delete_over_budget(self) -> None:
         while len(self.files) > self.max_files:
             h, _ = self.files.popitem(last=False)
+            self._note(h)
             self.stats.evictions += 1
             self._submit(self.write_jobs, DiskJob("delete", h))
+
+    def _forget(self, h: int) -> None:
+        if h in self.files:
+            del self.files[h]
+            self._note(h)
+
+    def _note(self, h: int) -> None:
+        if self.changed_hashes is not None:
+            self.changed_hashes.add(h)
 
     def close(self) -> None:
         self.write_jobs.put(None)

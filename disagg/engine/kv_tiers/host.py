@@ -30,6 +30,8 @@ class HostTier:
         self.blocks: OrderedDict[int, HostBlock] = OrderedDict()  # hash -> block, least recent first
         self.free_slots = list(range(num_blocks - 1, -1, -1))
         self.stats = TierStats()
+        # Filled only when KV events are published (kv_events.py): hashes that entered or left `blocks`.
+        self.changed_hashes: set[int] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -64,6 +66,7 @@ class HostTier:
             return None
         block = HostBlock(self.free_slots.pop(), token_ids)
         self.blocks[h] = block
+        self._note(h)
         return block
 
     def _evict_one(self) -> bool:
@@ -72,8 +75,13 @@ class HostTier:
                 del self.blocks[h]
                 self.free_slots.append(block.slot)
                 self.stats.evictions += 1
+                self._note(h)
                 return True
         return False
+
+    def _note(self, h: int) -> None:
+        if self.changed_hashes is not None:
+            self.changed_hashes.add(h)
 
     def pin(self, block: HostBlock) -> None:
         block.ref_count += 1
@@ -87,3 +95,4 @@ class HostTier:
         block = self.blocks.pop(h)
         assert block.ref_count == 1 and not block.ready
         self.free_slots.append(block.slot)
+        self._note(h)
