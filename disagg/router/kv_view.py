@@ -1,5 +1,6 @@
-"""What the router knows of one decode node's prefix cache: the block hashes it holds, followed
-from the node's GET /kv_events stream (disagg/api/kv_events.py).
+"""What the router knows of one decode node's prefix cache: the block hashes it holds (the view is
+engine/kv_view.py's, which decode nodes share), followed from the node's GET /kv_events stream
+(disagg/api/kv_events.py).
 
 The view is live only between a snapshot and the end of its stream: a stream that breaks, skips a
 sequence number or stays silent past KV_EVENTS_SILENCE_S (the node sends a heartbeat every second)
@@ -10,9 +11,11 @@ a node that stopped publishing is scored by its load alone.
 import asyncio
 import json
 import logging
-from dataclasses import dataclass, field
 
 import httpx
+
+from disagg.engine import kv_view as engine_kv_view
+from disagg.engine.kv_view import KVEventsError
 
 logger = logging.getLogger(__name__)
 
@@ -20,26 +23,14 @@ KV_EVENTS_SILENCE_S = 5.0  # no line for this long: the node stopped publishing
 KV_EVENTS_RETRY_S = 1.0  # between attempts to (re)subscribe
 
 
-class KVEventsError(Exception):
-    """The stream said something the view cannot follow (a gap in its sequence, a bad line)."""
-
-
-@dataclass
-class CacheView:
-    block_size: int = 0  # 0: no snapshot yet
-    hashes: set[int] = field(default_factory=set)
-    seq: int = 0
-    live: bool = False
-    reason: str = "not subscribed yet"  # why it is not live, for /health
+class CacheView(engine_kv_view.CacheView):
+    """The shared view (engine/kv_view.py), fed the stream's JSON lines."""
 
     def apply(self, message: dict) -> None:
         """One line of the stream; raises KVEventsError when the view can no longer be trusted."""
         kind = message.get("type")
         if kind == "snapshot":
-            self.block_size = int(message["block_size"])
-            self.hashes = set(message["hashes"])
-            self.seq = int(message["seq"])
-            self.live, self.reason = True, ""
+            self.snapshot(message["seq"], message["block_size"], message["hashes"])
             return
         if not self.live:
             raise KVEventsError(f"a {kind!r} line before the snapshot")
@@ -47,24 +38,7 @@ class CacheView:
             return
         if kind != "events":
             raise KVEventsError(f"unknown line type {kind!r}")
-        if message["seq"] != self.seq + 1:
-            raise KVEventsError(f"batch {message['seq']} after {self.seq}: batches were missed")
-        self.seq = message["seq"]
-        self.hashes.update(message["stored"])
-        self.hashes.difference_update(message["removed"])
-
-    def drop(self, reason: str) -> None:
-        self.hashes = set()
-        self.live, self.reason = False, reason
-
-    def matched_blocks(self, block_hashes: list[int]) -> int:
-        """How many of the prompt's leading blocks the node holds (a chained hash names its whole prefix)."""
-        if not self.live:
-            return 0
-        for i, h in enumerate(block_hashes):
-            if h not in self.hashes:
-                return i
-        return len(block_hashes)
+        self.events(message["seq"], message["stored"], message["removed"])
 
 
 async def follow_kv_events(view: CacheView, url: str, client: httpx.AsyncClient, headers: dict[str, str]) -> None:
