@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from disagg.engine.kv_events import KVEventsLagged
 from disagg.engine.sampling_params import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_TOKEN_IDS
 from disagg.lookup_buffer import BufferFullError
 from disagg.prefill_node.node import PrefillNode
@@ -23,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 # How often a Prefill call reports progress; a decode node's prefill_timeout should be a few times this.
 PROGRESS_INTERVAL_S = 0.5
+WATCH_INTERVAL_S = 0.5  # how often a Watch stream reports the node's load (and cache changes, if any)
 MAX_ABORTABLE = 4096  # recent Prefill calls remembered with the connection they came on, for their Abort
 AUTH_ERROR = "wrong or missing node auth token (kv_connector_extra_config.auth_token)"
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
@@ -95,6 +97,21 @@ class PrefillServicer(disagg_pb2_grpc.PrefillServiceServicer):
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         yield pb.PrefillUpdate(done=convert.prefill_result_to_proto(result))
+
+    async def Watch(self, request: pb.WatchRequest,
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.NodeState]:
+        """The prefix cache's snapshot, then its changes and the node's load every WATCH_INTERVAL_S,
+        until the caller goes away or falls behind (then it watches again, from a new snapshot)."""
+        subscription = await self.node.engine.subscribe_kv_events()
+        try:
+            yield convert.node_state_to_proto(self.node.load(), snapshot=subscription.snapshot)
+            while True:
+                batch = await subscription.next(WATCH_INTERVAL_S)
+                yield convert.node_state_to_proto(self.node.load(), events=batch)
+        except KVEventsLagged as e:
+            logger.warning("a Watch stream was cut off: %s; it will watch again", e)
+        finally:
+            subscription.close()
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortReply:
         if self.connections.get(request.request_id) != context.peer():
