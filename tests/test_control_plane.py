@@ -2,6 +2,7 @@
 start_grpc_server, and the decode node's PrefillClient / PrefillPool talking to it."""
 
 import asyncio
+import contextlib
 import dataclasses
 import shutil
 import socket
@@ -30,6 +31,7 @@ from disagg.decode_node.prefill_client import (
     PrefillPool,
 )
 from disagg.engine.async_engine import AsyncEngine
+from disagg.engine.block_hash import prompt_block_hashes
 from disagg.engine.config import EngineConfig
 from disagg.engine.engine import LLMEngine
 from disagg.engine.sampling_params import SamplingParams, StructuredOutputSpec
@@ -372,6 +374,46 @@ def test_a_step_longer_than_the_no_progress_limit_is_waited_for(make_node: Calla
 
     run(scenario())
     assert node.cost.step_seconds(30) > 1.0  # the second step's expectation came from the first
+
+
+@pytest.mark.timeout(60)
+def test_watch_streams_the_cache_and_the_load_and_ends_when_the_server_stops(make_node: Callable[..., PrefillNode],
+                                                                            consumer: LookupBufferConsumer):
+    """A client watching a prefill node sees its prefix cache (a snapshot, then what a prefill stored)
+    and its load (the throughput measured from that prefill); a server that stops ends the stream at
+    once (no grace spent on it), and the client's view is dropped."""
+    node = make_node()  # its own measurements
+    prompt = list(range(4000, 4100))  # not in the prefix cache: 6 full blocks of 16 once computed
+    block_size = node.engine.block_size
+
+    async def scenario():
+        server = await start_grpc_server(node, "127.0.0.1", 0, None)
+        client = PrefillClient(address(server), None)
+        watching = asyncio.create_task(client.watch())
+        try:
+            await wait_until(lambda: client.view.live, 5, "the snapshot")
+            assert client.view.matched_blocks(prompt_block_hashes(prompt, block_size)) == 0
+            uncached = client.expected_seconds(prompt, {})
+            call = PrefillCall("watched", prompt, SamplingParams(temperature=0.0), consumer.address)
+            await client.prefill(call, idle_timeout=10)
+            await asyncio.to_thread(consumer.drop_select, "watched", prompt, 10.0)
+            await wait_until(lambda: client.view.matched_blocks(prompt_block_hashes(prompt, block_size)) == 6, 5,
+                             "the prompt's blocks in the view")
+            await wait_until(lambda: client.load.prefill_tokens_per_s > 0, 5, "the measured throughput")
+            assert client.expected_seconds(prompt, {}) < uncached  # its blocks are there now
+            start = time.monotonic()
+            await server.stop(grace=10)
+            stopped = time.monotonic() - start
+            await wait_until(lambda: not client.view.live, 5, "the view dropped")
+            return stopped
+        finally:
+            watching.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watching
+            await client.close()
+            await server.stop(0)
+
+    assert run(scenario()) < 2.0
 
 
 # --- handshake and auth ------------------------------------------------------------------------

@@ -53,6 +53,7 @@ class PrefillServicer(disagg_pb2_grpc.PrefillServiceServicer):
         # Request id -> the gRPC connection (peer string, with its port) its Prefill came on: every node
         # holds the same token, so only that connection may abort it, whatever kv_dest an Abort names.
         self.connections: OrderedDict[str, str] = OrderedDict()
+        self.stopping = False  # set as the server stops: Watch streams end, so the stop needs no grace for them
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.NodeInfo:
         if request.kv_host and not self.node.register((request.kv_host, request.kv_port), peer_address(context.peer())):
@@ -105,7 +106,7 @@ class PrefillServicer(disagg_pb2_grpc.PrefillServiceServicer):
         subscription = await self.node.engine.subscribe_kv_events()
         try:
             yield convert.node_state_to_proto(self.node.load(), snapshot=subscription.snapshot)
-            while True:
+            while not self.stopping:
                 batch = await subscription.next(WATCH_INTERVAL_S)
                 yield convert.node_state_to_proto(self.node.load(), events=batch)
         except KVEventsLagged as e:
@@ -149,13 +150,16 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 class PrefillGrpcServer:
     """A started gRPC server; `stop` turns its health to NOT_SERVING before closing it."""
 
-    def __init__(self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer, port: int):
+    def __init__(self, server: grpc.aio.Server, servicer: PrefillServicer, health_servicer: health.aio.HealthServicer,
+                 port: int):
         self.server = server
+        self.servicer = servicer
         self.health = health_servicer
         self.port = port  # the bound port (the one asked for, or the one picked for port 0)
 
     async def stop(self, grace: float | None = None) -> None:
         await self.health.enter_graceful_shutdown()
+        self.servicer.stopping = True
         await self.server.stop(grace)
 
     async def wait_for_termination(self) -> None:
@@ -169,7 +173,8 @@ async def start_grpc_server(node: PrefillNode, host: str, port: int, auth_token:
     options = [("grpc.so_reuseport", 0),
                ("grpc.max_receive_message_length", max_request_bytes(node.engine.max_model_len))]
     server = grpc.aio.server(interceptors=interceptors, options=options)
-    disagg_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(node), server)
+    servicer = PrefillServicer(node)
+    disagg_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
@@ -181,4 +186,4 @@ async def start_grpc_server(node: PrefillNode, host: str, port: int, auth_token:
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     logger.info("gRPC PrefillService on %s:%d (auth %s)", host, bound, "on" if auth_token else "off")
-    return PrefillGrpcServer(server, health_servicer, bound)
+    return PrefillGrpcServer(server, servicer, health_servicer, bound)
