@@ -176,7 +176,6 @@ class DecodeNode:
                 watch.cancel()
             received = time.perf_counter()
             metrics.KV_LOOKUP_WAIT.observe(received - answered)
-            self.costs.remote_done(answered - start, result.prefill_seconds, result.kv_bytes, received - answered)
             if entry.token_digest != result.token_digest:
                 raise RuntimeError(f"KV digest {entry.token_digest} differs from the prefill node's "
                                    f"{result.token_digest}")
@@ -186,6 +185,8 @@ class DecodeNode:
                                                     result.first_logprob, kv_start=skip)
             loaded = time.perf_counter()
             metrics.KV_LOAD.observe(loaded - received)
+            self.costs.remote_done(answered - start, result.prefill_seconds, result.kv_bytes, received - answered,
+                                   loaded - received)
             metrics.KV_TRANSFER.observe(time.perf_counter() - start)
             metrics.REMOTE_PREFILL.labels("ok").inc()
         except asyncio.CancelledError:
@@ -232,6 +233,7 @@ class DecodeNode:
         if self.pool is not None:
             status["prefill_nodes"] = {c.address: c.healthy for c in self.pool.clients}
             # What the route weighs each by (its Watch stream): its load and the blocks its cache holds.
+            status["prefill_route"] = {"remote_prefill": self.remote_prefill, **self.costs.measured()}
             status["prefill_state"] = {c.address: {**dataclasses.asdict(c.load), "cached_blocks": len(c.view.hashes),
                                                    "watching": c.view.live} for c in self.pool.clients}
         return status

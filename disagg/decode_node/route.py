@@ -11,7 +11,7 @@ disaggregation, kv_connector_extra_config.remote_prefill).
   its prefix cache does not hold, at its measured costs (from its Watch stream),
   plus the KV transfer (the bytes to send at the pipe's measured effective bandwidth: with
   layer-wise send most of it overlaps the compute, and only the rest counts) plus the control path
-  (the Prefill call's time beyond the node's own, measured).
+  (the Prefill call's time beyond the node's own, and the KV's load into this engine, measured).
 The cheaper one wins: a prompt of a few tokens is computed here, since the handoff's fixed cost
 outweighs them, and so is one that the pool's queue would hold up for longer than this node takes;
 a long prompt goes out while this node has decodes to protect. A prompt much longer than any this
@@ -54,14 +54,22 @@ class RouteCosts:
         self.kv_bytes_per_token = kv_bytes_per_token  # every layer's K and V of one token
         self.local_prefill_max_tokens = local_prefill_max_tokens  # the fallback's threshold
         self.bandwidth: float | None = None  # bytes/s, from the answer to the KV in hand
-        self.control_seconds: float | None = None  # a Prefill call's time beyond the node's own
+        self.control_seconds: float | None = None  # a Prefill call's time beyond the node's own, and the KV's load
 
-    def remote_done(self, call_seconds: float, node_seconds: float, kv_bytes: int, tail_seconds: float) -> None:
+    def remote_done(self, call_seconds: float, node_seconds: float, kv_bytes: int, tail_seconds: float,
+                    load_seconds: float) -> None:
         """A remote prefill ended: its call took `call_seconds`, of which the node reported
-        `node_seconds`; its `kv_bytes` of KV were in hand `tail_seconds` after the answer."""
-        self.control_seconds = ewma(self.control_seconds, max(0.0, call_seconds - node_seconds))
+        `node_seconds`; its `kv_bytes` of KV were in hand `tail_seconds` after the answer, and in the
+        engine `load_seconds` after that."""
+        self.control_seconds = ewma(self.control_seconds, max(0.0, call_seconds - node_seconds) + load_seconds)
         if kv_bytes > 0:
             self.bandwidth = ewma(self.bandwidth, kv_bytes / max(tail_seconds, 1e-4))
+
+    def measured(self) -> dict:
+        """What the choice weighs, for /health (None: not measured yet)."""
+        fit = self.local.fit()
+        return {"step_base_seconds": fit[0] if fit else None, "prefill_tokens_per_s": 1 / fit[1] if fit else None,
+                "kv_bytes_per_s": self.bandwidth, "control_seconds": self.control_seconds}
 
     def choose(self, policy: str, uncached: int, num_decoding: int, node_seconds: float | None,
                node_per_token: float = 0.0) -> Route:
