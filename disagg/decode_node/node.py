@@ -92,11 +92,12 @@ class DecodeNode:
         policy_route = "never" if params.prompt_logprobs is not None else self.remote_prefill
         client, node_seconds, node_per_token = None, None, 0.0
         if policy_route != "never":
+            hashes: dict[int, list[int]] = {}  # the prompt's block hashes, computed once
             with contextlib.suppress(PrefillNodeUnavailable):  # then _fetch_kv tells why, if it goes out
-                client = self.pool.pick(prompt_token_ids)
+                client = self.pool.pick(prompt_token_ids, hashes)
             if client is not None and client.load.prefill_tokens_per_s:
                 # Where the node could not measure a step's base, ours stands in: the same model's step.
-                node_seconds = client.expected_seconds(prompt_token_ids, {}, self.costs.local.base_seconds())
+                node_seconds = client.expected_seconds(prompt_token_ids, hashes, self.costs.local.base_seconds())
                 node_per_token = 1.0 / client.load.prefill_tokens_per_s
         num_decoding = self.engine.stats.num_running
         route = Route(False, "policy")

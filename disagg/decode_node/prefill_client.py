@@ -290,14 +290,15 @@ class PrefillPool:
         self.health_task = asyncio.create_task(self._health_loop(), name="prefill-health")
         self.watch_tasks = [asyncio.create_task(c.watch(), name=f"prefill-watch-{c.address}") for c in self.clients]
 
-    def pick(self, prompt_token_ids: list[int]) -> PrefillClient:
+    def pick(self, prompt_token_ids: list[int], block_hashes: dict[int, list[int]] | None = None) -> PrefillClient:
         """The healthy node expected to answer this prompt first (PrefillClient.expected_seconds); ties
-        go to the one with fewer calls in flight, then fewer calls made, so light traffic alternates."""
+        go to the one with fewer calls in flight, then fewer calls made, so light traffic alternates.
+        `block_hashes`: the prompt's by block size, filled as needed, for the caller to reuse."""
         healthy = [c for c in self.clients if c.healthy]
         if not healthy:
             reasons = "; ".join(f"{c.address}: {c.reason}" for c in self.clients)
             raise PrefillNodeUnavailable(f"no healthy prefill node: {reasons}")
-        hashes: dict[int, list[int]] = {}
+        hashes = {} if block_hashes is None else block_hashes
         return min(healthy, key=lambda c: (c.expected_seconds(prompt_token_ids, hashes), c.outstanding, c.calls))
 
     async def close(self) -> None:
