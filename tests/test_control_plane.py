@@ -514,7 +514,10 @@ def test_pool_picks_the_node_with_fewest_prefills_in_flight(node: PrefillNode, c
             second = pool.pick(PROMPT)
             assert second is not first
             await asyncio.gather(in_flight, second.prefill(prefill_call("pick-2", consumer), idle_timeout=10))
-            assert pool.pick(PROMPT) is first  # both idle again: ties go to the first node
+            # Both idle again, and both report it (one engine behind both): ties go to the first node.
+            await wait_until(lambda: first.load == second.load and not first.sent_tokens and not second.sent_tokens,
+                             10, "both nodes' state reported")
+            assert pool.pick(PROMPT) is first
             for request_id in ("pick-1", "pick-2"):
                 await asyncio.to_thread(consumer.drop_select, request_id, PROMPT, 10.0)
             return first.address, second.address
@@ -547,7 +550,11 @@ def test_pool_avoids_a_dead_node_and_takes_it_back_when_it_returns(node: Prefill
 
             flaky = await start_grpc_server(node, "127.0.0.1", int(dead.address.rsplit(":", 1)[1]), TOKEN)
             await wait_until(lambda: dead.healthy, 10, "healthy again")
-            assert dead.info == node.info and pool.pick(PROMPT) is dead
+            # Once both report the same load (one engine behind both), a prompt no cache holds (the live
+            # node holds PROMPT now) goes to the node that is back, which has had no calls.
+            await wait_until(lambda: dead.view.live and dead.load == live.load and not live.sent_tokens, 10,
+                             "both nodes' state reported")
+            assert dead.info == node.info and pool.pick(list(range(5000, 5040))) is dead
         finally:
             await pool.close()
             await alive.stop(0)
