@@ -515,7 +515,8 @@ def test_pool_picks_the_node_with_fewest_prefills_in_flight(node: PrefillNode, c
             assert second is not first
             await asyncio.gather(in_flight, second.prefill(prefill_call("pick-2", consumer), idle_timeout=10))
             # Both idle again, and both report it (one engine behind both): ties go to the first node.
-            await wait_until(lambda: first.load == second.load and not first.sent_tokens and not second.sent_tokens,
+            await wait_until(lambda: first.load == second.load and first.view.hashes == second.view.hashes
+                             and not first.sent_tokens and not second.sent_tokens,
                              10, "both nodes' state reported")
             assert pool.pick(PROMPT) is first
             for request_id in ("pick-1", "pick-2"):
