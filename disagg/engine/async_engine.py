@@ -64,7 +64,7 @@ class EngineStats:
     num_steps: int = 0  # batches run: a sign of life
     num_request_errors: int = 0  # requests the engine failed (their sampling or forward raised)
     num_preemptions: int = 0
-    queued_prompt_tokens: int = 0  # prompt tokens of the requests held that are still to compute
+    queued_prompt_tokens: int = 0  # prompt tokens held not computed yet (a decode node's remote ones too)
 
 
 class AsyncEngine:
