@@ -51,12 +51,14 @@ EXTRA_DEFAULTS: dict[str, object] = {
     "buffer_ttl": 60.0,  # seconds an unclaimed entry is kept
     "insert_timeout": 5.0,  # seconds a prefill node waits for buffer space
     "prefill_policy": "recompute",  # when the prefill node fails: "recompute" here or "fail" with 503
-    # Which prompts a decode node sends to a prefill node: "always", "never", or "auto": those of which
-    # more than local_prefill_max_tokens tokens miss its own prefix cache; it computes the others itself.
+    # Which prompts a decode node sends to a prefill node: "always", "never", or "auto": whichever route
+    # its measured costs say is cheaper (decode_node/route.py).
     "remote_prefill": "auto",
-    # 64: computing 64 tokens in the decode batch costs it about one decode step's worth of extra work,
-    # while the handoff adds a fixed cost to the first token (a gRPC call, the KV's way back over the
-    # pipe, its load: several ms) that a prompt this short would not win back on the prefill node.
+    # "auto" before the costs are measured: prompts of which more than this many tokens miss the decode
+    # node's prefix cache go out, the others are computed here. 64: computing 64 tokens in the decode
+    # batch costs it about one decode step's worth of extra work, while the handoff adds a fixed cost to
+    # the first token (a gRPC call, the KV's way back over the pipe, its load: several ms) that a prompt
+    # this short would not win back on the prefill node.
     "local_prefill_max_tokens": 64,
     "layerwise": True,  # a prefill node sends each layer's KV as soon as it is computed, else all at the end
     # Prompts with fewer tokens to send go whole even when layerwise; None: LAYERWISE_MIN_TOKENS_GPU on

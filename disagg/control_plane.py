@@ -12,7 +12,9 @@ from disagg.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:  # engine/sequence.py imports torch; the router reads NodeInfo through serving.py without it
     from disagg.engine.sequence import TokenLogprob
 
-PROTOCOL_VERSION = 2  # 2: Prefill streams progress; penalties, logit_bias and min_tokens in SamplingFields
+# 2: Prefill streams progress; penalties, logit_bias and min_tokens in SamplingFields. 3: Watch (a decode
+# node follows each prefill node's load and prefix cache); progress tells of a long step in progress.
+PROTOCOL_VERSION = 3
 # Fields two nodes must agree on before KV can move between them.
 COMPATIBILITY_FIELDS = ("protocol_version", "model_name", "dtype", "num_layers", "num_kv_heads",
                         "head_dim", "block_size", "kv_connector")
@@ -63,6 +65,18 @@ class PrefillResult:
 class PrefillProgress:
     engine_steps: int  # steps the prefill node's engine has run, for any request
     num_computed_tokens: int  # of this prompt; 0 while it waits in the node's queue
+    step_seconds: float = 0.0  # how long the step running now has run; 0: none is running
+    step_expected_seconds: float = 0.0  # how long that step should take by the measured cost; 0: not measured
+
+
+@dataclass(frozen=True)
+class NodeLoad:
+    """A prefill node's load, as its Watch stream reports it."""
+    num_running: int = 0
+    num_waiting: int = 0
+    queued_prefill_tokens: int = 0  # prompt tokens of the requests it holds, still to compute
+    prefill_tokens_per_s: float = 0.0  # measured from its engine's steps; 0: not measured yet
+    step_base_seconds: float = 0.0  # what a step costs it beyond its prompt tokens (engine/step_cost.py)
 
 
 def sampling_fields(params: SamplingParams) -> dict:

@@ -55,6 +55,10 @@ KV_PART_SEND = Histogram("disagg_kv_part_send_seconds", "One KV message (a layer
                          buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
 PREFILL_ROUTE = Counter("disagg_prefill_route_total", "Prompts a decode node computed itself (local) or got "
                         "from a prefill node (remote)", ["route"])
+PREFILL_ROUTE_BASIS = Counter("disagg_prefill_route_basis_total", "How a decode node chose where a prompt is "
+                              "computed: policy (remote_prefill always or never, or prompt logprobs), fallback "
+                              "(local_prefill_max_tokens, before the costs were measured) or measured (the costs)",
+                              ["basis"])
 REMOTE_PREFILL = Counter("disagg_remote_prefill_total", "Remote prefills, by outcome",
                          ["outcome"])  # ok, recomputed, failed
 KV_BLOCKS_USED = Gauge("disagg_kv_blocks_used", "KV cache blocks in use")

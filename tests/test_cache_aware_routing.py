@@ -21,9 +21,10 @@ from disagg.engine.block_manager import BlockManager
 from disagg.engine.kv_events import KVEventPublisher, KVEventsLagged, KVEventSubscription
 from disagg.engine.kv_tiers.disk import DiskTier
 from disagg.engine.kv_tiers.host import HostTier
+from disagg.engine.kv_view import MEDIUM_WEIGHTS
 from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.sequence import Sequence
-from disagg.router.kv_view import MEDIUM_WEIGHTS, CacheView, KVEventsError, follow_kv_events
+from disagg.router.kv_view import CacheView, KVEventsError, follow_kv_events
 from disagg.router.router import DecodeNode, Router, Routing, cache_aware
 
 BLOCK = 4

@@ -2,6 +2,7 @@
 start_grpc_server, and the decode node's PrefillClient / PrefillPool talking to it."""
 
 import asyncio
+import contextlib
 import dataclasses
 import shutil
 import socket
@@ -30,6 +31,7 @@ from disagg.decode_node.prefill_client import (
     PrefillPool,
 )
 from disagg.engine.async_engine import AsyncEngine
+from disagg.engine.block_hash import prompt_block_hashes
 from disagg.engine.config import EngineConfig
 from disagg.engine.engine import LLMEngine
 from disagg.engine.sampling_params import SamplingParams, StructuredOutputSpec
@@ -339,6 +341,81 @@ def test_a_slow_prefill_is_waited_for_a_stuck_one_given_up_and_aborted_by_its_ca
     assert node.engine.thread.is_alive()
 
 
+@pytest.mark.timeout(60)
+def test_a_step_longer_than_the_no_progress_limit_is_waited_for(make_node: Callable[..., PrefillNode],
+                                                               consumer: LookupBufferConsumer, monkeypatch):
+    """A chunk that takes longer than the caller's prefill_timeout (a 2,048-token chunk on a CPU takes
+    more than 10 s) is progress while it runs within what the node expects of it: the caller no longer
+    gives up on a node that is computing, and computes the prompt a second time. The node's first step
+    has no expectation yet (UNMEASURED_STEP_S); the second is expected to take what the first took."""
+    node = make_node()  # its own measurements, from this test's steps only
+    engine = node.engine.engine
+    run_batch = engine.runner.run
+
+    def slow(batch):
+        time.sleep(1.5)
+        return run_batch(batch)
+
+    monkeypatch.setattr(engine.runner, "run", slow)
+    prompts = [list(range(3000, 3040)), list(range(3100, 3130))]  # one chunk each, not in the prefix cache
+
+    async def scenario():
+        server = await start_grpc_server(node, "127.0.0.1", 0, None)
+        client = PrefillClient(address(server), None)
+        try:
+            for i, prompt in enumerate(prompts):
+                call = PrefillCall(f"long-step-{i}", prompt, SamplingParams(temperature=0.0), consumer.address)
+                result = await client.prefill(call, idle_timeout=1.0)
+                entry = await asyncio.to_thread(consumer.drop_select, call.request_id, prompt, 10.0)
+                assert result.token_digest == entry.token_digest and result.prefill_seconds > 1.5
+        finally:
+            await client.close()
+            await server.stop(0)
+
+    run(scenario())
+    assert node.cost.step_seconds(30) > 1.0  # the second step's expectation came from the first
+
+
+@pytest.mark.timeout(60)
+def test_watch_streams_the_cache_and_the_load_and_ends_when_the_server_stops(make_node: Callable[..., PrefillNode],
+                                                                            consumer: LookupBufferConsumer):
+    """A client watching a prefill node sees its prefix cache (a snapshot, then what a prefill stored)
+    and its load (the throughput measured from that prefill); a server that stops ends the stream at
+    once (no grace spent on it), and the client's view is dropped."""
+    node = make_node()  # its own measurements
+    prompt = list(range(4000, 4100))  # not in the prefix cache: 6 full blocks of 16 once computed
+    block_size = node.engine.block_size
+
+    async def scenario():
+        server = await start_grpc_server(node, "127.0.0.1", 0, None)
+        client = PrefillClient(address(server), None)
+        watching = asyncio.create_task(client.watch())
+        try:
+            await wait_until(lambda: client.view.live, 5, "the snapshot")
+            assert client.view.matched_blocks(prompt_block_hashes(prompt, block_size)) == 0
+            uncached = client.expected_seconds(prompt, {})
+            call = PrefillCall("watched", prompt, SamplingParams(temperature=0.0), consumer.address)
+            await client.prefill(call, idle_timeout=10)
+            await asyncio.to_thread(consumer.drop_select, "watched", prompt, 10.0)
+            await wait_until(lambda: client.view.matched_blocks(prompt_block_hashes(prompt, block_size)) == 6, 5,
+                             "the prompt's blocks in the view")
+            await wait_until(lambda: client.load.prefill_tokens_per_s > 0, 5, "the measured throughput")
+            assert client.expected_seconds(prompt, {}) < uncached  # its blocks are there now
+            start = time.monotonic()
+            await server.stop(grace=10)
+            stopped = time.monotonic() - start
+            await wait_until(lambda: not client.view.live, 5, "the view dropped")
+            return stopped
+        finally:
+            watching.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watching
+            await client.close()
+            await server.stop(0)
+
+    assert run(scenario()) < 2.0
+
+
 # --- handshake and auth ------------------------------------------------------------------------
 
 def changed(info: NodeInfo, field: str) -> NodeInfo:
@@ -430,14 +507,18 @@ def test_pool_picks_the_node_with_fewest_prefills_in_flight(node: PrefillNode, c
         pool = PrefillPool([address(s) for s in servers], TOKEN, node.info)
         try:
             await pool.start(timeout=5)
-            first = pool.pick()
+            first = pool.pick(PROMPT)
             in_flight = asyncio.create_task(first.prefill(prefill_call("pick-1", consumer), idle_timeout=10))
             await asyncio.sleep(0)  # the call has started: it counts as outstanding
             assert first.outstanding == 1
-            second = pool.pick()
+            second = pool.pick(PROMPT)
             assert second is not first
             await asyncio.gather(in_flight, second.prefill(prefill_call("pick-2", consumer), idle_timeout=10))
-            assert pool.pick() is first  # both idle again: ties go to the first node
+            # Both idle again, and both report it (one engine behind both): ties go to the first node.
+            await wait_until(lambda: first.load == second.load and first.view.hashes == second.view.hashes
+                             and not first.sent_tokens and not second.sent_tokens,
+                             10, "both nodes' state reported")
+            assert pool.pick(PROMPT) is first
             for request_id in ("pick-1", "pick-2"):
                 await asyncio.to_thread(consumer.drop_select, request_id, PROMPT, 10.0)
             return first.address, second.address
@@ -464,13 +545,17 @@ def test_pool_avoids_a_dead_node_and_takes_it_back_when_it_returns(node: Prefill
             await flaky.stop(0)
             await wait_until(lambda: not dead.healthy, 5, "marked unhealthy")
             assert "health check failed" in dead.reason
-            assert all(pool.pick() is live for _ in range(3))
-            await pool.pick().prefill(prefill_call("while-down", consumer), idle_timeout=10)
+            assert all(pool.pick(PROMPT) is live for _ in range(3))
+            await pool.pick(PROMPT).prefill(prefill_call("while-down", consumer), idle_timeout=10)
             await asyncio.to_thread(consumer.drop_select, "while-down", PROMPT, 10.0)
 
             flaky = await start_grpc_server(node, "127.0.0.1", int(dead.address.rsplit(":", 1)[1]), TOKEN)
             await wait_until(lambda: dead.healthy, 10, "healthy again")
-            assert dead.info == node.info and pool.pick() is dead
+            # Once both report the same load (one engine behind both), a prompt no cache holds (the live
+            # node holds PROMPT now) goes to the node that is back, which has had no calls.
+            await wait_until(lambda: dead.view.live and dead.load == live.load and not live.sent_tokens, 10,
+                             "both nodes' state reported")
+            assert dead.info == node.info and pool.pick(list(range(5000, 5040))) is dead
         finally:
             await pool.close()
             await alive.stop(0)
@@ -486,13 +571,13 @@ def test_a_failed_call_marks_the_node_unhealthy_at_once(node: PrefillNode, consu
         pool = PrefillPool([address(server)], TOKEN, node.info, health_interval=60)  # no check in time
         try:
             await pool.start(timeout=5)
-            client = pool.pick()
+            client = pool.pick(PROMPT)
             await server.stop(0)
             with pytest.raises(PrefillNodeUnavailable, match=client.address):
                 await client.prefill(prefill_call("to-the-dead", consumer), idle_timeout=5)
             assert not client.healthy
             with pytest.raises(PrefillNodeUnavailable, match="no healthy prefill node: 127.0.0.1:"):
-                pool.pick()
+                pool.pick(PROMPT)
         finally:
             await pool.close()
 
@@ -512,7 +597,7 @@ def test_pool_starts_with_an_unreachable_node_but_not_with_a_mismatched_one(node
             await pool.start(timeout=5)
             down, up = pool.clients
             assert not down.healthy and "unreachable" in down.reason and up.healthy
-            assert pool.pick() is up
+            assert pool.pick(PROMPT) is up
             await pool.close()
 
             pool = PrefillPool([nobody, address(server)], TOKEN, changed(node.info, "block_size"))

@@ -31,9 +31,10 @@ from disagg.engine.kv_tiers import disk as disk_module
 from disagg.engine.kv_tiers.disk import HEADER, DiskTier
 from disagg.engine.kv_tiers.host import HostTier
 from disagg.engine.kv_tiers.offload import slot_runs
+from disagg.engine.kv_view import MEDIUM_WEIGHTS
 from disagg.engine.loader import DEFAULT_MODEL_NAME
 from disagg.engine.sequence import Sequence, SequenceStatus
-from disagg.router.kv_view import MEDIUM_WEIGHTS, CacheView
+from disagg.router.kv_view import CacheView
 
 BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4  # one 16-token block of the embedded model, float32
 MAX_TOKENS = 8

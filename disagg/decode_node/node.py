@@ -2,11 +2,13 @@
 node, and generates the answer; with no prefill nodes it is the colocated server.
 
 A disaggregated request, in order (docs/ARCHITECTURE.md, "A request, end to end"):
-  0. the route: a prompt of which few tokens miss our prefix cache (at most local_prefill_max_tokens,
-     policy remote_prefill "auto") is computed here, as on a colocated server, since the handoff's
-     fixed cost would outweigh the compute it saves; so is one that asks for prompt logprobs;
+  0. the route (route.py): the pool picks the prefill node that would answer first, by its queue and
+     the prompt's prefix its cache holds; policy remote_prefill "auto" then computes the prompt here,
+     as on a colocated server, when that is cheaper by the measured costs (a prompt of which few
+     tokens miss our prefix cache, or one the pool's queue would hold up); so is one that asks for
+     prompt logprobs;
   1. the engine reserves blocks for the prompt (the request waits for KV without a step);
-  2. Prefill(request id, prompt, sampling, our pipe endpoint) on the least loaded prefill node;
+  2. Prefill(request id, prompt, sampling, our pipe endpoint) on the picked prefill node;
   3. drop_select on our LookupBuffer consumer takes exactly that request's KV off the pipe;
   4. the first token, which came with it, goes to the client at once; the engine loads the KV
      into the reserved blocks between two steps and decodes on from the second token.
@@ -16,7 +18,7 @@ If the prefill node is down, dies mid-transfer or is too slow, the request is re
 
 import asyncio
 import contextlib
-import functools
+import dataclasses
 import logging
 import time
 import uuid
@@ -24,26 +26,19 @@ from collections.abc import AsyncIterator
 
 from disagg import metrics
 from disagg.control_plane import PrefillCall
-from disagg.decode_node.prefill_client import PrefillClient, PrefillPool
+from disagg.decode_node.prefill_client import PrefillClient, PrefillNodeUnavailable, PrefillPool
+from disagg.decode_node.route import Route, RouteCosts
 from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.output import RequestOutput
 from disagg.engine.remote_prefill import RemoteSlot
 from disagg.engine.sampling_params import SamplingParams
+from disagg.engine.step_cost import StepCost
 from disagg.lookup_buffer import LookupBufferConsumer
 from disagg.pipes.row_scatter import RowScatter
 
 logger = logging.getLogger(__name__)
 
 POLICIES = ("recompute", "fail")
-
-
-def wants_remote_prefill(remote_prefill: str, uncached_tokens: int, local_prefill_max_tokens: int) -> bool:
-    """Whether a prompt goes to a prefill node, by policy ("auto", "always", "never") and the count
-    of its tokens our prefix cache does not hold: "auto" computes here the prompts of which at most
-    local_prefill_max_tokens tokens are left to compute."""
-    if remote_prefill == "auto":
-        return uncached_tokens > local_prefill_max_tokens
-    return remote_prefill == "always"
 
 
 class PrefillUnavailable(RuntimeError):
@@ -65,8 +60,10 @@ class DecodeNode:
         self.prefill_policy = prefill_policy
         self.prefill_timeout = prefill_timeout
         self.lookup_timeout = lookup_timeout
-        self.remote_prefill = remote_prefill  # which prompts go to a prefill node (wants_remote_prefill)
-        self.local_prefill_max_tokens = local_prefill_max_tokens
+        self.remote_prefill = remote_prefill  # which prompts go to a prefill node (route.py)
+        num_layers = engine.model_config.num_hidden_layers
+        self.costs = RouteCosts(StepCost(), engine.kv_bytes_per_token_layer * num_layers, local_prefill_max_tokens)
+        engine.stat_loggers.append(self.costs.local.record)
         self.node_id = f"d{uuid.uuid4().hex[:8]}"  # names this node's requests on every node
         self.kv_received_at: dict[str, float] = {}  # request id -> when its remote KV was in hand
 
@@ -92,20 +89,40 @@ class DecodeNode:
                     yield out
             return
         # Prompt logprobs are not part of the KV handoff: such a request is computed here.
-        route = "never" if params.prompt_logprobs is not None else self.remote_prefill
-        remote = functools.partial(wants_remote_prefill, route, local_prefill_max_tokens=self.local_prefill_max_tokens)
+        policy_route = "never" if params.prompt_logprobs is not None else self.remote_prefill
+        client, node_seconds, node_per_token = None, None, 0.0
+        if policy_route != "never":
+            hashes: dict[int, list[int]] = {}  # the prompt's block hashes, computed once
+            with contextlib.suppress(PrefillNodeUnavailable):  # then _fetch_kv tells why, if it goes out
+                client = self.pool.pick(prompt_token_ids, hashes)
+            if policy_route == "auto" and client is not None and client.load.prefill_tokens_per_s:
+                # Where the node could not measure a step's base, ours stands in: the same model's step.
+                node_seconds = client.expected_seconds(prompt_token_ids, hashes, self.costs.local.base_seconds())
+                node_per_token = 1.0 / client.load.prefill_tokens_per_s
+        num_decoding = self.engine.stats.num_running
+        route = Route(False, "policy")
+
+        def remote(uncached: int) -> bool:  # on the engine thread, once the cached prefix is known
+            nonlocal route
+            route = self.costs.choose(policy_route, uncached, num_decoding, node_seconds, node_per_token)
+            return route.remote
+
         queue, slot = await self.engine.add_routed_request(request_id, prompt_token_ids, params, remote)
         metrics.PREFILL_ROUTE.labels("local" if slot is None else "remote").inc()
+        metrics.PREFILL_ROUTE_BASIS.labels(route.basis).inc()
+        if route.basis == "measured":
+            logger.debug("%s: here %.3fs, on %s %.3fs", request_id, route.local_seconds, client.address,
+                         route.remote_seconds)
         if slot is None:
-            logger.debug("%s: prompt of %d tokens computed here (remote_prefill %s)", request_id,
-                         len(prompt_token_ids), route)
+            logger.debug("%s: prompt of %d tokens computed here (remote_prefill %s, %s)", request_id,
+                         len(prompt_token_ids), policy_route, route.basis)
             async with contextlib.aclosing(self.engine.stream(request_id, queue)) as outputs:
                 async for out in outputs:
                     yield out
             return
-        logger.debug("%s: prompt of %d tokens (%d cached here) goes to a prefill node (remote_prefill %s)",
-                     request_id, len(prompt_token_ids), slot.cached_tokens, route)
-        fetch = asyncio.create_task(self._fetch_kv(request_id, queue, slot, prompt_token_ids, params, policy))
+        logger.debug("%s: prompt of %d tokens (%d cached here) goes to a prefill node (remote_prefill %s, %s)",
+                     request_id, len(prompt_token_ids), slot.cached_tokens, policy_route, route.basis)
+        fetch = asyncio.create_task(self._fetch_kv(request_id, queue, slot, prompt_token_ids, params, policy, client))
         # Not aborted by the stream when it closes: by _end, once the fetch (and with it any receive
         # into the request's blocks) has ended.
         outputs = self.engine.stream(request_id, queue, abort_on_exit=False)
@@ -136,11 +153,11 @@ class DecodeNode:
             await self.engine.drop(request_id)
 
     async def _fetch_kv(self, request_id: str, queue: asyncio.Queue, slot: RemoteSlot, prompt_token_ids: list[int],
-                        params: SamplingParams, policy: str) -> None:
+                        params: SamplingParams, policy: str, picked: PrefillClient | None) -> None:
         client: PrefillClient | None = None
         start = time.perf_counter()
         try:
-            client = self.pool.pick()
+            client = picked or self.pool.pick(prompt_token_ids)  # none was healthy: this says why
             # Our prefix cache's hits are held for this request: only the rest of its KV need come.
             skip = slot.cached_tokens
             # Blocks reserved already: the KV is received straight into them (else into a buffer first).
@@ -169,6 +186,8 @@ class DecodeNode:
                                                     result.first_logprob, kv_start=skip)
             loaded = time.perf_counter()
             metrics.KV_LOAD.observe(loaded - received)
+            self.costs.remote_done(answered - start, result.prefill_seconds, result.kv_bytes, received - answered,
+                                   loaded - received)
             metrics.KV_TRANSFER.observe(time.perf_counter() - start)
             metrics.REMOTE_PREFILL.labels("ok").inc()
         except asyncio.CancelledError:
@@ -214,6 +233,12 @@ class DecodeNode:
         status = {"status": "ok", "role": "consumer" if self.disaggregated else "both", "model": self.model_name}
         if self.pool is not None:
             status["prefill_nodes"] = {c.address: c.healthy for c in self.pool.clients}
+            # What the route weighs each by (its Watch stream): its load and the blocks its cache holds.
+            status["prefill_route"] = {"remote_prefill": self.remote_prefill, **self.costs.measured()}
+            status["prefill_state"] = {
+                c.address: {**dataclasses.asdict(c.load), "watching": c.view.live,
+                            "cached_blocks": {medium: len(held) for medium, held in c.view.hashes.items()}}
+                for c in self.pool.clients}
         return status
 
     def update_gauges(self) -> None:

@@ -6,6 +6,13 @@ dtype or block size, or refuses our auth token, is a misconfiguration and stops 
 with the reason; a node that is merely unreachable is marked unhealthy and retried, since the
 decode node can serve meanwhile by computing prompts itself. A health loop (grpc.health.v1)
 marks nodes that stop answering and takes them back, after a new handshake, when they answer.
+
+Each client also watches its node (the Watch stream): the block hashes its prefix cache holds
+(engine/kv_view.py's view, the router's too) and its load (queued prompt tokens, measured
+throughput). `PrefillPool.pick` weighs the healthy nodes by both, in seconds: how long the node
+would take to answer a prompt, its queue's wait and the part of the prompt its cache does not hold,
+at its measured speed. A watch that breaks empties the view and is retried; a node that stops
+answering drops out of the pick when its health checks fail, as before.
 """
 
 import asyncio
@@ -16,7 +23,9 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from disagg.control_plane import NodeInfo, PrefillCall, PrefillResult
+from disagg.control_plane import NodeInfo, NodeLoad, PrefillCall, PrefillProgress, PrefillResult
+from disagg.engine.block_hash import prompt_block_hashes
+from disagg.engine.kv_view import CacheView, KVEventsError
 from disagg.proto import AUTH_METADATA_KEY, SERVICE_NAME, convert, disagg_pb2_grpc
 from disagg.proto import disagg_pb2 as pb
 
@@ -29,6 +38,28 @@ HEALTH_TIMEOUT_S = 5.0
 # gRPC backs off reconnects up to 120 s by default; a prefill node that restarts should be
 # noticed by the next health checks, not minutes later.
 CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)]
+WATCH_RETRY_S = 1.0  # between attempts to watch a node again
+WATCH_SILENCE_S = 5.0  # no state for this long (the node reports every 0.5 s): its view is dropped
+# A step running with no measured cost yet (the node's first prompt tokens) counts as progress for
+# this long; a measured one for STEP_SLACK times what it should take.
+UNMEASURED_STEP_S = 60.0
+STEP_SLACK = 4.0
+# A node that has not measured its throughput yet is weighed at this many prompt tokens a second.
+UNMEASURED_TOKENS_PER_S = 1000.0
+
+
+def made_progress(progress: PrefillProgress, last: PrefillProgress | None) -> bool:
+    """Whether a Prefill call's heartbeat shows the node at work on it since `last`: a new step, more
+    of the prompt computed, or a step still running within what it should take (a long chunk on a
+    CPU may take longer than the caller's limit). A hung engine's step outgrows that; a hung or
+    stopped node sends nothing at all."""
+    if last is None or (progress.engine_steps, progress.num_computed_tokens) != (
+            last.engine_steps, last.num_computed_tokens):
+        return True
+    if progress.step_seconds <= 0:
+        return False
+    allowed = STEP_SLACK * progress.step_expected_seconds if progress.step_expected_seconds else UNMEASURED_STEP_S
+    return progress.step_seconds <= allowed
 
 
 class PrefillClientError(RuntimeError):
@@ -73,6 +104,9 @@ class PrefillClient:
         self.reason = "not connected yet"  # why it is unhealthy, for logs and error messages
         self.outstanding = 0  # Prefill calls in flight
         self.calls = 0  # Prefill calls made, to break ties so light traffic still alternates
+        self.view = CacheView()  # its prefix cache, from its Watch stream
+        self.load = NodeLoad()  # as of its last report
+        self.sent_tokens = 0  # prompt tokens sent to it since that report, not in it yet
 
     async def connect(self, expected: NodeInfo, timeout: float, kv_endpoint: tuple[str, int] | None = None) -> NodeInfo:
         """The Info handshake: the node's NodeInfo, checked against `expected` (this node's).
@@ -99,6 +133,7 @@ class PrefillClient:
         ends it with PrefillFailed, and cancelling the call aborts it on the node."""
         self.outstanding += 1
         self.calls += 1
+        self.sent_tokens += len(call.prompt_token_ids)
         stream = self.stub.Prefill(convert.prefill_call_to_proto(call), metadata=self.metadata)
         try:
             last, deadline = None, time.monotonic() + idle_timeout
@@ -115,8 +150,9 @@ class PrefillClient:
                 if update.HasField("done"):
                     return convert.prefill_result_from_proto(update.done)
                 progress = convert.progress_from_proto(update.progress)
-                if progress != last:
-                    last, deadline = progress, time.monotonic() + idle_timeout
+                if made_progress(progress, last):
+                    deadline = time.monotonic() + idle_timeout
+                last = progress
         except grpc.aio.AioRpcError as e:
             error = self._error(e, f"Prefill of {call.request_id}", idle_timeout)
             # Unreachable, or restarted and forgot our registration: no more work until the
@@ -127,6 +163,47 @@ class PrefillClient:
         finally:
             stream.cancel()  # no-op once finished; otherwise the node aborts the prefill
             self.outstanding -= 1
+
+    async def watch(self) -> None:
+        """Follow the node's Watch stream into `view` and `load`, watching again after any break (cancel to stop)."""
+        while True:
+            stream = self.stub.Watch(pb.WatchRequest(), metadata=self.metadata)
+            try:
+                while True:
+                    msg = await asyncio.wait_for(stream.read(), WATCH_SILENCE_S)
+                    if msg is grpc.aio.EOF:
+                        raise KVEventsError("the stream ended")
+                    load, snapshot, events = convert.node_state_from_proto(msg)
+                    if snapshot is not None:
+                        self.view.snapshot(snapshot.seq, snapshot.block_size, snapshot.hashes)
+                    if events is not None:
+                        self.view.events(events.seq, events.medium, events.stored, events.removed)
+                    self.load, self.sent_tokens = load, 0
+            except (grpc.aio.AioRpcError, KVEventsError, TimeoutError) as e:
+                reason = e.details() if isinstance(e, grpc.aio.AioRpcError) else (str(e) or type(e).__name__)
+                if self.view.live:
+                    logger.info("watch of prefill node %s stopped (%s); its cache view is dropped until it "
+                                "resumes", self.address, reason)
+                self.view.drop(reason)
+            finally:
+                stream.cancel()
+            await asyncio.sleep(WATCH_RETRY_S)
+
+    def expected_seconds(self, prompt_token_ids: list[int], block_hashes: dict[int, list[int]],
+                         unmeasured_base: float = 0.0) -> float:
+        """How long the node would take to compute the prompt: its queue, then a step for what its
+        prefix cache does not hold, at its measured costs. `block_hashes`: the prompt's, by block size,
+        filled as needed; `unmeasured_base`: a step's base where the node could not measure its own
+        (it saw chunks of one size only)."""
+        size = self.view.block_size
+        cached = 0
+        if size:
+            if size not in block_hashes:
+                block_hashes[size] = prompt_block_hashes(prompt_token_ids, size)
+            cached = self.view.matched_blocks(block_hashes[size]) * size
+        per_s = self.load.prefill_tokens_per_s or UNMEASURED_TOKENS_PER_S
+        tokens = self.load.queued_prefill_tokens + self.sent_tokens + len(prompt_token_ids) - cached
+        return (self.load.step_base_seconds or unmeasured_base) + tokens / per_s
 
     async def abort(self, request_id: str, kv_dest: tuple[str, int]) -> bool:
         """Ask the node to drop the request we (pipe endpoint `kv_dest`) sent it; False when it
@@ -182,7 +259,7 @@ class PrefillClient:
 
 
 class PrefillPool:
-    """The decode node's prefill nodes: `pick()` the least loaded healthy one."""
+    """The decode node's prefill nodes: `pick()` the healthy one that would answer a prompt first."""
 
     def __init__(self, addresses: list[str], auth_token: str | None, expected: NodeInfo,
                  kv_endpoint: tuple[str, int] | None = None, health_interval: float = 1.0):
@@ -194,6 +271,7 @@ class PrefillPool:
         self.health_interval = health_interval
         self.clients = [PrefillClient(address, auth_token) for address in addresses]
         self.health_task: asyncio.Task | None = None
+        self.watch_tasks: list[asyncio.Task] = []
 
     async def start(self, timeout: float) -> None:
         """Handshake with every node, then watch them. Raises PrefillNodeMismatch or
@@ -210,15 +288,25 @@ class PrefillPool:
                 logger.warning("prefill node %s: %s; retrying it every %gs",
                                client.address, result, self.health_interval)
         self.health_task = asyncio.create_task(self._health_loop(), name="prefill-health")
+        self.watch_tasks = [asyncio.create_task(c.watch(), name=f"prefill-watch-{c.address}") for c in self.clients]
 
-    def pick(self) -> PrefillClient:
+    def pick(self, prompt_token_ids: list[int], block_hashes: dict[int, list[int]] | None = None) -> PrefillClient:
+        """The healthy node expected to answer this prompt first (PrefillClient.expected_seconds); ties
+        go to the one with fewer calls in flight, then fewer calls made, so light traffic alternates.
+        `block_hashes`: the prompt's by block size, filled as needed, for the caller to reuse."""
         healthy = [c for c in self.clients if c.healthy]
         if not healthy:
             reasons = "; ".join(f"{c.address}: {c.reason}" for c in self.clients)
             raise PrefillNodeUnavailable(f"no healthy prefill node: {reasons}")
-        return min(healthy, key=lambda c: (c.outstanding, c.calls))
+        hashes = {} if block_hashes is None else block_hashes
+        return min(healthy, key=lambda c: (c.expected_seconds(prompt_token_ids, hashes), c.outstanding, c.calls))
 
     async def close(self) -> None:
+        for task in self.watch_tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self.watch_tasks = []
         if self.health_task is not None:
             self.health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

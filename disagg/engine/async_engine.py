@@ -64,6 +64,7 @@ class EngineStats:
     num_steps: int = 0  # batches run: a sign of life
     num_request_errors: int = 0  # requests the engine failed (their sampling or forward raised)
     num_preemptions: int = 0
+    queued_prompt_tokens: int = 0  # prompt tokens held not computed yet (a decode node's remote ones too)
 
 
 class AsyncEngine:
@@ -90,6 +91,7 @@ class AsyncEngine:
         # request's outputs can never reach another request's stream, whatever ids callers reuse.
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.kv_events = KVEventPublisher(engine.block_manager, engine.offload)  # engine thread only
+        self.step_started: float | None = None  # time.monotonic() when the step running began; None between steps
         self.stopped = False
         self.thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self.thread.start()
@@ -245,6 +247,14 @@ class AsyncEngine:
         subscription.snapshot = await self._call(self.kv_events.subscribe, subscription)
         return subscription
 
+    def running_step(self) -> tuple[float, int] | None:
+        """The step running now: (seconds it has run, prompt tokens it computes), or None between steps.
+        Any thread; read without a lock, so at worst it describes the step just ended or just begun."""
+        started = self.step_started
+        if started is None:
+            return None
+        return time.monotonic() - started, self.engine.step_prompt_tokens
+
     async def _call(self, fn, *args, **kwargs):
         """Run fn(*args, **kwargs) on the engine thread before its next step; its result or error."""
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -279,6 +289,7 @@ class AsyncEngine:
                 logged = time.monotonic()
                 logger.info("%s", self.engine.offload.summary())
             started, steps = time.monotonic(), self.engine.num_steps
+            self.step_started = started if busy else None
             try:
                 outputs = self.engine.step() if busy else []
             except Exception as e:
@@ -287,6 +298,7 @@ class AsyncEngine:
                 logger.exception("engine step failed outside the forward and sampling")
                 self._fail_all(e)
                 outputs = []
+            self.step_started = None
             # Before the outputs: a request may end in the very step that admits it, as a prefill node's do.
             self.request_stats.check_scheduled(started)
             now = time.monotonic()
@@ -296,7 +308,7 @@ class AsyncEngine:
                 self.request_stats.output(out, now)
                 self._deliver(out.request_id, out)
             if self.engine.num_steps != steps:
-                self.request_stats.stepped()
+                self.request_stats.stepped(now - started, self.engine.step_prompt_tokens)
             self.stats = self._stats()
             self.kv_events.publish()
             self._log_stats()
@@ -327,8 +339,10 @@ class AsyncEngine:
     def _stats(self) -> EngineStats:
         """On the engine thread."""
         scheduler, bm = self.engine.scheduler, self.engine.block_manager
+        queued = sum(max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+                     for seq in (*scheduler.running, *scheduler.waiting))
         return EngineStats(len(scheduler.running), len(scheduler.waiting), bm.num_blocks, bm.num_free_blocks,
-                           self.engine.num_steps, self.num_request_errors, scheduler.num_preemptions)
+                           self.engine.num_steps, self.num_request_errors, scheduler.num_preemptions, queued)
 
     def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
         stream = self.streams.get(request_id)

@@ -61,6 +61,7 @@ class LLMEngine:
         self.sampler = Sampler(config.seed, self.tokenizer.eos_token_ids, StructuredOutput(self.grammars))
         self.requests: dict[str, _Request] = {}
         self.num_steps = 0  # batches run: a sign of life that callers elsewhere can watch
+        self.step_prompt_tokens = 0  # prompt tokens the step running (or last run) computes, for its measured cost
 
     # -- requests ------------------------------------------------------------------------
 
@@ -220,6 +221,8 @@ class LLMEngine:
         if self.offload is not None:
             self.offload.store_new()  # lazy: blocks the schedule evicted are copied out before the forward
         self.num_steps += 1
+        self.step_prompt_tokens = sum(item.num_new_tokens for item in batch
+                                      if item.seq.num_computed_tokens < item.seq.num_prompt_tokens)
         try:
             batch, logits, prompt_logprobs = self.runner.run(batch)
         except Exception as e:  # the step's requests fail; the next step runs as usual

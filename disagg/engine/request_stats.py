@@ -44,6 +44,8 @@ class IterationStats:
     # The step's tokens as vLLM counts them: the prompts of the prefills it finished, and the tokens it
     # sampled. None: no step ran.
     step_tokens: int | None = None
+    step_seconds: float | None = None  # how long the step ran
+    step_prompt_tokens: int = 0  # prompt tokens the step computed (chunks included), for its measured cost
     prompt_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PROMPT_SOURCES, 0))  # first tokens'
     finished: list[FinishedRequest] = field(default_factory=list)
 
@@ -126,9 +128,11 @@ class RequestStats:
             reason, seq.num_prompt_tokens, times.computed, seq.num_output_tokens, seq.params.max_tokens,
             scheduled - times.queued, first - scheduled, last - first, last - scheduled))
 
-    def stepped(self) -> None:
-        """A step ran: its tokens go into this turn."""
+    def stepped(self, seconds: float = 0.0, prompt_tokens: int = 0) -> None:
+        """A step ran, for `seconds`, computing `prompt_tokens` prompt tokens: its tokens go into this turn."""
         self.turn.step_tokens = self.step_tokens
+        self.turn.step_seconds = seconds
+        self.turn.step_prompt_tokens = prompt_tokens
         self.step_tokens = 0
 
     def take(self) -> IterationStats | None:

@@ -17,9 +17,10 @@ from collections import OrderedDict
 import torch
 
 from disagg import metrics
-from disagg.control_plane import NodeInfo, PrefillCall, PrefillProgress, PrefillResult
+from disagg.control_plane import NodeInfo, NodeLoad, PrefillCall, PrefillProgress, PrefillResult
 from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.sequence import KVExport
+from disagg.engine.step_cost import StepCost
 from disagg.lookup_buffer import LookupBufferProducer, token_digest
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,8 @@ class PrefillNode:
         # Pipe endpoints decode nodes registered at their Info handshake, least recently seen first: the
         # only places KV goes, so a caller cannot make this node connect anywhere it likes.
         self.destinations: OrderedDict[tuple[str, int], Registration] = OrderedDict()
+        self.cost = StepCost()  # what a prompt token costs this node: its throughput, a step's expected time
+        engine.stat_loggers.append(self.cost.record)
 
     async def prefill(self, call: PrefillCall) -> PrefillResult:
         start = time.perf_counter()
@@ -196,9 +199,22 @@ class PrefillNode:
 
     def progress(self, request_id: str) -> PrefillProgress:
         """A heartbeat: the engine's steps and the prompt tokens whose KV was handed out (each
-        chunk's once its last layer has run; both only grow)."""
+        chunk's once its last layer has run; both only grow), and the step running now, if any, with
+        how long it should take: a chunk that takes longer than the caller's no-progress limit (a
+        long one on a CPU) is progress while it is within that."""
         sender = self.senders.get(request_id)
-        return PrefillProgress(self.engine.stats.num_steps, sender.tokens_put if sender else 0)
+        step = self.engine.running_step()
+        seconds, expected = 0.0, 0.0
+        if step is not None:
+            seconds, prompt_tokens = step
+            expected = self.cost.step_seconds(prompt_tokens) or 0.0
+        return PrefillProgress(self.engine.stats.num_steps, sender.tokens_put if sender else 0, seconds, expected)
+
+    def load(self) -> NodeLoad:
+        """What a decode node weighs this node by (its Watch stream)."""
+        stats = self.engine.stats
+        return NodeLoad(stats.num_running, stats.num_waiting, stats.queued_prompt_tokens,
+                        self.cost.tokens_per_second(), self.cost.base_seconds())
 
     async def abort(self, request_id: str, caller: tuple[str, int]) -> bool:
         """Drop a request, only for the decode node (by its pipe endpoint) that asked for it."""

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from disagg.engine.kv_events import KVEventsLagged
 from disagg.engine.sampling_params import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_TOKEN_IDS
 from disagg.lookup_buffer import BufferFullError
 from disagg.prefill_node.node import PrefillNode
@@ -23,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 # How often a Prefill call reports progress; a decode node's prefill_timeout should be a few times this.
 PROGRESS_INTERVAL_S = 0.5
+WATCH_INTERVAL_S = 0.5  # how often a Watch stream reports the node's load (and cache changes, if any)
 MAX_ABORTABLE = 4096  # recent Prefill calls remembered with the connection they came on, for their Abort
 AUTH_ERROR = "wrong or missing node auth token (kv_connector_extra_config.auth_token)"
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
@@ -51,6 +53,7 @@ class PrefillServicer(disagg_pb2_grpc.PrefillServiceServicer):
         # Request id -> the gRPC connection (peer string, with its port) its Prefill came on: every node
         # holds the same token, so only that connection may abort it, whatever kv_dest an Abort names.
         self.connections: OrderedDict[str, str] = OrderedDict()
+        self.stopping = False  # set as the server stops: Watch streams end, so the stop needs no grace for them
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.NodeInfo:
         if request.kv_host and not self.node.register((request.kv_host, request.kv_port), peer_address(context.peer())):
@@ -96,6 +99,21 @@ class PrefillServicer(disagg_pb2_grpc.PrefillServiceServicer):
                     await task
         yield pb.PrefillUpdate(done=convert.prefill_result_to_proto(result))
 
+    async def Watch(self, request: pb.WatchRequest,
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.NodeState]:
+        """The prefix cache's snapshot, then its changes and the node's load every WATCH_INTERVAL_S,
+        until the caller goes away or falls behind (then it watches again, from a new snapshot)."""
+        subscription = await self.node.engine.subscribe_kv_events()
+        try:
+            yield convert.node_state_to_proto(self.node.load(), snapshot=subscription.snapshot)
+            while not self.stopping:
+                batch = await subscription.next(WATCH_INTERVAL_S)
+                yield convert.node_state_to_proto(self.node.load(), events=batch)
+        except KVEventsLagged as e:
+            logger.warning("a Watch stream was cut off: %s; it will watch again", e)
+        finally:
+            subscription.close()
+
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortReply:
         if self.connections.get(request.request_id) != context.peer():
             return pb.AbortReply(aborted=False)  # not a request this connection asked for
@@ -132,13 +150,16 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 class PrefillGrpcServer:
     """A started gRPC server; `stop` turns its health to NOT_SERVING before closing it."""
 
-    def __init__(self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer, port: int):
+    def __init__(self, server: grpc.aio.Server, servicer: PrefillServicer, health_servicer: health.aio.HealthServicer,
+                 port: int):
         self.server = server
+        self.servicer = servicer
         self.health = health_servicer
         self.port = port  # the bound port (the one asked for, or the one picked for port 0)
 
     async def stop(self, grace: float | None = None) -> None:
         await self.health.enter_graceful_shutdown()
+        self.servicer.stopping = True
         await self.server.stop(grace)
 
     async def wait_for_termination(self) -> None:
@@ -152,7 +173,8 @@ async def start_grpc_server(node: PrefillNode, host: str, port: int, auth_token:
     options = [("grpc.so_reuseport", 0),
                ("grpc.max_receive_message_length", max_request_bytes(node.engine.max_model_len))]
     server = grpc.aio.server(interceptors=interceptors, options=options)
-    disagg_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(node), server)
+    servicer = PrefillServicer(node)
+    disagg_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
@@ -164,4 +186,4 @@ async def start_grpc_server(node: PrefillNode, host: str, port: int, auth_token:
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     logger.info("gRPC PrefillService on %s:%d (auth %s)", host, bound, "on" if auth_token else "off")
-    return PrefillGrpcServer(server, health_servicer, bound)
+    return PrefillGrpcServer(server, servicer, health_servicer, bound)

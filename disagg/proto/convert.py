@@ -6,7 +6,8 @@ everything else passes the dataclasses of disagg/control_plane.py.
 
 from dataclasses import asdict
 
-from disagg.control_plane import NodeInfo, PrefillCall, PrefillProgress, PrefillResult, sampling_fields
+from disagg.control_plane import NodeInfo, NodeLoad, PrefillCall, PrefillProgress, PrefillResult, sampling_fields
+from disagg.engine.kv_events import KVEventBatch, KVSnapshot
 from disagg.engine.sampling_params import SamplingParams, StructuredOutputSpec
 from disagg.engine.sequence import TokenLogprob
 from disagg.proto import disagg_pb2 as pb
@@ -78,9 +79,33 @@ def prefill_result_from_proto(msg: pb.PrefillReply) -> PrefillResult:
 
 
 def progress_to_proto(progress: PrefillProgress) -> pb.PrefillUpdate:
-    return pb.PrefillUpdate(progress=pb.PrefillProgress(engine_steps=progress.engine_steps,
-                                                        num_computed_tokens=progress.num_computed_tokens))
+    return pb.PrefillUpdate(progress=pb.PrefillProgress(**asdict(progress)))
 
 
 def progress_from_proto(msg: pb.PrefillProgress) -> PrefillProgress:
-    return PrefillProgress(engine_steps=msg.engine_steps, num_computed_tokens=msg.num_computed_tokens)
+    return PrefillProgress(engine_steps=msg.engine_steps, num_computed_tokens=msg.num_computed_tokens,
+                           step_seconds=msg.step_seconds, step_expected_seconds=msg.step_expected_seconds)
+
+
+def node_state_to_proto(load: NodeLoad, snapshot: KVSnapshot | None = None,
+                        events: KVEventBatch | None = None) -> pb.NodeState:
+    msg = pb.NodeState(load=pb.NodeLoad(**asdict(load)))
+    if snapshot is not None:
+        tiers = [pb.TierHashes(medium=medium, hashes=held) for medium, held in snapshot.hashes.items()]
+        msg.snapshot.CopyFrom(pb.KVSnapshot(seq=snapshot.seq, block_size=snapshot.block_size, tiers=tiers))
+    if events is not None:
+        msg.events.CopyFrom(pb.KVEventBatch(seq=events.seq, medium=events.medium, stored=events.stored,
+                                            removed=events.removed))
+    return msg
+
+
+def node_state_from_proto(msg: pb.NodeState) -> tuple[NodeLoad, KVSnapshot | None, KVEventBatch | None]:
+    load = msg.load
+    snapshot = events = None
+    if msg.HasField("snapshot"):
+        snapshot = KVSnapshot(msg.snapshot.seq, msg.snapshot.block_size,
+                              {tier.medium: list(tier.hashes) for tier in msg.snapshot.tiers})
+    if msg.HasField("events"):
+        events = KVEventBatch(msg.events.seq, msg.events.medium, list(msg.events.stored), list(msg.events.removed))
+    return NodeLoad(load.num_running, load.num_waiting, load.queued_prefill_tokens, load.prefill_tokens_per_s,
+                    load.step_base_seconds), snapshot, events

@@ -138,12 +138,16 @@ class PrefillReply(_message.Message):
     def __init__(self, first_token: _Optional[int] = ..., first_logprob: _Optional[_Union[Logprob, _Mapping]] = ..., token_digest: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
 
 class PrefillProgress(_message.Message):
-    __slots__ = ("engine_steps", "num_computed_tokens")
+    __slots__ = ("engine_steps", "num_computed_tokens", "step_seconds", "step_expected_seconds")
     ENGINE_STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_EXPECTED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     engine_steps: int
     num_computed_tokens: int
-    def __init__(self, engine_steps: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
+    step_seconds: float
+    step_expected_seconds: float
+    def __init__(self, engine_steps: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., step_expected_seconds: _Optional[float] = ...) -> None: ...
 
 class PrefillUpdate(_message.Message):
     __slots__ = ("progress", "done")
@@ -168,3 +172,61 @@ class AbortReply(_message.Message):
     ABORTED_FIELD_NUMBER: _ClassVar[int]
     aborted: bool
     def __init__(self, aborted: _Optional[bool] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeLoad(_message.Message):
+    __slots__ = ("num_running", "num_waiting", "queued_prefill_tokens", "prefill_tokens_per_s", "step_base_seconds")
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_BASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    num_running: int
+    num_waiting: int
+    queued_prefill_tokens: int
+    prefill_tokens_per_s: float
+    step_base_seconds: float
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., step_base_seconds: _Optional[float] = ...) -> None: ...
+
+class KVSnapshot(_message.Message):
+    __slots__ = ("seq", "block_size", "tiers")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    block_size: int
+    tiers: _containers.RepeatedCompositeFieldContainer[TierHashes]
+    def __init__(self, seq: _Optional[int] = ..., block_size: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierHashes, _Mapping]]] = ...) -> None: ...
+
+class TierHashes(_message.Message):
+    __slots__ = ("medium", "hashes")
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    medium: str
+    hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, medium: _Optional[str] = ..., hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KVEventBatch(_message.Message):
+    __slots__ = ("seq", "stored", "removed", "medium")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    stored: _containers.RepeatedScalarFieldContainer[int]
+    removed: _containers.RepeatedScalarFieldContainer[int]
+    medium: str
+    def __init__(self, seq: _Optional[int] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., medium: _Optional[str] = ...) -> None: ...
+
+class NodeState(_message.Message):
+    __slots__ = ("load", "snapshot", "events")
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    load: NodeLoad
+    snapshot: KVSnapshot
+    events: KVEventBatch
+    def __init__(self, load: _Optional[_Union[NodeLoad, _Mapping]] = ..., snapshot: _Optional[_Union[KVSnapshot, _Mapping]] = ..., events: _Optional[_Union[KVEventBatch, _Mapping]] = ...) -> None: ...

@@ -49,6 +49,11 @@ class PrefillServiceStub:
                 request_serializer=disagg_dot_proto_dot_disagg__pb2.AbortRequest.SerializeToString,
                 response_deserializer=disagg_dot_proto_dot_disagg__pb2.AbortReply.FromString,
                 _registered_method=True)
+        self.Watch = channel.unary_stream(
+                '/disagg.v1.PrefillService/Watch',
+                request_serializer=disagg_dot_proto_dot_disagg__pb2.WatchRequest.SerializeToString,
+                response_deserializer=disagg_dot_proto_dot_disagg__pb2.NodeState.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -77,6 +82,16 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Watch(self, request, context):
+        """The node's state, for a decode node to pick a prefill node and to choose between computing a
+        prompt itself and sending it: first the block hashes its prefix cache holds (a snapshot), then
+        every WATCH_INTERVAL_S its load and what its cache stored and removed since. A watcher that
+        falls behind is cut off; it watches again and starts from a fresh snapshot.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +109,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=disagg_dot_proto_dot_disagg__pb2.AbortRequest.FromString,
                     response_serializer=disagg_dot_proto_dot_disagg__pb2.AbortReply.SerializeToString,
+            ),
+            'Watch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=disagg_dot_proto_dot_disagg__pb2.WatchRequest.FromString,
+                    response_serializer=disagg_dot_proto_dot_disagg__pb2.NodeState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +197,33 @@ class PrefillService:
             '/disagg.v1.PrefillService/Abort',
             disagg_dot_proto_dot_disagg__pb2.AbortRequest.SerializeToString,
             disagg_dot_proto_dot_disagg__pb2.AbortReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Watch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/disagg.v1.PrefillService/Watch',
+            disagg_dot_proto_dot_disagg__pb2.WatchRequest.SerializeToString,
+            disagg_dot_proto_dot_disagg__pb2.NodeState.FromString,
             options,
             channel_credentials,
             insecure,
