@@ -79,7 +79,10 @@ class FakeEngine:
         self.log = log
         self.tokenizer = object()
         self.max_model_len = 64
-        self.stats = None
+        self.model_config = SimpleNamespace(num_hidden_layers=2)
+        self.kv_bytes_per_token_layer = 1024
+        self.stat_loggers: list = []  # the route's cost measurement subscribes here
+        self.stats = SimpleNamespace(num_running=0)
         self.slot = RemoteSlot(cached_tokens=cached_tokens, cache=CACHE, rows=rows, first=None)
         self.queues: dict[str, asyncio.Queue] = {}
 
@@ -129,6 +132,7 @@ class FakeClient:
         self.log = log
         self.answer = answer
         self.healthy = True
+        self.load = SimpleNamespace(prefill_tokens_per_s=0.0)  # not measured: the route's fallback rule
         self.address = "prefill-0:50051"
         self.info = SimpleNamespace(kv_ip=PRODUCER[0], kv_port=PRODUCER[1])
 
@@ -149,7 +153,7 @@ class FakePool:
         self.clients = [client]
         self.available = available
 
-    def pick(self) -> FakeClient:
+    def pick(self, prompt_token_ids: list[int], block_hashes: dict | None = None) -> FakeClient:
         self.log.append(("pick",))
         if not self.available:
             raise PrefillNodeUnavailable("no healthy prefill node: prefill-0:50051: connection refused")
@@ -265,7 +269,7 @@ def test_happy_path_receives_in_place_and_streams():
         rid = request_id(log)
         assert rid.startswith(node.node_id + "-")
         assert (tokens, error) == ([FIRST, DECODED], None)
-        assert names(log) == ["add_remote_request", "pick", "expect", "prefill", "drop_select",
+        assert names(log) == ["pick", "add_remote_request", "expect", "prefill", "drop_select",
                               "finish_remote_prefill"]
         (into,) = called(log, "expect")[0][2]  # the KV lands in the reserved rows of the cache
         assert into.tensor is CACHE and into.rows is ROWS
@@ -311,13 +315,14 @@ def test_no_healthy_prefill_node(policy):
         node = make_node(log, available=False, policy=policy)
         tokens, error = await collect(node)
         rid = request_id(log)
-        assert names(log)[:3] == ["add_remote_request", "pick", "discard"]
+        # The route's pick finds none; the fetch picks again to say why.
+        assert names(log)[:4] == ["pick", "add_remote_request", "pick", "discard"]
         assert "prefill" not in names(log) and "abort" not in names(log)  # no client to tell
         if policy == "recompute":
-            assert names(log)[3:] == ["prefill_locally"]  # nothing dropped: it runs on here
+            assert names(log)[4:] == ["prefill_locally"]  # nothing dropped: it runs on here
             assert (tokens, error) == ([LOCAL], None)
         else:
-            assert names(log)[3:] == ["fail", "drop"]
+            assert names(log)[4:] == ["fail", "drop"]
             assert called(log, "fail")[0][1] == rid
             assert tokens == [] and isinstance(error, PrefillUnavailable)
             assert "no prefill node" in str(error) and "no healthy prefill node" in str(error)
