@@ -21,6 +21,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -91,8 +92,19 @@ class AsyncEngine:
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.kv_events = KVEventPublisher(engine.block_manager)  # engine thread only
         self.stopped = False
+        if engine.runner.workers is not None:
+            engine.runner.workers.on_death = self._rank_died
         self.thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self.thread.start()
+
+    @staticmethod
+    def _rank_died(reason: str) -> None:
+        """A tensor-parallel rank is gone: no step can run again, so the node exits (non-zero) at once, and
+        its clients, peers and supervisor (disagg up, the router's health checks) see it gone rather
+        than a node that answers and cannot compute."""
+        logger.critical("%s: this node exits", reason)
+        logging.shutdown()
+        os._exit(1)
 
     def stop(self) -> None:
         self.stopped = True

@@ -32,6 +32,9 @@ class _Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         check_kv_tiers(config)
+        if config.tensor_parallel_size > 1 and config.kv_offloading_size:
+            raise ValueError("KV tiers (kv_offloading_size) with tensor_parallel_size > 1 are not built yet: "
+                             "each rank would copy its heads' share of a block")
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -111,6 +114,9 @@ class LLMEngine:
         instead of being computed here (a decode node's job); blocks are reserved for it now if the
         cap and free blocks allow (`remote_slot` says what it holds)."""
         params = params or SamplingParams()
+        if (kv_export is not None or remote_prefill) and self.config.tensor_parallel_size > 1:
+            raise ValueError("a prefill or decode node's KV handoff with tensor_parallel_size > 1 is not built yet: "
+                             "run disaggregated nodes at TP=1, or a colocated node with TP")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.tokenize(prompt)
@@ -198,6 +204,7 @@ class LLMEngine:
         """Let copies and disk writes in flight finish (so a restart finds them), then stop the tiers."""
         if self.offload is not None:
             self.offload.close()
+        self.runner.close()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

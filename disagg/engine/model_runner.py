@@ -10,6 +10,7 @@ from disagg.engine.models.llama import LlamaForCausalLM
 from disagg.engine.sampler import logprob_entries
 from disagg.engine.scheduler import ScheduledSeq
 from disagg.engine.sequence import Sequence, TokenLogprob
+from disagg.engine.tp_workers import TPWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -29,13 +30,32 @@ class ModelRunner:
         self.kv_cache = attention.kv_cache
         self.graphs = graphs  # DecodeGraphs on CUDA unless enforce_eager
         self.max_model_len = max_model_len
+        self.workers: TPWorkers | None = None  # the driver's, under tensor parallelism (builder.build_runner)
 
-    @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], torch.Tensor, PromptLogprobs]:
         """Compute the batch's new tokens. Returns the batch in the order it ran, float32 logits
         [num_sampled, vocab] on the device for the sequences whose last token was computed, in
         that order, and the prompt logprobs of this step's chunks of sequences that ask for them
-        (only then is anything beyond the sampled rows computed)."""
+        (only then is anything beyond the sampled rows computed). Under tensor parallelism every
+        rank runs it on the same batch (the driver sends it to the others first)."""
+        return self._on_all_ranks("run", self._run, batch)
+
+    def _on_all_ranks(self, method: str, run: Callable, batch: list[ScheduledSeq]):
+        if self.workers is None:
+            return run(batch)
+        self.workers.send(method, batch)
+        try:
+            return run(batch)
+        except BaseException as e:  # the other ranks may wait in a collective this one left
+            self.workers.fail(f"the driver's forward raised {type(e).__name__}: {e}")
+            raise
+
+    def close(self) -> None:
+        if self.workers is not None:
+            self.workers.stop()
+
+    @torch.inference_mode()
+    def _run(self, batch: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], torch.Tensor, PromptLogprobs]:
         batch = self.order(batch)
         inputs = self.attention.prepare(batch)
         scoring = any(scores_prompt(item.seq) for item in batch)
@@ -66,9 +86,12 @@ class ModelRunner:
             row += item.num_new_tokens
         return result
 
-    @torch.inference_mode()
     def all_logits(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """Float32 logits of every new token of the batch (a check of the prefill path)."""
+        return self._on_all_ranks("all_logits", self._all_logits, batch)
+
+    @torch.inference_mode()
+    def _all_logits(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         hidden = self._forward(self.attention.prepare(self.order(batch)))
         return self.model.compute_logits(hidden).float()
 
