@@ -1,0 +1,125 @@
+"""Tensor parallelism: the shard plan (no model), TP=2 against TP=1 on the embedded model (worker
+processes, gloo), and a rank's death taking its node down."""
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from prompts import CODE, PASSAGE
+from servers import start_node
+
+from disagg.engine.kv_cache import KVCache
+from disagg.engine.llm import LLM
+from disagg.engine.loader import load_config
+from disagg.engine.models.llama import LlamaConfig, shard_plan
+from disagg.engine.parallel import TPGroup
+from disagg.engine.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+
+
+def config(heads: int, kv_heads: int, vocab: int = 49152, intermediate: int = 1536) -> LlamaConfig:
+    return LlamaConfig(vocab_size=vocab, hidden_size=64 * heads, intermediate_size=intermediate, num_hidden_layers=2,
+                       num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=64)
+
+
+def plans(c: LlamaConfig, size: int) -> list:
+    return [shard_plan(c, TPGroup(rank, size, CPU)) for rank in range(size)]
+
+
+def test_shard_plan_covers_every_head_column_and_token_once():
+    # The embedded model's shape: 3 KV heads over 2 ranks go 1 + 2, each with its 3 query heads per KV head.
+    first, second = plans(config(9, 3), 2)
+    assert (first.kv_heads, first.q_heads, second.kv_heads, second.q_heads) == ((0, 1), (0, 3), (1, 3), (3, 9))
+    assert (first.intermediate, second.intermediate) == ((0, 768), (768, 1536))
+    # An odd vocabulary: equal rows per rank (a gather's parts), the last rank's padded.
+    a, b = plans(config(8, 8, vocab=11), 2)
+    assert (a.vocab, b.vocab, a.vocab_rows) == ((0, 6), (6, 11), 6)
+    uneven = plans(config(8, 8), 3)
+    assert [p.kv_heads for p in uneven] == [(0, 2), (2, 5), (5, 8)] and [p.q_heads for p in uneven] == \
+        [(0, 2), (2, 5), (5, 8)]
+
+
+def test_shard_plan_replicates_kv_heads_fewer_than_ranks():
+    # One KV head, 4 ranks: each holds it, and a quarter of the query heads.
+    assert [(p.kv_heads, p.q_heads) for p in plans(config(8, 1), 4)] == \
+        [((0, 1), (0, 2)), ((0, 1), (2, 4)), ((0, 1), (4, 6)), ((0, 1), (6, 8))]
+    # 2 KV heads of 4 query heads each, 4 ranks: ranks 0-1 attend KV head 0, ranks 2-3 KV head 1.
+    assert [(p.kv_heads, p.q_heads) for p in plans(config(8, 2), 4)] == \
+        [((0, 1), (0, 2)), ((0, 1), (2, 4)), ((1, 2), (4, 6)), ((1, 2), (6, 8))]
+    with pytest.raises(ValueError, match="tensor_parallel_size 6 does not split this model's 9 attention heads"):
+        shard_plan(config(9, 3), TPGroup(0, 6, CPU))
+
+
+# Ten prompts of mixed lengths: four share a preamble of several blocks (prefix hits), five are longer
+# than a step's 64 tokens (chunked prefill), and together they need more blocks than the cache has
+# (preemption).
+PREAMBLE = "You are the assistant of the tensor-parallel test. " + PASSAGE
+PROMPTS = [
+    "Hello",
+    "The capital of France is",
+    PREAMBLE + "What is a compiler?",
+    PREAMBLE + "Who shared computers?",
+    PREAMBLE + "Name one abstraction.",
+    PREAMBLE + "Why networks?",
+    CODE + "\n# Explain the function above:\n",
+    "1, 2, 3, 4, 5,",
+    "Q: What is 12 times 12?\nA:",
+    "Write a haiku about the sea.",
+]
+NUM_BLOCKS = 24
+MAX_TOKENS = 12
+
+
+def generate(model_dir: Path, tensor_parallel_size: int) -> tuple[list, int, int]:
+    """Outputs of the ten prompts generated together twice (the second time the prefix cache holds
+    them), the preemptions, and the blocks."""
+    mc = load_config(model_dir)
+    # The same number of blocks at either size: a rank holds its heads' share of each (2 of 3 at most).
+    heads = shard_plan(mc, TPGroup(tensor_parallel_size - 1, tensor_parallel_size, CPU)).num_kv_heads
+    block_bytes = KVCache.bytes_per_block(mc.num_hidden_layers, 16, heads, mc.head_dim, torch.float32)
+    llm = LLM(str(model_dir), device="cpu", kv_cache_memory=NUM_BLOCKS * block_bytes, max_num_batched_tokens=64,
+              tensor_parallel_size=tensor_parallel_size)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1)
+        outs = llm.generate(PROMPTS, params) + llm.generate(PROMPTS[2:6], params)
+        return outs, llm.engine.scheduler.num_preemptions, llm.engine.block_manager.num_blocks
+    finally:
+        llm.engine.close()
+
+
+def test_tp2_greedy_equals_tp1_with_prefix_hits_chunks_and_preemption(model_dir: Path):
+    start = time.monotonic()
+    tp1, preempted1, blocks1 = generate(model_dir, 1)
+    tp2, preempted2, blocks2 = generate(model_dir, 2)
+    assert blocks1 == blocks2 == NUM_BLOCKS
+    assert preempted1 > 0 and preempted2 > 0
+    assert sum(len(o.prompt_token_ids) > 64 for o in tp2) >= 5  # prefilled in chunks of 64
+    assert all(o.num_cached_tokens >= 48 for o in tp2[10:])  # the preamble's blocks, from the prefix cache
+    for one, two in zip(tp1, tp2):
+        assert two.error is None
+        # fp32, but the ranks' partial sums add in another order than one product's: the logprobs agree
+        # to 1e-4, and greedy picks the same tokens (no near tie among these prompts' answers).
+        assert two.token_ids == one.token_ids, (one.prompt_token_ids[:8], one.token_ids, two.token_ids)
+        for a, b in zip(one.logprobs, two.logprobs):
+            assert abs(a.logprob - b.logprob) < 1e-4
+    print(f"TP=1 and TP=2 generations: {time.monotonic() - start:.1f} s")
+
+
+@pytest.mark.slow
+def test_a_killed_rank_takes_its_node_down(tmp_path: Path):
+    node = start_node("both", tmp_path, extra_args=["--tensor-parallel-size", "2", "--max-model-len", "256"])
+    try:
+        pid = int(re.search(r"ranks 1 \(pid (\d+)\)", node.log()).group(1))
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        code = node.proc.wait(timeout=10)
+        assert code != 0
+        assert time.monotonic() - start < 10
+        assert f"tensor-parallel rank 1 (pid {pid}) was killed by SIGKILL" in node.log()
+    finally:
+        node.kill()
