@@ -4,6 +4,7 @@ processes, gloo), and a rank's death taking its node down."""
 import os
 import re
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -12,12 +13,16 @@ import torch
 from prompts import CODE, PASSAGE
 from servers import start_node
 
+from disagg.engine.builder import build_rank_runner
+from disagg.engine.config import EngineConfig
 from disagg.engine.kv_cache import KVCache
 from disagg.engine.llm import LLM
 from disagg.engine.loader import load_config
 from disagg.engine.models.llama import LlamaConfig, shard_plan
 from disagg.engine.parallel import TPGroup
 from disagg.engine.sampling_params import SamplingParams
+from disagg.engine.scheduler import ScheduledSeq
+from disagg.engine.sequence import Sequence
 
 CPU = torch.device("cpu")
 
@@ -123,3 +128,38 @@ def test_a_killed_rank_takes_its_node_down(tmp_path: Path):
         assert f"tensor-parallel rank 1 (pid {pid}) was killed by SIGKILL" in node.log()
     finally:
         node.kill()
+
+
+def rank_logits(model_dir: Path, size: int, token_ids: list[int]) -> torch.Tensor:
+    """Every position's logits of one prompt with the model sharded over `size` ranks, the ranks as threads
+    of this process (a gloo group like the worker processes'): rank 0's."""
+    store = TPGroup.host_store(size)
+    mc, config = load_config(model_dir), EngineConfig(kv_cache_memory=2**22, tensor_parallel_size=size)
+    logits: list[torch.Tensor | None] = [None] * size
+
+    def run(rank: int) -> None:
+        tp = TPGroup.join(rank, size, CPU, store=store if rank == 0 else None, port=store.port)
+        runner = build_rank_runner(config, model_dir, mc, CPU, torch.float32, tp)
+        seq = Sequence("logits", token_ids, SamplingParams(max_tokens=1))
+        seq.block_table = list(range(-(-len(token_ids) // config.block_size)))
+        logits[rank] = runner.all_logits([ScheduledSeq(seq, len(token_ids))])
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert all(t is not None for t in logits)
+    assert all(torch.equal(logits[0], t) for t in logits[1:])  # gathered: the same on every rank
+    return logits[0]
+
+
+def test_replicated_kv_heads_and_an_untied_head_shard_exactly(tiny_llama_dir):
+    # One KV head on two ranks (each holds it), a separate lm_head, and an MLP of odd width (65 + 65
+    # columns): TP=2's logits are TP=1's up to the order of the partial sums.
+    path = tiny_llama_dir(num_heads=4, num_kv_heads=1, hidden_size=64, intermediate_size=130,
+                          tie_word_embeddings=False)
+    token_ids = list(range(100, 140))
+    one, two = rank_logits(path, 1, token_ids), rank_logits(path, 2, token_ids)
+    assert one.shape == two.shape == (40, 49152)
+    assert (one - two).abs().max().item() < 1e-5
