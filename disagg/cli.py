@@ -274,10 +274,6 @@ def check_serve_args(args: argparse.Namespace, kv: KVTransferConfig) -> list[str
         generation_overrides(args)  # its ValueError names the flag
     if args.generation_config not in ("auto", "vllm") and not Path(args.generation_config).expanduser().is_dir():
         raise ValueError(f"--generation-config {args.generation_config!r} is none of auto, vllm or a directory")
-    if args.tensor_parallel_size > 1 and kv.kv_role != "both":
-        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} on a {kv.kv_role} node: the KV handoff "
-                         "between nodes under tensor parallelism is not built yet; use it on a colocated node "
-                         "(--kv-role both)")
     prefill_nodes = [a.strip() for a in (args.prefill_nodes or "").split(",") if a.strip()]
     if kv.kv_role == "consumer" and not prefill_nodes:
         logger.info("no --prefill-nodes: this decode node asks the prefill node on this host (%s)", LOCAL_PREFILL_NODE)

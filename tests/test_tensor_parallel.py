@@ -8,10 +8,11 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from prompts import CODE, PASSAGE
-from servers import start_node
+from servers import start_node, wait_ready
 
 from disagg.engine.builder import build_rank_runner
 from disagg.engine.config import EngineConfig
@@ -163,3 +164,42 @@ def test_replicated_kv_heads_and_an_untied_head_shard_exactly(tiny_llama_dir):
     one, two = rank_logits(path, 1, token_ids), rank_logits(path, 2, token_ids)
     assert one.shape == two.shape == (40, 49152)
     assert (one - two).abs().max().item() < 1e-5
+
+
+def complete(node, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0,
+            "return_token_ids": True}
+    response = httpx.post(f"{node.url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return [choice["token_ids"] for choice in sorted(response.json()["choices"], key=lambda c: c["index"])]
+
+
+@pytest.mark.slow
+def test_handoff_between_nodes_of_different_tp_sizes_is_token_exact(tmp_path: Path, model_dir: Path):
+    # Prefill TP=2 -> decode TP=1, and prefill TP=1 -> decode TP=2, over tcp: every prompt crosses
+    # ("always"), layer by layer, and a failed handoff fails its request ("fail") rather than hiding in a
+    # recompute. The wire carries every KV head: the prefill ranks' heads gathered by its rank 0, the
+    # decode rank 0 sending each worker its heads.
+    kv_extra = {"prefill_policy": "fail", "remote_prefill": "always"}
+    args = ["--max-model-len", "512", "--max-num-batched-tokens", "64"]
+    tp2 = ["--tensor-parallel-size", "2"]
+    prefill2 = start_node("producer", tmp_path, extra_args=args + tp2, wait=False)
+    prefill1 = start_node("producer", tmp_path, extra_args=args, wait=False)
+    decode1 = start_node("consumer", tmp_path, prefill_nodes=[prefill2.grpc_address], kv_extra=kv_extra,
+                         extra_args=args, wait=False)
+    decode2 = start_node("consumer", tmp_path, prefill_nodes=[prefill1.grpc_address], kv_extra=kv_extra,
+                         extra_args=args + tp2, wait=False)
+    nodes = [prefill2, prefill1, decode1, decode2]
+    try:
+        for node in nodes:  # started together: their loads overlap
+            wait_ready(node)
+        llm = LLM(str(model_dir), device="cpu", max_num_batched_tokens=64)
+        prompts = [llm.tokenizer.encode(p) for p in (PROMPTS[1], PROMPTS[2], PROMPTS[6])]  # 6, 76, 106 tokens
+        expected = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))]
+        assert complete(decode1, prompts, 8) == expected
+        assert complete(decode2, prompts, 8) == expected
+        for node in (decode1, decode2):
+            assert node.labelled("disagg_prefill_route_total", "route").get("remote") == len(prompts)
+    finally:
+        for node in nodes:
+            node.kill()

@@ -79,7 +79,9 @@ class AsyncEngine:
         self.dtype = engine.dtype
         self.block_size = engine.config.block_size
         self.enable_prefix_caching = engine.config.enable_prefix_caching
-        self.kv_bytes_per_token_layer = engine.kv_cache.kv[0, :, 0].nbytes  # one token's K and V in one layer
+        # One token's K and V in one layer, of every KV head: KV leaves and enters a node whole, whatever its TP.
+        self.kv_bytes_per_token_layer = 2 * self.model_config.num_key_value_heads * self.model_config.head_dim * \
+            self.dtype.itemsize
         self.num_request_errors = 0  # engine thread only; published in stats
         self.stats = self._stats()
         self.request_stats = RequestStats()  # engine thread only

@@ -147,6 +147,7 @@ def build_runner(config: EngineConfig, model_dir: Path, mc: LlamaConfig, device:
     except BaseException:
         workers.stop()
         raise
+    workers.kv_heads = [shard_plan(mc, TPGroup(rank, tp.size, device)).kv_heads for rank in range(tp.size)]
     runner.workers = workers
     return runner
 

@@ -57,7 +57,8 @@ class LLMEngine:
             arrivals.append(self.offload)
         mc = self.model_config
         self.remote = RemotePrefills(self.kv_cache, self.block_manager, mc.num_hidden_layers,
-                                     (mc.num_key_value_heads, mc.head_dim), list(arrivals))
+                                     (mc.num_key_value_heads, mc.head_dim), list(arrivals),
+                                     None if config.tensor_parallel_size == 1 else self.runner.load_kv)
         self.scheduler.arrivals = arrivals + [self.remote]
         self.grammars = GrammarCompiler(self.tokenizer.json_path, self.model_config.vocab_size,
                                         sorted(self.tokenizer.eos_token_ids), config.grammar_cache_bytes)
@@ -114,9 +115,6 @@ class LLMEngine:
         instead of being computed here (a decode node's job); blocks are reserved for it now if the
         cap and free blocks allow (`remote_slot` says what it holds)."""
         params = params or SamplingParams()
-        if (kv_export is not None or remote_prefill) and self.config.tensor_parallel_size > 1:
-            raise ValueError("a prefill or decode node's KV handoff with tensor_parallel_size > 1 is not built yet: "
-                             "run disaggregated nodes at TP=1, or a colocated node with TP")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.tokenize(prompt)

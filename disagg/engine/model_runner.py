@@ -50,6 +50,15 @@ class ModelRunner:
             self.workers.fail(f"the driver's forward raised {type(e).__name__}: {e}")
             raise
 
+    def load_kv(self, block_ids: list[int], kv: torch.Tensor, start: int) -> None:
+        """Write KV received from elsewhere, of every KV head ([layers, 2, tokens, kv heads, head dim]), into a
+        sequence's blocks from token `start` on: this rank's heads here, and under tensor parallelism each
+        worker's heads sent to it."""
+        if self.workers is not None:
+            self.workers.load_kv(block_ids, kv, start)
+        first, end = self.model.shard.kv_heads
+        self.kv_cache.scatter(block_ids, kv[:, :, :, first:end], start)
+
     def close(self) -> None:
         if self.workers is not None:
             self.workers.stop()
@@ -116,10 +125,15 @@ class ModelRunner:
             for seq, rows, first_of in zip(seqs, slots, firsts):
                 end = layer + 1
                 first = first_of.get(end)
-                if seq.kv_export.failed or first is None:
+                if first is None:
+                    continue
+                # Every KV head goes, whatever this node's TP: a collective, so run by every rank even for
+                # an export that failed in this step (the ranks decided on the same exports before it).
+                kv = self.model.gather_kv_heads(self.kv_cache.kv[first:end, :, rows])
+                if seq.kv_export.failed:
                     continue
                 try:
-                    seq.kv_export.put(first, end, self.kv_cache.kv[first:end, :, rows])
+                    seq.kv_export.put(first, end, kv)
                 except Exception:  # its receiver misses the later layers; the step goes on
                     logger.exception("handing out the KV of %s failed at layers %d-%d", seq.request_id, first, end)
                     seq.kv_export.failed = True

@@ -59,13 +59,19 @@ class TPGroup:
             self.pg.allreduce([x]).wait()
         return x
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's x side by side along the last dimension (vocabulary-parallel logits)."""
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's x (all of the same shape), in rank order."""
         if self.size == 1:
-            return x
+            return [x]
         parts = [torch.empty_like(x) for _ in range(self.size)]
         self.pg.allgather([parts], [x.contiguous()]).wait()
-        return torch.cat(parts, dim=-1)
+        return parts
+
+    def send(self, x: torch.Tensor, rank: int) -> None:
+        self.pg.send([x.contiguous()], rank, 0).wait()
+
+    def recv(self, x: torch.Tensor, rank: int) -> None:
+        self.pg.recv([x], rank, 0).wait()
 
     def min(self, value: int) -> int:
         """The smallest of the ranks' values (the KV blocks every rank has room for)."""

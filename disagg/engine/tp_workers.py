@@ -14,6 +14,7 @@ A worker exits when the driver's pipe closes, so none outlives its driver.
 """
 
 import atexit
+import dataclasses
 import logging
 import multiprocessing.connection
 import signal
@@ -29,7 +30,7 @@ from disagg.engine.config import EngineConfig
 from disagg.engine.parallel import TPGroup
 from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.scheduler import ScheduledSeq
-from disagg.engine.sequence import Sequence
+from disagg.engine.sequence import KVExport, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -49,19 +50,32 @@ class StepSeq:
     num_prompt_tokens: int
     block_table: list[int]
     prompt_logprobs: int | None
+    export: KVExport | None  # its KVExport's state (a prefill node's), without the put
 
     @classmethod
     def of(cls, item: ScheduledSeq) -> "StepSeq":
-        seq, start = item.seq, item.seq.num_computed_tokens
+        seq, start, export = item.seq, item.seq.num_computed_tokens, item.seq.kv_export
+        if export is not None:
+            export = KVExport(export.start, export.layers, None, export.at_end, export.sent, export.failed)
         return cls(seq.request_id, seq.token_ids[start:start + item.num_new_tokens + 1], start,
                    item.num_new_tokens, seq.num_tokens, seq.num_prompt_tokens, list(seq.block_table),
-                   seq.params.prompt_logprobs)
+                   seq.params.prompt_logprobs, export)
+
+
+@dataclass
+class KVLoad:
+    """KV received from elsewhere for a sequence's blocks from token `start` on: each worker's heads of
+    it follow the message, sent by the driver over the group."""
+    block_ids: list[int]
+    start: int
+    num_tokens: int
 
 
 @dataclass
 class StepMessage:
-    method: str  # the ModelRunner method: "run" or "all_logits"
+    method: str  # the ModelRunner method: "run" or "all_logits"; or "load_kv"
     batch: list[StepSeq]
+    load: KVLoad | None = None
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -75,6 +89,8 @@ class TPWorkers:
     def __init__(self, processes: list, pipes: list):
         self.processes = processes  # rank i + 1 at index i
         self.pipes = pipes
+        self.tp: TPGroup | None = None  # the driver's place in the group, once formed
+        self.kv_heads: list[tuple[int, int]] = []  # each rank's KV heads, set by the builder
         self.dead: str | None = None  # why the group can no longer compute
         self.stopping = False
         # Called once, on the watchdog thread, when a worker dies while the engine runs.
@@ -102,16 +118,25 @@ class TPWorkers:
             processes.append(process)
             pipes.append(send)
         workers = cls(processes, pipes)
+        workers.tp = TPGroup.join(0, size, device, store=store)
         logger.info("tensor parallelism %d: rank 0 here (pid %d) on %s, ranks %s", size, mp.current_process().pid,
                     device, ", ".join(f"{r} (pid {p.pid}) on {rank_device(device, r)}"
                                       for r, p in enumerate(processes, 1)))
-        return workers, TPGroup.join(0, size, device, store=store)
+        return workers, workers.tp
 
     def send(self, method: str, batch: list[ScheduledSeq]) -> None:
         """Have every worker run `method` on this batch (the driver runs it too, right after)."""
+        self._send(StepMessage(method, [StepSeq.of(item) for item in batch]))
+
+    def load_kv(self, block_ids: list[int], kv: torch.Tensor, start: int) -> None:
+        """Each worker's KV heads of `kv` (every head) into its blocks (ModelRunner.load_kv)."""
+        self._send(StepMessage("load_kv", [], KVLoad(block_ids, start, kv.shape[2])))
+        for rank, (first, end) in enumerate(self.kv_heads[1:], 1):
+            self.tp.send(kv[:, :, :, first:end].to(self.tp.device), rank)
+
+    def _send(self, message: StepMessage) -> None:
         if self.dead is not None:
             raise RankDied(self.dead)
-        message = StepMessage(method, [StepSeq.of(item) for item in batch])
         try:
             for pipe in self.pipes:
                 pipe.send(message)
@@ -174,6 +199,13 @@ def worker_main(config: EngineConfig, model_dir: Path, dtype: torch.dtype, devic
             message: StepMessage = pipe.recv()
         except EOFError:  # the driver stopped (or died)
             return
+        if message.method == "load_kv":
+            load, kv_cache = message.load, runner.kv_cache
+            layers, two, _, heads, dim = kv_cache.kv.shape
+            part = torch.empty(layers, two, load.num_tokens, heads, dim, dtype=kv_cache.kv.dtype, device=device)
+            tp.recv(part, 0)
+            kv_cache.scatter(load.block_ids, part, load.start)
+            continue
         seqs = {step.request_id: mirror(step, seqs.get(step.request_id)) for step in message.batch}
         batch = [ScheduledSeq(seqs[step.request_id], step.num_new_tokens) for step in message.batch]
         getattr(runner, message.method)(batch)
@@ -190,9 +222,14 @@ def mirror(step: StepSeq, seq: Sequence | None) -> Sequence:
     start = step.num_computed_tokens
     seq.token_ids[start:start + len(step.tokens)] = step.tokens
     seq.num_computed_tokens = start
+    seq.kv_export = None if step.export is None else dataclasses.replace(step.export, put=_drop)
     old = seq.block_table
     if step.block_table[:len(old)] == old:
         old.extend(step.block_table[len(old):])
     else:  # rebuilt (preempted, or given new blocks)
         seq.block_table = step.block_table
     return seq
+
+
+def _drop(first: int, end: int, kv: torch.Tensor) -> None:
+    """A worker's export: the driver hands out the KV, gathered from every rank."""

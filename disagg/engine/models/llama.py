@@ -333,7 +333,21 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden)
         if self.tp.size == 1:
             return logits
-        return self.tp.all_gather(logits)[:, :self.config.vocab_size]
+        return torch.cat(self.tp.all_gather(logits), dim=-1)[:, :self.config.vocab_size]
+
+    def gather_kv_heads(self, kv: torch.Tensor) -> torch.Tensor:
+        """This rank's KV heads [..., its heads, head_dim] -> every KV head of the model [..., kv heads,
+        head_dim], on every rank: KV leaves a node with all its heads whatever its TP (a collective)."""
+        if self.tp.size == 1:
+            return kv
+        shards = [shard_plan(self.config, TPGroup(rank, self.tp.size, self.tp.device)) for rank in range(self.tp.size)]
+        width = max(sh.num_kv_heads for sh in shards)  # a gather's parts are of one shape
+        padded = kv.new_zeros(*kv.shape[:-2], width, kv.shape[-1])
+        padded[..., :kv.shape[-2], :] = kv
+        out = kv.new_empty(*kv.shape[:-2], self.config.num_key_value_heads, kv.shape[-1])
+        for sh, part in zip(shards, self.tp.all_gather(padded)):
+            out[..., sh.kv_heads[0]:sh.kv_heads[1], :] = part[..., :sh.num_kv_heads, :]
+        return out
 
     def weight_slices(self) -> dict[str, tuple[int, int, int]]:
         """Checkpoint name -> (dimension, start, end) of this rank's share, for the weights it holds a part
