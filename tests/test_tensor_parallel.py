@@ -116,21 +116,6 @@ def test_tp2_greedy_equals_tp1_with_prefix_hits_chunks_and_preemption(model_dir:
     print(f"TP=1 and TP=2 generations: {time.monotonic() - start:.1f} s")
 
 
-@pytest.mark.slow
-def test_a_killed_rank_takes_its_node_down(tmp_path: Path):
-    node = start_node("both", tmp_path, extra_args=["--tensor-parallel-size", "2", "--max-model-len", "256"])
-    try:
-        pid = int(re.search(r"ranks 1 \(pid (\d+)\)", node.log()).group(1))
-        os.kill(pid, signal.SIGKILL)
-        start = time.monotonic()
-        code = node.proc.wait(timeout=10)
-        assert code != 0
-        assert time.monotonic() - start < 10
-        assert f"tensor-parallel rank 1 (pid {pid}) was killed by SIGKILL" in node.log()
-    finally:
-        node.kill()
-
-
 def rank_logits(model_dir: Path, size: int, token_ids: list[int]) -> torch.Tensor:
     """Every position's logits of one prompt with the model sharded over `size` ranks, the ranks as threads
     of this process (a gloo group like the worker processes'): rank 0's."""
@@ -166,40 +151,47 @@ def test_replicated_kv_heads_and_an_untied_head_shard_exactly(tiny_llama_dir):
     assert (one - two).abs().max().item() < 1e-5
 
 
-def complete(node, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def complete(node, prompts: list[list[int]], max_tokens: int) -> httpx.Response:
     body = {"model": "SmolLM2-135M-Instruct", "prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0,
             "return_token_ids": True}
-    response = httpx.post(f"{node.url}/v1/completions", json=body, timeout=120)
+    return httpx.post(f"{node.url}/v1/completions", json=body, timeout=60)
+
+
+def token_ids(response: httpx.Response) -> list[list[int]]:
     assert response.status_code == 200, response.text
     return [choice["token_ids"] for choice in sorted(response.json()["choices"], key=lambda c: c["index"])]
 
 
-@pytest.mark.slow
-def test_handoff_between_nodes_of_different_tp_sizes_is_token_exact(tmp_path: Path, model_dir: Path):
-    # Prefill TP=2 -> decode TP=1, and prefill TP=1 -> decode TP=2, over tcp: every prompt crosses
-    # ("always"), layer by layer, and a failed handoff fails its request ("fail") rather than hiding in a
-    # recompute. The wire carries every KV head: the prefill ranks' heads gathered by its rank 0, the
-    # decode rank 0 sending each worker its heads.
+def test_handoff_between_nodes_of_different_tp_sizes_and_a_killed_rank(tmp_path: Path, model_dir: Path, pair_1p1d):
+    # Prefill TP=2 -> decode TP=1, and prefill TP=1 (the shared pair's) -> decode TP=2, over tcp: every
+    # prompt crosses ("always"), layer by layer. The wire carries every KV head: the prefill ranks' heads
+    # gathered by its rank 0, the decode rank 0 sending each worker its heads.
     kv_extra = {"prefill_policy": "fail", "remote_prefill": "always"}
-    args = ["--max-model-len", "512", "--max-num-batched-tokens", "64"]
-    tp2 = ["--tensor-parallel-size", "2"]
+    args, tp2 = ["--max-model-len", "512", "--max-num-batched-tokens", "64"], ["--tensor-parallel-size", "2"]
     prefill2 = start_node("producer", tmp_path, extra_args=args + tp2, wait=False)
-    prefill1 = start_node("producer", tmp_path, extra_args=args, wait=False)
     decode1 = start_node("consumer", tmp_path, prefill_nodes=[prefill2.grpc_address], kv_extra=kv_extra,
                          extra_args=args, wait=False)
-    decode2 = start_node("consumer", tmp_path, prefill_nodes=[prefill1.grpc_address], kv_extra=kv_extra,
+    decode2 = start_node("consumer", tmp_path, prefill_nodes=[pair_1p1d[0].grpc_address], kv_extra=kv_extra,
                          extra_args=args + tp2, wait=False)
-    nodes = [prefill2, prefill1, decode1, decode2]
+    nodes = [prefill2, decode1, decode2]
     try:
         for node in nodes:  # started together: their loads overlap
             wait_ready(node)
         llm = LLM(str(model_dir), device="cpu", max_num_batched_tokens=64)
         prompts = [llm.tokenizer.encode(p) for p in (PROMPTS[1], PROMPTS[2], PROMPTS[6])]  # 6, 76, 106 tokens
         expected = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))]
-        assert complete(decode1, prompts, 8) == expected
-        assert complete(decode2, prompts, 8) == expected
+        assert token_ids(complete(decode1, prompts, 8)) == expected
+        assert token_ids(complete(decode2, prompts, 8)) == expected
         for node in (decode1, decode2):
             assert node.labelled("disagg_prefill_route_total", "route").get("remote") == len(prompts)
+
+        # A rank killed: its node exits (non-zero) within 10 s, and its peer fails the request by its policy.
+        pid = int(re.search(r"ranks 1 \(pid (\d+)\)", prefill2.log()).group(1))
+        os.kill(pid, signal.SIGKILL)
+        assert prefill2.proc.wait(timeout=10) != 0
+        assert f"tensor-parallel rank 1 (pid {pid}) was killed by SIGKILL: this node exits" in prefill2.log()
+        response = complete(decode1, prompts[:1], 8)
+        assert response.status_code == 503 and "remote prefill" in response.json()["error"]["message"]
     finally:
         for node in nodes:
             node.kill()
