@@ -57,8 +57,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode without CUDA graphs")
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="shard the model over N ranks (Megatron-style): this process and N-1 worker processes "
-                             "it spawns, on GPUs DEVICE..DEVICE+N-1 (NCCL), or all on the CPU (gloo); colocated "
-                             "nodes only for now")
+                             "it spawns, on GPUs DEVICE..DEVICE+N-1 (NCCL), or all on the CPU (gloo); prefill "
+                             "and decode nodes may differ in it")
     parser.add_argument("--attention-backend", choices=["sdpa", "triton"], default=None,
                         help="default: triton on CUDA, sdpa on the CPU")
     parser.add_argument("--kv-offloading-size", type=float, default=0.0,
