@@ -15,7 +15,8 @@ import torch.distributed as dist
 # A step's collectives wait this long for the other ranks; a rank that dies breaks them at once
 # (gloo and NCCL see its connections close), so this bounds only a rank that hangs alive.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
-RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=5)  # a worker loads its shard before it joins
+# Workers join right after they start (imports only), before they load their shards.
+RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=2)
 
 
 class TPGroup:

@@ -17,6 +17,7 @@ import atexit
 import dataclasses
 import logging
 import multiprocessing.connection
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -119,7 +120,7 @@ class TPWorkers:
             pipes.append(send)
         workers = cls(processes, pipes)
         workers.tp = TPGroup.join(0, size, device, store=store)
-        logger.info("tensor parallelism %d: rank 0 here (pid %d) on %s, ranks %s", size, mp.current_process().pid,
+        logger.info("tensor parallelism %d: rank 0 here (pid %d) on %s, ranks %s", size, os.getpid(),
                     device, ", ".join(f"{r} (pid {p.pid}) on {rank_device(device, r)}"
                                       for r, p in enumerate(processes, 1)))
         return workers, workers.tp
@@ -181,7 +182,8 @@ class TPWorkers:
 def worker_main(config: EngineConfig, model_dir: Path, dtype: torch.dtype, device: torch.device, rank: int,
                 port: int, pipe, num_threads: int, log_level: int) -> None:
     """A worker rank: join the group, build this rank's runner, then run each step the driver sends."""
-    from disagg.engine.builder import build_rank_runner
+    from disagg.engine.builder import build_rank_runner  # here: the builder imports this module
+    from disagg.engine.loader import load_config
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the driver, whose exit ends this one
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s tp-rank{rank} %(name)s: %(message)s")
@@ -190,8 +192,6 @@ def worker_main(config: EngineConfig, model_dir: Path, dtype: torch.dtype, devic
     if device.type == "cuda":
         torch.cuda.set_device(device)
     tp = TPGroup.join(rank, config.tensor_parallel_size, device, port=port)
-    from disagg.engine.loader import load_config
-
     runner = build_rank_runner(config, model_dir, load_config(model_dir), device, dtype, tp)
     seqs: dict[str, Sequence] = {}
     while True:
