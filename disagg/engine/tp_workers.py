@@ -185,7 +185,10 @@ def worker_main(config: EngineConfig, model_dir: Path, dtype: torch.dtype, devic
     from disagg.engine.builder import build_rank_runner  # here: the builder imports this module
     from disagg.engine.loader import load_config
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the driver, whose exit ends this one
+    # A worker follows its driver: Ctrl-C or a SIGTERM to the process group stops the driver (gracefully),
+    # whose exit ends this one; a worker that died first would take the node down as a failure.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s tp-rank{rank} %(name)s: %(message)s")
     torch.set_num_threads(num_threads)
     device = rank_device(device, rank)
