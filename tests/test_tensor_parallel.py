@@ -24,6 +24,7 @@ from disagg.engine.parallel import TPGroup
 from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.scheduler import ScheduledSeq
 from disagg.engine.sequence import Sequence
+from disagg.engine.tp_workers import StepSeq, mirror
 
 CPU = torch.device("cpu")
 
@@ -59,6 +60,23 @@ def test_shard_plan_replicates_kv_heads_fewer_than_ranks():
         [((0, 1), (0, 2)), ((0, 1), (2, 4)), ((1, 2), (4, 6)), ((1, 2), (6, 8))]
     with pytest.raises(ValueError, match="tensor_parallel_size 6 does not split this model's 9 attention heads"):
         shard_plan(config(9, 3), TPGroup(0, 6, CPU))
+
+
+def test_a_worker_mirrors_the_driver_s_sequences_step_by_step():
+    # The driver's sequence through a prompt chunk, a decode, and a preemption that rebuilds its blocks.
+    seq = Sequence("r", list(range(10, 30)), SamplingParams(max_tokens=4))
+    seq.block_table = [7, 3]
+    step = StepSeq.of(ScheduledSeq(seq, 16))
+    mine = mirror(step, None)
+    assert mine.token_ids[:17] == list(range(10, 27)) and mine.num_tokens == 20 and mine.block_table == [7, 3]
+    table = mine.block_table
+    seq.num_computed_tokens, seq.token_ids, seq.block_table = 20, seq.token_ids + [99], [7, 3, 5]
+    mine = mirror(StepSeq.of(ScheduledSeq(seq, 1)), mine)
+    assert mine.token_ids[20] == 99 and mine.num_computed_tokens == 20 and mine.num_tokens == 21
+    assert mine.block_table is table and table == [7, 3, 5]  # grown in place: a device table sends only block 5
+    seq.num_computed_tokens, seq.block_table = 0, [1, 2]  # preempted: computed again in new blocks
+    mine = mirror(StepSeq.of(ScheduledSeq(seq, 21)), mine)
+    assert mine.block_table == [1, 2] and mine.block_table is not table and mine.token_ids == seq.token_ids
 
 
 # Ten prompts of mixed lengths: four share a preamble of several blocks (prefix hits), five are longer
