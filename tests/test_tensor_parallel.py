@@ -1,5 +1,6 @@
-"""Tensor parallelism: the shard plan (no model), TP=2 against TP=1 on the embedded model (worker
-processes, gloo), and a rank's death taking its node down."""
+"""Tensor parallelism: the shard plan and a worker's mirror of a step (no model), TP=2 against TP=1 on
+the embedded model (worker processes, gloo) and on a tiny one with a replicated KV head, the KV handoff
+between nodes of different TP sizes, and a rank's death taking its node down."""
 
 import os
 import re
@@ -110,7 +111,10 @@ def generate(model_dir: Path, tensor_parallel_size: int) -> tuple[list, int, int
               tensor_parallel_size=tensor_parallel_size)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1)
-        outs = llm.generate(PROMPTS, params) + llm.generate(PROMPTS[2:6], params)
+        scored = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1, prompt_logprobs=1)
+        # The code prompt asks for prompt logprobs too: every rank scores its chunks.
+        outs = llm.generate(PROMPTS, [scored if p == PROMPTS[6] else params for p in PROMPTS])
+        outs += llm.generate(PROMPTS[2:6], params)
         return outs, llm.engine.scheduler.num_preemptions, llm.engine.block_manager.num_blocks
     finally:
         llm.engine.close()
@@ -131,6 +135,9 @@ def test_tp2_greedy_equals_tp1_with_prefix_hits_chunks_and_preemption(model_dir:
         assert two.token_ids == one.token_ids, (one.prompt_token_ids[:8], one.token_ids, two.token_ids)
         for a, b in zip(one.logprobs, two.logprobs):
             assert abs(a.logprob - b.logprob) < 1e-4
+        for a, b in zip((one.prompt_logprobs or [None])[1:], (two.prompt_logprobs or [None])[1:], strict=True):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+    assert len(tp2[6].prompt_logprobs) == len(tp2[6].prompt_token_ids) > 64
     print(f"TP=1 and TP=2 generations: {time.monotonic() - start:.1f} s")
 
 
