@@ -56,8 +56,8 @@ class StepSeq:
     @classmethod
     def of(cls, item: ScheduledSeq) -> "StepSeq":
         seq, start, export = item.seq, item.seq.num_computed_tokens, item.seq.kv_export
-        if export is not None:
-            export = KVExport(export.start, export.layers, None, export.at_end, export.sent, export.failed)
+        if export is not None:  # its state as the step starts; a worker's put drops what it is given
+            export = dataclasses.replace(export, put=None)
         return cls(seq.request_id, seq.token_ids[start:start + item.num_new_tokens + 1], start,
                    item.num_new_tokens, seq.num_tokens, seq.num_prompt_tokens, list(seq.block_table),
                    seq.params.prompt_logprobs, export)
