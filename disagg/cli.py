@@ -55,6 +55,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         action="store_false", help="turn the prefix cache off")
     parser.add_argument("--seed", type=int, default=0, help="seed for requests that set none")
     parser.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode without CUDA graphs")
+    parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="shard the model over N ranks (Megatron-style): this process and N-1 worker processes "
+                             "it spawns, on GPUs DEVICE..DEVICE+N-1 (NCCL), or all on the CPU (gloo); prefill "
+                             "and decode nodes may differ in it")
     parser.add_argument("--attention-backend", choices=["sdpa", "triton"], default=None,
                         help="default: triton on CUDA, sdpa on the CPU")
     parser.add_argument("--kv-offloading-size", type=float, default=0.0,
@@ -106,7 +110,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_cache_memory=args.kv_cache_memory,
                 gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
                 enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
-                enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
+                tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+                attention_backend=args.attention_backend,
                 kv_offloading_size=args.kv_offloading_size, kv_offloading_backend=args.kv_offloading_backend,
                 kv_offloading_mode=args.kv_offloading_mode, kv_disk_path=args.kv_disk_path,
                 kv_disk_size=args.kv_disk_size, tokenizer=args.tokenizer, chat_template=args.chat_template)
@@ -213,6 +218,11 @@ def check_engine_args(args: argparse.Namespace) -> str:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}")
+    if args.tensor_parallel_size > 1 and args.kv_offloading_size:
+        raise ValueError("--kv-offloading-size with --tensor-parallel-size > 1: KV tiers under tensor parallelism "
+                         "are not built yet")
     if args.grammar_cache_mb <= 0:
         raise ValueError(f"--grammar-cache-mb must be > 0, got {args.grammar_cache_mb}")
     gpu_memory_utilization = getattr(args, "gpu_memory_utilization", None)

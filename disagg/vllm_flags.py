@@ -97,15 +97,13 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
             reason="requests are scheduled first come, first served (fcfs) only")
     ignored(parser, "--max-seq-len-to-capture", type=int,
             reason="decode CUDA graphs are captured per batch size (up to --max-num-seqs), for every length")
-    refused(parser, "-tp", "--tensor-parallel-size", type=int, accepted=(None, 1),
-            reason="tensor parallelism is not built yet: serve a model that fits one GPU, one node per GPU "
-                   "(CUDA_VISIBLE_DEVICES)")
     refused(parser, "-pp", "--pipeline-parallel-size", type=int, accepted=(None, 1),
             reason="pipeline parallelism is not built yet: serve a model that fits one GPU")
     refused(parser, "-dp", "--data-parallel-size", type=int, accepted=(None, 1),
             reason="run one node per GPU and put `disagg router --decode-nodes ...` in front of them")
     refused(parser, "--distributed-executor-backend", accepted=(None, "mp", "uni"),
-            reason="a node is one process on one device; there is no Ray executor")
+            reason="a node's tensor-parallel ranks are its own process and worker processes it spawns (mp); "
+                   "there is no Ray executor")
     parser.add_argument("--kv-connector", default=None,
                         help="kv_connector of --kv-transfer-config, given alone")
     parser.add_argument("--kv-connector-extra-config", default=None, metavar="JSON",

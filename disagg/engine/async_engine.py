@@ -21,6 +21,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -79,7 +80,9 @@ class AsyncEngine:
         self.dtype = engine.dtype
         self.block_size = engine.config.block_size
         self.enable_prefix_caching = engine.config.enable_prefix_caching
-        self.kv_bytes_per_token_layer = engine.kv_cache.kv[0, :, 0].nbytes  # one token's K and V in one layer
+        # One token's K and V in one layer, of every KV head: KV leaves and enters a node whole, whatever its TP.
+        self.kv_bytes_per_token_layer = 2 * self.model_config.num_key_value_heads * self.model_config.head_dim * \
+            self.dtype.itemsize
         self.num_request_errors = 0  # engine thread only; published in stats
         self.stats = self._stats()
         self.request_stats = RequestStats()  # engine thread only
@@ -93,8 +96,19 @@ class AsyncEngine:
         self.kv_events = KVEventPublisher(engine.block_manager, engine.offload)  # engine thread only
         self.step_started: float | None = None  # time.monotonic() when the step running began; None between steps
         self.stopped = False
+        if engine.runner.workers is not None:
+            engine.runner.workers.on_death = self._rank_died
         self.thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self.thread.start()
+
+    @staticmethod
+    def _rank_died(reason: str) -> None:
+        """A tensor-parallel rank is gone: no step can run again, so the node exits (non-zero) at once, and
+        its clients, peers and supervisor (disagg up, the router's health checks) see it gone rather
+        than a node that answers and cannot compute."""
+        logger.critical("%s: this node exits", reason)
+        logging.shutdown()
+        os._exit(1)
 
     def stop(self) -> None:
         self.stopped = True

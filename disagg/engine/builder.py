@@ -12,7 +12,9 @@ from disagg.engine.kv_cache import KVCache
 from disagg.engine.layers.attention import AttentionBackend, SdpaAttention
 from disagg.engine.loader import load_weights
 from disagg.engine.model_runner import ModelRunner
-from disagg.engine.models.llama import LlamaConfig, LlamaForCausalLM
+from disagg.engine.models.llama import LlamaConfig, LlamaForCausalLM, shard_plan
+from disagg.engine.parallel import TPGroup
+from disagg.engine.tp_workers import TPWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -120,27 +122,60 @@ def kv_cache_budget(memory: int | float | None, device: torch.device) -> int:
     return int(memory)
 
 
+def check_tensor_parallel(config: EngineConfig, mc: LlamaConfig, device: torch.device) -> None:
+    size = config.tensor_parallel_size
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
+    if size == 1:
+        return
+    shard_plan(mc, TPGroup(size - 1, size, device))  # ValueError if the heads do not split
+    if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size {size} from {device} needs GPUs {device.index or 0} to "
+                         f"{(device.index or 0) + size - 1}; this machine has {torch.cuda.device_count()}")
+
+
 def build_runner(config: EngineConfig, model_dir: Path, mc: LlamaConfig, device: torch.device,
                  dtype: torch.dtype) -> ModelRunner:
+    """The driver's runner: with tensor_parallel_size > 1, the worker ranks are spawned first (they load
+    their shards while this process loads its own) and drive along with it."""
+    check_tensor_parallel(config, mc, device)
+    if config.tensor_parallel_size == 1:
+        return build_rank_runner(config, model_dir, mc, device, dtype, TPGroup.single(device))
+    workers, tp = TPWorkers.start(config, model_dir, dtype, device)
+    try:
+        runner = build_rank_runner(config, model_dir, mc, device, dtype, tp)
+    except BaseException:
+        workers.stop()
+        raise
+    workers.kv_heads = [shard_plan(mc, TPGroup(rank, tp.size, device)).kv_heads for rank in range(tp.size)]
+    runner.workers = workers
+    return runner
+
+
+def build_rank_runner(config: EngineConfig, model_dir: Path, mc: LlamaConfig, device: torch.device,
+                      dtype: torch.dtype, tp: TPGroup) -> ModelRunner:
+    """One rank's runner: its shard of the model (only that part of the weights read) and its KV heads'
+    share of every block; every rank has the same number of blocks."""
     if config.block_size < 1 or config.block_size & (config.block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {config.block_size}")
     max_model_len = config.max_model_len or mc.max_position_embeddings
     if max_model_len < 2:
         raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
     free_at_start = gpu_free_at_start(config, device)
-    if config.gpu_memory_utilization is not None and device.type != "cuda":
+    if config.gpu_memory_utilization is not None and device.type != "cuda" and tp.rank == 0:
         logger.warning(GPU_MEMORY_UTILIZATION_ON_CPU)
-    model = LlamaForCausalLM(mc, max_positions=max(max_model_len, mc.max_position_embeddings))
-    model.load_weights(load_weights(model_dir, dtype, "cpu"))
+    model = LlamaForCausalLM(mc, max(max_model_len, mc.max_position_embeddings), tp)
+    model.load_weights(load_weights(model_dir, dtype, "cpu", model.weight_slices()))
     model.to(device=device, dtype=dtype).eval()
     # Rotary tables stay float32 for accuracy; they are cast per call.
     model.model.rotary.float()
 
-    block_bytes = KVCache.bytes_per_block(mc.num_hidden_layers, config.block_size, mc.num_key_value_heads,
-                                          mc.head_dim, dtype)
+    kv_heads = model.shard.num_kv_heads
+    block_bytes = KVCache.bytes_per_block(mc.num_hidden_layers, config.block_size, kv_heads, mc.head_dim, dtype)
     budget = (gpu_kv_cache_budget(config, mc, device, dtype, free_at_start) if free_at_start is not None
               else kv_cache_budget(config.kv_cache_memory, device))
-    num_blocks = budget // block_bytes
+    # Every rank holds every block (its heads' share): as many as the fullest rank has room for.
+    num_blocks = tp.min(budget // block_bytes)
     if num_blocks < 2:
         raise ValueError(f"kv_cache_memory holds {num_blocks} blocks of {block_bytes} bytes; give it more memory")
     capacity = (num_blocks - 1) * config.block_size  # one block of headroom for the next token
@@ -148,15 +183,19 @@ def build_runner(config: EngineConfig, model_dir: Path, mc: LlamaConfig, device:
         logger.warning("max_model_len %d does not fit the KV cache (%d tokens); using %d",
                        max_model_len, capacity, capacity)
         max_model_len = capacity
-    kv_cache = KVCache(mc.num_hidden_layers, num_blocks, config.block_size, mc.num_key_value_heads,
-                       mc.head_dim, dtype, device)
-    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s, %s", num_blocks, config.block_size,
-                num_blocks * block_bytes / 2**20, device, str(dtype).removeprefix("torch."))
+    kv_cache = KVCache(mc.num_hidden_layers, num_blocks, config.block_size, kv_heads, mc.head_dim, dtype, device)
+    rank = f"rank {tp.rank}: " if tp.size > 1 else ""
+    logger.info("%sKV cache: %d blocks of %d tokens (%.1f MiB, %d of %d KV heads) on %s, %s", rank, num_blocks,
+                config.block_size, num_blocks * block_bytes / 2**20, kv_heads, mc.num_key_value_heads, device,
+                str(dtype).removeprefix("torch."))
     attention = make_attention(config, model, kv_cache, max_model_len)
     graphs = None
     if device.type == "cuda" and not config.enforce_eager and not isinstance(attention, SdpaAttention):
         from disagg.engine.cuda_graphs import DecodeGraphs  # Triton is needed on CUDA only
 
+        if tp.size > 1:
+            logger.info("%sthe decode CUDA graphs capture the NCCL all-reduces and the logits' all-gather "
+                        "(--enforce-eager runs them eagerly)", rank)
         graphs = DecodeGraphs(model, attention, config.max_num_seqs)
     return ModelRunner(model, attention, graphs, max_model_len)
 
@@ -173,4 +212,4 @@ def make_attention(config: EngineConfig, model: LlamaForCausalLM, kv_cache: KVCa
     from disagg.engine.layers.triton_attention import TritonAttention
 
     model.fuse()
-    return TritonAttention(kv_cache, model.config.num_attention_heads, config.max_num_seqs, max_model_len)
+    return TritonAttention(kv_cache, model.shard.num_heads, config.max_num_seqs, max_model_len)

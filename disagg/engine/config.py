@@ -20,6 +20,9 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
+    # Ranks the model is sharded over (Megatron-style): this process and N - 1 worker processes, one
+    # device each on CUDA (cuda:i .. cuda:i+N-1 from device cuda:i); on the CPU all share it.
+    tensor_parallel_size: int = 1
     enforce_eager: bool = False  # CUDA: no decode graphs
     attention_backend: str | None = None  # "sdpa" or "triton"; None: triton on CUDA, sdpa on the CPU
     # KV tiers under the device pool (vLLM's names): GiB of host memory, 0 for none.

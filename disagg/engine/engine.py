@@ -32,6 +32,9 @@ class _Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         check_kv_tiers(config)
+        if config.tensor_parallel_size > 1 and config.kv_offloading_size:
+            raise ValueError("KV tiers (kv_offloading_size) with tensor_parallel_size > 1 are not built yet: "
+                             "each rank would copy its heads' share of a block")
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -54,7 +57,8 @@ class LLMEngine:
             arrivals.append(self.offload)
         mc = self.model_config
         self.remote = RemotePrefills(self.kv_cache, self.block_manager, mc.num_hidden_layers,
-                                     (mc.num_key_value_heads, mc.head_dim), list(arrivals))
+                                     (mc.num_key_value_heads, mc.head_dim), list(arrivals),
+                                     None if config.tensor_parallel_size == 1 else self.runner.load_kv)
         self.scheduler.arrivals = arrivals + [self.remote]
         self.grammars = GrammarCompiler(self.tokenizer.json_path, self.model_config.vocab_size,
                                         sorted(self.tokenizer.eos_token_ids), config.grammar_cache_bytes)
@@ -199,6 +203,7 @@ class LLMEngine:
         """Let copies and disk writes in flight finish (so a restart finds them), then stop the tiers."""
         if self.offload is not None:
             self.offload.close()
+        self.runner.close()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

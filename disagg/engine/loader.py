@@ -198,9 +198,12 @@ def load_config(model_dir: Path) -> LlamaConfig:
     return LlamaConfig.from_hf(json.loads((Path(model_dir) / "config.json").read_text()))
 
 
-def load_weights(model_dir: Path, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Every tensor of every *.safetensors shard, by Hugging Face name, cast to `dtype` on `device`."""
+def load_weights(model_dir: Path, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 slices: dict[str, tuple[int, int, int]] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of every *.safetensors shard, by Hugging Face name, cast to `dtype` on `device`.
+    slices: name -> (dimension, start, end) of the tensors of which only that part is read (a
+    tensor-parallel rank's share: LlamaForCausalLM.weight_slices); the rest of them is never read."""
+    slices = slices or {}
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     # With an index, only the shards it names: some repos also ship e.g. consolidated.safetensors
@@ -211,7 +214,13 @@ def load_weights(model_dir: Path, dtype: torch.dtype,
     for shard in shards:
         with safe_open(shard, framework="pt") as f:
             for name in f.keys():
-                weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                if name in slices:
+                    dim, start, end = slices[name]
+                    part = f.get_slice(name)
+                    tensor = part[start:end] if dim == 0 else part[:, start:end]
+                else:
+                    tensor = f.get_tensor(name)
+                weights[name] = tensor.to(device=device, dtype=dtype)
     return weights
 
 

@@ -10,6 +10,7 @@ from disagg.engine.models.llama import LlamaForCausalLM
 from disagg.engine.sampler import logprob_entries
 from disagg.engine.scheduler import ScheduledSeq
 from disagg.engine.sequence import Sequence, TokenLogprob
+from disagg.engine.tp_workers import TPWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -29,13 +30,41 @@ class ModelRunner:
         self.kv_cache = attention.kv_cache
         self.graphs = graphs  # DecodeGraphs on CUDA unless enforce_eager
         self.max_model_len = max_model_len
+        self.workers: TPWorkers | None = None  # the driver's, under tensor parallelism (builder.build_runner)
 
-    @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], torch.Tensor, PromptLogprobs]:
         """Compute the batch's new tokens. Returns the batch in the order it ran, float32 logits
         [num_sampled, vocab] on the device for the sequences whose last token was computed, in
         that order, and the prompt logprobs of this step's chunks of sequences that ask for them
-        (only then is anything beyond the sampled rows computed)."""
+        (only then is anything beyond the sampled rows computed). Under tensor parallelism every
+        rank runs it on the same batch (the driver sends it to the others first)."""
+        return self._on_all_ranks("run", self._run, batch)
+
+    def _on_all_ranks(self, method: str, run: Callable, batch: list[ScheduledSeq]):
+        if self.workers is None:
+            return run(batch)
+        self.workers.send(method, batch)
+        try:
+            return run(batch)
+        except BaseException as e:  # the other ranks may wait in a collective this one left
+            self.workers.fail(f"the driver's forward raised {type(e).__name__}: {e}")
+            raise
+
+    def load_kv(self, block_ids: list[int], kv: torch.Tensor, start: int) -> None:
+        """Write KV received from elsewhere, of every KV head ([layers, 2, tokens, kv heads, head dim]), into a
+        sequence's blocks from token `start` on: this rank's heads here, and under tensor parallelism each
+        worker's heads sent to it."""
+        if self.workers is not None:
+            self.workers.load_kv(block_ids, kv, start)
+        first, end = self.model.shard.kv_heads
+        self.kv_cache.scatter(block_ids, kv[:, :, :, first:end], start)
+
+    def close(self) -> None:
+        if self.workers is not None:
+            self.workers.stop()
+
+    @torch.inference_mode()
+    def _run(self, batch: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], torch.Tensor, PromptLogprobs]:
         batch = self.order(batch)
         inputs = self.attention.prepare(batch)
         scoring = any(scores_prompt(item.seq) for item in batch)
@@ -66,9 +95,12 @@ class ModelRunner:
             row += item.num_new_tokens
         return result
 
-    @torch.inference_mode()
     def all_logits(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """Float32 logits of every new token of the batch (a check of the prefill path)."""
+        return self._on_all_ranks("all_logits", self._all_logits, batch)
+
+    @torch.inference_mode()
+    def _all_logits(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         hidden = self._forward(self.attention.prepare(self.order(batch)))
         return self.model.compute_logits(hidden).float()
 
@@ -93,10 +125,15 @@ class ModelRunner:
             for seq, rows, first_of in zip(seqs, slots, firsts):
                 end = layer + 1
                 first = first_of.get(end)
-                if seq.kv_export.failed or first is None:
+                if first is None:
+                    continue
+                # Every KV head goes, whatever this node's TP: a collective, so run by every rank even for
+                # an export that failed in this step (the ranks decided on the same exports before it).
+                kv = self.model.gather_kv_heads(self.kv_cache.kv[first:end, :, rows])
+                if seq.kv_export.failed:
                     continue
                 try:
-                    seq.kv_export.put(first, end, self.kv_cache.kv[first:end, :, rows])
+                    seq.kv_export.put(first, end, kv)
                 except Exception:  # its receiver misses the later layers; the step goes on
                     logger.exception("handing out the KV of %s failed at layers %d-%d", seq.request_id, first, end)
                     seq.kv_export.failed = True

@@ -14,6 +14,7 @@ engine then takes over the state that made it.
 
 import copy
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,7 +65,8 @@ class RemoteSlot:
     """What a remote request holds once added: the leading prompt tokens whose KV is in its blocks
     already (the prefill node need not send it), the rows of the KV cache (`cache`, [layers, 2, rows,
     kv_heads, head_dim]) for the rest, where the KV can be received in place (None: the request waits
-    for blocks, so its KV comes as a tensor), and its first token's maker."""
+    for blocks, or the engine's blocks are split over tensor-parallel ranks, so its KV comes as a
+    tensor), and its first token's maker."""
     cached_tokens: int
     cache: torch.Tensor
     rows: torch.Tensor | None
@@ -73,8 +75,13 @@ class RemoteSlot:
 
 class RemotePrefills(KVArrival):
     def __init__(self, kv_cache: KVCache, block_manager: BlockManager, num_layers: int, kv_shape: tuple[int, int],
-                 before: list[KVArrival]):
+                 before: list[KVArrival], load: Callable[[list[int], torch.Tensor, int], None] | None = None):
+        """load(block_ids, kv, start): writes received KV of every head into the blocks, from token start
+        on (ModelRunner.load_kv: under tensor parallelism, each rank's heads to it); None: kv_cache.scatter,
+        and KV may be received straight into the blocks' rows, which hold every head."""
         self.kv_cache = kv_cache
+        self.in_place = load is None
+        self.load = load or kv_cache.scatter
         self.block_manager = block_manager
         self.num_layers = num_layers
         self.kv_shape = kv_shape  # (kv heads, head dim)
@@ -89,7 +96,7 @@ class RemotePrefills(KVArrival):
         return seq.remote
 
     def slot(self, seq: Sequence, first: FirstToken) -> RemoteSlot:
-        holds = seq.status == SequenceStatus.WAITING_FOR_KV
+        holds = seq.status == SequenceStatus.WAITING_FOR_KV and self.in_place
         rows = self.kv_cache.rows(seq.block_table, seq.num_cached_tokens, seq.num_prompt_tokens) if holds else None
         return RemoteSlot(seq.num_cached_tokens, self.kv_cache.kv, rows, first)
 
@@ -147,7 +154,7 @@ class RemotePrefills(KVArrival):
         start = seq.num_cached_tokens
         if remote.kv is not None and start < seq.num_prompt_tokens:  # else it is in the blocks already
             # Leading blocks hit in our own prefix cache (or the host tier) already hold this KV.
-            self.kv_cache.scatter(seq.block_table, remote.kv[:, :, start - remote.kv_start:], start)
+            self.load(seq.block_table, remote.kv[:, :, start - remote.kv_start:], start)
             if remote.kv.is_cuda:  # received on another stream: not reused before this scatter has read it
                 remote.kv.record_stream(torch.cuda.current_stream(remote.kv.device))
         seq.num_computed_tokens = seq.num_prompt_tokens

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagg.engine.layers.attention import AttentionBackend
+from disagg.engine.parallel import TPGroup
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -70,6 +71,48 @@ class LlamaConfig:
             eos_token_id=eos,
             architecture=arch,
         )
+
+
+@dataclass(frozen=True)
+class LlamaShard:
+    """What one tensor-parallel rank holds (Megatron-style), each a [start, end) range: its query heads
+    and the KV heads they attend (q/k/v by rows, o_proj by columns), its columns of the MLP (gate/up by
+    rows, down_proj by columns), its rows of the vocabulary (the embedding and lm_head). Ranges are as
+    even as they go and need not be equal (the embedded model's 3 KV heads go 1 + 2 on two ranks);
+    fewer KV heads than ranks are replicated, each rank holding the one its query heads attend."""
+
+    q_heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    intermediate: tuple[int, int]
+    vocab: tuple[int, int]
+    vocab_rows: int  # every rank's embedding and lm_head rows, the last rank's padded: gathers need equal parts
+
+    @property
+    def num_heads(self) -> int:
+        return self.q_heads[1] - self.q_heads[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads[1] - self.kv_heads[0]
+
+
+def shard_plan(config: LlamaConfig, tp: TPGroup) -> LlamaShard:
+    """Rank tp.rank's share of the model; ValueError for a tensor_parallel_size the heads cannot split by."""
+    heads, kv, n = config.num_attention_heads, config.num_key_value_heads, tp.size
+    if kv >= n:  # each rank a run of whole KV heads and the query heads of their groups
+        group = heads // kv
+        kv_heads = tp.split(kv)
+        q_heads = (kv_heads[0] * group, kv_heads[1] * group)
+    elif n % kv == 0 and heads % n == 0:  # each KV head replicated on n // kv ranks
+        first = tp.rank * kv // n
+        kv_heads, q_heads = (first, first + 1), tp.split(heads)
+    else:
+        raise ValueError(f"tensor_parallel_size {n} does not split this model's {heads} attention heads and {kv} "
+                         f"KV heads: with fewer KV heads than ranks, the ranks must be a multiple of the KV heads "
+                         f"and divide the attention heads; use at most {kv} ranks")
+    rows = -(-config.vocab_size // n)
+    vocab = (min(tp.rank * rows, config.vocab_size), min((tp.rank + 1) * rows, config.vocab_size))
+    return LlamaShard(q_heads, kv_heads, tp.split(config.intermediate_size), vocab, rows)
 
 
 class RMSNorm(nn.Module):
@@ -139,12 +182,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: LlamaConfig, layer_idx: int):
+    def __init__(self, config: LlamaConfig, layer_idx: int, shard: LlamaShard, tp: TPGroup):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = shard.num_heads  # this rank's
+        self.num_kv_heads = shard.num_kv_heads
         self.head_dim = config.head_dim
+        self.tp = tp
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
@@ -170,15 +214,17 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
         out = attention.forward(self.layer_idx, q, k, v, meta)
-        return self.o_proj(out.reshape(T, q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(T, q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, shard: LlamaShard, tp: TPGroup):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        intermediate = shard.intermediate[1] - shard.intermediate[0]  # this rank's columns
+        self.gate_proj = nn.Linear(config.hidden_size, intermediate, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, config.hidden_size, bias=False)
+        self.tp = tp
         self.gate_up_proj: nn.Linear | None = None  # made by fuse()
         self.fused_ops: ModuleType | None = None
 
@@ -189,8 +235,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_ops is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(self.fused_ops.silu_mul(self.gate_up_proj(x)))
+            return self.tp.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(self.fused_ops.silu_mul(self.gate_up_proj(x))))
 
 
 def fuse_linears(*linears: nn.Linear) -> nn.Linear:
@@ -205,10 +251,10 @@ def fuse_linears(*linears: nn.Linear) -> nn.Linear:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig, layer_idx: int):
+    def __init__(self, config: LlamaConfig, layer_idx: int, shard: LlamaShard, tp: TPGroup):
         super().__init__()
-        self.self_attn = Attention(config, layer_idx)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, layer_idx, shard, tp)
+        self.mlp = MLP(config, shard, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -226,22 +272,25 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: LlamaConfig, max_positions: int):
+    def __init__(self, config: LlamaConfig, max_positions: int, shard: LlamaShard, tp: TPGroup):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.embed_tokens = nn.Embedding(shard.vocab_rows, config.hidden_size)  # this rank's rows of the vocabulary
+        self.layers = nn.ModuleList(DecoderLayer(config, i, shard, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Module names mirror Hugging Face's, so a safetensors state dict loads as is."""
+    """Module names mirror Hugging Face's, so a safetensors state dict loads as is (each rank's shard of
+    it under tensor parallelism: `weight_slices`)."""
 
-    def __init__(self, config: LlamaConfig, max_positions: int):
+    def __init__(self, config: LlamaConfig, max_positions: int, tp: TPGroup | None = None):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, max_positions)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp or TPGroup.single(torch.device("cpu"))
+        self.shard = shard_plan(config, self.tp)
+        self.model = LlamaModel(config, max_positions, self.shard, self.tp)
+        self.lm_head = nn.Linear(config.hidden_size, self.shard.vocab_rows, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -249,12 +298,23 @@ class LlamaForCausalLM(nn.Module):
                 after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Flat tokens of the whole batch [T] -> final hidden states [T, hidden]. after_layer(i) runs
         once layer i's work is queued (its KV is in the cache once that work is done)."""
-        x, residual = self.model.embed_tokens(input_ids), None
+        x, residual = self.embed(input_ids), None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, self.model.rotary, positions, attention, meta)
             if after_layer is not None:
                 after_layer(i)
         return self.model.norm(x, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self.model.embed_tokens(input_ids)
+        # Vocabulary-parallel: each rank looks up the tokens in its rows, zeros for the others, and the
+        # sum over ranks is every token's row (exact: one term is not zero).
+        start, end = self.shard.vocab
+        local = input_ids - start
+        outside = (local < 0) | (local >= end - start)
+        x = self.model.embed_tokens(local.masked_fill(outside, 0)).masked_fill(outside[:, None], 0.0)
+        return self.tp.all_reduce(x)
 
     def fuse(self) -> None:
         """The GPU path, after loading: q/k/v and gate/up each one product, and the Triton
@@ -269,7 +329,45 @@ class LlamaForCausalLM(nn.Module):
             layer.input_layernorm.fused_ops = layer.post_attention_layernorm.fused_ops = fused_ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        """Logits [rows, vocab] on every rank: each rank's vocabulary rows, gathered."""
+        logits = self.lm_head(hidden)
+        if self.tp.size == 1:
+            return logits
+        return torch.cat(self.tp.all_gather(logits), dim=-1)[:, :self.config.vocab_size]
+
+    def gather_kv_heads(self, kv: torch.Tensor) -> torch.Tensor:
+        """This rank's KV heads [..., its heads, head_dim] -> every KV head of the model [..., kv heads,
+        head_dim], on every rank: KV leaves a node with all its heads whatever its TP (a collective)."""
+        if self.tp.size == 1:
+            return kv
+        shards = [shard_plan(self.config, TPGroup(rank, self.tp.size, self.tp.device)) for rank in range(self.tp.size)]
+        width = max(sh.num_kv_heads for sh in shards)  # a gather's parts are of one shape
+        padded = kv.new_zeros(*kv.shape[:-2], width, kv.shape[-1])
+        padded[..., :kv.shape[-2], :] = kv
+        out = kv.new_empty(*kv.shape[:-2], self.config.num_key_value_heads, kv.shape[-1])
+        for sh, part in zip(shards, self.tp.all_gather(padded)):
+            out[..., sh.kv_heads[0]:sh.kv_heads[1], :] = part[..., :sh.num_kv_heads, :]
+        return out
+
+    def weight_slices(self) -> dict[str, tuple[int, int, int]]:
+        """Checkpoint name -> (dimension, start, end) of this rank's share, for the weights it holds a part
+        of (the others it holds whole); nothing at TP=1."""
+        if self.tp.size == 1:
+            return {}
+        d, sh = self.config.head_dim, self.shard
+        q = (sh.q_heads[0] * d, sh.q_heads[1] * d)
+        kv = (sh.kv_heads[0] * d, sh.kv_heads[1] * d)
+        slices = {"model.embed_tokens.weight": (0, *sh.vocab), "lm_head.weight": (0, *sh.vocab)}
+        for i in range(self.config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            for name, (dim, cut) in {"self_attn.q_proj": (0, q), "self_attn.k_proj": (0, kv),
+                                     "self_attn.v_proj": (0, kv), "self_attn.o_proj": (1, q),
+                                     "mlp.gate_proj": (0, sh.intermediate), "mlp.up_proj": (0, sh.intermediate),
+                                     "mlp.down_proj": (1, sh.intermediate)}.items():
+                slices[p + name + ".weight"] = (dim, *cut)
+                if dim == 0 and self.config.attention_bias and name.startswith("self_attn"):
+                    slices[p + name + ".bias"] = (0, *cut)
+        return slices
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         expected = set(self.state_dict().keys())
@@ -286,4 +384,5 @@ class LlamaForCausalLM(nn.Module):
         with torch.no_grad():
             params = dict(self.named_parameters())
             for name, tensor in weights.items():
-                params[name].copy_(tensor)
+                # A last rank's vocabulary shard is shorter than its rows (padding, never gathered out).
+                params[name][:tensor.shape[0]].copy_(tensor)

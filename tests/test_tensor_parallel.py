@@ -1,0 +1,222 @@
+"""Tensor parallelism: the shard plan and a worker's mirror of a step (no model), TP=2 against TP=1 on
+the embedded model (worker processes, gloo) and on a tiny one with a replicated KV head, the KV handoff
+between nodes of different TP sizes, and a rank's death taking its node down."""
+
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from prompts import CODE, PASSAGE
+from servers import start_node, wait_ready
+
+from disagg.engine.builder import build_rank_runner
+from disagg.engine.config import EngineConfig
+from disagg.engine.kv_cache import KVCache
+from disagg.engine.llm import LLM
+from disagg.engine.loader import load_config
+from disagg.engine.models.llama import LlamaConfig, shard_plan
+from disagg.engine.parallel import TPGroup
+from disagg.engine.sampling_params import SamplingParams
+from disagg.engine.scheduler import ScheduledSeq
+from disagg.engine.sequence import Sequence
+from disagg.engine.tp_workers import StepSeq, mirror
+
+CPU = torch.device("cpu")
+
+
+def config(heads: int, kv_heads: int, vocab: int = 49152, intermediate: int = 1536) -> LlamaConfig:
+    return LlamaConfig(vocab_size=vocab, hidden_size=64 * heads, intermediate_size=intermediate, num_hidden_layers=2,
+                       num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=64)
+
+
+def plans(c: LlamaConfig, size: int) -> list:
+    return [shard_plan(c, TPGroup(rank, size, CPU)) for rank in range(size)]
+
+
+def test_shard_plan_covers_every_head_column_and_token_once():
+    # The embedded model's shape: 3 KV heads over 2 ranks go 1 + 2, each with its 3 query heads per KV head.
+    first, second = plans(config(9, 3), 2)
+    assert (first.kv_heads, first.q_heads, second.kv_heads, second.q_heads) == ((0, 1), (0, 3), (1, 3), (3, 9))
+    assert (first.intermediate, second.intermediate) == ((0, 768), (768, 1536))
+    # An odd vocabulary: equal rows per rank (a gather's parts), the last rank's padded.
+    a, b = plans(config(8, 8, vocab=11), 2)
+    assert (a.vocab, b.vocab, a.vocab_rows) == ((0, 6), (6, 11), 6)
+    uneven = plans(config(8, 8), 3)
+    assert [p.kv_heads for p in uneven] == [(0, 2), (2, 5), (5, 8)] and [p.q_heads for p in uneven] == \
+        [(0, 2), (2, 5), (5, 8)]
+
+
+def test_shard_plan_replicates_kv_heads_fewer_than_ranks():
+    # One KV head, 4 ranks: each holds it, and a quarter of the query heads.
+    assert [(p.kv_heads, p.q_heads) for p in plans(config(8, 1), 4)] == \
+        [((0, 1), (0, 2)), ((0, 1), (2, 4)), ((0, 1), (4, 6)), ((0, 1), (6, 8))]
+    # 2 KV heads of 4 query heads each, 4 ranks: ranks 0-1 attend KV head 0, ranks 2-3 KV head 1.
+    assert [(p.kv_heads, p.q_heads) for p in plans(config(8, 2), 4)] == \
+        [((0, 1), (0, 2)), ((0, 1), (2, 4)), ((1, 2), (4, 6)), ((1, 2), (6, 8))]
+    with pytest.raises(ValueError, match="tensor_parallel_size 6 does not split this model's 9 attention heads"):
+        shard_plan(config(9, 3), TPGroup(0, 6, CPU))
+
+
+def test_a_worker_mirrors_the_driver_s_sequences_step_by_step():
+    # The driver's sequence through a prompt chunk, a decode, and a preemption that rebuilds its blocks.
+    seq = Sequence("r", list(range(10, 30)), SamplingParams(max_tokens=4))
+    seq.block_table = [7, 3]
+    step = StepSeq.of(ScheduledSeq(seq, 16))
+    mine = mirror(step, None)
+    assert mine.token_ids[:17] == list(range(10, 27)) and mine.num_tokens == 20 and mine.block_table == [7, 3]
+    table = mine.block_table
+    seq.num_computed_tokens, seq.token_ids, seq.block_table = 20, seq.token_ids + [99], [7, 3, 5]
+    mine = mirror(StepSeq.of(ScheduledSeq(seq, 1)), mine)
+    assert mine.token_ids[20] == 99 and mine.num_computed_tokens == 20 and mine.num_tokens == 21
+    assert mine.block_table is table and table == [7, 3, 5]  # grown in place: a device table sends only block 5
+    seq.num_computed_tokens, seq.block_table = 0, [1, 2]  # preempted: computed again in new blocks
+    mine = mirror(StepSeq.of(ScheduledSeq(seq, 21)), mine)
+    assert mine.block_table == [1, 2] and mine.block_table is not table and mine.token_ids == seq.token_ids
+
+
+# Ten prompts of mixed lengths: four share a preamble of several blocks (prefix hits), five are longer
+# than a step's 64 tokens (chunked prefill), and together they need more blocks than the cache has
+# (preemption).
+PREAMBLE = "You are the assistant of the tensor-parallel test. " + PASSAGE
+PROMPTS = [
+    "Hello",
+    "The capital of France is",
+    PREAMBLE + "What is a compiler?",
+    PREAMBLE + "Who shared computers?",
+    PREAMBLE + "Name one abstraction.",
+    PREAMBLE + "Why networks?",
+    CODE + "\n# Explain the function above:\n",
+    "1, 2, 3, 4, 5,",
+    "Q: What is 12 times 12?\nA:",
+    "Write a haiku about the sea.",
+]
+NUM_BLOCKS = 24
+MAX_TOKENS = 12
+
+
+def generate(model_dir: Path, tensor_parallel_size: int) -> tuple[list, int, int]:
+    """Outputs of the ten prompts generated together twice (the second time the prefix cache holds
+    them), the preemptions, and the blocks."""
+    mc = load_config(model_dir)
+    # The same number of blocks at either size: a rank holds its heads' share of each (2 of 3 at most).
+    heads = shard_plan(mc, TPGroup(tensor_parallel_size - 1, tensor_parallel_size, CPU)).num_kv_heads
+    block_bytes = KVCache.bytes_per_block(mc.num_hidden_layers, 16, heads, mc.head_dim, torch.float32)
+    llm = LLM(str(model_dir), device="cpu", kv_cache_memory=NUM_BLOCKS * block_bytes, max_num_batched_tokens=64,
+              tensor_parallel_size=tensor_parallel_size)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1)
+        scored = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1, prompt_logprobs=1)
+        # The code prompt asks for prompt logprobs too: every rank scores its chunks.
+        outs = llm.generate(PROMPTS, [scored if p == PROMPTS[6] else params for p in PROMPTS])
+        outs += llm.generate(PROMPTS[2:6], params)
+        return outs, llm.engine.scheduler.num_preemptions, llm.engine.block_manager.num_blocks
+    finally:
+        llm.engine.close()
+
+
+def test_tp2_greedy_equals_tp1_with_prefix_hits_chunks_and_preemption(model_dir: Path):
+    start = time.monotonic()
+    tp1, preempted1, blocks1 = generate(model_dir, 1)
+    tp2, preempted2, blocks2 = generate(model_dir, 2)
+    assert blocks1 == blocks2 == NUM_BLOCKS
+    assert preempted1 > 0 and preempted2 > 0
+    assert sum(len(o.prompt_token_ids) > 64 for o in tp2) >= 5  # prefilled in chunks of 64
+    assert all(o.num_cached_tokens >= 48 for o in tp2[10:])  # the preamble's blocks, from the prefix cache
+    for one, two in zip(tp1, tp2):
+        assert two.error is None
+        # fp32, but the ranks' partial sums add in another order than one product's: the logprobs agree
+        # to 1e-4, and greedy picks the same tokens (no near tie among these prompts' answers).
+        assert two.token_ids == one.token_ids, (one.prompt_token_ids[:8], one.token_ids, two.token_ids)
+        for a, b in zip(one.logprobs, two.logprobs):
+            assert abs(a.logprob - b.logprob) < 1e-4
+        for a, b in zip((one.prompt_logprobs or [None])[1:], (two.prompt_logprobs or [None])[1:], strict=True):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+    assert len(tp2[6].prompt_logprobs) == len(tp2[6].prompt_token_ids) > 64
+    print(f"TP=1 and TP=2 generations: {time.monotonic() - start:.1f} s")
+
+
+def rank_logits(model_dir: Path, size: int, token_ids: list[int]) -> torch.Tensor:
+    """Every position's logits of one prompt with the model sharded over `size` ranks, the ranks as threads
+    of this process (a gloo group like the worker processes'): rank 0's."""
+    store = TPGroup.host_store(size)
+    mc, config = load_config(model_dir), EngineConfig(kv_cache_memory=2**22, tensor_parallel_size=size)
+    logits: list[torch.Tensor | None] = [None] * size
+
+    def run(rank: int) -> None:
+        tp = TPGroup.join(rank, size, CPU, store=store if rank == 0 else None, port=store.port)
+        runner = build_rank_runner(config, model_dir, mc, CPU, torch.float32, tp)
+        seq = Sequence("logits", token_ids, SamplingParams(max_tokens=1))
+        seq.block_table = list(range(-(-len(token_ids) // config.block_size)))
+        logits[rank] = runner.all_logits([ScheduledSeq(seq, len(token_ids))])
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert all(t is not None for t in logits)
+    assert all(torch.equal(logits[0], t) for t in logits[1:])  # gathered: the same on every rank
+    return logits[0]
+
+
+def test_replicated_kv_heads_and_an_untied_head_shard_exactly(tiny_llama_dir):
+    # One KV head on two ranks (each holds it), a separate lm_head, and an MLP of odd width (65 + 65
+    # columns): TP=2's logits are TP=1's up to the order of the partial sums.
+    path = tiny_llama_dir(num_heads=4, num_kv_heads=1, hidden_size=64, intermediate_size=130,
+                          tie_word_embeddings=False)
+    token_ids = list(range(100, 140))
+    one, two = rank_logits(path, 1, token_ids), rank_logits(path, 2, token_ids)
+    assert one.shape == two.shape == (40, 49152)
+    assert (one - two).abs().max().item() < 1e-5
+
+
+def complete(node, prompts: list[list[int]], max_tokens: int) -> httpx.Response:
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0,
+            "return_token_ids": True}
+    return httpx.post(f"{node.url}/v1/completions", json=body, timeout=60)
+
+
+def token_ids(response: httpx.Response) -> list[list[int]]:
+    assert response.status_code == 200, response.text
+    return [choice["token_ids"] for choice in sorted(response.json()["choices"], key=lambda c: c["index"])]
+
+
+def test_handoff_between_nodes_of_different_tp_sizes_and_a_killed_rank(tmp_path: Path, model_dir: Path, pair_1p1d):
+    # Prefill TP=2 -> decode TP=1, and prefill TP=1 (the shared pair's) -> decode TP=2, over tcp: every
+    # prompt crosses ("always"), layer by layer. The wire carries every KV head: the prefill ranks' heads
+    # gathered by its rank 0, the decode rank 0 sending each worker its heads.
+    kv_extra = {"prefill_policy": "fail", "remote_prefill": "always"}
+    args, tp2 = ["--max-model-len", "512", "--max-num-batched-tokens", "64"], ["--tensor-parallel-size", "2"]
+    prefill2 = start_node("producer", tmp_path, extra_args=args + tp2, wait=False)
+    decode1 = start_node("consumer", tmp_path, prefill_nodes=[prefill2.grpc_address], kv_extra=kv_extra,
+                         extra_args=args, wait=False)
+    decode2 = start_node("consumer", tmp_path, prefill_nodes=[pair_1p1d[0].grpc_address], kv_extra=kv_extra,
+                         extra_args=args + tp2, wait=False)
+    nodes = [prefill2, decode1, decode2]
+    try:
+        for node in nodes:  # started together: their loads overlap
+            wait_ready(node)
+        llm = LLM(str(model_dir), device="cpu", max_num_batched_tokens=64)
+        prompts = [llm.tokenizer.encode(p) for p in (PROMPTS[1], PROMPTS[2], PROMPTS[6])]  # 6, 76, 106 tokens
+        expected = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))]
+        assert token_ids(complete(decode1, prompts, 8)) == expected
+        assert token_ids(complete(decode2, prompts, 8)) == expected
+        for node in (decode1, decode2):
+            assert node.labelled("disagg_prefill_route_total", "route").get("remote") == len(prompts)
+
+        # A rank killed: its node exits (non-zero) within 10 s, and its peer fails the request by its policy.
+        pid = int(re.search(r"ranks 1 \(pid (\d+)\)", prefill2.log()).group(1))
+        os.kill(pid, signal.SIGKILL)
+        assert prefill2.proc.wait(timeout=10) != 0
+        assert f"tensor-parallel rank 1 (pid {pid}) was killed by SIGKILL: this node exits" in prefill2.log()
+        response = complete(decode1, prompts[:1], 8)
+        assert response.status_code == 503 and "remote prefill" in response.json()["error"]["message"]
+    finally:
+        for node in nodes:
+            node.kill()
