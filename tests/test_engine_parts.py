@@ -1,6 +1,10 @@
 """The engine's bookkeeping on its own, with no model: BlockManager, Scheduler, KVCache and the
 device block table (on the CPU)."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -8,6 +12,8 @@ from disagg.engine.block_manager import BlockManager
 from disagg.engine.block_table import DeviceBlockTable
 from disagg.engine.kv_arrival import KVArrival
 from disagg.engine.kv_cache import KVCache
+from disagg.engine.layers import attention
+from disagg.engine.layers.attention import PrefillSegment, SdpaAttention, SdpaMetadata
 from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.scheduler import PROMPT_LOGPROB_TOKENS, Scheduler
 from disagg.engine.sequence import Sequence, SequenceStatus
@@ -330,3 +336,40 @@ def test_device_block_table_rows_suffice_for_any_batch_of_max_num_seqs():
         assert len(set(rows)) == len(batch)
     with pytest.raises(RuntimeError, match="max_num_seqs"):
         table.assign(seqs[:2 * max_num_seqs + 1])
+
+
+def sdpa_chunk_after_context(context: int, chunk: int, heads: int = 9, kv_heads: int = 3,
+                             dim: int = 64) -> torch.Tensor:
+    """SdpaAttention's output for the last `chunk` tokens of a `context`-token prompt whose earlier
+    tokens are in the cache: a later chunk of a chunked prefill."""
+    generator = torch.Generator().manual_seed(0)
+    cache = KVCache(num_layers=1, num_blocks=-(-context // 16), block_size=16, num_kv_heads=kv_heads, head_dim=dim,
+                    dtype=torch.float32, device=torch.device("cpu"))
+    cache.kv.normal_(generator=generator)
+    q = torch.randn(chunk, heads, dim, generator=generator)
+    k, v = torch.randn(2, chunk, kv_heads, dim, generator=generator)
+    meta = SdpaMetadata(slot_mapping=torch.arange(context - chunk, context), num_decodes=0, decode_slots=None,
+                        decode_mask=None, prefills=[PrefillSegment(0, chunk, context, torch.arange(context))])
+    return SdpaAttention(cache).forward(0, q, k, v, meta)
+
+
+def test_a_chunk_after_a_long_context_attends_in_blocks_with_the_same_result(monkeypatch):
+    """Queries of a chunk after cached context go in blocks bounded by SCORES_BYTES; each row's
+    attention is what one call over all rows gives."""
+    whole = sdpa_chunk_after_context(context=300, chunk=100)
+    monkeypatch.setattr(attention, "SCORES_BYTES", 9 * 300 * 4 * 7)  # 7 query rows a block
+    torch.testing.assert_close(sdpa_chunk_after_context(context=300, chunk=100), whole, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow  # a few seconds of attention on the CPU
+def test_a_2048_token_chunk_after_6k_cached_tokens_stays_within_its_score_budget():
+    """Issue 24 item 8: one 8k-token prompt took a CPU node up by 1.5 GB, the whole score matrix of its
+    last chunk ([9 heads, 2,048, 8,192] float32 and its softmax) at once. In blocks, the step's peak
+    stays a few blocks' worth."""
+    script = ("import resource, torch; from tests.test_engine_parts import sdpa_chunk_after_context; "
+              "torch.set_num_threads(1); before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
+              "sdpa_chunk_after_context(context=8192, chunk=2048); "
+              "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)")
+    grown_mb = int(subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True,
+                                  cwd=Path(__file__).resolve().parents[1]).stdout)
+    assert grown_mb < 400, f"the chunk's attention took {grown_mb} MB at its peak"

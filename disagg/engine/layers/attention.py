@@ -116,13 +116,31 @@ class SdpaAttention:
             else:
                 ks = _gather(k_cache, seg.context_slots).transpose(0, 1)
                 vs = _gather(v_cache, seg.context_slots).transpose(0, 1)
-                # New token i sits at context position context_len - num_new + i.
-                q_pos = torch.arange(seg.context_len - seg.num_new, seg.context_len, device=q.device)
-                k_pos = torch.arange(seg.context_len, device=q.device)
-                mask = k_pos[None, :] <= q_pos[:, None]
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa)
+                o = _attend_after_context(qs, ks, vs, gqa)
             out[rows] = o.transpose(0, 1)
         return out
+
+
+# With a mask, torch's CPU attention computes the whole [heads, queries, context] score matrix (and
+# its softmax) in float32: a 2,048-token chunk after 6k cached tokens is 1.4 GB at once. Queries go
+# in blocks whose scores stay under this many bytes; each row's result is the same.
+SCORES_BYTES = 64 << 20
+
+
+def _attend_after_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
+    """q [H, n, D] for the last n positions of a context of k/v [Hkv, L, D]: causal attention."""
+    num_heads, n, _ = q.shape
+    context = k.shape[1]
+    block = max(1, SCORES_BYTES // (num_heads * context * 4))
+    k_pos = torch.arange(context, device=q.device)
+    out = torch.empty_like(q)
+    for first in range(0, n, block):
+        last = min(n, first + block)
+        # New token i sits at context position context - n + i.
+        q_pos = torch.arange(context - n + first, context - n + last, device=q.device)
+        mask = k_pos[None, :] <= q_pos[:, None]
+        out[:, first:last] = F.scaled_dot_product_attention(q[:, first:last], k, v, attn_mask=mask, enable_gqa=gqa)
+    return out
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
