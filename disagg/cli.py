@@ -519,6 +519,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     upp.add_argument("--kv-port", type=int, default=14579, help="prefill node's pipe port (decode takes kv-port+1)")
     upp.add_argument("--kv-connector", default="tcp", help="pipe: tcp, torch_dist, ucx or nixl")
     upp.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    upp.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="N",
+                     help="ranks of each node; with --device cuda[:K] the prefill node takes GPUs K..K+N-1, "
+                          "the decode node the N after")
     upp.add_argument("--once", action="store_true", help="stop both nodes after the sample request")
     upp.add_argument("--log-level", default="WARNING", help="the nodes' log level: DEBUG, INFO, WARNING or ERROR")
     gen = sub.add_parser("generate", help="offline generation with the engine, printed with timings",

@@ -31,8 +31,16 @@ def serve_command(args: argparse.Namespace, role: str, port: int, kv_port: int) 
         command += ["--grpc-port", str(args.grpc_port)]
     else:
         command += ["--prefill-nodes", f"127.0.0.1:{args.grpc_port}"]
-    if args.device:
-        command += ["--device", args.device]
+    tp = args.tensor_parallel_size
+    if tp > 1:
+        command += ["--tensor-parallel-size", str(tp)]
+    device = args.device
+    if device and device.startswith("cuda") and tp > 1:
+        # Each node's ranks take the GPUs from its --device on: the prefill node's first, the decode node's after.
+        first = int(device.partition(":")[2] or 0) + (tp if role == "consumer" else 0)
+        device = f"cuda:{first}"
+    if device:
+        command += ["--device", device]
     return command
 
 
