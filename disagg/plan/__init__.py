@@ -64,6 +64,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     prof.add_argument("--link-gbps", type=float, default=None,
                       help="the KV link's bandwidth in GB/s, instead of timing it (a cluster's network you know)")
     prof.add_argument("--link-latency-ms", type=float, default=1.0, help="with --link-gbps: a transfer's fixed cost")
+    prof.add_argument("--serving", action=argparse.BooleanOptionalAction, default=True,
+                      help="also time a served node (`disagg serve`, one request at a time) to learn what serving "
+                           "adds to the engine's steps")
 
 
 def parse_memory(text: str) -> int | float:

@@ -6,7 +6,9 @@ times include what a served step pays beside the forward (scheduling, sampling):
 - prefill: one step that computes a whole prompt of N tokens (its first token sampled), per N;
 - decode: one step of B sequences whose prompts held L tokens each, per B and L;
 - link: one request's KV sent over the configured pipe and acknowledged, for a short and a long
-  prompt, giving a fixed cost per transfer and a bandwidth (in a second process, as between nodes).
+  prompt, giving a fixed cost per transfer and a bandwidth (in a second process, as between nodes);
+- serving: a colocated `disagg serve` of the model, one request at a time: what its TTFT and TPOT
+  take beyond the offline steps (HTTP, streaming, the engine thread's hand-offs; `--no-serving` skips it).
 Prompts are random token ids, the prefix cache off: nothing is reused between timings."""
 
 import argparse
@@ -52,6 +54,14 @@ class Link:
 
 
 @dataclass
+class Serving:
+    """What a served node (`disagg serve`, one request at a time) takes beyond the engine's own steps:
+    the HTTP, the streaming, the engine thread's hand-offs. Zero when not measured."""
+    ttft_extra_s: float = 0.0  # served TTFT less the offline prefill step of the same prompt
+    step_extra_s: float = 0.0  # served TPOT less the offline decode step at batch 1
+
+
+@dataclass
 class Profile:
     model: str
     device: str  # "cpu" or the GPU's name
@@ -61,6 +71,7 @@ class Profile:
     prefill: list[PrefillSample]
     decode: list[DecodeSample]
     link: Link
+    serving: Serving = field(default_factory=Serving)
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
 
     @property
@@ -75,7 +86,8 @@ class Profile:
         d = json.loads(text)
         try:
             return cls(**d | {"prefill": [PrefillSample(**s) for s in d["prefill"]],
-                              "decode": [DecodeSample(**s) for s in d["decode"]], "link": Link(**d["link"])})
+                              "decode": [DecodeSample(**s) for s in d["decode"]], "link": Link(**d["link"]),
+                              "serving": Serving(**d.get("serving", {}))})
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a profile written by `disagg plan profile`: {e}") from None
 
@@ -209,6 +221,59 @@ def time_link(connector: str, kv_bytes_per_token: int, device_type: str) -> Link
     return Link(connector, latency, (sizes[1] - sizes[0]) / max(seconds[1] - seconds[0], 1e-9))
 
 
+SERVING_PROMPT, SERVING_OUTPUT, SERVING_REQUESTS = 64, 8, 4
+
+
+def time_serving(args: argparse.Namespace, model: str, prefill: list[PrefillSample],
+                 decode: list[DecodeSample]) -> Serving:
+    """A colocated `disagg serve` of the same model on the same device, one request at a time: its
+    TTFT and TPOT against the offline steps they are made of."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from disagg.bench import add_serve_args
+    from disagg.bench.serve import run_benchmark
+    from disagg.launch import wait_healthy
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, "-m", "disagg.cli", "serve", model, "--kv-role", "both", "--port", str(port),
+            "--max-model-len", "1024", "--log-level", "WARNING"]
+    argv += [flag for name, flag in (("device", "--device"), ("dtype", "--dtype")) for flag in
+             ([flag, getattr(args, name)] if getattr(args, name) else [])]
+    if args.kv_cache_memory is not None:
+        argv += ["--kv-cache-memory", str(args.kv_cache_memory)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=os.environ)
+    try:
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", proc, 600)
+        except RuntimeError as e:
+            raise RuntimeError(f"the served node for --serving did not start: {e}") from None
+        parser = argparse.ArgumentParser()
+        add_serve_args(parser)
+        bench = parser.parse_args(["--base-url", f"http://127.0.0.1:{port}", "--no-progress", "--qps", "inf",
+                                   "--max-concurrency", "1", "--num-requests", str(SERVING_REQUESTS + 1),
+                                   "--input-len", str(SERVING_PROMPT), "--output-len", str(SERVING_OUTPUT),
+                                   "--prompt-kind", "token-ids", "--vocab-size", "32000"])
+        run = run_benchmark(bench)["runs"][0]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    requests = [r for r in run["requests"][1:] if r["ok"]]  # the first: warm-up
+    if not requests:
+        raise RuntimeError(f"the served node answered no request: {run.get('errors')}")
+    ttft = statistics.median(r["ttft"] for r in requests)
+    tpot = statistics.median(r["tpot"] for r in requests)
+    xs = sorted(prefill, key=lambda s: s.tokens)
+    offline_ttft = min(xs, key=lambda s: abs(s.tokens - SERVING_PROMPT)).seconds
+    offline_tpot = min((s for s in decode if s.batch == min(d.batch for d in decode)),
+                       key=lambda s: abs(s.context - SERVING_PROMPT)).seconds
+    return Serving(max(ttft - offline_ttft, 0.0), max(tpot - offline_tpot, 0.0))
+
+
 def profile(args: argparse.Namespace) -> Profile:
     import torch
 
@@ -245,9 +310,18 @@ def profile(args: argparse.Namespace) -> Profile:
         link = time_link(args.kv_connector, kv_bytes_per_token, engine.device.type)
     print(f"link {link.connector}: {1e3 * link.latency_s:.2f} ms + {link.bytes_per_s / 1e9:.2f} GB/s", flush=True)
     device = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu"
-    return Profile(model=engine.model_dir.name, device=device, dtype=str(dtype).removeprefix("torch."),
+    model_dir, model_name = str(engine.model_dir), engine.model_dir.name
+    serving = Serving()
+    if args.serving:
+        del engine  # its memory, for the served node's
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        serving = time_serving(args, model_dir, prefill, decode)
+        print(f"serving: TTFT +{1e3 * serving.ttft_extra_s:.1f} ms, each step +{1e3 * serving.step_extra_s:.2f} ms "
+              "beyond the engine's", flush=True)
+    return Profile(model=model_name, device=device, dtype=str(dtype).removeprefix("torch."),
                    kv_bytes_per_token=kv_bytes_per_token, threads=torch.get_num_threads(),
-                   prefill=prefill, decode=decode, link=link)
+                   prefill=prefill, decode=decode, link=link, serving=serving)
 
 
 def main(args: argparse.Namespace) -> None:

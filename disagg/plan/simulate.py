@@ -3,7 +3,8 @@
 Requests arrive as a Poisson process; each node is an engine that runs one step at a time, as the
 scheduler builds it (running sequences first, a decode one token and a prompt its next chunk, then
 waiting prompts, under the token budget and the sequence cap); a step takes what the profile's
-fitted `StepCost` says. A colocated node computes a prompt and decodes its answer. In xPyD the
+fitted `StepCost` says, with what serving adds to a step and to the first token (measured on a
+served node at batch 1, `Profile.serving`). A colocated node computes a prompt and decodes its answer. In xPyD the
 router hands each request to the decode node with the fewest requests in flight, that node to the
 prefill node with the fewest prefills in flight; the prompt's KV then crosses the link (one
 transfer at a time per prefill node: a fixed cost and bytes ÷ bandwidth, nothing hidden behind
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from disagg.plan.profile import Link, Profile
+from disagg.plan.profile import Profile
 
 ATTAINMENT = 0.9
 SEARCH_PRECISION = 0.01
@@ -42,6 +43,7 @@ class StepCost:
     d0: float
     d_seq: float
     d_ctx: float
+    serving_step: float = 0.0  # what a served node adds to each step (Profile.serving)
 
     @classmethod
     def fit(cls, profile: Profile) -> "StepCost":
@@ -50,7 +52,7 @@ class StepCost:
         samples = sorted(profile.prefill, key=lambda s: s.tokens)
         d = nonnegative_fit([[1.0, s.batch, s.batch * s.context] for s in profile.decode],
                             [s.seconds for s in profile.decode])
-        return cls([s.tokens for s in samples], [s.seconds for s in samples], *d)
+        return cls([s.tokens for s in samples], [s.seconds for s in samples], *d, profile.serving.step_extra_s)
 
     def prefill(self, tokens: int) -> float:
         xs, ys = self.prefill_tokens, self.prefill_seconds
@@ -61,8 +63,8 @@ class StepCost:
     def seconds(self, prompt_tokens: int, decode_seqs: int, decode_tokens: int) -> float:
         """prompt_tokens: of the step's prompt chunks; decode_tokens: the tokens the decoding sequences hold."""
         if prompt_tokens:
-            return self.prefill(prompt_tokens + decode_seqs) + self.d_ctx * decode_tokens
-        return self.d0 + self.d_seq * decode_seqs + self.d_ctx * decode_tokens
+            return self.prefill(prompt_tokens + decode_seqs) + self.d_ctx * decode_tokens + self.serving_step
+        return self.d0 + self.d_seq * decode_seqs + self.d_ctx * decode_tokens + self.serving_step
 
 
 def nonnegative_fit(rows: list[list[float]], y: list[float]) -> list[float]:
@@ -146,8 +148,11 @@ class Node:
 
 
 class Simulation:
-    def __init__(self, layout: Layout, cost: StepCost, link: Link, kv_bytes_per_token: int, s: Settings):
-        self.cost, self.link, self.kv_bytes, self.s = cost, link, kv_bytes_per_token, s
+    def __init__(self, layout: Layout, cost: StepCost, profile: Profile, s: Settings):
+        self.cost, self.link, self.kv_bytes, self.s = cost, profile.link, profile.kv_bytes_per_token, s
+        # What a client waits for its first token beyond the steps (the served path's own: HTTP, the
+        # hand-offs); the steps' share of it is in StepCost.serving_step.
+        self.first_token_extra = max(profile.serving.ttft_extra_s - profile.serving.step_extra_s, 0.0)
         role = "decode" if layout.prefill else "both"
         self.prefill = [Node("prefill", s.prefill_batched_tokens) for _ in range(layout.prefill)]
         self.decode = [Node(role, s.batched_tokens) for _ in range(layout.decode)]
@@ -225,7 +230,7 @@ class Simulation:
                     node.link_free = start + self.link.transfer_seconds(r.input_len * self.kv_bytes)
                     self.at(node.link_free, self.handed_over, node, r)
                 else:
-                    r.first_token = now
+                    r.first_token = now + self.first_token_extra
                     self.finish_if_done(now, node, r)
         for r in decodes:
             r.generated += 1
@@ -234,7 +239,7 @@ class Simulation:
 
     def handed_over(self, now: float, prefill: Node, r: Request) -> None:
         prefill.in_flight -= 1
-        r.first_token = now
+        r.first_token = now + self.first_token_extra
         if r.output_len < 2:
             r.finish = now
             r.front.in_flight -= 1
@@ -244,7 +249,7 @@ class Simulation:
 
     def finish_if_done(self, now: float, node: Node, r: Request) -> None:
         if r.generated >= r.output_len:
-            r.finish = now
+            r.finish = max(now, r.first_token)
             node.running.remove(r)
             r.front.in_flight -= 1
 
@@ -287,7 +292,7 @@ class Planner:
     def attainment(self, layout: Layout, rate: float) -> float:
         met = total = 0
         for seed in range(self.s.seeds):
-            sim = Simulation(layout, self.cost, self.profile.link, self.profile.kv_bytes_per_token, self.s)
+            sim = Simulation(layout, self.cost, self.profile, self.s)
             done = sim.run(requests(self.lengths, self.s.num_requests, rate, seed))
             met += sum(r.meets(self.s) for r in done)
             total += len(done)
