@@ -183,8 +183,9 @@ def plan_phase(args: argparse.Namespace, model: Path) -> dict:
         rates_measured = {name: goodput_rate(runs, w["slo"], 1.0) for name, runs in w["runs"].items()}
         actual = rates_measured.get(recommended)
         out["plan"][workload] = plan | {"measured_goodput": rates_measured}
+        best = max(rates_measured, key=rates_measured.get)
         out["plan_error"][workload] = {
-            "recommended": recommended, "measured_best": max(rates_measured, key=rates_measured.get),
+            "recommended": recommended, "measured_best": best if rates_measured[best] else None,
             "predicted_goodput": predicted, "measured_goodput": actual,
             "error": abs(predicted - actual) / actual if actual else None}
         print(f"{workload}: plan recommends {recommended}, predicted {predicted:.2f} req/s, measured {actual} req/s; "
