@@ -13,7 +13,7 @@ import pytest
 from disagg.bench import add_serve_args
 from disagg.bench.serve import run_benchmark
 from disagg.plan import load_workload
-from disagg.plan.profile import DecodeSample, Link, PrefillSample, Profile
+from disagg.plan.profile import DecodeSample, Link, PrefillSample, Profile, Serving
 from disagg.plan.simulate import Layout, Planner, Settings
 from tests.servers import start_node
 
@@ -41,6 +41,16 @@ def test_simulated_layouts_follow_the_workload_and_the_link():
     # A link too slow for a prompt's KV (512 MiB at 0.1 GB/s: 5 s) loses every disaggregated layout.
     slow = Planner(synthetic_profile(0.1), [(4096, 32)], settings)
     assert slow.goodput(Layout(3, 1)) == 0.0 and slow.goodput(Layout(0, 4)) > 0
+
+
+def test_what_serving_adds_counts_against_the_slo():
+    settings = Settings(ttft_s=0.5, tpot_s=0.02, num_requests=50, seeds=1)
+    profile = synthetic_profile(25.0)
+    assert Planner(profile, [(1024, 16)], settings).goodput(Layout(0, 1)) > 0
+    profile.serving = Serving(ttft_extra_s=0.6)  # every first token 0.6 s late: the TTFT SLO is never met
+    assert Planner(profile, [(1024, 16)], settings).goodput(Layout(0, 1)) == 0.0
+    profile.serving = Serving(step_extra_s=0.015)  # a decode step of 25 ms: the TPOT SLO is never met
+    assert Planner(profile, [(1024, 16)], settings).goodput(Layout(0, 1)) == 0.0
 
 
 def test_workload_from_a_bench_result_or_json_lines(tmp_path: Path):
