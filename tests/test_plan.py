@@ -108,9 +108,10 @@ def predict(tmp_path: Path) -> tuple[dict[str, float], list[str]]:
     assert "wrote" in out
     loaded = Profile.load(str(profile))
     assert loaded.device == "cpu" and loaded.link.connector == "tcp" and loaded.link.bytes_per_s > 0
-    # TTFT <= 4x the prompt's prefill, TPOT <= 3x a decode step at batch 1.
+    # Generous: TTFT <= 4x the prompt's prefill, TPOT <= 5x a decode step at batch 1 (a prompt computed
+    # between two decode steps does not break it alone), so that the goodput is where the node saturates.
     ttft_ms = 4e3 * next(s.seconds for s in loaded.prefill if s.tokens == INPUT_LEN)
-    tpot_ms = 3e3 * min(s.seconds for s in loaded.decode if s.batch == 1)
+    tpot_ms = 5e3 * min(s.seconds for s in loaded.decode if s.batch == 1)
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(json.dumps({"input_len": INPUT_LEN, "output_len": OUTPUT_LEN}) + "\n" for _ in range(3)))
     predicted = {}

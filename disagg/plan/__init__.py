@@ -12,8 +12,13 @@ import argparse
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from disagg.help_format import HelpFormatter
+
+if TYPE_CHECKING:  # the parser is built without numpy
+    from disagg.plan.profile import Profile
+    from disagg.plan.simulate import Prediction, Settings
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -149,7 +154,8 @@ def run_plan(args: argparse.Namespace) -> None:
             indent=1))
 
 
-def format_plan(profile, lengths: list[tuple[int, int]], settings, predictions: list) -> str:
+def format_plan(profile: "Profile", lengths: list[tuple[int, int]], settings: "Settings",
+                predictions: "list[Prediction]") -> str:
     mean_in = sum(i for i, _ in lengths) / len(lengths)
     mean_out = sum(o for _, o in lengths) / len(lengths)
     rates = list(predictions[0].attainment)

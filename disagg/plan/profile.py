@@ -224,7 +224,7 @@ def time_link(connector: str, kv_bytes_per_token: int, device_type: str) -> Link
 SERVING_PROMPT, SERVING_OUTPUT, SERVING_REQUESTS = 64, 8, 4
 
 
-def time_serving(args: argparse.Namespace, model: str, prefill: list[PrefillSample],
+def time_serving(args: argparse.Namespace, model: str, vocab: int, prefill: list[PrefillSample],
                  decode: list[DecodeSample]) -> Serving:
     """A colocated `disagg serve` of the same model on the same device, one request at a time: its
     TTFT and TPOT against the offline steps they are made of."""
@@ -242,10 +242,10 @@ def time_serving(args: argparse.Namespace, model: str, prefill: list[PrefillSamp
         port = s.getsockname()[1]
     argv = [sys.executable, "-m", "disagg.cli", "serve", model, "--kv-role", "both", "--port", str(port),
             "--max-model-len", "1024", "--log-level", "WARNING"]
-    argv += [flag for name, flag in (("device", "--device"), ("dtype", "--dtype")) for flag in
-             ([flag, getattr(args, name)] if getattr(args, name) else [])]
-    if args.kv_cache_memory is not None:
-        argv += ["--kv-cache-memory", str(args.kv_cache_memory)]
+    flags = (("--device", args.device), ("--dtype", args.dtype), ("--kv-cache-memory", args.kv_cache_memory))
+    for flag, value in flags:
+        if value is not None:
+            argv += [flag, str(value)]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=os.environ)
     try:
         try:
@@ -257,7 +257,7 @@ def time_serving(args: argparse.Namespace, model: str, prefill: list[PrefillSamp
         bench = parser.parse_args(["--base-url", f"http://127.0.0.1:{port}", "--no-progress", "--qps", "inf",
                                    "--max-concurrency", "1", "--num-requests", str(SERVING_REQUESTS + 1),
                                    "--input-len", str(SERVING_PROMPT), "--output-len", str(SERVING_OUTPUT),
-                                   "--prompt-kind", "token-ids", "--vocab-size", "32000"])
+                                   "--prompt-kind", "token-ids", "--vocab-size", str(vocab)])
         run = run_benchmark(bench)["runs"][0]
     finally:
         proc.terminate()
@@ -316,7 +316,7 @@ def profile(args: argparse.Namespace) -> Profile:
         del engine  # its memory, for the served node's
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        serving = time_serving(args, model_dir, prefill, decode)
+        serving = time_serving(args, model_dir, mc.vocab_size, prefill, decode)
         print(f"serving: TTFT +{1e3 * serving.ttft_extra_s:.1f} ms, each step +{1e3 * serving.step_extra_s:.2f} ms "
               "beyond the engine's", flush=True)
     return Profile(model=model_name, device=device, dtype=str(dtype).removeprefix("torch."),
