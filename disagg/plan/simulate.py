@@ -4,12 +4,13 @@ Requests arrive as a Poisson process; each node is an engine that runs one step 
 scheduler builds it (running sequences first, a decode one token and a prompt its next chunk, then
 waiting prompts, under the token budget and the sequence cap); a step takes what the profile's
 fitted `StepCost` says, with what serving adds to a step and to the first token (measured on a
-served node at batch 1, `Profile.serving`). A colocated node computes a prompt and decodes its answer. In xPyD the
-router hands each request to the decode node with the fewest requests in flight, that node to the
+served node at batch 1, `Profile.serving`). A colocated node computes a prompt and decodes its
+answer. In xPyD the router hands each request to the decode node with the fewest requests in flight, that node to the
 prefill node with the fewest prefills in flight; the prompt's KV then crosses the link (one
 transfer at a time per prefill node: a fixed cost and bytes ÷ bandwidth, nothing hidden behind
-compute), and its first token reaches the client when the KV is in; the decode node decodes the
-rest. Not modelled: the KV cache's size (no preemption), prefix-cache hits, layer-wise overlap.
+compute), and its first token reaches the client when the KV is in; the decode node's next step
+loads the KV and the one after decodes (as the engine does), to the end. Not modelled: the KV
+cache's size (no preemption), prefix-cache hits, layer-wise overlap.
 
 Goodput is the highest rate at which at least ATTAINMENT of the requests meet both SLOs (TTFT and
 TPOT), found by doubling and then bisecting the rate, each rate averaged over a few seeds (the same
@@ -145,6 +146,7 @@ class Node:
     in_flight: int = 0  # what the router (or a decode node) counts: requests given and not done
     routed: int = 0
     link_free: float = 0.0  # a prefill node: when its link is free for the next transfer
+    arrived: list = field(default_factory=list)  # a decode node: KV in, loaded by the next step, decoded after
 
 
 class Simulation:
@@ -187,7 +189,11 @@ class Simulation:
         if node.busy:
             return
         chunks, decodes = self.schedule(node)
+        loaded, node.arrived = node.arrived, []  # this step loads their KV (in no time when it has nothing else)
+        node.waiting.extend(loaded)
         if not chunks and not decodes:
+            if loaded:
+                self.start_step(now, node)
             return
         node.busy = True
         seconds = self.cost.seconds(sum(n for _, n in chunks), len(decodes), sum(r.holding for r in decodes))
@@ -244,7 +250,7 @@ class Simulation:
             r.finish = now
             r.front.in_flight -= 1
             return
-        r.front.waiting.append(r)
+        r.front.arrived.append(r)
         self.start_step(now, r.front)
 
     def finish_if_done(self, now: float, node: Node, r: Request) -> None:
