@@ -3,10 +3,11 @@
 Requests arrive as a Poisson process; each node is an engine that runs one step at a time, as the
 scheduler builds it (running sequences first, a decode one token and a prompt its next chunk, then
 waiting prompts, under the token budget and the sequence cap); a step takes what the profile's
-fitted `StepCost` says, with what serving adds to a step and to the first token (measured on a
+fitted `StepTimes` says, with what serving adds to a step and to the first token (measured on a
 served node at batch 1, `Profile.serving`). A colocated node computes a prompt and decodes its
 answer. In xPyD the router hands each request to the decode node with the fewest requests in flight, that node to the
-prefill node with the fewest prefills in flight; the prompt's KV then crosses the link (one
+prefill node with the fewest prefills in flight (the pool picks by expected time, which this is
+for alike nodes), every prompt however short (`remote_prefill` "always"); the prompt's KV then crosses the link (one
 transfer at a time per prefill node: a fixed cost and bytes ÷ bandwidth, nothing hidden behind
 compute), and its first token reaches the client when the KV is in; the decode node's next step
 loads the KV and the one after decodes (as the engine does), to the end. Not modelled: the KV
@@ -33,7 +34,7 @@ TRICKLE = 1 / 16  # the search's first rate, as a fraction of one request at a t
 
 
 @dataclass
-class StepCost:
+class StepTimes:
     """Seconds of one engine step from a profile. A step that computes prompt tokens costs the
     prefill time of all the tokens it computes (its prompt chunks' and one per decoding sequence),
     read off the profile's prefill samples by linear interpolation (extended past both ends along
@@ -47,7 +48,7 @@ class StepCost:
     serving_step: float = 0.0  # what a served node adds to each step (Profile.serving)
 
     @classmethod
-    def fit(cls, profile: Profile) -> "StepCost":
+    def fit(cls, profile: Profile) -> "StepTimes":
         if len(profile.prefill) < 2 or len(profile.decode) < 3:
             raise ValueError("a profile needs at least 2 prefill and 3 decode samples")
         samples = sorted(profile.prefill, key=lambda s: s.tokens)
@@ -150,10 +151,10 @@ class Node:
 
 
 class Simulation:
-    def __init__(self, layout: Layout, cost: StepCost, profile: Profile, s: Settings):
+    def __init__(self, layout: Layout, cost: StepTimes, profile: Profile, s: Settings):
         self.cost, self.link, self.kv_bytes, self.s = cost, profile.link, profile.kv_bytes_per_token, s
         # What a client waits for its first token beyond the steps (the served path's own: HTTP, the
-        # hand-offs); the steps' share of it is in StepCost.serving_step.
+        # hand-offs); the steps' share of it is in StepTimes.serving_step.
         self.first_token_extra = max(profile.serving.ttft_extra_s - profile.serving.step_extra_s, 0.0)
         role = "decode" if layout.prefill else "both"
         self.prefill = [Node("prefill", s.prefill_batched_tokens) for _ in range(layout.prefill)]
@@ -293,7 +294,7 @@ class Prediction:
 class Planner:
     def __init__(self, profile: Profile, lengths: list[tuple[int, int]], s: Settings):
         self.profile, self.lengths, self.s = profile, lengths, s
-        self.cost = StepCost.fit(profile)
+        self.cost = StepTimes.fit(profile)
 
     def attainment(self, layout: Layout, rate: float) -> float:
         met = total = 0
