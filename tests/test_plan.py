@@ -70,7 +70,7 @@ def test_workload_from_a_bench_result_or_json_lines(tmp_path: Path):
 # The slow test's workload: prefill-heavy (the per-token streaming a served node adds to a decode
 # step, which the offline profile does not see, matters least), and enough requests that a burst
 # of them cannot meet the SLO that a steady rate misses.
-INPUT_LEN, OUTPUT_LEN, NUM_REQUESTS = 64, 4, 16
+INPUT_LEN, OUTPUT_LEN, NUM_REQUESTS = 64, 4, 20
 BELOW, ABOVE = 0.8, 1.34  # measured goodput within 25% of predicted P: >= 90% at 0.8 P, < 90% at 1.34 P
 
 
@@ -135,19 +135,22 @@ def predict(tmp_path: Path) -> tuple[dict[str, float], list[str]]:
 def test_plan_predicts_the_measured_goodput_of_1p1d_and_colocated(tmp_path: Path, pair_1p1d, colocated):
     """Predicted goodput P within 25% of the measured: >= 90% of the requests within the SLO at 0.8 P,
     fewer at 1.34 P, for the shared 1P1D pair and a colocated node. Other work on this machine changes
-    its speed between the profile and the measurement, so a miss is tried once more, from a new profile."""
-    attempts = []
+    its speed between the profile and the measurement, so a system that misses is tried once more,
+    from a new profile."""
+    urls = {"1P1D": pair_1p1d[1].url, "colocated x1": colocated.url}
+    passed, tries = set(), []
     for attempt in range(2):
         predicted, slo = predict(tmp_path)
-        measured = {}
-        for name, url in (("1P1D", pair_1p1d[1].url), ("colocated x1", colocated.url)):
+        for name in [n for n in urls if n not in passed]:
             rate = predicted[name]
             assert 0 < rate < 100, predicted
-            measured[name] = (attainment(url, BELOW * rate, slo, 1 + 2 * attempt),
-                              attainment(url, ABOVE * rate, slo, 2 + 2 * attempt))
-        attempts.append((slo, predicted, measured))
-        print(f"attempt {attempt + 1}: SLO {slo}; predicted {predicted}; attainment at {BELOW}x and {ABOVE}x: "
-              f"{measured}")
-        if all(below >= 0.9 and above < 0.9 for below, above in measured.values()):
+            below = attainment(urls[name], BELOW * rate, slo, 1 + 2 * attempt)
+            above = attainment(urls[name], ABOVE * rate, slo, 2 + 2 * attempt)
+            tries.append((name, slo, rate, below, above))
+            print(f"{name}: SLO {slo}, predicted {rate:.2f} req/s, attainment {below:.0%} at {BELOW}x, "
+                  f"{above:.0%} at {ABOVE}x")
+            if below >= 0.9 and above < 0.9:
+                passed.add(name)
+        if passed == set(urls):
             return
-    pytest.fail(f"predicted goodput not within 25% of the measured, twice: {attempts}")
+    pytest.fail(f"predicted goodput not within 25% of the measured, twice: {tries}")
