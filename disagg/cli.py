@@ -537,6 +537,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     from disagg.router import add_router_parser  # argparse only: the router's server loads when it runs
 
     add_router_parser(sub)
+    from disagg.plan import add_plan_parser  # argparse only: the simulator and the profiler load when they run
+
+    add_plan_parser(sub)
     for subparser in all_parsers(parser):
         subparser.allow_abbrev = False
     return parser, srv
@@ -581,6 +584,10 @@ def main(argv: list[str] | None = None) -> None:
             from disagg.bench import run_bench
 
             run_bench(args)
+        elif args.command == "plan":
+            from disagg.plan import run_plan
+
+            run_plan(args)
         else:
             {"generate": generate, "serve": serve}[args.command](args)
     except (ValueError, RuntimeError) as e:

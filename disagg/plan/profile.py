@@ -1,0 +1,331 @@
+"""`disagg plan profile`: what this hardware takes for the steps a plan simulates, saved as a small
+JSON file (`Profile`) so that a plan can be made anywhere.
+
+Steps are timed on the engine itself (`LLMEngine.step`, as `LLM.generate` drives it), so a profile's
+times include what a served step pays beside the forward (scheduling, sampling):
+- prefill: one step that computes a whole prompt of N tokens (its first token sampled), per N;
+- decode: one step of B sequences whose prompts held L tokens each, per B and L;
+- link: one request's KV sent over the configured pipe and acknowledged, for a short and a long
+  prompt, giving a fixed cost per transfer and a bandwidth (in a second process, as between nodes);
+- serving: a colocated `disagg serve` of the model, one request at a time: what its TTFT and TPOT
+  take beyond the offline steps (HTTP, streaming, the engine thread's hand-offs; `--no-serving` skips it).
+Prompts are random token ids, the prefix cache off: nothing is reused between timings."""
+
+import argparse
+import json
+import logging
+import multiprocessing as mp
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# Grids: short on the CPU (the embedded model profiles in seconds), a GPU's serving sizes otherwise.
+CPU_GRID = {"prefill_tokens": "32,128,512", "decode_batch": "1,4,8", "decode_context": "32,128"}
+GPU_GRID = {"prefill_tokens": "256,1024,4096,8192", "decode_batch": "1,8,32,64", "decode_context": "1024,4096"}
+LINK_TOKENS = {"cpu": (16, 2048), "cuda": (16, 8192)}  # a short and a long prompt's KV
+REPEATS = 3
+
+
+@dataclass
+class PrefillSample:
+    tokens: int  # prompt tokens computed in the step
+    seconds: float
+
+
+@dataclass
+class DecodeSample:
+    batch: int  # sequences, one token each
+    context: int  # tokens each sequence holds
+    seconds: float
+
+
+@dataclass
+class Link:
+    connector: str
+    latency_s: float  # a transfer's fixed cost: a short prompt's KV sent and acknowledged
+    bytes_per_s: float  # beyond it
+
+    def transfer_seconds(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s
+
+
+@dataclass
+class Serving:
+    """What a served node (`disagg serve`, one request at a time) takes beyond the engine's own steps:
+    the HTTP, the streaming, the engine thread's hand-offs. Zero when not measured."""
+    ttft_extra_s: float = 0.0  # served TTFT less the offline prefill step of the same prompt
+    step_extra_s: float = 0.0  # served TPOT less the offline decode step at batch 1
+
+
+@dataclass
+class Profile:
+    model: str
+    device: str  # "cpu" or the GPU's name
+    dtype: str
+    kv_bytes_per_token: int
+    threads: int  # the CPU threads torch used
+    prefill: list[PrefillSample]
+    decode: list[DecodeSample]
+    link: Link
+    serving: Serving = field(default_factory=Serving)
+    created: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device != "cpu"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Profile":
+        d = json.loads(text)
+        try:
+            return cls(**d | {"prefill": [PrefillSample(**s) for s in d["prefill"]],
+                              "decode": [DecodeSample(**s) for s in d["decode"]], "link": Link(**d["link"]),
+                              "serving": Serving(**d.get("serving", {}))})
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not a profile written by `disagg plan profile`: {e}") from None
+
+    @classmethod
+    def load(cls, path: str) -> "Profile":
+        try:
+            return cls.from_json(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"--profile {path}: {e}") from None
+
+
+def parse_ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} takes integers >= 1, got {text!r}")
+    return sorted(set(values))
+
+
+def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(1000, vocab) for _ in range(n)]  # above the lowest ids, special tokens in most vocabularies
+
+
+def time_prefill(engine, tokens: list[int], rng: random.Random) -> list[PrefillSample]:
+    from disagg.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    vocab = engine.model_config.vocab_size
+    samples = []
+    for n in [tokens[0]] + tokens:  # the first: warm-up
+        times = []
+        for i in range(REPEATS):
+            engine.add_request(f"prefill-{n}-{i}-{len(samples)}", random_prompt(rng, n, vocab), params)
+            start = time.perf_counter()
+            while engine.has_unfinished_requests():  # one step: the budget holds the prompt
+                engine.step()
+            times.append(time.perf_counter() - start)
+        samples.append(PrefillSample(n, statistics.median(times)))
+    return samples[1:]
+
+
+def time_decode(engine, batches: list[int], contexts: list[int], rng: random.Random) -> list[DecodeSample]:
+    from disagg.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=REPEATS + 3, ignore_eos=True)
+    vocab = engine.model_config.vocab_size
+    samples = []
+    for b in batches:
+        for length in contexts:
+            ids = [f"decode-{b}-{length}-{i}" for i in range(b)]
+            for request_id in ids:
+                engine.add_request(request_id, random_prompt(rng, length, vocab), params)
+            started: set[str] = set()
+            while len(started) < b:  # the prompts, in as many steps as the budget needs
+                started |= {out.request_id for out in engine.step()}
+            engine.step()  # warm-up
+            times = []
+            for _ in range(REPEATS):
+                start = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - start)
+            for request_id in ids:
+                engine.abort_request(request_id)
+            samples.append(DecodeSample(b, length, statistics.median(times)))
+            logger.info("decode batch %d context %d: %.2f ms", b, length, 1e3 * samples[-1].seconds)
+    return samples
+
+
+def link_devices() -> tuple[str, str]:
+    """Sender and receiver devices: two GPUs if present (KV between GPUs), else the CPU."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        return "cuda:0", "cuda:1"
+    return "cpu", "cpu"
+
+
+def send_kv(connector: str, address: tuple[str, int], sizes: list[int], device: str) -> None:
+    """The sender process: each size's message REPEATS + 1 times, each acknowledged before the next."""
+    import torch
+
+    from disagg import pipes
+    from disagg.pipes import PipeConfig
+
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    link = pipes.connect(connector, PipeConfig(timeout=120), *address)
+    for nbytes in sizes:
+        message = [torch.ones(nbytes, dtype=torch.uint8, device=device)]
+        for _ in range(REPEATS + 1):
+            link.send(message)
+            link.recv()
+    link.close()
+
+
+def time_link(connector: str, kv_bytes_per_token: int, device_type: str) -> Link:
+    """The pipe between two processes: a short and a long prompt's KV, sent and acknowledged."""
+    import torch
+
+    from disagg import pipes
+    from disagg.pipes import PipeConfig
+
+    sizes = [n * kv_bytes_per_token for n in LINK_TOKENS["cuda" if device_type == "cuda" else "cpu"]]
+    send_device, recv_device = link_devices()
+    server = pipes.listen(connector, PipeConfig(kv_port=0, timeout=120))
+    sender = mp.get_context("spawn").Process(target=send_kv, args=(connector, server.address, sizes, send_device))
+    sender.start()
+    try:
+        link = server.accept(timeout=120)
+        seconds = []
+        for nbytes in sizes:
+            out = [torch.empty(nbytes, dtype=torch.uint8, device=recv_device)]
+            times = []
+            for _ in range(REPEATS + 1):
+                start = time.perf_counter()
+                link.recv(out=out)
+                if recv_device.startswith("cuda"):
+                    torch.cuda.synchronize(recv_device)
+                times.append(time.perf_counter() - start)  # from the first byte waited for
+                link.send(None)
+            seconds.append(statistics.median(times[1:]))
+        sender.join(timeout=60)
+        link.close()
+    finally:
+        server.close()
+        if sender.is_alive():
+            sender.kill()
+    latency = seconds[0]
+    return Link(connector, latency, (sizes[1] - sizes[0]) / max(seconds[1] - seconds[0], 1e-9))
+
+
+SERVING_PROMPT, SERVING_OUTPUT, SERVING_REQUESTS = 64, 8, 4
+
+
+def time_serving(args: argparse.Namespace, model: str, vocab: int, prefill: list[PrefillSample],
+                 decode: list[DecodeSample]) -> Serving:
+    """A colocated `disagg serve` of the same model on the same device, one request at a time: its
+    TTFT and TPOT against the offline steps they are made of."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from disagg.bench import add_serve_args
+    from disagg.bench.serve import run_benchmark
+    from disagg.launch import wait_healthy
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, "-m", "disagg.cli", "serve", model, "--kv-role", "both", "--port", str(port),
+            "--max-model-len", "1024", "--log-level", "WARNING"]
+    flags = (("--device", args.device), ("--dtype", args.dtype), ("--kv-cache-memory", args.kv_cache_memory))
+    for flag, value in flags:
+        if value is not None:
+            argv += [flag, str(value)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=os.environ)
+    try:
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", proc, 600)
+        except RuntimeError as e:
+            raise RuntimeError(f"the served node for --serving did not start: {e}") from None
+        parser = argparse.ArgumentParser()
+        add_serve_args(parser)
+        bench = parser.parse_args(["--base-url", f"http://127.0.0.1:{port}", "--no-progress", "--qps", "inf",
+                                   "--max-concurrency", "1", "--num-requests", str(SERVING_REQUESTS + 1),
+                                   "--input-len", str(SERVING_PROMPT), "--output-len", str(SERVING_OUTPUT),
+                                   "--prompt-kind", "token-ids", "--vocab-size", str(vocab)])
+        run = run_benchmark(bench)["runs"][0]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    requests = [r for r in run["requests"][1:] if r["ok"]]  # the first: warm-up
+    if not requests:
+        raise RuntimeError(f"the served node answered no request: {run.get('errors')}")
+    ttft = statistics.median(r["ttft"] for r in requests)
+    tpot = statistics.median(r["tpot"] for r in requests)
+    xs = sorted(prefill, key=lambda s: s.tokens)
+    offline_ttft = min(xs, key=lambda s: abs(s.tokens - SERVING_PROMPT)).seconds
+    offline_tpot = min((s for s in decode if s.batch == min(d.batch for d in decode)),
+                       key=lambda s: abs(s.context - SERVING_PROMPT)).seconds
+    return Serving(max(ttft - offline_ttft, 0.0), max(tpot - offline_tpot, 0.0))
+
+
+def profile(args: argparse.Namespace) -> Profile:
+    import torch
+
+    from disagg.cli import local_model
+    from disagg.engine.config import EngineConfig
+    from disagg.engine.engine import LLMEngine
+
+    grid = GPU_GRID if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda") \
+        else CPU_GRID
+    tokens = parse_ints(args.prefill_tokens or grid["prefill_tokens"], "--prefill-tokens")
+    batches = parse_ints(args.decode_batch or grid["decode_batch"], "--decode-batch")
+    contexts = parse_ints(args.decode_context or grid["decode_context"], "--decode-context")
+    start = time.perf_counter()
+    engine = LLMEngine(EngineConfig(
+        model=local_model(args), device=args.device, dtype=args.dtype, enable_prefix_caching=False,
+        max_num_seqs=max(batches), max_num_batched_tokens=max(tokens + [max(batches)]),
+        max_model_len=max(tokens + contexts) + REPEATS + 8, kv_cache_memory=args.kv_cache_memory))
+    mc = engine.model_config
+    dtype = engine.dtype
+    kv_bytes_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * dtype.itemsize
+    capacity = engine.kv_cache.num_blocks * engine.config.block_size
+    if max(batches) * (max(contexts) + REPEATS + 8) > capacity:
+        raise ValueError(f"the decode grid needs {max(batches)} x {max(contexts)} tokens of KV; the cache holds "
+                         f"{capacity}: give --kv-cache-memory more, or lower --decode-batch / --decode-context")
+    print(f"loaded {engine.model_dir.name} on {engine.device} in {time.perf_counter() - start:.1f}s", flush=True)
+    rng = random.Random(0)
+    prefill = time_prefill(engine, tokens, rng)
+    print("prefill ms: " + ", ".join(f"{s.tokens} tok {1e3 * s.seconds:.1f}" for s in prefill), flush=True)
+    decode = time_decode(engine, batches, contexts, rng)
+    print("decode ms: " + ", ".join(f"b{s.batch} ctx{s.context} {1e3 * s.seconds:.1f}" for s in decode), flush=True)
+    if args.link_gbps:
+        link = Link(args.kv_connector, args.link_latency_ms / 1e3, args.link_gbps * 1e9)
+    else:
+        link = time_link(args.kv_connector, kv_bytes_per_token, engine.device.type)
+    print(f"link {link.connector}: {1e3 * link.latency_s:.2f} ms + {link.bytes_per_s / 1e9:.2f} GB/s", flush=True)
+    device = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu"
+    model_dir, model_name = str(engine.model_dir), engine.model_dir.name
+    serving = Serving()
+    if args.serving:
+        del engine  # its memory, for the served node's
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        serving = time_serving(args, model_dir, mc.vocab_size, prefill, decode)
+        print(f"serving: TTFT +{1e3 * serving.ttft_extra_s:.1f} ms, each step +{1e3 * serving.step_extra_s:.2f} ms "
+              "beyond the engine's", flush=True)
+    return Profile(model=model_name, device=device, dtype=str(dtype).removeprefix("torch."),
+                   kv_bytes_per_token=kv_bytes_per_token, threads=torch.get_num_threads(),
+                   prefill=prefill, decode=decode, link=link, serving=serving)
+
+
+def main(args: argparse.Namespace) -> None:
+    start = time.perf_counter()
+    result = profile(args)
+    Path(args.out).write_text(result.to_json())
+    print(f"wrote {args.out} in {time.perf_counter() - start:.1f}s")
