@@ -4,6 +4,7 @@ The test process listens; tests/pipe_peer.py is the connecting peer.
 """
 
 import importlib.util
+import json
 import os
 import select
 import signal
@@ -230,22 +231,29 @@ def test_peer_killed_mid_transfer(pipe_name):
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(NIXL_MISSING is not None, reason=f"nixl: {NIXL_MISSING}")
-@pytest.mark.parametrize("cut_off_by", ["timeout", "close"])
-def test_nixl_receive_cut_off_while_the_peer_may_still_write_is_said_so(cut_off_by):
+@pytest.mark.parametrize("cut_off_by,registered", [("timeout", False), ("close", False), ("timeout", True)])
+def test_nixl_receive_cut_off_while_the_peer_may_still_write_is_said_so(cut_off_by, registered):
     """A one-sided receive into our memory cut off (by the pipe's timeout, or by close() from another
     thread, as a discard does) while the peer is alive but stopped (it could write any moment)
     raises PeerMayWrite once the drain time is up: that memory must not be reused. The peer is
-    stopped after its header arrived, before it could have written."""
+    stopped after its header arrived, before it could have written. Into memory registered once
+    (a KV cache), the same, and that memory stays registered after the pipe is closed."""
     timeout = 1.0 if cut_off_by == "timeout" else 30.0
     listener = pipes.listen("nixl", PipeConfig(kv_port=0, timeout=timeout))
     peer = start_peer("nixl", "big", listener.address, "--count", "1", "--timeout", "30")
     try:
         pipe = listener.accept(timeout=30)
+        pipe._agent = agent = pipe_peer.CountingAgent(pipe._agent)
+        if registered:
+            cache = torch.zeros(3 << 20, dtype=torch.uint8)
+            pipe.register(cache)
+            dest = cache[1 << 20:2 << 20]
+        else:
+            dest = torch.zeros(1 << 20, dtype=torch.uint8)
         assert peer.stdout.readline().strip() == "sending"
         readable, _, _ = select.select([pipe._sock], [], [], 30)  # the message's header is here
         assert readable
         peer.send_signal(signal.SIGSTOP)
-        dest = torch.zeros(1 << 20, dtype=torch.uint8)
         start = time.monotonic()
         if cut_off_by == "close":
             threading.Timer(0.5, pipe.close).start()  # the receive has handed out its memory by then
@@ -254,8 +262,58 @@ def test_nixl_receive_cut_off_while_the_peer_may_still_write_is_said_so(cut_off_
         assert time.monotonic() - start < 10  # the timeout or close, then the drain (5 s at most)
         with pytest.raises(PipeError, match="broken|closed"):
             pipe.recv()
+        pipe.close()
+        assert agent.calls.get("deregister_memory", 0) == 0  # neither the message's memory nor the cache
     finally:
         peer.send_signal(signal.SIGCONT)
+        peer.kill()
+        peer.wait()
+        listener.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(NIXL_MISSING is not None, reason=f"nixl: {NIXL_MISSING}")
+def test_nixl_memory_registered_once_takes_no_metadata_per_message():
+    """Messages into a registered KV cache (a RowScatter's rows) and a registered buffer (a view in it)
+    cost no registration and no metadata per message: both registrations' metadata crosses once, with
+    the first message. A destination outside them (message 4) takes today's per-message path, on
+    the same connection. Every byte lands bit-exact in its rows, and no other row is touched."""
+    seed, count, sentinel = 7, 6, -3.0
+    listener = pipes.listen("nixl", PipeConfig(kv_port=0, timeout=20))
+    peer = start_peer("nixl", "kv", listener.address, "--seed", str(seed), "--count", str(count))
+    try:
+        pipe = listener.accept(timeout=30)
+        pipe._agent = agent = pipe_peer.CountingAgent(pipe._agent)
+        cache = torch.zeros(2, 2, 32, 2, 8, dtype=torch.bfloat16)  # [layers, 2, rows, kv heads, head dim]
+        side = torch.zeros(count, 3)
+        pipe.register(cache)
+        pipe.register(side)
+        pipe.register(cache[1])  # inside the cache: nothing new
+        for i in range(count):
+            kv, small = pipe_peer.kv_message(seed, i)
+            rows = torch.tensor([i, i + 1, i + 2, 30 - i, 15])  # a run of three, then single rows
+            cache.fill_(sentinel)
+            into = torch.zeros(3) if i == 4 else side[i]
+            pipe.recv([RowScatter(cache, rows), into])
+            assert torch.equal(cache[:, :, rows], kv), f"message {i}"
+            others = torch.ones(32, dtype=torch.bool)
+            others[rows] = False
+            assert bool((cache[:, :, others] == sentinel).all()), f"message {i} wrote outside its rows"
+            assert torch.equal(into, small), f"message {i}"
+        with pytest.raises(PipeClosed):  # the peer's goodbye
+            pipe.recv()
+        # The cache, the buffer and message 4's destination: one registration and one metadata blob each.
+        assert agent.calls["register_memory"] == 3
+        assert agent.calls["get_partial_agent_metadata"] == 3
+        assert agent.calls["deregister_memory"] == 1  # message 4's, once it was written
+        pipe.close()
+        assert agent.calls["deregister_memory"] == 3  # and the registered memory, as the pipe closes
+        out, err = peer.communicate(timeout=30)
+        assert peer.returncode == 0, err[-2000:]
+        # The cache's and the buffer's metadata (with the first message), message 4's.
+        assert json.loads(out.splitlines()[-1]) == {"add_remote_agent": 3}
+    finally:
         peer.kill()
         peer.wait()
         listener.close()
