@@ -319,6 +319,40 @@ def test_nixl_memory_registered_once_takes_no_metadata_per_message():
         listener.close()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(NIXL_MISSING is not None, reason=f"nixl: {NIXL_MISSING}")
+def test_nixl_consumer_registers_its_cache_once():
+    """The lookup-buffer consumer registers a RowScatter's tensor (a decode node's KV cache) with the
+    connection before its first entry: a layer-wise entry in two chunks lands in its rows, and the
+    next entry's KV lands in other rows with no registration and no metadata of its own (only its
+    header, received into a tensor of its own, is registered for its message)."""
+    config = PipeConfig(kv_port=0, timeout=20)
+    consumer = LookupBufferConsumer("nixl", config)
+    producer = LookupBufferProducer("nixl", config, 1 << 24, 30.0, 5.0)
+    try:
+        cache = torch.zeros(4, 2, 16, 2, 3)
+        kv, later = torch.randn(4, 2, 7, 2, 3), torch.randn(4, 2, 5, 2, 3)
+        rows, later_rows = torch.tensor([9, 10, 11, 4, 5, 14, 15]), torch.tensor([0, 1, 2, 7, 8])
+        groups = [(0, 1), (1, 4)]
+        consumer.expect("layers", [RowScatter(cache, rows)])
+        producer.open("layers", [1], groups, 7, kv.nbytes, consumer.address)
+        for start, stop in ((0, 3), (3, 7)):
+            for first, end in groups:
+                producer.put("layers", first, end, kv[first:end, :, start:stop].clone())
+        assert consumer.drop_select("layers", [1], 20).in_place
+        assert torch.equal(cache[:, :, rows], kv)
+        (pipe,) = consumer._pipes
+        pipe._agent = agent = pipe_peer.CountingAgent(pipe._agent)
+        consumer.expect("whole", [RowScatter(cache, later_rows)])
+        producer.insert("whole", [2], [later], None, consumer.address)
+        assert consumer.drop_select("whole", [2], 20).in_place
+        assert torch.equal(cache[:, :, later_rows], later) and torch.equal(cache[:, :, rows], kv)
+        assert agent.calls["register_memory"] == agent.calls["get_partial_agent_metadata"] == 1  # the header's
+    finally:
+        producer.close()
+        consumer.close()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("pipe_name", ALL_PIPES)
