@@ -73,13 +73,13 @@ ALL_PIPES = [
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(260)
 @pytest.mark.skipif(NIXL_HERE or _missing("nixl", "nixl_cu12") is not None, reason="nixl-cu12 is not installed")
 def test_nixl_pipe_in_a_process_of_its_own():
     """Every [nixl] case of this file, in a pytest process that has not loaded grpc_tools."""
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "nixl"],
-        env={**os.environ, "DISAGG_TEST_NIXL": "1"}, capture_output=True, text=True, timeout=170,
+        env={**os.environ, "DISAGG_TEST_NIXL": "1"}, capture_output=True, text=True, timeout=250,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and " failed" not in result.stdout
@@ -309,10 +309,10 @@ def test_nixl_memory_registered_once_takes_no_metadata_per_message():
         assert agent.calls["deregister_memory"] == 1  # message 4's, once it was written
         pipe.close()
         assert agent.calls["deregister_memory"] == 3  # and the registered memory, as the pipe closes
-        out, err = peer.communicate(timeout=30)
-        assert peer.returncode == 0, err[-2000:]
+        line = peer.stdout.readline()  # printed once its pipe closed; its exit takes seconds more
+        assert line, peer.stderr.read()[-2000:]
         # The cache's and the buffer's metadata (with the first message), message 4's.
-        assert json.loads(out.splitlines()[-1]) == {"add_remote_agent": 3}
+        assert json.loads(line) == {"add_remote_agent": 3}
     finally:
         peer.kill()
         peer.wait()

@@ -128,6 +128,8 @@ class NixlPipe(KVPipe):
             with self._writes_done:
                 if any(reg.holds(tensor) for reg in self._registered):
                     return
+                if sum(not reg.announced for reg in self._registered) >= MAX_BLOBS - 1:
+                    raise ValueError(f"at most {MAX_BLOBS - 1} tensors may be registered between two messages")
             descs = self._agent.register_memory(tensor)
             start = tensor.data_ptr()
             registration = _Registration(tensor, descs, tensor.get_device(), start, start + tensor.nbytes)
