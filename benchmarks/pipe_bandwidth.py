@@ -1,7 +1,7 @@
 """Pipe bandwidth: GB/s per pipe and message size, between two processes.
 
     python benchmarks/pipe_bandwidth.py [--pipes tcp,torch_dist,ucx] [--sizes 1M,16M,256M]
-                                        [--repeats 5] [--json PATH]
+                                        [--repeats 5] [--json PATH] [--per-message]
 
 Cases: one uint8 tensor per size, and a request's KV as 30 layer tensors of
 [2, 1024 tokens, 3 kv heads, 64] bfloat16 (22.5 MiB in all). Baselines in the same
@@ -17,6 +17,11 @@ about 0.3 ms per burst, once, to start and to acknowledge it (the receiver waits
 first header before posting its first recv, and it sleeps on the socket until the sender
 is far enough ahead), which is 8% of a 1 GiB burst and would hide the per-message rate
 the benchmark is for. On the CPU the default is 64 MiB.
+
+A pipe receives into views of one buffer registered with it once (`KVPipe.register`), as a
+decode node receives into its KV cache: nixl then registers nothing and sends no metadata per
+message. --per-message receives into tensors of their own instead (nixl registers them, and
+sends their metadata, per message).
 """
 
 import argparse
@@ -126,9 +131,22 @@ def sender(
 # ---- the receiver (this process) ----------------------------------------------------
 
 
-def receive(link, case_list: list[Case], repeats: int, device: torch.device) -> None:
+def destinations(link, case_list: list[Case], device: torch.device, per_message: bool) -> list[list[torch.Tensor]]:
+    """Where each case is received: for a pipe, views of one buffer registered with it once (a KV
+    cache's blocks), unless per_message; for a baseline, tensors of their own."""
+    if per_message or not isinstance(link, pipes.KVPipe):
+        return [case.tensors(device) for case in case_list]
+    buffer = torch.ones(max(case.nbytes for case in case_list), dtype=torch.uint8, device=device)
+    link.register(buffer)
+    out = []
     for case in case_list:
-        out = case.tensors(device)
+        flat = buffer[:case.nbytes].view(case.dtype).split([torch.Size(s).numel() for s in case.shapes])
+        out.append([chunk.view(s) for chunk, s in zip(flat, case.shapes)])
+    return out
+
+
+def receive(link, case_list: list[Case], repeats: int, device: torch.device, per_message: bool) -> None:
+    for case, out in zip(case_list, destinations(link, case_list, device, per_message)):
         for _ in range(WARMUP + repeats):
             for _ in range(case.burst):
                 link.recv(out=out)
@@ -137,7 +155,7 @@ def receive(link, case_list: list[Case], repeats: int, device: torch.device) -> 
             link.send(None)
 
 
-def run_pipe(pipe_name: str, case_list: list[Case], repeats: int) -> list[dict]:
+def run_pipe(pipe_name: str, case_list: list[Case], repeats: int, per_message: bool) -> list[dict]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     device = devices()[1]
@@ -165,7 +183,7 @@ def run_pipe(pipe_name: str, case_list: list[Case], repeats: int) -> list[dict]:
         link = RawNccl(address, rank=1, device=device)
     else:
         link = server.accept(timeout=120)
-    receive(link, case_list, repeats, device)
+    receive(link, case_list, repeats, device, per_message)
     records = [results.get(timeout=120) for _ in case_list]
     proc.join(timeout=60)
     link.close()
@@ -251,6 +269,8 @@ def main() -> None:
         help="least bytes per timed burst (default 4G between GPUs, 64M on the CPU)",
     )
     p.add_argument("--json", help="write the records here")
+    p.add_argument("--per-message", action="store_true",
+                   help="receive into tensors of their own, not into views of a buffer registered once")
     args = p.parse_args()
 
     on_gpu = devices()[0].type == "cuda"
@@ -260,7 +280,7 @@ def main() -> None:
     records = []
     for name in names:
         try:
-            records += run_pipe(name, case_list, args.repeats)
+            records += run_pipe(name, case_list, args.repeats, args.per_message)
         except ImportError as e:
             print(f"skipping {name}: {e}")
     print(f"{'pipe':<12} {'case':<26} {'bytes':>11} {'GB/s':>8}")

@@ -8,6 +8,8 @@ Modes:
          one into preallocated tensors on --device), check it equals what we expect, send
          it back.
   big    connect, print "sending", then send one message of --count MiB; the test kills us.
+  kv     connect (nixl), send --count messages of kv_message(seed, i), close, then print as one JSON
+         line how many times our agent loaded the receiver's metadata after the connection's setup.
   flood  open --count raw connections and never speak; after a second print, as one JSON
          line, how many are open with the listener's hello and how many it closed, then hold
          the sockets until stdin closes.
@@ -87,6 +89,31 @@ def same(a: list[torch.Tensor] | None, b: list[torch.Tensor] | None) -> bool:
     )
 
 
+def kv_message(seed: int, i: int) -> list[torch.Tensor]:
+    """Message i of the kv mode: a request's KV [layers, 2, tokens, heads, dim] in bfloat16 and a
+    small float32 tensor beside it."""
+    gen = torch.Generator().manual_seed(seed * 1000 + i)
+    return [torch.randn(2, 2, 5, 2, 8, generator=gen).to(torch.bfloat16), torch.randn(3, generator=gen)]
+
+
+class CountingAgent:
+    """Stands in for a pipe's NIXL agent: passes every call on and counts them by name."""
+
+    def __init__(self, agent):
+        self.agent, self.calls = agent, {}
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.agent, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+
 def state(s: socket.socket) -> str:
     """"closed" by the listener (after its hello or before), else "hello" once the hello came, or "pending"."""
     s.setblocking(False)  # a socket with a timeout would wait that long for more
@@ -145,7 +172,7 @@ def main() -> int:
 
     p = argparse.ArgumentParser()
     p.add_argument("pipe")
-    p.add_argument("mode", choices=["echo", "big", "flood", "hold"])
+    p.add_argument("mode", choices=["echo", "big", "kv", "flood", "hold"])
     p.add_argument("host")
     p.add_argument("port", type=int)
     p.add_argument("--token")
@@ -178,6 +205,13 @@ def main() -> int:
         ]  # contents do not matter
         print("sending", flush=True)
         pipe.send(big)
+        return 0
+    if args.mode == "kv":
+        pipe._agent = agent = CountingAgent(pipe._agent)
+        for i in range(args.count):
+            pipe.send(kv_message(args.seed, i))
+        pipe.close()
+        print(json.dumps({"add_remote_agent": agent.calls.get("add_remote_agent", 0)}), flush=True)
         return 0
     for i, expected in enumerate(messages(args.seed, args.count)):
         if i % 2 and expected is not None:

@@ -4,6 +4,7 @@ The test process listens; tests/pipe_peer.py is the connecting peer.
 """
 
 import importlib.util
+import json
 import os
 import select
 import signal
@@ -72,13 +73,13 @@ ALL_PIPES = [
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(260)
 @pytest.mark.skipif(NIXL_HERE or _missing("nixl", "nixl_cu12") is not None, reason="nixl-cu12 is not installed")
 def test_nixl_pipe_in_a_process_of_its_own():
     """Every [nixl] case of this file, in a pytest process that has not loaded grpc_tools."""
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "nixl"],
-        env={**os.environ, "DISAGG_TEST_NIXL": "1"}, capture_output=True, text=True, timeout=170,
+        env={**os.environ, "DISAGG_TEST_NIXL": "1"}, capture_output=True, text=True, timeout=250,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and " failed" not in result.stdout
@@ -230,22 +231,29 @@ def test_peer_killed_mid_transfer(pipe_name):
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(NIXL_MISSING is not None, reason=f"nixl: {NIXL_MISSING}")
-@pytest.mark.parametrize("cut_off_by", ["timeout", "close"])
-def test_nixl_receive_cut_off_while_the_peer_may_still_write_is_said_so(cut_off_by):
+@pytest.mark.parametrize("cut_off_by,registered", [("timeout", False), ("close", False), ("timeout", True)])
+def test_nixl_receive_cut_off_while_the_peer_may_still_write_is_said_so(cut_off_by, registered):
     """A one-sided receive into our memory cut off (by the pipe's timeout, or by close() from another
     thread, as a discard does) while the peer is alive but stopped (it could write any moment)
     raises PeerMayWrite once the drain time is up: that memory must not be reused. The peer is
-    stopped after its header arrived, before it could have written."""
+    stopped after its header arrived, before it could have written. Into memory registered once
+    (a KV cache), the same, and that memory stays registered after the pipe is closed."""
     timeout = 1.0 if cut_off_by == "timeout" else 30.0
     listener = pipes.listen("nixl", PipeConfig(kv_port=0, timeout=timeout))
     peer = start_peer("nixl", "big", listener.address, "--count", "1", "--timeout", "30")
     try:
         pipe = listener.accept(timeout=30)
+        pipe._agent = agent = pipe_peer.CountingAgent(pipe._agent)
+        if registered:
+            cache = torch.zeros(3 << 20, dtype=torch.uint8)
+            pipe.register(cache)
+            dest = cache[1 << 20:2 << 20]
+        else:
+            dest = torch.zeros(1 << 20, dtype=torch.uint8)
         assert peer.stdout.readline().strip() == "sending"
         readable, _, _ = select.select([pipe._sock], [], [], 30)  # the message's header is here
         assert readable
         peer.send_signal(signal.SIGSTOP)
-        dest = torch.zeros(1 << 20, dtype=torch.uint8)
         start = time.monotonic()
         if cut_off_by == "close":
             threading.Timer(0.5, pipe.close).start()  # the receive has handed out its memory by then
@@ -254,11 +262,95 @@ def test_nixl_receive_cut_off_while_the_peer_may_still_write_is_said_so(cut_off_
         assert time.monotonic() - start < 10  # the timeout or close, then the drain (5 s at most)
         with pytest.raises(PipeError, match="broken|closed"):
             pipe.recv()
+        pipe.close()
+        assert agent.calls.get("deregister_memory", 0) == 0  # neither the message's memory nor the cache
     finally:
         peer.send_signal(signal.SIGCONT)
         peer.kill()
         peer.wait()
         listener.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(NIXL_MISSING is not None, reason=f"nixl: {NIXL_MISSING}")
+def test_nixl_memory_registered_once_takes_no_metadata_per_message():
+    """Messages into a registered KV cache (a RowScatter's rows) and a registered buffer (a view in it)
+    cost no registration and no metadata per message: both registrations' metadata crosses once, with
+    the first message. A destination outside them (message 4) takes today's per-message path, on
+    the same connection. Every byte lands bit-exact in its rows, and no other row is touched."""
+    seed, count, sentinel = 7, 6, -3.0
+    listener = pipes.listen("nixl", PipeConfig(kv_port=0, timeout=20))
+    peer = start_peer("nixl", "kv", listener.address, "--seed", str(seed), "--count", str(count))
+    try:
+        pipe = listener.accept(timeout=30)
+        pipe._agent = agent = pipe_peer.CountingAgent(pipe._agent)
+        cache = torch.zeros(2, 2, 32, 2, 8, dtype=torch.bfloat16)  # [layers, 2, rows, kv heads, head dim]
+        side = torch.zeros(count, 3)
+        pipe.register(cache)
+        pipe.register(side)
+        pipe.register(cache[1])  # inside the cache: nothing new
+        for i in range(count):
+            kv, small = pipe_peer.kv_message(seed, i)
+            rows = torch.tensor([i, i + 1, i + 2, 30 - i, 15])  # a run of three, then single rows
+            cache.fill_(sentinel)
+            into = torch.zeros(3) if i == 4 else side[i]
+            pipe.recv([RowScatter(cache, rows), into])
+            assert torch.equal(cache[:, :, rows], kv), f"message {i}"
+            others = torch.ones(32, dtype=torch.bool)
+            others[rows] = False
+            assert bool((cache[:, :, others] == sentinel).all()), f"message {i} wrote outside its rows"
+            assert torch.equal(into, small), f"message {i}"
+        with pytest.raises(PipeClosed):  # the peer's goodbye
+            pipe.recv()
+        # The cache, the buffer and message 4's destination: one registration and one metadata blob each.
+        assert agent.calls["register_memory"] == 3
+        assert agent.calls["get_partial_agent_metadata"] == 3
+        assert agent.calls["deregister_memory"] == 1  # message 4's, once it was written
+        pipe.close()
+        assert agent.calls["deregister_memory"] == 3  # and the registered memory, as the pipe closes
+        line = peer.stdout.readline()  # printed once its pipe closed; its exit takes seconds more
+        assert line, peer.stderr.read()[-2000:]
+        # The cache's and the buffer's metadata (with the first message), message 4's.
+        assert json.loads(line) == {"add_remote_agent": 3}
+    finally:
+        peer.kill()
+        peer.wait()
+        listener.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(NIXL_MISSING is not None, reason=f"nixl: {NIXL_MISSING}")
+def test_nixl_consumer_registers_its_cache_once():
+    """The lookup-buffer consumer registers a RowScatter's tensor (a decode node's KV cache) with the
+    connection before its first entry: a layer-wise entry in two chunks lands in its rows, and the
+    next entry's KV lands in other rows with no registration and no metadata of its own (only its
+    header, received into a tensor of its own, is registered for its message)."""
+    config = PipeConfig(kv_port=0, timeout=20)
+    consumer = LookupBufferConsumer("nixl", config)
+    producer = LookupBufferProducer("nixl", config, 1 << 24, 30.0, 5.0)
+    try:
+        cache = torch.zeros(4, 2, 16, 2, 3)
+        kv, later = torch.randn(4, 2, 7, 2, 3), torch.randn(4, 2, 5, 2, 3)
+        rows, later_rows = torch.tensor([9, 10, 11, 4, 5, 14, 15]), torch.tensor([0, 1, 2, 7, 8])
+        groups = [(0, 1), (1, 4)]
+        consumer.expect("layers", [RowScatter(cache, rows)])
+        producer.open("layers", [1], groups, 7, kv.nbytes, consumer.address)
+        for start, stop in ((0, 3), (3, 7)):
+            for first, end in groups:
+                producer.put("layers", first, end, kv[first:end, :, start:stop].clone())
+        assert consumer.drop_select("layers", [1], 20).in_place
+        assert torch.equal(cache[:, :, rows], kv)
+        (pipe,) = consumer._pipes
+        pipe._agent = agent = pipe_peer.CountingAgent(pipe._agent)
+        consumer.expect("whole", [RowScatter(cache, later_rows)])
+        producer.insert("whole", [2], [later], None, consumer.address)
+        assert consumer.drop_select("whole", [2], 20).in_place
+        assert torch.equal(cache[:, :, later_rows], later) and torch.equal(cache[:, :, rows], kv)
+        assert agent.calls["register_memory"] == agent.calls["get_partial_agent_metadata"] == 1  # the header's
+    finally:
+        producer.close()
+        consumer.close()
 
 
 @pytest.mark.slow

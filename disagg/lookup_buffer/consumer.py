@@ -10,7 +10,8 @@ Entries nobody claims expire after `ttl`.
 blocks for it): its bytes are then received straight there, never into a buffer of their
 own. `discard` ends such a receive (it closes that connection) before it returns, so the
 caller may give the blocks back afterwards, unless `peer_may_write` says that a peer writing
-one-sided (nixl) may still write there: then they must never be reused.
+one-sided (nixl) may still write there: then they must never be reused. A RowScatter's tensor (the
+KV cache) is registered with each connection that receives into it (`KVPipe.register`), once.
 
 Memory is bounded by `kv_buffer_size`: a message claiming more is refused before it is
 allocated, and an entry that arrives before any lookup asks for it is dropped if the
@@ -421,6 +422,9 @@ class LookupBufferConsumer:
             if into is not None:
                 self._filling[entry.request_id] = pipe
         try:
+            for dest in into or []:
+                if isinstance(dest, RowScatter):  # rows of the KV cache: registered once per connection (nixl)
+                    pipe.register(dest.tensor)
             kv = self._recv_part(pipe, into) if entry.layers is None else self._recv_layers(pipe, entry, into)
             if self._on_cuda:
                 # All of it in place before it is handed on, whatever reads it. Once per entry, not per

@@ -137,6 +137,12 @@ class KVPipe(ABC):
     def _recv(self, out: list[Destination] | None) -> list[Destination] | None:
         """recv's transport part, under the receive lock; any error but NoMessage breaks the pipe."""
 
+    def register(self, tensor: torch.Tensor) -> None:
+        """Receives may land in `tensor` (a KV cache) for the rest of the connection: a transport
+        whose peer writes into registered memory (nixl) registers it once here instead of per
+        message. The others need nothing."""
+        return
+
     @abstractmethod
     def close(self) -> None:
         """Close this connection; the peer's pending recv raises PipeClosed."""

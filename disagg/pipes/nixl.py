@@ -5,25 +5,32 @@ included: sockets.py) and a NIXL agent of its own on each side; the two agents' 
 the control socket right after the handshake. A message:
 
     sender   -> its header (wire format) on the control socket
-    receiver -> where each non-empty tensor goes: memory it has just registered with its agent
-                (the `out` destinations, views of a KV cache's blocks included, or new tensors):
-                its agent's partial metadata for that memory, then regions (address, bytes,
-                device) per tensor
+    receiver -> where each non-empty tensor goes: NIXL metadata blobs for the sender to load, then
+                regions (address, bytes, device) per tensor. A destination inside memory the
+                receiver registered once (`register`: a KV cache; a RowScatter's runs of rows, a view)
+                needs no blob: that memory's metadata went with the first message after it was
+                registered, once. Any other destination (new tensors, other `out` memory) is
+                registered for this message alone and its partial metadata is this message's blob.
     sender   -> one NIXL WRITE per tensor from its registered tensor into those regions, each
                 with the notification "<message number>:<tensor>"
-    receiver -> waits for all of the message's notifications, then deregisters.
+    receiver -> waits for all of the message's notifications, then deregisters the memory it
+                registered for this message (never the memory registered once).
 
-A peer can write only into memory the receiver handed out for the message being received.
-CPU tensors travel as DRAM, CUDA tensors as VRAM. Like gloo, a send waits for the receiver to
-take the message. A dead peer is noticed by its control socket closing while we wait, and any
-wait ends after config.timeout without progress (PipeTimeout).
+A peer writes only into regions the receiver handed out for the message being received, and a
+message is received only once notifications naming it have come for each of its tensors. Memory
+registered once stays writable by the peer's agent for the connection's life: the peer's code, not
+the hardware, keeps to the regions it was handed. CPU tensors travel as DRAM, CUDA tensors as
+VRAM. Like gloo, a send waits for the receiver to take the message. A dead peer is noticed by its
+control socket closing while we wait, and any wait ends after config.timeout without progress
+(PipeTimeout).
 
 Writes outlive nothing they may land in (docs/ARCHITECTURE.md, "Pipes"): a pipe's control socket
 closes only once none of its own writes is in flight (close waits for them, a bounded time), so a
 peer's socket closing means its writes have ended, or its process has. A receive that is cut off
 (a local close, a timeout) waits up to DRAIN_S for its writes to end or the peer's socket to
-close; if neither happens, memory the pipe allocated is kept aside for good and a receive into
-the caller's destinations raises PeerMayWrite: the caller must never reuse them.
+close; if neither happens, memory the pipe allocated is kept aside for good, memory registered
+once stays registered and alive for good, and a receive into the caller's destinations (registered
+ones included) raises PeerMayWrite: the caller must never reuse them.
 """
 
 import contextlib
@@ -35,6 +42,7 @@ import struct
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 
 import torch
 
@@ -62,6 +70,8 @@ log = logging.getLogger(__name__)
 
 METADATA_LEN = struct.Struct("!I")
 MAX_METADATA_BYTES = 1 << 20  # an agent's metadata is a few KiB
+BLOBS = struct.Struct("!I")  # metadata blobs that answer a header: as long as wire.MAGIC, to tell a goodbye
+MAX_BLOBS = 64  # a blob per memory registered once since the last message, and one for the message's own
 TENSOR_REGIONS = struct.Struct("!IB")  # regions of one tensor, is VRAM
 REGION = struct.Struct("!QQQ")  # address, bytes, device id
 MAX_REGIONS = 1 << 20  # per tensor: a KV cache's views are layers x 2 x runs of blocks
@@ -70,6 +80,21 @@ DRAIN_S = 5.0  # a cut-off receive waits this long for the peer's writes in flig
 # Memory of receives cut off while the peer could still write into it: kept (registered, alive)
 # for the life of the process rather than handed back for reuse.
 _quarantined: list = []
+
+
+@dataclass
+class _Registration:
+    """Memory registered once (NixlPipe.register), for the connection's life."""
+    tensor: torch.Tensor  # holds the memory while it is registered
+    descs: object  # the agent's registration (nixlRegDList)
+    device: int  # CUDA device, -1 on the CPU
+    start: int  # address range [start, end)
+    end: int
+    announced: bool = False  # its metadata went to the peer
+
+    def holds(self, view: torch.Tensor) -> bool:
+        start = view.data_ptr()
+        return view.get_device() == self.device and self.start <= start and start + view.nbytes <= self.end
 
 
 class NixlPipe(KVPipe):
@@ -87,6 +112,33 @@ class NixlPipe(KVPipe):
         self._unsettled = False  # a write of ours never ended: the socket stays open for good
         self._writes_done = threading.Condition()  # guards the two above and the setting of _closed
         self._cut_off = False  # a send ended mid-message: no goodbye may follow its header
+        # Memory registered once; added and dropped under _writes_done, never while a receive uses it.
+        self._registered: list[_Registration] = []
+
+    def register(self, tensor: torch.Tensor) -> None:
+        """Receive into `tensor` (a KV cache) from now on with no registration and no metadata per
+        message: registered with our agent now, its metadata sent with the next message's answer,
+        once; deregistered when the pipe closes (kept registered for good if a receive into it was
+        cut off while the peer may still write). A no-op for memory inside memory registered already,
+        and for a tensor that is not contiguous (receives into it register per message)."""
+        if not tensor.is_contiguous() or not tensor.numel():
+            return
+        with self._recv_lock:
+            self._check_usable()
+            with self._writes_done:
+                if any(reg.holds(tensor) for reg in self._registered):
+                    return
+                if sum(not reg.announced for reg in self._registered) >= MAX_BLOBS - 1:
+                    raise ValueError(f"at most {MAX_BLOBS - 1} tensors may be registered between two messages")
+            descs = self._agent.register_memory(tensor)
+            start = tensor.data_ptr()
+            registration = _Registration(tensor, descs, tensor.get_device(), start, start + tensor.nbytes)
+            with self._writes_done:
+                if not self._closed:
+                    self._registered.append(registration)
+                    return
+            self._agent.deregister_memory(descs)
+            raise PipeClosed("the pipe was closed locally")
 
     def _send(self, header: bytes, tensors: list[torch.Tensor] | None) -> None:
         self._send_control(header)
@@ -103,7 +155,7 @@ class NixlPipe(KVPipe):
         number, self._sent = self._sent, self._sent + 1
         if not sources:
             return
-        self._agent.add_remote_agent(_read_metadata(self._sock, self._config, "the receiver's memory"))
+        self._load_blobs()
         regions = [self._read_regions() for _ in sources]
         with self._writes_in_flight():
             self._write_all(number, sources, regions)
@@ -133,6 +185,20 @@ class NixlPipe(KVPipe):
                 self._agent.release_xfer_handle(handle)
             if registered is not None:
                 self._agent.deregister_memory(registered)
+
+    def _load_blobs(self) -> None:
+        """Load the metadata blobs of the receiver's memory that answer our header."""
+        with sockets.socket_errors("receiving the receiver's answer", self._config.timeout):
+            raw = sockets.recv_exact(self._sock, BLOBS.size)
+        if raw == wire.MAGIC:  # a header where the answer should be: the peer's goodbye
+            raise PipeClosed("receiving the receiver's answer: the peer closed the pipe")
+        (count,) = BLOBS.unpack(raw)
+        if count > MAX_BLOBS:
+            raise ProtocolError(f"the peer sent {count} NIXL metadata blobs for one message; at most {MAX_BLOBS}")
+        for _ in range(count):
+            name = self._agent.add_remote_agent(_read_metadata(self._sock, self._config, "the receiver's memory"))
+            if (name.decode() if isinstance(name, bytes) else name) != self._peer:
+                raise ProtocolError(f"the peer sent NIXL metadata of another agent ({name!r})")
 
     def _settle(self, handles: list) -> bool:
         """After a cut-off send: wait a bounded time for its writes in flight to end."""
@@ -207,28 +273,40 @@ class NixlPipe(KVPipe):
         return out
 
     def _receive_writes(self, number: int, written: list[list[torch.Tensor]], into_callers: bool) -> None:
-        """Register the memory the peer writes message `number` into, hand it its regions and wait
-        for every write's notification."""
+        """Hand the peer the regions message `number` goes to (registering those outside memory
+        registered once, for this message) and wait for every write's notification."""
         expected = {f"{number}:{i}".encode() for i in range(len(written))}
-        with self._writes_in_flight():
-            registered = self._agent.register_memory([v for views in written for v in views])
+        regions = b"".join(_regions(views) for views in written)
+        with self._writes_in_flight():  # close() waits for it: the registrations below stay ours
+            own = [v for views in written for v in views if not any(reg.holds(v) for reg in self._registered)]
+            registered = self._agent.register_memory(own) if own else None
             try:
-                metadata = self._agent.get_partial_agent_metadata(registered, False)
-                regions = b"".join(_regions(views) for views in written)
-                self._send_control(METADATA_LEN.pack(len(metadata)) + metadata + regions)
+                new = [reg for reg in self._registered if not reg.announced]
+                blobs = [self._agent.get_partial_agent_metadata(reg.descs, False) for reg in new]
+                if registered is not None:
+                    blobs.append(self._agent.get_partial_agent_metadata(registered, False))
+                answer = [BLOBS.pack(len(blobs)), *(METADATA_LEN.pack(len(blob)) + blob for blob in blobs), regions]
+                self._send_control(b"".join(answer))
+                for reg in new:
+                    reg.announced = True
                 self._await_notifs(expected)
             except BaseException as e:
                 if self._drain_notifs(expected):
-                    self._agent.deregister_memory(registered)
+                    if registered is not None:
+                        self._agent.deregister_memory(registered)
                     raise
-                _quarantined.append((registered, written))  # never deregistered, never freed
+                # Never deregistered, never freed: ours, and the memory registered once.
+                _quarantined.append((registered, own, self._registered))
+                with self._writes_done:
+                    self._registered = []
                 nbytes = sum(v.nbytes for views in written for v in views)
                 if into_callers:
                     raise PeerMayWrite(f"{e}; the peer may still write into the {nbytes} bytes of the receive's "
                                        "destinations: they must not be reused") from None
                 log.warning("a cut-off NIXL receive keeps %d bytes aside: the peer may still write there", nbytes)
                 raise
-            self._agent.deregister_memory(registered)
+            if registered is not None:
+                self._agent.deregister_memory(registered)
 
     def _await_notifs(self, expected: set[bytes]) -> None:
         deadline = time.monotonic() + self._config.timeout
@@ -288,10 +366,13 @@ class NixlPipe(KVPipe):
             self._closed = True
             self._writes_done.wait_for(lambda: not self._writing, DRAIN_S + 1.0)
             settled = not self._writing and not self._unsettled
+            registered, self._registered = self._registered, []
         if not settled:
-            _quarantined.append(self._sock)
+            _quarantined.append((self._sock, registered))
             log.warning("a NIXL connection whose writes did not end is left open for good")
             return
+        for reg in registered:  # no write of the peer's is in flight: none can land there any more
+            self._agent.deregister_memory(reg.descs)
         # Under the send lock, so that a send cut off meanwhile is seen: no goodbye after its header.
         self._say_goodbye(lambda: None if self._cut_off else sockets.send_close(self._sock))
         sockets.shut(self._sock)
