@@ -159,6 +159,9 @@ class FakePool:
             raise PrefillNodeUnavailable("no healthy prefill node: prefill-0:50051: connection refused")
         return self.clients[0]
 
+    def pull_hint(self, picked: FakeClient, prompt_token_ids: list[int]) -> tuple[str, int]:
+        return "", 0  # one prefill node: nowhere else to pull from
+
 
 class FakeConsumer:
     """A LookupBufferConsumer whose lookup returns an entry (`lookup` None), raises `lookup`, or

@@ -163,7 +163,9 @@ class DecodeNode:
             # Blocks reserved already: the KV is received straight into them (else into a buffer first).
             if slot.rows is not None:
                 self.consumer.expect(request_id, [RowScatter(slot.cache, slot.rows)])
-            call = PrefillCall(request_id, prompt_token_ids, params, self.kv_advertise, skip)
+            # Leading blocks another prefill node holds and the picked one lacks: it may pull them (pull.py).
+            pull_from, pull_blocks = self.pool.pull_hint(client, prompt_token_ids)
+            call = PrefillCall(request_id, prompt_token_ids, params, self.kv_advertise, skip, pull_from, pull_blocks)
             result = await client.prefill(call, idle_timeout=self.prefill_timeout)
             answered = time.perf_counter()
             metrics.REMOTE_PREFILL_CALL.observe(answered - start)
