@@ -12,9 +12,9 @@ other tokens is never taken; the engine then caches the blocks under the hashes 
 (engine/prefix_blocks.py), and the prompt's prefill hits them. Any failure (the peer is down,
 incompatible, no longer holds them, too slow: PULL_TIMEOUT_S) leaves the blocks to be computed.
 
-"Cheaper": the seconds a pulled block took, measured over this node's pulls, against a block's
-prompt tokens at this node's measured prefill throughput (engine/step_cost.py); until both are
-measured, a pull is tried.
+"Cheaper": the seconds a pulled block took, measured over this node's pulls (but each node's first,
+which pays one-off costs), against a block's prompt tokens at this node's measured prefill
+throughput (engine/step_cost.py); until both are measured, a pull is tried.
 """
 
 import asyncio
@@ -87,6 +87,7 @@ class PrefixPuller:
         if not self.worth(blocks - held):
             metrics.PREFIX_PULLS.labels("not_worth").inc()
             return 0
+        known = address in self.peers  # else this pull pays the handshake and the pipe's connection too
         start = time.perf_counter()
         try:
             pulled = await asyncio.wait_for(self._fetch(prompt_token_ids, address, held, blocks), PULL_TIMEOUT_S)
@@ -96,10 +97,10 @@ class PrefixPuller:
                            blocks - held, address, str(e) or type(e).__name__)
             await self._forget(address)  # registered again, on a fresh channel, next time
             return 0
-        seconds = time.perf_counter() - start
-        per_block = seconds / max(1, pulled)
-        self.seconds_per_block = per_block if self.seconds_per_block is None else (
-            (1 - SMOOTHING) * self.seconds_per_block + SMOOTHING * per_block)
+        per_block = (time.perf_counter() - start) / max(1, pulled)
+        if known:  # a first pull from a node also pays the handshake and the pipe's connection: not measured
+            self.seconds_per_block = per_block if self.seconds_per_block is None else (
+                (1 - SMOOTHING) * self.seconds_per_block + SMOOTHING * per_block)
         metrics.PREFIX_PULLS.labels("pulled").inc()
         metrics.PREFIX_PULLED_BLOCKS.inc(pulled)
         return pulled
