@@ -4,11 +4,12 @@ prefix cache instead of computing them, and computes them when the pull fails.""
 
 import asyncio
 import re
+import uuid
 
 import pytest
 import torch
 from prompts import CODE, PASSAGE, hf_greedy
-from servers import start_node, wait_ready
+from servers import PAIR_MAX_MODEL_LEN, free_port, start_node
 
 from disagg.control_plane import NodeInfo, PrefillCall
 from disagg.decode_node.prefill_client import PrefillClient, PrefillPool
@@ -76,16 +77,18 @@ def test_the_hint_names_the_healthy_node_holding_more_of_the_prefix_than_the_pic
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_prefix_pulled_from_a_peer_gives_what_computing_it_gives(tmp_path, hf_model, hf_tokenizer):
-    """Two prefill node processes, A and B; this test is the decode node (its pipe endpoint registered
-    with both, its Prefill calls sent straight to the node it names). B computes a prompt; the next
-    prompt with that prefix goes to A with the hint that B holds it: A pulls the prefix's blocks from
-    B (its /metrics and its log say so) and serves them from its cache; its first token is
-    transformers', and the KV it sends is the KV that B, computing the same prompt, sends. Then B dies,
-    and a prompt hinted to be on B is computed by A in full, still token-exact."""
-    args = ["--max-model-len", "512"]
-    a, b = (start_node("producer", tmp_path, wait=False, extra_args=args) for _ in range(2))
-    prefix = PASSAGE * 2
+def test_a_prefix_pulled_from_a_peer_gives_what_computing_it_gives(tmp_path, pair_1p1d, hf_model, hf_tokenizer):
+    """Two prefill nodes: B, the shared pair's, and A, started here; this test is their decode node (its
+    pipe endpoint registered with both, its Prefill calls sent straight to the node it names). B
+    computes a prompt; the next prompt with that prefix goes to A with the hint that B holds it: A pulls
+    the prefix's blocks from B (its /metrics and its log say so) and serves them from its cache; its
+    first token is transformers', and the KV it sends is the KV that B, computing the same prompt,
+    sends. Then a prompt hinted to be on a node that is gone (its address closed) is computed by A in
+    full, still token-exact."""
+    b = pair_1p1d[0]
+    a = start_node("producer", tmp_path, extra_args=["--max-model-len", str(PAIR_MAX_MODEL_LEN)])
+    gone = f"127.0.0.1:{free_port()}"  # nothing listens there
+    prefix = PASSAGE * 2 + "Pulled once. "  # its blocks are new to B, which other tests share
     prompts = [hf_tokenizer(prefix + f"\nQuestion {q}: what is this about?").input_ids for q in (1, 2)]
     other = hf_tokenizer(CODE * 2 + "\nWhat does it do?").input_ids
     shared = next(i for i, (x, y) in enumerate(zip(*prompts)) if x != y) // BLOCK  # blocks both prompts have
@@ -107,11 +110,10 @@ def test_a_prefix_pulled_from_a_peer_gives_what_computing_it_gives(tmp_path, hf_
 
         try:
             out = {}
-            out["b1"] = await prefill(b, "b1", prompts[0])
+            out["b1"] = await prefill(b, f"b1-{uuid.uuid4().hex}", prompts[0])
             out["a2"] = await prefill(a, "a2", prompts[1], (b.grpc_address, shared))
-            out["b2"] = await prefill(b, "b2", prompts[1])
-            b.kill()
-            out["a3"] = await prefill(a, "a3", other, (b.grpc_address, 4))
+            out["b2"] = await prefill(b, f"b2-{uuid.uuid4().hex}", prompts[1])
+            out["a3"] = await prefill(a, "a3", other, (gone, 4))
             return out
         finally:
             for client in clients.values():
@@ -119,8 +121,6 @@ def test_a_prefix_pulled_from_a_peer_gives_what_computing_it_gives(tmp_path, hf_
             consumer.close()
 
     try:
-        for node in (a, b):
-            wait_ready(node)
         out = asyncio.run(run())
         (a2, kv_a2), (b2, kv_b2), (a3, _) = out["a2"], out["b2"], out["a3"]
         assert a2.num_cached_tokens == shared * BLOCK  # all of it pulled: A had computed nothing
@@ -131,7 +131,6 @@ def test_a_prefix_pulled_from_a_peer_gives_what_computing_it_gives(tmp_path, hf_
         assert re.search(rf"prefill a2: {len(prompts[1])} prompt tokens \({shared * BLOCK} cached, "
                          rf"{shared * BLOCK} of them pulled from {b.grpc_address}\)", a.log())
         assert a3.num_cached_tokens == 0 and a3.first_token == hf_greedy(hf_model, other, 1)[0]
-        assert "pull of 4 prefix blocks from" in a.log()
+        assert f"pull of 4 prefix blocks from {gone} failed" in a.log()
     finally:
-        for node in (a, b):
-            node.kill()
+        a.kill()
