@@ -11,6 +11,7 @@ import torch
 from prompts import CODE, PASSAGE, hf_greedy
 from servers import PAIR_MAX_MODEL_LEN, free_port, start_node
 
+from disagg.config import KVTransferConfig
 from disagg.control_plane import NodeInfo, PrefillCall
 from disagg.decode_node.prefill_client import PrefillClient, PrefillPool
 from disagg.engine.block_hash import prompt_block_hashes
@@ -38,8 +39,8 @@ def test_blocks_exported_from_one_engine_and_inserted_in_another_are_hit_there(t
     """Engine 1 computes a prompt; the KV of its leading blocks, exported by hash, goes into engine 2's
     prefix cache under engine 2's own hashes of the tokens; the same prompt on engine 2 then hits them
     and answers as engine 1 did. An export stops at the first hash not held."""
-    model = str(tiny_llama_dir())
-    one, two = (LLMEngine(EngineConfig(model=model, device="cpu", block_size=BLOCK)) for _ in range(2))
+    config = EngineConfig(model=str(tiny_llama_dir()), device="cpu", block_size=BLOCK, kv_cache_memory=2**22)
+    one, two = LLMEngine(config), LLMEngine(config)
     prompt = list(range(100, 180))  # 5 full blocks, 4 of which a cache may serve
     expected = greedy(one, "a", prompt, 4)
     hashes = prompt_block_hashes(prompt, BLOCK)
@@ -73,6 +74,13 @@ def test_the_hint_names_the_healthy_node_holding_more_of_the_prefix_than_the_pic
         await pool.close()
 
     asyncio.run(run())
+
+
+def test_prefix_pull_is_on_by_default_and_must_be_a_bool():
+    assert KVTransferConfig().extra("prefix_pull") is True
+    assert KVTransferConfig(kv_connector_extra_config={"prefix_pull": False}).extra("prefix_pull") is False
+    with pytest.raises(ValueError, match="prefix_pull must be true or false"):
+        KVTransferConfig(kv_connector_extra_config={"prefix_pull": "no"})
 
 
 @pytest.mark.slow
