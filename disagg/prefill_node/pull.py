@@ -68,8 +68,8 @@ class PrefixPuller:
         self.peers: OrderedDict[str, Peer] = OrderedDict()  # by gRPC address
         self.seconds_per_block: float | None = None  # measured over pulls
 
-    def worth(self, blocks: int) -> bool:
-        """Whether pulling `blocks` blocks is estimated cheaper than computing them here."""
+    def worth(self) -> bool:
+        """Whether a pulled block is estimated cheaper than one computed here."""
         per_s = self.cost.tokens_per_second()
         if not per_s or self.seconds_per_block is None:
             return True
@@ -79,22 +79,21 @@ class PrefixPuller:
         """Bring the prompt's first `blocks` full blocks that this node's prefix cache lacks from the
         prefill node at `address` into it. Returns how many blocks were put in; never raises (but
         CancelledError): what is not pulled is computed."""
-        size = self.info.block_size
-        blocks = min(blocks, len(prompt_block_hashes(prompt_token_ids, size)))
-        held = await self.engine.held_prefix_blocks(prompt_token_ids, blocks)
-        if held >= blocks:
+        hashes = prompt_block_hashes(prompt_token_ids, self.info.block_size)[:blocks]
+        held = await self.engine.held_prefix_blocks(prompt_token_ids, len(hashes))
+        if held == len(hashes):
             return 0
-        if not self.worth(blocks - held):
+        if not self.worth():
             metrics.PREFIX_PULLS.labels("not_worth").inc()
             return 0
         known = address in self.peers  # else this pull pays the handshake and the pipe's connection too
         start = time.perf_counter()
         try:
-            pulled = await asyncio.wait_for(self._fetch(prompt_token_ids, address, held, blocks), PULL_TIMEOUT_S)
+            pulled = await asyncio.wait_for(self._fetch(prompt_token_ids, address, held, hashes[held:]), PULL_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001  any failure: the blocks are computed
             metrics.PREFIX_PULLS.labels("failed").inc()
             logger.warning("pull of %d prefix blocks from %s failed (%s); computing them",
-                           blocks - held, address, str(e) or type(e).__name__)
+                           len(hashes) - held, address, str(e) or type(e).__name__)
             await self._forget(address)  # registered again, on a fresh channel, next time
             return 0
         per_block = (time.perf_counter() - start) / max(1, pulled)
@@ -105,10 +104,10 @@ class PrefixPuller:
         metrics.PREFIX_PULLED_BLOCKS.inc(pulled)
         return pulled
 
-    async def _fetch(self, prompt_token_ids: list[int], address: str, held: int, blocks: int) -> int:
+    async def _fetch(self, prompt_token_ids: list[int], address: str, held: int, hashes: list[int]) -> int:
+        """Pull the blocks after the `held` leading ones, by their hashes; how many were put in."""
         peer = await self._peer(address)
         size = self.info.block_size
-        hashes = prompt_block_hashes(prompt_token_ids, size)[held:blocks]
         pull_id = f"pull-{uuid.uuid4().hex}"
         host, port = self.info.kv_ip, self.info.kv_port
         done = False
