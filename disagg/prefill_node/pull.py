@@ -58,10 +58,11 @@ class Peer:
 
 
 class PrefixPuller:
-    def __init__(self, engine: AsyncEngine, consumer: LookupBufferConsumer, info: NodeInfo,
-                 auth_token: str | None, cost: StepCost):
+    def __init__(self, engine: AsyncEngine, consumer: LookupBufferConsumer, kv_endpoint: tuple[str, int],
+                 info: NodeInfo, auth_token: str | None, cost: StepCost):
         self.engine = engine
-        self.consumer = consumer  # listens on this node's pipe endpoint (info.kv_ip, info.kv_port)
+        self.consumer = consumer  # listens on this node's pipe endpoint
+        self.kv_endpoint = kv_endpoint  # where peers send to: kv_ip, and the port the consumer bound
         self.info = info
         self.metadata = ((AUTH_METADATA_KEY, auth_token),) if auth_token else ()
         self.cost = cost  # this node's prefill steps
@@ -109,7 +110,7 @@ class PrefixPuller:
         peer = await self._peer(address)
         size = self.info.block_size
         pull_id = f"pull-{uuid.uuid4().hex}"
-        host, port = self.info.kv_ip, self.info.kv_port
+        host, port = self.kv_endpoint
         done = False
         try:
             try:
@@ -144,7 +145,7 @@ class PrefixPuller:
         channel = grpc.aio.insecure_channel(address)
         stub = disagg_pb2_grpc.PrefillServiceStub(channel)
         try:
-            msg = await stub.Info(pb.InfoRequest(kv_host=self.info.kv_ip, kv_port=self.info.kv_port),
+            msg = await stub.Info(pb.InfoRequest(kv_host=self.kv_endpoint[0], kv_port=self.kv_endpoint[1]),
                                   timeout=PULL_TIMEOUT_S, metadata=self.metadata)
             info = convert.node_info_from_proto(msg)
             reason = self.info.mismatch(info)
