@@ -15,9 +15,11 @@ from disagg.config import KVTransferConfig
 from disagg.control_plane import NodeInfo, PrefillCall
 from disagg.decode_node.prefill_client import PrefillClient, PrefillPool
 from disagg.engine.block_hash import prompt_block_hashes
-from disagg.engine.config import EngineConfig
-from disagg.engine.engine import LLMEngine
+from disagg.engine.block_manager import BlockManager
+from disagg.engine.kv_cache import KVCache
+from disagg.engine.prefix_blocks import PrefixBlocks
 from disagg.engine.sampling_params import SamplingParams
+from disagg.engine.sequence import Sequence
 from disagg.lookup_buffer import LookupBufferConsumer
 from disagg.pipes.base import PipeConfig
 from disagg.proto import convert
@@ -26,35 +28,46 @@ from disagg.proto import disagg_pb2 as pb
 BLOCK = 16
 
 
-def greedy(engine: LLMEngine, request_id: str, prompt: list[int], max_tokens: int):
-    engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final = out
-    return final
+def cache_with_blocks(num_blocks: int = 12) -> tuple[KVCache, BlockManager]:
+    kv_cache = KVCache(2, num_blocks, BLOCK, 2, 4, torch.float32, torch.device("cpu"))
+    return kv_cache, BlockManager(num_blocks, BLOCK)
 
 
-def test_blocks_exported_from_one_engine_and_inserted_in_another_are_hit_there(tiny_llama_dir):
-    """Engine 1 computes a prompt; the KV of its leading blocks, exported by hash, goes into engine 2's
-    prefix cache under engine 2's own hashes of the tokens; the same prompt on engine 2 then hits them
-    and answers as engine 1 did. An export stops at the first hash not held."""
-    config = EngineConfig(model=str(tiny_llama_dir()), device="cpu", block_size=BLOCK, kv_cache_memory=2**22)
-    one, two = LLMEngine(config), LLMEngine(config)
+def test_blocks_exported_by_hash_are_inserted_under_the_receivers_own_hashes_and_hit_there():
+    """One engine's cache holds a prompt's blocks (as its prefill leaves them); their KV, exported by
+    hash, goes into another's free blocks under the hashes of the receiver's own tokens, and a sequence
+    of that prompt then hits them there, their KV intact. An export stops at the first hash not held; an
+    insert keeps blocks cached already and needs the blocks before them to be hit."""
     prompt = list(range(100, 180))  # 5 full blocks, 4 of which a cache may serve
-    expected = greedy(one, "a", prompt, 4)
     hashes = prompt_block_hashes(prompt, BLOCK)
-    assert one.prefix_blocks.export([hashes[0], 12345, hashes[1]])[0] == prompt[:BLOCK]
-    tokens, kv = one.prefix_blocks.export(hashes[1:])
-    assert tokens == prompt[BLOCK:len(hashes) * BLOCK] and kv.shape[2] == len(tokens)
-    # Blocks 1.. alone: not hit without block 0; then block 0 too.
-    assert two.prefix_blocks.insert(prompt, 1, kv) == len(hashes) - 1
-    assert two.prefix_blocks.held(prompt, len(hashes)) == 0
-    assert two.prefix_blocks.insert(prompt, 0, one.prefix_blocks.export(hashes)[1]) == 1  # the rest are in
-    assert two.prefix_blocks.held(prompt, len(hashes)) == len(hashes)
-    out = greedy(two, "b", prompt, 4)
-    assert out.num_cached_tokens == len(hashes) * BLOCK
-    assert out.token_ids == expected.token_ids
+    kv_one, bm_one = cache_with_blocks()
+    kv_one.kv.copy_(torch.randn_like(kv_one.kv))
+    seq = Sequence("a", prompt, SamplingParams())
+    bm_one.allocate(seq)
+    seq.num_computed_tokens = len(prompt)
+    bm_one.commit(seq)
+    bm_one.free(seq)  # cached, free
+    one = PrefixBlocks(kv_one, bm_one, None)
+    assert one.held(prompt, len(hashes)) == len(hashes)
+    assert one.export([hashes[0], 12345, hashes[1]])[0] == prompt[:BLOCK]
+    assert one.export([12345]) == ([], None)
+    tokens, kv = one.export(hashes[1:])
+    assert tokens == prompt[BLOCK:len(hashes) * BLOCK] and kv.shape == (2, 2, len(tokens), 2, 4)
+
+    kv_two, bm_two = cache_with_blocks()
+    two = PrefixBlocks(kv_two, bm_two, None)
+    assert two.insert(prompt, 1, kv) == len(hashes) - 1
+    assert two.held(prompt, len(hashes)) == 0  # not hit without block 0
+    assert two.insert(prompt, 0, one.export(hashes)[1]) == 1  # the others are in already
+    assert two.held(prompt, len(hashes)) == len(hashes)
+    assert bm_two.num_free_blocks == bm_two.num_blocks  # cached, held by nobody
+    seq = Sequence("b", prompt, SamplingParams())
+    bm_two.allocate(seq)
+    assert seq.num_cached_tokens == len(hashes) * BLOCK
+    rows = kv_two.rows(seq.block_table, 0, seq.num_cached_tokens)
+    assert torch.equal(kv_two.kv[:, :, rows], one.export(hashes)[1])
+    with pytest.raises(ValueError, match="does not fit whole blocks"):
+        two.insert(prompt, 0, kv[:, :, :BLOCK - 1])
 
 
 def test_the_hint_names_the_healthy_node_holding_more_of_the_prefix_than_the_picked_one():
