@@ -64,6 +64,9 @@ EXTRA_DEFAULTS: dict[str, object] = {
     # Prompts with fewer tokens to send go whole even when layerwise; None: LAYERWISE_MIN_TOKENS_GPU on
     # a GPU, 0 elsewhere (a CPU's prefill is slow beside a part's cost, so every prompt gains).
     "layerwise_min_tokens": None,
+    # A prefill node listens on its kv_port for prefix blocks it pulls from other prefill nodes, on a decode
+    # node's hint (prefill_node/pull.py); false: it computes them, and its kv_port stays only its name.
+    "prefix_pull": True,
 }
 EXTRA_NUMBERS = ("pipe_timeout", "lookup_timeout", "prefill_timeout", "buffer_ttl", "insert_timeout")
 REMOTE_PREFILL = ("auto", "always", "never")
@@ -148,9 +151,9 @@ class KVTransferConfig:
             extra["prefill_policy"] = self.kv_load_failure_policy
         self.kv_connector_extra_config = {**EXTRA_DEFAULTS, **extra}
         check_auth_token(self.extra("auth_token"))
-        if not isinstance(self.extra("layerwise"), bool):
-            raise ValueError("kv_connector_extra_config.layerwise must be true or false, "
-                             f"got {self.extra('layerwise')!r}")
+        for name in ("layerwise", "prefix_pull"):
+            if not isinstance(self.extra(name), bool):
+                raise ValueError(f"kv_connector_extra_config.{name} must be true or false, got {self.extra(name)!r}")
         if self.extra("prefill_policy") not in ("recompute", "fail"):
             raise ValueError("kv_load_failure_policy (kv_connector_extra_config.prefill_policy) must be "
                              "'recompute' or 'fail'")

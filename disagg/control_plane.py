@@ -49,6 +49,10 @@ class PrefillCall:
     params: SamplingParams  # the first token is sampled with these
     kv_dest: tuple[str, int]  # the decode node's pipe endpoint: where the KV goes
     skip_tokens: int = 0  # leading prompt tokens whose KV the decode node already holds: not sent
+    # A hint: the prefill node at this gRPC address holds the prompt's first pull_blocks full blocks
+    # (prefill_node/pull.py); "": none does.
+    pull_from: str = ""
+    pull_blocks: int = 0
 
 
 @dataclass

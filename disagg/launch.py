@@ -101,10 +101,11 @@ def wait_for_stop(stop: threading.Event, nodes: dict[str, subprocess.Popen]) -> 
 
 
 def bound_ports(args: argparse.Namespace) -> dict[int, str]:
-    """The ports the two nodes listen on, and the flag that sets each (the prefill node's pipe
-    port, kv_port, is only its name: the decode node's consumer listens, the producer connects)."""
+    """The ports the two nodes listen on, and the flag that sets each (the prefill node listens on its
+    pipe port for the prefix blocks it pulls from other prefill nodes: prefill_node/pull.py)."""
     return {args.port: "the decode node's HTTP port, --port", args.port + 1: "the prefill node's HTTP port, --port + 1",
             args.grpc_port: "the prefill node's gRPC port, --grpc-port",
+            args.kv_port: "the prefill node's pipe port, --kv-port",
             args.kv_port + 1: "the decode node's pipe port, --kv-port + 1"}
 
 

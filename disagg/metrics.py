@@ -53,6 +53,14 @@ KV_BUFFER_INSERT = Histogram("disagg_kv_buffer_insert_seconds", "Opening a promp
 KV_PART_SEND = Histogram("disagg_kv_part_send_seconds", "One KV message (a layer part, or a whole prompt's KV) "
                          "handed to the pipe until sent (a GPU part over NCCL: until its transfer is queued)",
                          buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
+# Prefix pull between prefill nodes (prefill_node/pull.py): the puller's outcomes and blocks, the holder's blocks sent.
+PREFIX_PULLS = Counter("disagg_prefix_pulls_total", "Prefix pulls a prefill node tried on a hint, by outcome: "
+                       "pulled, failed (the blocks were computed), not_worth (computing them was estimated "
+                       "cheaper)", ["outcome"])
+PREFIX_PULLED_BLOCKS = Counter("disagg_prefix_pulled_blocks_total", "Prefix blocks pulled from other prefill "
+                               "nodes into this node's prefix cache")
+PREFIX_FETCHED_BLOCKS = Counter("disagg_prefix_fetched_blocks_total", "Prefix blocks this node sent to other "
+                                "prefill nodes that pulled them (FetchBlocks)")
 PREFILL_ROUTE = Counter("disagg_prefill_route_total", "Prompts a decode node computed itself (local) or got "
                         "from a prefill node (remote)", ["route"])
 PREFILL_ROUTE_BASIS = Counter("disagg_prefill_route_basis_total", "How a decode node chose where a prompt is "

@@ -152,12 +152,17 @@ class FakePool:
         self.log = log
         self.clients = [client]
         self.available = available
+        self.hint = ("", 0)  # where the picked node may pull the prompt's prefix from: nowhere
 
     def pick(self, prompt_token_ids: list[int], block_hashes: dict | None = None) -> FakeClient:
         self.log.append(("pick",))
         if not self.available:
             raise PrefillNodeUnavailable("no healthy prefill node: prefill-0:50051: connection refused")
         return self.clients[0]
+
+    def pull_hint(self, picked: FakeClient, prompt_token_ids: list[int]) -> tuple[str, int]:
+        self.log.append(("pull_hint", picked))
+        return self.hint
 
 
 class FakeConsumer:
@@ -269,7 +274,7 @@ def test_happy_path_receives_in_place_and_streams():
         rid = request_id(log)
         assert rid.startswith(node.node_id + "-")
         assert (tokens, error) == ([FIRST, DECODED], None)
-        assert names(log) == ["pick", "add_remote_request", "expect", "prefill", "drop_select",
+        assert names(log) == ["pick", "add_remote_request", "expect", "pull_hint", "prefill", "drop_select",
                               "finish_remote_prefill"]
         (into,) = called(log, "expect")[0][2]  # the KV lands in the reserved rows of the cache
         assert into.tensor is CACHE and into.rows is ROWS
@@ -280,6 +285,19 @@ def test_happy_path_receives_in_place_and_streams():
         # in place: the KV is in the blocks already; the remote first token; loaded after the cached part
         assert called(log, "finish_remote_prefill") == [("finish_remote_prefill", rid, engine.slot, None, FIRST, 3)]
         assert node.kv_received_at == {}
+
+    asyncio.run(main())
+
+
+def test_the_prefill_call_carries_the_pools_pull_hint_for_the_picked_node():
+    async def main():
+        log: list[tuple] = []
+        node = make_node(log)
+        node.pool.hint = ("prefill-1:50051", 5)
+        assert (await collect(node))[1] is None
+        assert called(log, "pull_hint") == [("pull_hint", node.pool.clients[0])]
+        call = called(log, "prefill")[0][1]
+        assert (call.pull_from, call.pull_blocks) == ("prefill-1:50051", 5)
 
     asyncio.run(main())
 

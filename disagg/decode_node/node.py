@@ -8,7 +8,8 @@ A disaggregated request, in order (docs/ARCHITECTURE.md, "A request, end to end"
      tokens miss our prefix cache, or one the pool's queue would hold up); so is one that asks for
      prompt logprobs;
   1. the engine reserves blocks for the prompt (the request waits for KV without a step);
-  2. Prefill(request id, prompt, sampling, our pipe endpoint) on the picked prefill node;
+  2. Prefill(request id, prompt, sampling, our pipe endpoint) on the picked prefill node, with a hint
+     naming another prefill node that holds more of the prompt's prefix, if one does (it may pull it);
   3. drop_select on our LookupBuffer consumer takes exactly that request's KV off the pipe;
   4. the first token, which came with it, goes to the client at once; the engine loads the KV
      into the reserved blocks between two steps and decodes on from the second token.
@@ -163,7 +164,9 @@ class DecodeNode:
             # Blocks reserved already: the KV is received straight into them (else into a buffer first).
             if slot.rows is not None:
                 self.consumer.expect(request_id, [RowScatter(slot.cache, slot.rows)])
-            call = PrefillCall(request_id, prompt_token_ids, params, self.kv_advertise, skip)
+            # Leading blocks another prefill node holds and the picked one lacks: it may pull them (pull.py).
+            pull_from, pull_blocks = self.pool.pull_hint(client, prompt_token_ids)
+            call = PrefillCall(request_id, prompt_token_ids, params, self.kv_advertise, skip, pull_from, pull_blocks)
             result = await client.prefill(call, idle_timeout=self.prefill_timeout)
             answered = time.perf_counter()
             metrics.REMOTE_PREFILL_CALL.observe(answered - start)

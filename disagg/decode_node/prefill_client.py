@@ -301,6 +301,18 @@ class PrefillPool:
         hashes = {} if block_hashes is None else block_hashes
         return min(healthy, key=lambda c: (c.expected_seconds(prompt_token_ids, hashes), c.outstanding, c.calls))
 
+    def pull_hint(self, picked: PrefillClient, prompt_token_ids: list[int]) -> tuple[str, int]:
+        """Where the picked node may pull the prompt's prefix from (a Prefill call's pull_from,
+        pull_blocks): the healthy node whose device prefix cache holds the most of the prompt's leading
+        blocks, by its Watch view, if that is more than the picked node holds; ("", 0) when none does."""
+        hashes = prompt_block_hashes(prompt_token_ids, self.expected.block_size)
+        mine = picked.view.leading_blocks(hashes)
+        best, most = None, mine
+        for client in self.clients:
+            if client is not picked and client.healthy and (held := client.view.leading_blocks(hashes)) > most:
+                best, most = client, held
+        return (best.address, most) if best is not None else ("", 0)
+
     async def close(self) -> None:
         for task in self.watch_tasks:
             task.cancel()

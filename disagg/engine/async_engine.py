@@ -33,6 +33,7 @@ import torch
 from disagg.engine.engine import LLMEngine
 from disagg.engine.kv_events import KVEventPublisher, KVEventSubscription
 from disagg.engine.output import RequestOutput
+from disagg.engine.prefix_blocks import PrefixBlocks
 from disagg.engine.remote_prefill import FirstToken, RemoteSlot
 from disagg.engine.request_stats import IterationStats, RequestStats
 from disagg.engine.sampling_params import SamplingParams, StructuredOutputSpec
@@ -247,6 +248,24 @@ class AsyncEngine:
         if request_id not in self.engine.requests:  # its first token ended it: that output was its last
             self.streams.pop(request_id, None)
             self.request_stats.finished(request_id, first.seq.finish_reason or "stop", time.monotonic())
+
+    async def held_prefix_blocks(self, prompt_token_ids: list[int], limit: int) -> int:
+        """How many of the prompt's first `limit` full blocks the prefix cache holds (PrefixBlocks.held)."""
+        return await self._call(self._prefix_blocks().held, prompt_token_ids, limit)
+
+    async def export_prefix_blocks(self, hashes: list[int]) -> tuple[list[int], torch.Tensor | None]:
+        """The tokens and KV of the leading blocks held under `hashes` (PrefixBlocks.export)."""
+        return await self._call(self._prefix_blocks().export, hashes)
+
+    async def insert_prefix_blocks(self, prompt_token_ids: list[int], first: int, kv: torch.Tensor) -> int:
+        """Cache KV that arrived for blocks first, first + 1, ... of a prompt (PrefixBlocks.insert)."""
+        return await self._call(self._prefix_blocks().insert, prompt_token_ids, first, kv)
+
+    def _prefix_blocks(self) -> PrefixBlocks:
+        if self.engine.prefix_blocks is None:
+            raise ValueError("prefix blocks cannot move to or from this engine: it has no prefix cache, "
+                             "or its blocks are split over tensor-parallel ranks")
+        return self.engine.prefix_blocks
 
     async def keep_remote_blocks_aside(self, request_id: str) -> int:
         return await self._call(self.engine.keep_remote_blocks_aside, request_id)

@@ -13,6 +13,7 @@ from disagg.engine.kv_arrival import KVArrival
 from disagg.engine.kv_tiers.offload import KVOffload, check_kv_tiers, kv_identity
 from disagg.engine.loader import load_config, resolve_model
 from disagg.engine.output import RequestOutput, TextState, advance, make_output
+from disagg.engine.prefix_blocks import PrefixBlocks
 from disagg.engine.remote_prefill import FirstToken, RemotePrefills, RemoteSlot
 from disagg.engine.sampler import Sampler
 from disagg.engine.sampling_params import SamplingParamError, SamplingParams
@@ -60,6 +61,11 @@ class LLMEngine:
                                      (mc.num_key_value_heads, mc.head_dim), list(arrivals),
                                      None if config.tensor_parallel_size == 1 else self.runner.load_kv)
         self.scheduler.arrivals = arrivals + [self.remote]
+        # Blocks to and from a peer's prefix cache; under tensor parallelism each rank holds a share of
+        # every block's heads, which this does not gather.
+        self.prefix_blocks = None
+        if config.tensor_parallel_size == 1 and config.enable_prefix_caching:
+            self.prefix_blocks = PrefixBlocks(self.kv_cache, self.block_manager, self.offload)
         self.grammars = GrammarCompiler(self.tokenizer.json_path, self.model_config.vocab_size,
                                         sorted(self.tokenizer.eos_token_ids), config.grammar_cache_bytes)
         self.sampler = Sampler(config.seed, self.tokenizer.eos_token_ids, StructuredOutput(self.grammars))

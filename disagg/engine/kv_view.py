@@ -51,6 +51,16 @@ class CacheView:
         self.hashes = {}
         self.live, self.reason = False, reason
 
+    def leading_blocks(self, block_hashes: list[int], medium: str = "device") -> int:
+        """How many of the prompt's leading blocks the node holds in one tier."""
+        held = self.hashes.get(medium, set()) if self.live else set()
+        count = 0
+        for h in block_hashes:
+            if h not in held:
+                break
+            count += 1
+        return count
+
     def matched_blocks(self, block_hashes: list[int]) -> float:
         """The prompt's leading blocks the node holds in any tier, each counted by its tier's weight
         (a chained hash names its whole prefix, so the count stops at the first block held nowhere)."""

@@ -22,6 +22,7 @@ from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.sequence import KVExport
 from disagg.engine.step_cost import StepCost
 from disagg.lookup_buffer import LookupBufferProducer, token_digest
+from disagg.prefill_node.pull import PrefixPuller
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +93,13 @@ class PrefillNode:
         self.destinations: OrderedDict[tuple[str, int], Registration] = OrderedDict()
         self.cost = StepCost()  # what a prompt token costs this node: its throughput, a step's expected time
         engine.stat_loggers.append(self.cost.record)
+        self.puller: PrefixPuller | None = None  # pulls hinted prefixes from other prefill nodes (pull.py)
 
     async def prefill(self, call: PrefillCall) -> PrefillResult:
         start = time.perf_counter()
+        pulled = 0  # prefix blocks pulled from call.pull_from into our prefix cache, which the prefill then hits
+        if self.puller is not None and call.pull_from and call.pull_blocks:
+            pulled = await self.puller.pull(call.prompt_token_ids, call.pull_from, call.pull_blocks)
         # Only the first token is sampled here; stop rules and lengths are the decode node's.
         params = dataclasses.replace(call.params, max_tokens=1, min_tokens=min(call.params.min_tokens, 1), stop=[])
         if params.structured is not None:  # compiled here, off the engine thread, which then finds it cached
@@ -119,8 +124,9 @@ class PrefillNode:
             self.senders.pop(call.request_id, None)
         seconds = time.perf_counter() - start
         metrics.PREFILL_COMPUTE.observe(time.perf_counter() - opened)
-        logger.info("prefill %s: %d prompt tokens (%d cached), %.1f KiB KV to %s:%d in %.3fs",
+        logger.info("prefill %s: %d prompt tokens (%d cached%s), %.1f KiB KV to %s:%d in %.3fs",
                     call.request_id, len(call.prompt_token_ids), final.num_cached_tokens,
+                    f", {pulled * self.info.block_size} of them pulled from {call.pull_from}" if pulled else "",
                     nbytes / 1024, *call.kv_dest, seconds)
         return PrefillResult(
             first_token=final.token_ids[0],
@@ -160,6 +166,19 @@ class PrefillNode:
     def _abort_opened(self, opening: asyncio.Future, request_id: str) -> None:
         if not opening.cancelled() and opening.exception() is None:
             self.producer.abort(request_id)
+
+    async def fetch_blocks(self, request_id: str, hashes: list[int], dest: tuple[str, int]) -> tuple[int, int]:
+        """Another prefill node's pull: send the KV of the leading blocks our prefix cache holds under
+        `hashes` to its pipe endpoint `dest`, as one entry. Returns (blocks, bytes) sent; (0, 0) when
+        none is held. Raises BufferFullError when the producer has no room for it."""
+        tokens, kv = await self.engine.export_prefix_blocks(hashes)
+        if kv is None:
+            return 0, 0
+        # insert waits (bounded) for buffer space: off the event loop.
+        await asyncio.to_thread(self.producer.insert, request_id, tokens, [kv], None, dest)
+        blocks = len(tokens) // self.info.block_size
+        metrics.PREFIX_FETCHED_BLOCKS.inc(blocks)
+        return blocks, kv.nbytes
 
     def register(self, dest: tuple[str, int], peer: str) -> bool:
         """Remember a decode node's pipe endpoint, registered from address `peer`. Each address registers

@@ -10,8 +10,10 @@ from disagg import metrics
 from disagg.config import KVTransferConfig
 from disagg.engine.async_engine import AsyncEngine
 from disagg.http_limits import HTTPLimits
-from disagg.lookup_buffer import LookupBufferProducer
+from disagg.lookup_buffer import LookupBufferConsumer, LookupBufferProducer
+from disagg.pipes.errors import PipeError
 from disagg.prefill_node.node import PrefillNode
+from disagg.prefill_node.pull import PrefixPuller
 from disagg.prefill_node.service import start_grpc_server
 from disagg.serving import add_error_handlers, node_info, openai_error_response, serve_http
 
@@ -47,6 +49,17 @@ async def run_prefill_node(engine: AsyncEngine, model_name: str, kv: KVTransferC
                                     on_sent=metrics.kv_sent)
     node = PrefillNode(engine, producer, node_info(engine, model_name, kv), kv.kv_buffer_device,
                        kv.extra("layerwise"), kv.layerwise_min_tokens(engine.device.type))
+    if kv.extra("prefix_pull") and engine.engine.prefix_blocks is not None:
+        # Pulled prefix blocks arrive on this node's own pipe endpoint (its producer only connects out).
+        try:
+            consumer = LookupBufferConsumer(kv.kv_connector, kv.pipe_config(), ttl=kv.extra("buffer_ttl"),
+                                            kv_buffer_size=int(kv.kv_buffer_size),
+                                            on_received=metrics.KV_BYTES.labels("received").inc, device=engine.device)
+        except PipeError as e:
+            raise PipeError(f"{e}; a prefill node listens there for the prefix blocks it pulls from other prefill "
+                            "nodes (kv_connector_extra_config.prefix_pull false: it does not)") from None
+        node.puller = PrefixPuller(engine, consumer, (kv.kv_ip, consumer.address[1]), node.info, kv.grpc_token(),
+                                   node.cost)
     grpc_server = await start_grpc_server(node, host, grpc_port, kv.grpc_token())
     metrics.register_engine(engine)
     metrics.register_kv_tiers(engine.engine)
@@ -57,5 +70,7 @@ async def run_prefill_node(engine: AsyncEngine, model_name: str, kv: KVTransferC
                          limits=limits)
     finally:
         await grpc_server.stop(grace=2)
+        if node.puller is not None:
+            await node.puller.close()
         producer.close()
         engine.stop()

@@ -114,6 +114,27 @@ class PrefillServicer(disagg_pb2_grpc.PrefillServiceServicer):
         finally:
             subscription.close()
 
+    async def FetchBlocks(self, request: pb.FetchBlocksRequest,
+                          context: grpc.aio.ServicerContext) -> pb.FetchBlocksReply:
+        """Another prefill node pulls prefix blocks (prefill_node/pull.py): their KV goes to its pipe
+        endpoint, which its Info handshake registered, as a decode node's."""
+        dest = (request.kv_dest_host, request.kv_dest_port)
+        if not self.node.is_registered(dest):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"FetchBlocks {request.request_id} refused: kv_dest {dest[0]}:{dest[1]} is not "
+                                "registered; its Info handshake registers it")
+        try:
+            blocks, nbytes = await self.node.fetch_blocks(request.request_id, list(request.hashes), dest)
+        except (ValueError, TypeError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"FetchBlocks {request.request_id} refused: {e}")
+        except BufferFullError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"FetchBlocks {request.request_id} refused: {e}")
+        except Exception as e:
+            logger.exception("FetchBlocks %s failed", request.request_id)
+            await context.abort(grpc.StatusCode.INTERNAL, f"FetchBlocks {request.request_id} failed: "
+                                                          f"{type(e).__name__}: {e}")
+        return pb.FetchBlocksReply(num_blocks=blocks, kv_bytes=nbytes)
+
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortReply:
         if self.connections.get(request.request_id) != context.peer():
             return pb.AbortReply(aborted=False)  # not a request this connection asked for

@@ -33,7 +33,7 @@ def prefill_call_to_proto(call: PrefillCall) -> pb.PrefillRequest:
         sampling["structured"] = pb.StructuredOutput(kind=spec.kind, value=spec.value, after_tokens=spec.after_tokens)
     return pb.PrefillRequest(request_id=call.request_id, prompt_token_ids=call.prompt_token_ids,
                              sampling=pb.SamplingFields(**sampling), kv_dest_host=host, kv_dest_port=port,
-                             skip_tokens=call.skip_tokens)
+                             skip_tokens=call.skip_tokens, pull_from=call.pull_from, pull_blocks=call.pull_blocks)
 
 
 def prefill_call_from_proto(msg: pb.PrefillRequest) -> PrefillCall:
@@ -52,8 +52,11 @@ def prefill_call_from_proto(msg: pb.PrefillRequest) -> PrefillCall:
     if not 0 <= msg.skip_tokens < len(msg.prompt_token_ids):
         raise ValueError(
             f"skip_tokens must be in [0, prompt length {len(msg.prompt_token_ids)}), got {msg.skip_tokens}")
+    if msg.pull_blocks < 0:
+        raise ValueError(f"pull_blocks must be 0 or more, got {msg.pull_blocks}")
     return PrefillCall(request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids), params=params,
-                       kv_dest=(msg.kv_dest_host, msg.kv_dest_port), skip_tokens=msg.skip_tokens)
+                       kv_dest=(msg.kv_dest_host, msg.kv_dest_port), skip_tokens=msg.skip_tokens,
+                       pull_from=msg.pull_from, pull_blocks=msg.pull_blocks)
 
 
 def prefill_result_to_proto(result: PrefillResult) -> pb.PrefillReply:

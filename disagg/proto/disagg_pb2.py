@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64isagg/proto/disagg.proto\x12\tdisagg.v1\"/\n\x0bInfoRequest\x12\x0f\n\x07kv_host\x18\x01 \x01(\t\x12\x0f\n\x07kv_port\x18\x02 \x01(\x05\"\xcd\x01\n\x08NodeInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x14\n\x0ckv_connector\x18\x07 \x01(\t\x12\r\n\x05kv_ip\x18\x08 \x01(\t\x12\x0f\n\x07kv_port\x18\t \x01(\x05\x12\x18\n\x10protocol_version\x18\n \x01(\x05\"\xd8\x03\n\x0eSamplingFields\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x15\n\x08logprobs\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x01\x12<\n\nlogit_bias\x18\n \x03(\x0b\x32(.disagg.v1.SamplingFields.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x03\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x34\n\nstructured\x18\x0e \x01(\x0b\x32\x1b.disagg.v1.StructuredOutputH\x02\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\r\n\x0b_structured\"E\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\x12\x14\n\x0c\x61\x66ter_tokens\x18\x03 \x03(\x03\"\xac\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.disagg.v1.SamplingFields\x12\x14\n\x0ckv_dest_host\x18\x04 \x01(\t\x12\x14\n\x0ckv_dest_port\x18\x05 \x01(\x05\x12\x13\n\x0bskip_tokens\x18\x06 \x01(\x05\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"P\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.disagg.v1.TopLogprob\"\xc1\x01\n\x0cPrefillReply\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x03\x12.\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x12.disagg.v1.LogprobH\x00\x88\x01\x01\x12\x14\n\x0ctoken_digest\x18\x03 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x05 \x01(\x03\x12\x17\n\x0fprefill_seconds\x18\x06 \x01(\x01\x42\x10\n\x0e_first_logprob\"y\n\x0fPrefillProgress\x12\x14\n\x0c\x65ngine_steps\x18\x01 \x01(\x03\x12\x1b\n\x13num_computed_tokens\x18\x02 \x01(\x05\x12\x14\n\x0cstep_seconds\x18\x03 \x01(\x01\x12\x1d\n\x15step_expected_seconds\x18\x04 \x01(\x01\"r\n\rPrefillUpdate\x12.\n\x08progress\x18\x01 \x01(\x0b\x32\x1a.disagg.v1.PrefillProgressH\x00\x12\'\n\x04\x64one\x18\x02 \x01(\x0b\x32\x17.disagg.v1.PrefillReplyH\x00\x42\x08\n\x06update\"N\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0ckv_dest_host\x18\x02 \x01(\t\x12\x14\n\x0ckv_dest_port\x18\x03 \x01(\x05\"\x1d\n\nAbortReply\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x0e\n\x0cWatchRequest\"\x8c\x01\n\x08NodeLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\x03 \x01(\x03\x12\x1c\n\x14prefill_tokens_per_s\x18\x04 \x01(\x01\x12\x19\n\x11step_base_seconds\x18\x05 \x01(\x01\"S\n\nKVSnapshot\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12$\n\x05tiers\x18\x03 \x03(\x0b\x32\x15.disagg.v1.TierHashes\",\n\nTierHashes\x12\x0e\n\x06medium\x18\x01 \x01(\t\x12\x0e\n\x06hashes\x18\x02 \x03(\x04\"L\n\x0cKVEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0e\n\x06stored\x18\x02 \x03(\x04\x12\x0f\n\x07removed\x18\x03 \x03(\x04\x12\x0e\n\x06medium\x18\x04 \x01(\t\"\xa2\x01\n\tNodeState\x12!\n\x04load\x18\x01 \x01(\x0b\x32\x13.disagg.v1.NodeLoad\x12,\n\x08snapshot\x18\x02 \x01(\x0b\x32\x15.disagg.v1.KVSnapshotH\x00\x88\x01\x01\x12,\n\x06\x65vents\x18\x03 \x01(\x0b\x32\x17.disagg.v1.KVEventBatchH\x01\x88\x01\x01\x42\x0b\n\t_snapshotB\t\n\x07_events2\xfa\x01\n\x0ePrefillService\x12\x33\n\x04Info\x12\x16.disagg.v1.InfoRequest\x1a\x13.disagg.v1.NodeInfo\x12@\n\x07Prefill\x12\x19.disagg.v1.PrefillRequest\x1a\x18.disagg.v1.PrefillUpdate0\x01\x12\x37\n\x05\x41\x62ort\x12\x17.disagg.v1.AbortRequest\x1a\x15.disagg.v1.AbortReply\x12\x38\n\x05Watch\x12\x17.disagg.v1.WatchRequest\x1a\x14.disagg.v1.NodeState0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64isagg/proto/disagg.proto\x12\tdisagg.v1\"/\n\x0bInfoRequest\x12\x0f\n\x07kv_host\x18\x01 \x01(\t\x12\x0f\n\x07kv_port\x18\x02 \x01(\x05\"\xcd\x01\n\x08NodeInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x14\n\x0ckv_connector\x18\x07 \x01(\t\x12\r\n\x05kv_ip\x18\x08 \x01(\t\x12\x0f\n\x07kv_port\x18\t \x01(\x05\x12\x18\n\x10protocol_version\x18\n \x01(\x05\"\xd8\x03\n\x0eSamplingFields\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x15\n\x08logprobs\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x01\x12<\n\nlogit_bias\x18\n \x03(\x0b\x32(.disagg.v1.SamplingFields.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x03\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x34\n\nstructured\x18\x0e \x01(\x0b\x32\x1b.disagg.v1.StructuredOutputH\x02\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\r\n\x0b_structured\"E\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\x12\x14\n\x0c\x61\x66ter_tokens\x18\x03 \x03(\x03\"\xd4\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.disagg.v1.SamplingFields\x12\x14\n\x0ckv_dest_host\x18\x04 \x01(\t\x12\x14\n\x0ckv_dest_port\x18\x05 \x01(\x05\x12\x13\n\x0bskip_tokens\x18\x06 \x01(\x05\x12\x11\n\tpull_from\x18\x07 \x01(\t\x12\x13\n\x0bpull_blocks\x18\x08 \x01(\x05\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"P\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.disagg.v1.TopLogprob\"\xc1\x01\n\x0cPrefillReply\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x03\x12.\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x12.disagg.v1.LogprobH\x00\x88\x01\x01\x12\x14\n\x0ctoken_digest\x18\x03 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x05 \x01(\x03\x12\x17\n\x0fprefill_seconds\x18\x06 \x01(\x01\x42\x10\n\x0e_first_logprob\"y\n\x0fPrefillProgress\x12\x14\n\x0c\x65ngine_steps\x18\x01 \x01(\x03\x12\x1b\n\x13num_computed_tokens\x18\x02 \x01(\x05\x12\x14\n\x0cstep_seconds\x18\x03 \x01(\x01\x12\x1d\n\x15step_expected_seconds\x18\x04 \x01(\x01\"r\n\rPrefillUpdate\x12.\n\x08progress\x18\x01 \x01(\x0b\x32\x1a.disagg.v1.PrefillProgressH\x00\x12\'\n\x04\x64one\x18\x02 \x01(\x0b\x32\x17.disagg.v1.PrefillReplyH\x00\x42\x08\n\x06update\"N\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0ckv_dest_host\x18\x02 \x01(\t\x12\x14\n\x0ckv_dest_port\x18\x03 \x01(\x05\"\x1d\n\nAbortReply\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"d\n\x12\x46\x65tchBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06hashes\x18\x02 \x03(\x04\x12\x14\n\x0ckv_dest_host\x18\x03 \x01(\t\x12\x14\n\x0ckv_dest_port\x18\x04 \x01(\x05\"8\n\x10\x46\x65tchBlocksReply\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x03\"\x0e\n\x0cWatchRequest\"\x8c\x01\n\x08NodeLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\x03 \x01(\x03\x12\x1c\n\x14prefill_tokens_per_s\x18\x04 \x01(\x01\x12\x19\n\x11step_base_seconds\x18\x05 \x01(\x01\"S\n\nKVSnapshot\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12$\n\x05tiers\x18\x03 \x03(\x0b\x32\x15.disagg.v1.TierHashes\",\n\nTierHashes\x12\x0e\n\x06medium\x18\x01 \x01(\t\x12\x0e\n\x06hashes\x18\x02 \x03(\x04\"L\n\x0cKVEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0e\n\x06stored\x18\x02 \x03(\x04\x12\x0f\n\x07removed\x18\x03 \x03(\x04\x12\x0e\n\x06medium\x18\x04 \x01(\t\"\xa2\x01\n\tNodeState\x12!\n\x04load\x18\x01 \x01(\x0b\x32\x13.disagg.v1.NodeLoad\x12,\n\x08snapshot\x18\x02 \x01(\x0b\x32\x15.disagg.v1.KVSnapshotH\x00\x88\x01\x01\x12,\n\x06\x65vents\x18\x03 \x01(\x0b\x32\x17.disagg.v1.KVEventBatchH\x01\x88\x01\x01\x42\x0b\n\t_snapshotB\t\n\x07_events2\xc5\x02\n\x0ePrefillService\x12\x33\n\x04Info\x12\x16.disagg.v1.InfoRequest\x1a\x13.disagg.v1.NodeInfo\x12@\n\x07Prefill\x12\x19.disagg.v1.PrefillRequest\x1a\x18.disagg.v1.PrefillUpdate0\x01\x12\x37\n\x05\x41\x62ort\x12\x17.disagg.v1.AbortRequest\x1a\x15.disagg.v1.AbortReply\x12\x38\n\x05Watch\x12\x17.disagg.v1.WatchRequest\x1a\x14.disagg.v1.NodeState0\x01\x12I\n\x0b\x46\x65tchBlocks\x12\x1d.disagg.v1.FetchBlocksRequest\x1a\x1b.disagg.v1.FetchBlocksReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,33 +44,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STRUCTUREDOUTPUT']._serialized_start=772
   _globals['_STRUCTUREDOUTPUT']._serialized_end=841
   _globals['_PREFILLREQUEST']._serialized_start=844
-  _globals['_PREFILLREQUEST']._serialized_end=1016
-  _globals['_TOPLOGPROB']._serialized_start=1018
-  _globals['_TOPLOGPROB']._serialized_end=1065
-  _globals['_LOGPROB']._serialized_start=1067
-  _globals['_LOGPROB']._serialized_end=1147
-  _globals['_PREFILLREPLY']._serialized_start=1150
-  _globals['_PREFILLREPLY']._serialized_end=1343
-  _globals['_PREFILLPROGRESS']._serialized_start=1345
-  _globals['_PREFILLPROGRESS']._serialized_end=1466
-  _globals['_PREFILLUPDATE']._serialized_start=1468
-  _globals['_PREFILLUPDATE']._serialized_end=1582
-  _globals['_ABORTREQUEST']._serialized_start=1584
-  _globals['_ABORTREQUEST']._serialized_end=1662
-  _globals['_ABORTREPLY']._serialized_start=1664
-  _globals['_ABORTREPLY']._serialized_end=1693
-  _globals['_WATCHREQUEST']._serialized_start=1695
-  _globals['_WATCHREQUEST']._serialized_end=1709
-  _globals['_NODELOAD']._serialized_start=1712
-  _globals['_NODELOAD']._serialized_end=1852
-  _globals['_KVSNAPSHOT']._serialized_start=1854
-  _globals['_KVSNAPSHOT']._serialized_end=1937
-  _globals['_TIERHASHES']._serialized_start=1939
-  _globals['_TIERHASHES']._serialized_end=1983
-  _globals['_KVEVENTBATCH']._serialized_start=1985
-  _globals['_KVEVENTBATCH']._serialized_end=2061
-  _globals['_NODESTATE']._serialized_start=2064
-  _globals['_NODESTATE']._serialized_end=2226
-  _globals['_PREFILLSERVICE']._serialized_start=2229
-  _globals['_PREFILLSERVICE']._serialized_end=2479
+  _globals['_PREFILLREQUEST']._serialized_end=1056
+  _globals['_TOPLOGPROB']._serialized_start=1058
+  _globals['_TOPLOGPROB']._serialized_end=1105
+  _globals['_LOGPROB']._serialized_start=1107
+  _globals['_LOGPROB']._serialized_end=1187
+  _globals['_PREFILLREPLY']._serialized_start=1190
+  _globals['_PREFILLREPLY']._serialized_end=1383
+  _globals['_PREFILLPROGRESS']._serialized_start=1385
+  _globals['_PREFILLPROGRESS']._serialized_end=1506
+  _globals['_PREFILLUPDATE']._serialized_start=1508
+  _globals['_PREFILLUPDATE']._serialized_end=1622
+  _globals['_ABORTREQUEST']._serialized_start=1624
+  _globals['_ABORTREQUEST']._serialized_end=1702
+  _globals['_ABORTREPLY']._serialized_start=1704
+  _globals['_ABORTREPLY']._serialized_end=1733
+  _globals['_FETCHBLOCKSREQUEST']._serialized_start=1735
+  _globals['_FETCHBLOCKSREQUEST']._serialized_end=1835
+  _globals['_FETCHBLOCKSREPLY']._serialized_start=1837
+  _globals['_FETCHBLOCKSREPLY']._serialized_end=1893
+  _globals['_WATCHREQUEST']._serialized_start=1895
+  _globals['_WATCHREQUEST']._serialized_end=1909
+  _globals['_NODELOAD']._serialized_start=1912
+  _globals['_NODELOAD']._serialized_end=2052
+  _globals['_KVSNAPSHOT']._serialized_start=2054
+  _globals['_KVSNAPSHOT']._serialized_end=2137
+  _globals['_TIERHASHES']._serialized_start=2139
+  _globals['_TIERHASHES']._serialized_end=2183
+  _globals['_KVEVENTBATCH']._serialized_start=2185
+  _globals['_KVEVENTBATCH']._serialized_end=2261
+  _globals['_NODESTATE']._serialized_start=2264
+  _globals['_NODESTATE']._serialized_end=2426
+  _globals['_PREFILLSERVICE']._serialized_start=2429
+  _globals['_PREFILLSERVICE']._serialized_end=2754
 # @@protoc_insertion_point(module_scope)

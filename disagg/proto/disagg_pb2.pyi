@@ -88,20 +88,24 @@ class StructuredOutput(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., value: _Optional[str] = ..., after_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_dest_host", "kv_dest_port", "skip_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_dest_host", "kv_dest_port", "skip_tokens", "pull_from", "pull_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_DEST_HOST_FIELD_NUMBER: _ClassVar[int]
     KV_DEST_PORT_FIELD_NUMBER: _ClassVar[int]
     SKIP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PULL_FROM_FIELD_NUMBER: _ClassVar[int]
+    PULL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingFields
     kv_dest_host: str
     kv_dest_port: int
     skip_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingFields, _Mapping]] = ..., kv_dest_host: _Optional[str] = ..., kv_dest_port: _Optional[int] = ..., skip_tokens: _Optional[int] = ...) -> None: ...
+    pull_from: str
+    pull_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingFields, _Mapping]] = ..., kv_dest_host: _Optional[str] = ..., kv_dest_port: _Optional[int] = ..., skip_tokens: _Optional[int] = ..., pull_from: _Optional[str] = ..., pull_blocks: _Optional[int] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -172,6 +176,26 @@ class AbortReply(_message.Message):
     ABORTED_FIELD_NUMBER: _ClassVar[int]
     aborted: bool
     def __init__(self, aborted: _Optional[bool] = ...) -> None: ...
+
+class FetchBlocksRequest(_message.Message):
+    __slots__ = ("request_id", "hashes", "kv_dest_host", "kv_dest_port")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    KV_DEST_HOST_FIELD_NUMBER: _ClassVar[int]
+    KV_DEST_PORT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    hashes: _containers.RepeatedScalarFieldContainer[int]
+    kv_dest_host: str
+    kv_dest_port: int
+    def __init__(self, request_id: _Optional[str] = ..., hashes: _Optional[_Iterable[int]] = ..., kv_dest_host: _Optional[str] = ..., kv_dest_port: _Optional[int] = ...) -> None: ...
+
+class FetchBlocksReply(_message.Message):
+    __slots__ = ("num_blocks", "kv_bytes")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    kv_bytes: int
+    def __init__(self, num_blocks: _Optional[int] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ()

@@ -54,6 +54,11 @@ class PrefillServiceStub:
                 request_serializer=disagg_dot_proto_dot_disagg__pb2.WatchRequest.SerializeToString,
                 response_deserializer=disagg_dot_proto_dot_disagg__pb2.NodeState.FromString,
                 _registered_method=True)
+        self.FetchBlocks = channel.unary_unary(
+                '/disagg.v1.PrefillService/FetchBlocks',
+                request_serializer=disagg_dot_proto_dot_disagg__pb2.FetchBlocksRequest.SerializeToString,
+                response_deserializer=disagg_dot_proto_dot_disagg__pb2.FetchBlocksReply.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -92,6 +97,15 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchBlocks(self, request, context):
+        """Another prefill node's pull of prefix blocks this node's prefix cache holds: the KV of the
+        leading blocks held under the hashes goes over the pipe to kv_dest (a registered endpoint, as
+        a Prefill call's), as one lookup-buffer entry; the reply says how many blocks it holds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -114,6 +128,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.Watch,
                     request_deserializer=disagg_dot_proto_dot_disagg__pb2.WatchRequest.FromString,
                     response_serializer=disagg_dot_proto_dot_disagg__pb2.NodeState.SerializeToString,
+            ),
+            'FetchBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchBlocks,
+                    request_deserializer=disagg_dot_proto_dot_disagg__pb2.FetchBlocksRequest.FromString,
+                    response_serializer=disagg_dot_proto_dot_disagg__pb2.FetchBlocksReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -224,6 +243,33 @@ class PrefillService:
             '/disagg.v1.PrefillService/Watch',
             disagg_dot_proto_dot_disagg__pb2.WatchRequest.SerializeToString,
             disagg_dot_proto_dot_disagg__pb2.NodeState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/disagg.v1.PrefillService/FetchBlocks',
+            disagg_dot_proto_dot_disagg__pb2.FetchBlocksRequest.SerializeToString,
+            disagg_dot_proto_dot_disagg__pb2.FetchBlocksReply.FromString,
             options,
             channel_credentials,
             insecure,
