@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import httpx
@@ -85,7 +86,8 @@ def test_disagg_serve_check_config_refuses_an_empty_token_on_every_interface():
 
 
 def test_registrations_are_bounded_per_address_and_a_live_one_is_never_dropped(monkeypatch):
-    node = PrefillNode(engine=None, producer=None, info=None)  # registrations need neither
+    # Registrations need no engine beyond the list its cost measurement subscribes to, nor a producer.
+    node = PrefillNode(engine=SimpleNamespace(stat_loggers=[]), producer=None, info=None)
     decode = ("127.0.0.1", 14580)
     assert node.register(decode, "127.0.0.1")
     # A flood from one address (the decode node's own, on one host) fills that address's 16 and stops there.
