@@ -14,7 +14,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are defined, so before the import
 triton_kernels = pytest.importorskip("disagg.engine.layers.triton_kernels")
 from disagg.engine.layers import fused_ops  # noqa: E402
-from disagg.engine.models.llama import MLP, LlamaConfig, RMSNorm, RotaryEmbedding  # noqa: E402
+from disagg.engine.models.llama import MLP, LlamaConfig, RMSNorm, RotaryEmbedding, shard_plan  # noqa: E402
+from disagg.engine.parallel import TPGroup  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK_SIZE = 16
@@ -141,7 +142,8 @@ def test_fused_ops_match_the_torch_layers(dtype):
     torch.testing.assert_close(qkv[:, :6].cpu(), ref_q, **tol)
     torch.testing.assert_close(qkv[:, 6:8].cpu(), ref_k, **tol)
 
-    mlp = MLP(config).to(dtype)
+    one_rank = TPGroup.single(torch.device("cpu"))
+    mlp = MLP(config, shard_plan(config, one_rank), one_rank).to(dtype)
     h = torch.randn(5, 96, generator=g).to(dtype)
     ref = mlp(h)
     mlp.to(DEVICE).fuse(fused_ops)
