@@ -48,10 +48,10 @@ GRAMMAR_LIMITS = {
 DEFAULT_GRAMMAR_CACHE_BYTES = 256 * 2**20  # --grammar-cache-mb
 # Every request in the batch waits for its token until the step's masks are computed (issue 24: 64
 # choices of one costly grammar stretched other requests' token gaps to 14.7 s); they overlap the
-# forward, but past it they are the step's time. Once a step has spent MASK_STEP_BUDGET_S on
-# masks, a row whose last mask took over EXPENSIVE_MASK_S is failed instead of computed ("grammar
-# too expensive"), that request alone; cheap rows are computed first and always. Ordinary grammars
-# take well under a millisecond a mask.
+# forward, but past it they are the step's time. Once the batch has waited MASK_STEP_BUDGET_S for
+# them past the forward, a row whose last mask took over EXPENSIVE_MASK_S is failed instead of
+# computed ("grammar too expensive"), that request alone; cheap rows are computed first and always.
+# Ordinary grammars take well under a millisecond a mask.
 MASK_STEP_BUDGET_S = 0.25
 EXPENSIVE_MASK_S = 0.005
 # An entry's smallest cost: its RSS growth reads 0 when it reused memory freed before.
@@ -322,12 +322,15 @@ def release_freed_memory() -> None:
 
 @dataclass
 class Masks:
-    """One step's grammar masks, being computed on the masks' thread (StructuredOutput.start): row i
-    of `bitmask` is request_ids[i]'s. `done` gives the rows that failed (request id -> why) and how
-    long each computed row took."""
+    """One step's grammar masks, computed on the masks' thread (StructuredOutput.start): row i of
+    `bitmask` is request_ids[i]'s, and `rows` are (i, its grammar, its last mask's seconds), cheapest
+    first. `waited_since` is when the engine thread, its forward done, began to wait for them (None
+    until then). `done` gives the rows that failed (request id -> why) and each computed row's seconds."""
     request_ids: list[str]
     bitmask: torch.Tensor
-    done: Future[tuple[dict[str, str], dict[str, float]]]
+    rows: list[tuple[int, Grammar, float]]
+    waited_since: float | None = None
+    done: Future[tuple[dict[str, str], dict[str, float]]] | None = None
 
 
 class StructuredOutput:
@@ -369,17 +372,19 @@ class StructuredOutput:
 
     def start(self, seqs: list[Sequence]) -> Masks | None:
         """Start computing the masks of these sequences' grammars (those to be sampled this step) on
-        the masks' thread; None if none has one. Cheap rows are computed first and always; once
-        MASK_STEP_BUDGET_S is spent, a row whose last mask took over EXPENSIVE_MASK_S is failed instead."""
+        the masks' thread; None if none has one. Cheap rows are computed first and always; once the
+        batch has waited MASK_STEP_BUDGET_S for them past the forward, a row whose last mask took over
+        EXPENSIVE_MASK_S is failed instead."""
         request_ids = [seq.request_id for seq in seqs
                        if seq.request_id in self.grammars and seq.request_id not in self.failed]
         if not request_ids:
             return None
         bitmask = torch.full((len(request_ids), (self.compiler.vocab_size + 31) // 32), -1, dtype=torch.int32)
         rows = sorted(((i, self.grammars[rid], self.mask_seconds.get(rid, 0.0)) for i, rid in enumerate(request_ids)),
-                      key=lambda row: row[2])  # cheapest first
-        done = self.worker.submit(compute_masks, rows, request_ids, bitmask)
-        return Masks(request_ids, bitmask, done)
+                      key=lambda row: row[2])
+        masks = Masks(request_ids, bitmask, rows)
+        masks.done = self.worker.submit(compute_masks, masks)
+        return masks
 
     def mask(self, logits: torch.Tensor, seqs: list[Sequence], masks: Masks | None) -> torch.Tensor:
         """logits [B, vocab] with the tokens each row's grammar forbids at -inf (rows without one
@@ -388,6 +393,7 @@ class StructuredOutput:
         forbids only the tokens that would complete it wrongly."""
         if masks is None:
             return logits
+        masks.waited_since = time.monotonic()  # the budget's clock starts: the batch waits from now on
         failed, seconds = masks.done.result()
         self.failed.update(failed)  # those requests fail when their token is accepted
         self.mask_seconds.update(seconds)
@@ -400,29 +406,29 @@ class StructuredOutput:
         return logits
 
 
-def compute_masks(rows: list[tuple[int, Grammar, float]], request_ids: list[str], bitmask: torch.Tensor) \
-        -> tuple[dict[str, str], dict[str, float]]:
-    """On the masks' thread: write each row's mask into row i of `bitmask` (llguidance writes the
-    contiguous CPU tensor in place; a failed row stays all allowed). Rows come as (i, grammar, its
-    last mask's seconds), cheapest first. Returns the rows that failed and each computed row's seconds."""
+def compute_masks(masks: Masks) -> tuple[dict[str, str], dict[str, float]]:
+    """On the masks' thread: write each row's mask into its row of `masks.bitmask` (llguidance writes
+    the contiguous CPU tensor in place; a failed row stays all allowed). Returns the rows that failed
+    and each computed row's seconds."""
     failed, seconds = {}, {}
-    row_bytes = bitmask.shape[1] * bitmask.element_size()
-    start = time.monotonic()
-    for i, grammar, cost in rows:
-        request_id = request_ids[i]
+    row_bytes = masks.bitmask.shape[1] * masks.bitmask.element_size()
+    for i, grammar, cost in masks.rows:
+        request_id = masks.request_ids[i]
         if grammar.start is not None:  # before the start marker: only what would complete it wrongly
-            bits = bitmask[i].view(torch.uint8)
+            bits = masks.bitmask[i].view(torch.uint8)
             for token in grammar.refused_now():
                 bits[token // 8] &= 0xFF ^ (1 << token % 8)
             continue
-        if cost > EXPENSIVE_MASK_S and time.monotonic() - start > MASK_STEP_BUDGET_S:
+        waited_since = masks.waited_since  # set by the engine thread: read once
+        if (cost > EXPENSIVE_MASK_S and waited_since is not None
+                and time.monotonic() - waited_since > MASK_STEP_BUDGET_S):
             failed[request_id] = (f"grammar too expensive: its token mask takes {cost * 1000:.0f} ms a step, and "
-                                  f"this step's masks had already taken the {MASK_STEP_BUDGET_S:g} s this server "
-                                  "gives them; send a simpler grammar, or fewer choices (n) of it")
+                                  f"this step's batch had already waited the {MASK_STEP_BUDGET_S:g} s this server "
+                                  "gives masks past the forward; send a simpler grammar, or fewer choices (n) of it")
             continue
         began = time.monotonic()
         try:
-            grammar.matcher.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), row_bytes)
+            grammar.matcher.unsafe_compute_mask_ptr(masks.bitmask[i].data_ptr(), row_bytes)
         except Exception as e:  # noqa: BLE001  that request alone fails, when its token is accepted
             failed[request_id] = f"computing the grammar's token mask failed: {e}"
         seconds[request_id] = time.monotonic() - began
