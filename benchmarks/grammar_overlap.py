@@ -45,12 +45,13 @@ VICTIM_PROMPT = "The capital of France is"
 
 class MaskWaits:
     """Times each call of the sampler's StructuredOutput.mask: what the batch waits for its masks after
-    the forward (the masks' whole time where they are computed there)."""
+    the forward (the masks' whole time where they are computed there), and after it the masks' own
+    time that step (the sum of each row's, as StructuredOutput measured them)."""
 
     def __init__(self, llm: LLM):
-        structured = llm.engine.sampler.structured
-        self.mask, self.seconds = structured.mask, []
-        structured.mask = self
+        self.structured = llm.engine.sampler.structured
+        self.mask, self.seconds, self.work = self.structured.mask, [], []
+        self.structured.mask = self
 
     def __call__(self, *args):
         start = time.perf_counter()
@@ -58,6 +59,7 @@ class MaskWaits:
             return self.mask(*args)
         finally:
             self.seconds.append(time.perf_counter() - start)
+            self.work.append(sum(self.structured.mask_seconds.values()))
 
 
 def step_times(llm: LLM, rows: int, steps: int, spec: StructuredOutputSpec | None) -> list[float]:
@@ -78,9 +80,11 @@ def step_times(llm: LLM, rows: int, steps: int, spec: StructuredOutputSpec | Non
     return times[:steps]
 
 
-def victim_gaps(llm: LLM, hostile: int, tokens: int) -> dict:
-    """The victim's token gaps beside `hostile` requests of HOSTILE, and what happened to those."""
+def victim_gaps(llm: LLM, waits: MaskWaits, hostile: int, tokens: int) -> dict:
+    """The victim's token gaps beside `hostile` requests of HOSTILE, the part of each that the sampler
+    waited for the masks after the forward, and what happened to the hostile requests."""
     engine = llm.engine
+    waits.seconds = []
     try:
         engine.validate([1], SamplingParams(structured=ISSUE_HOSTILE))
         issue_grammar = "compiled"
@@ -102,6 +106,8 @@ def victim_gaps(llm: LLM, hostile: int, tokens: int) -> dict:
     too_expensive = sum("grammar too expensive" in e for e in errors)
     return {"issue_grammar": issue_grammar, "gaps_s": gaps, "first_gap_s": gaps[0],
             "max_gap_after_first_s": max(gaps[1:]), "median_gap_s": statistics.median(gaps),
+            "mask_waits_s": waits.seconds, "median_mask_wait_s": statistics.median(waits.seconds),
+            "max_mask_wait_s": max(waits.seconds),
             "hostile_failed_too_expensive": too_expensive, "hostile_failed_otherwise": len(errors) - too_expensive}
 
 
@@ -122,19 +128,23 @@ def main() -> None:
     step_times(llm, args.rows, 2, StructuredOutputSpec("json", json.dumps(SCHEMA)))  # warm: compiles, first steps
     waits = MaskWaits(llm)
     result = {"rows": args.rows, "torch_threads": torch.get_num_threads(), "load_average": os.getloadavg()[0],
-              "steps_ms": {}, "mask_waits_ms": {}}
+              "steps_ms": {}, "mask_waits_ms": {}, "mask_work_ms": {}}
     for name, spec in [("no grammar", None), ("json schema", StructuredOutputSpec("json", json.dumps(SCHEMA))),
                        ("(a{1000}){4}", COSTLY)]:
-        waits.seconds = []
+        waits.seconds, waits.work = [], []
         times = step_times(llm, args.rows, args.steps, spec)
         result["steps_ms"][name] = round(statistics.median(times) * 1000, 1)
         result["mask_waits_ms"][name] = round(statistics.median(waits.seconds[1:1 + len(times)]) * 1000, 2)
-        print(f"{args.label}: {args.rows} rows, {name}: median decode step {result['steps_ms'][name]} ms, of which "
-              f"the masks after the forward {result['mask_waits_ms'][name]} ms", flush=True)
-    victim = victim_gaps(llm, args.hostile, args.victim_tokens)
+        result["mask_work_ms"][name] = round(statistics.median(waits.work[1:1 + len(times)]) * 1000, 2)
+        print(f"{args.label}: {args.rows} rows, {name}: median decode step {result['steps_ms'][name]} ms; the masks "
+              f"take {result['mask_work_ms'][name]} ms, the sampler waits {result['mask_waits_ms'][name]} ms for "
+              "them (and applies them) after the forward", flush=True)
+    victim = victim_gaps(llm, waits, args.hostile, args.victim_tokens)
     result["victim"] = victim
     print(f"{args.label}: victim beside {args.hostile} x {HOSTILE.value}: first gap {victim['first_gap_s']:.2f} s, "
-          f"max later gap {victim['max_gap_after_first_s']:.3f} s, median {victim['median_gap_s']:.3f} s; "
+          f"max later gap {victim['max_gap_after_first_s']:.3f} s, median {victim['median_gap_s']:.3f} s, of which "
+          f"the masks after the forward median {victim['median_mask_wait_s']:.3f} s, max "
+          f"{victim['max_mask_wait_s']:.3f} s; "
           f"{victim['hostile_failed_too_expensive']} hostile failed 'grammar too expensive', "
           f"{victim['hostile_failed_otherwise']} otherwise; the issue's {ISSUE_HOSTILE.value}: "
           f"{victim['issue_grammar'][:60]}", flush=True)
