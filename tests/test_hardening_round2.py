@@ -138,7 +138,7 @@ def test_costly_masks_fail_their_own_request_past_the_step_budget():
     steps = []
     for _ in range(3):
         start = time.monotonic()
-        structured.mask(torch.zeros(len(seqs), 64), seqs)
+        structured.mask(torch.zeros(len(seqs), 64), seqs, structured.start(seqs))
         steps.append(time.monotonic() - start)
     assert cheap.masks == 3 and "victim" not in structured.failed
     failed = [rid for rid in costly if rid in structured.failed]

@@ -472,3 +472,60 @@ def test_lookup_decoder_refuses_oversized_and_missing_headers():
     for message in (None, [], [torch.zeros(MAX_HEADER_BYTES + 1, dtype=torch.uint8)]):
         with pytest.raises(ProtocolError):
             decode(message)
+
+
+class FakeGloo:
+    """One rank of a 2-member gloo pair, in this process: a send puts its bytes where the other rank's
+    recv takes them, unless `stranger` speaks instead (a gloo listener taken by someone else)."""
+
+    class Done:
+        def wait(self) -> None:
+            pass
+
+    def __init__(self, rank: int, wires: list, stranger: bytes | None = None):
+        self._rank, self._wires, self._stranger = rank, wires, stranger
+
+    def rank(self) -> int:
+        return self._rank
+
+    def send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> "FakeGloo.Done":
+        self._wires[peer].put(tensors[0].clone())
+        return FakeGloo.Done()
+
+    def recv(self, tensors: list[torch.Tensor], peer: int, tag: int) -> "FakeGloo.Done":
+        got = self._wires[self._rank].get(timeout=10)
+        tensors[0].copy_(torch.frombuffer(bytearray(self._stranger), dtype=torch.uint8) if self._stranger else got)
+        return FakeGloo.Done()
+
+
+@pytest.mark.parametrize("stranger", [None, os.urandom(torch_dist.PAIR_NONCE_BYTES)], ids=["peer", "stranger"])
+def test_a_torch_dist_pair_whose_gloo_reaches_someone_else_is_refused(stranger):
+    """Gloo's connections check no token: a stranger that connected to a gloo listener first would hold
+    the pair's place. Each side's nonce goes over gloo and over the authenticated control socket; the
+    listener (rank 0) refuses the pipe when what gloo brought is not what the peer said it sent."""
+    import queue
+
+    wires = [queue.Queue(), queue.Queue()]
+    listener_sock, connector_sock = socket.socketpair()
+    config = PipeConfig(timeout=10)
+    outcome = {}
+
+    def check(rank: int, sock: socket.socket, gloo: FakeGloo) -> None:
+        try:
+            torch_dist._check_pair(sock, gloo, config)
+            outcome[rank] = "ok"
+        except PipeError as e:
+            outcome[rank] = str(e)
+
+    sides = [threading.Thread(target=check, args=(0, listener_sock, FakeGloo(0, wires, stranger))),
+             threading.Thread(target=check, args=(1, connector_sock, FakeGloo(1, wires)))]
+    for side in sides:
+        side.start()
+    for side in sides:
+        side.join(timeout=30)
+    listener_sock.close()
+    connector_sock.close()
+    if stranger is None:
+        assert outcome == {0: "ok", 1: "ok"}
+    else:
+        assert "does not reach the peer that authenticated" in outcome[0] and outcome[1] == "ok"

@@ -209,6 +209,7 @@ class LLMEngine:
         """Let copies and disk writes in flight finish (so a restart finds them), then stop the tiers."""
         if self.offload is not None:
             self.offload.close()
+        self.sampler.structured.close()
         self.runner.close()
 
     def has_unfinished_requests(self) -> bool:
@@ -234,6 +235,8 @@ class LLMEngine:
         self.num_steps += 1
         self.step_prompt_tokens = sum(item.num_new_tokens for item in batch
                                       if item.seq.num_computed_tokens < item.seq.num_prompt_tokens)
+        # The masks of the rows to be sampled are computed on their own thread while the forward runs.
+        masks = self.sampler.structured.start([item.seq for item in batch if item.samples])
         try:
             batch, logits, prompt_logprobs = self.runner.run(batch)
         except Exception as e:  # the step's requests fail; the next step runs as usual
@@ -246,7 +249,7 @@ class LLMEngine:
         sampled = self.scheduler.postprocess(batch)
         if self.offload is not None:
             self.offload.store_new()  # eager: the blocks this step filled go to the host tier
-        results = self.sampler(logits, sampled)
+        results = self.sampler(logits, sampled, masks)
         for seq, result in zip(sampled, results):
             # A failure in one sequence's sampling or post-processing fails that request alone.
             try:

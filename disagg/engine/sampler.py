@@ -5,7 +5,7 @@ import torch
 
 from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.sequence import Sequence, TokenLogprob
-from disagg.engine.structured_output import StructuredOutput
+from disagg.engine.structured_output import Masks, StructuredOutput
 
 
 class Sampler:
@@ -26,13 +26,15 @@ class Sampler:
         self.request_generators.pop(request_id, None)
         self.structured.release(request_id)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None] | Exception]:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
+                 masks: Masks | None) -> list[tuple[int, TokenLogprob | None] | Exception]:
         """logits [B, vocab] float32, one row per sequence; one (token, logprob) per sequence, in order.
+        `masks`: the grammar masks of these sequences, started before the forward (StructuredOutput.start).
         Logprobs are those of the model's own logits, before penalties and bias (vLLM's default)."""
         raw = logits
         if any(seq.params.processes_logits for seq in seqs):  # the neutral case pays nothing
             logits = self.processed(logits, seqs)
-        logits = self.structured.mask(logits, seqs)
+        logits = self.structured.mask(logits, seqs, masks)
         if all(seq.params.greedy and seq.params.logprobs is None for seq in seqs):
             # On the device: one small copy of the chosen tokens instead of the whole logits.
             return [(token, None) for token in torch.argmax(logits, dim=-1).tolist()]

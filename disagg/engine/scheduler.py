@@ -34,6 +34,11 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
 
+    @property
+    def samples(self) -> bool:
+        """Whether this step computes the sequence's last token, and so samples its next one."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
@@ -158,10 +163,10 @@ class Scheduler:
         the prefix cache. Returns the sequences that now need a sampled token, in batch order."""
         sampled = []
         for item in batch:
-            seq = item.seq
+            seq, samples = item.seq, item.samples
             seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.commit(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
+            if samples:
                 sampled.append(seq)
                 if seq.num_output_tokens == 0 and seq.prompt_logprobs is not None and not seq.scores_prompt:
                     self.hand_prompt_logprobs_to_twins(seq)

@@ -11,6 +11,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,11 +46,12 @@ GRAMMAR_LIMITS = {
     "verbose_errors": False,  # errors go to the client: no dump of the parser's state
 }
 DEFAULT_GRAMMAR_CACHE_BYTES = 256 * 2**20  # --grammar-cache-mb
-# A step's masks are computed on the engine thread while every request in the batch waits for its
-# token (issue 24: 64 choices of one costly grammar stretched other requests' token gaps to 14.7 s).
-# Once a step has spent MASK_STEP_BUDGET_S on masks, a row whose last mask took over
-# EXPENSIVE_MASK_S is failed instead of computed ("grammar too expensive"), that request alone;
-# cheap rows are computed first and always. Ordinary grammars take well under a millisecond a mask.
+# Every request in the batch waits for its token until the step's masks are computed (issue 24: 64
+# choices of one costly grammar stretched other requests' token gaps to 14.7 s); they overlap the
+# forward, but past it they are the step's time. Once the batch has waited MASK_STEP_BUDGET_S for
+# them past the forward, a row whose last mask took over EXPENSIVE_MASK_S is failed instead of
+# computed ("grammar too expensive"), that request alone; cheap rows are computed first and always.
+# Ordinary grammars take well under a millisecond a mask.
 MASK_STEP_BUDGET_S = 0.25
 EXPENSIVE_MASK_S = 0.005
 # An entry's smallest cost: its RSS growth reads 0 when it reused memory freed before.
@@ -318,15 +320,36 @@ def release_freed_memory() -> None:
         MALLOC_TRIM(0)
 
 
+@dataclass
+class Masks:
+    """One step's grammar masks, computed on the masks' thread (StructuredOutput.start): row i of
+    `bitmask` is request_ids[i]'s, and `rows` are (i, its grammar, its last mask's seconds), cheapest
+    first. `waited_since` is when the engine thread, its forward done, began to wait for them (None
+    until then). `done` gives the rows that failed (request id -> why) and each computed row's seconds."""
+    request_ids: list[str]
+    bitmask: torch.Tensor
+    rows: list[tuple[int, Grammar, float]]
+    waited_since: float | None = None
+    done: Future[tuple[dict[str, str], dict[str, float]]] | None = None
+
+
 class StructuredOutput:
     """The grammars of the engine's requests that have one, by request id. A grammar advances with
-    every token the request gets (sampled here or sent by a prefill node)."""
+    every token the request gets (sampled here or sent by a prefill node).
+
+    A step's masks are computed on a thread of their own while the model's forward runs (start,
+    then mask after the forward): llguidance drops the GIL while it computes a mask, as torch does
+    in its operators, so the two overlap. The engine thread touches the grammars only before start
+    and after mask, so the masks' thread has them to itself in between."""
 
     def __init__(self, compiler: GrammarCompiler):
         self.compiler = compiler
         self.grammars: dict[str, Grammar] = {}
         self.failed: dict[str, str] = {}  # request id -> why its mask could not be computed
         self.mask_seconds: dict[str, float] = {}  # request id -> how long its last mask took
+        # One thread: a step's masks wait for the last step's (whose forward failed) to end. Started
+        # at the first grammar.
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
 
     def add(self, request_id: str, spec: StructuredOutputSpec) -> None:
         self.grammars[request_id] = self.compiler.grammar(spec)
@@ -336,6 +359,9 @@ class StructuredOutput:
         self.failed.pop(request_id, None)
         self.mask_seconds.pop(request_id, None)
 
+    def close(self) -> None:
+        self.worker.shutdown()
+
     def accept(self, request_id: str, token: int) -> None:
         """Raises ValueError if the token breaks the request's grammar (the engine fails that request)."""
         if request_id in self.failed:
@@ -344,46 +370,69 @@ class StructuredOutput:
         if grammar is not None:
             grammar.accept(token)
 
-    def mask(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def start(self, seqs: list[Sequence]) -> Masks | None:
+        """Start computing the masks of these sequences' grammars (those to be sampled this step) on
+        the masks' thread; None if none has one. Cheap rows are computed first and always; once the
+        batch has waited MASK_STEP_BUDGET_S for them past the forward, a row whose last mask took over
+        EXPENSIVE_MASK_S is failed instead."""
+        request_ids = [seq.request_id for seq in seqs
+                       if seq.request_id in self.grammars and seq.request_id not in self.failed]
+        if not request_ids:
+            return None
+        bitmask = torch.full((len(request_ids), (self.compiler.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        rows = sorted(((i, self.grammars[rid], self.mask_seconds.get(rid, 0.0)) for i, rid in enumerate(request_ids)),
+                      key=lambda row: row[2])
+        masks = Masks(request_ids, bitmask, rows)
+        masks.done = self.worker.submit(compute_masks, masks)
+        return masks
+
+    def mask(self, logits: torch.Tensor, seqs: list[Sequence], masks: Masks | None) -> torch.Tensor:
         """logits [B, vocab] with the tokens each row's grammar forbids at -inf (rows without one
-        untouched). EOS is allowed only where the grammar accepts what came so far. A grammar still
-        waiting for its start marker forbids only the tokens that would complete it wrongly."""
-        refused = {row: self.grammars[seq.request_id].refused_now() for row, seq in enumerate(seqs)
-                   if seq.request_id in self.grammars and self.grammars[seq.request_id].start is not None}
-        rows = [row for row, seq in enumerate(seqs)
-                if seq.request_id in self.grammars and (row not in refused or refused[row])]
-        if not rows:
+        untouched), once `masks` (start's, for these sequences) are computed. EOS is allowed only
+        where the grammar accepts what came so far. A grammar still waiting for its start marker
+        forbids only the tokens that would complete it wrongly."""
+        if masks is None:
             return logits
-        bitmask = torch.full((len(rows), (self.compiler.vocab_size + 31) // 32), -1, dtype=torch.int32)
-        row_bytes = bitmask.shape[1] * bitmask.element_size()
-        start = time.monotonic()
-        cheapest_first = sorted(enumerate(rows), key=lambda pair: self.mask_seconds.get(seqs[pair[1]].request_id, 0.0))
-        for i, row in cheapest_first:  # llguidance writes row i of the (contiguous, CPU) bitmask in place
-            request_id = seqs[row].request_id
-            cost = self.mask_seconds.get(request_id, 0.0)
-            if request_id in self.failed:
-                continue  # failed when its token is accepted
-            if row in refused:
-                bits = bitmask[i].view(torch.uint8)
-                for token in refused[row]:
-                    bits[token // 8] &= 0xFF ^ (1 << token % 8)
-                continue
-            if cost > EXPENSIVE_MASK_S and time.monotonic() - start > MASK_STEP_BUDGET_S:
-                self.failed[request_id] = (f"grammar too expensive: its token mask takes {cost * 1000:.0f} ms a "
-                                           f"step, and this step's masks had already taken the "
-                                           f"{MASK_STEP_BUDGET_S:g} s this server gives them; send a simpler "
-                                           "grammar, or fewer choices (n) of it")
-                continue
-            began = time.monotonic()
-            try:
-                self.grammars[request_id].matcher.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), row_bytes)
-            except Exception as e:  # noqa: BLE001  that request alone fails, when its token is accepted
-                self.failed[request_id] = f"computing the grammar's token mask failed: {e}"
-            self.mask_seconds[request_id] = time.monotonic() - began
+        masks.waited_since = time.monotonic()  # the budget's clock starts: the batch waits from now on
+        failed, seconds = masks.done.result()
+        self.failed.update(failed)  # those requests fail when their token is accepted
+        self.mask_seconds.update(seconds)
+        index_of = {rid: i for i, rid in enumerate(masks.request_ids)}
+        rows = [row for row, seq in enumerate(seqs) if seq.request_id in index_of]
+        bitmask = masks.bitmask[[index_of[seqs[row].request_id] for row in rows]]
         index = torch.tensor(rows, device=logits.device)
         logits = logits.clone()
         logits[index] = apply_token_bitmask(logits[index], bitmask.to(logits.device))
         return logits
+
+
+def compute_masks(masks: Masks) -> tuple[dict[str, str], dict[str, float]]:
+    """On the masks' thread: write each row's mask into its row of `masks.bitmask` (llguidance writes
+    the contiguous CPU tensor in place; a failed row stays all allowed). Returns the rows that failed
+    and each computed row's seconds."""
+    failed, seconds = {}, {}
+    row_bytes = masks.bitmask.shape[1] * masks.bitmask.element_size()
+    for i, grammar, cost in masks.rows:
+        request_id = masks.request_ids[i]
+        if grammar.start is not None:  # before the start marker: only what would complete it wrongly
+            bits = masks.bitmask[i].view(torch.uint8)
+            for token in grammar.refused_now():
+                bits[token // 8] &= 0xFF ^ (1 << token % 8)
+            continue
+        waited_since = masks.waited_since  # set by the engine thread: read once
+        if (cost > EXPENSIVE_MASK_S and waited_since is not None
+                and time.monotonic() - waited_since > MASK_STEP_BUDGET_S):
+            failed[request_id] = (f"grammar too expensive: its token mask takes {cost * 1000:.0f} ms a step, and "
+                                  f"this step's batch had already waited the {MASK_STEP_BUDGET_S:g} s this server "
+                                  "gives masks past the forward; send a simpler grammar, or fewer choices (n) of it")
+            continue
+        began = time.monotonic()
+        try:
+            grammar.matcher.unsafe_compute_mask_ptr(masks.bitmask[i].data_ptr(), row_bytes)
+        except Exception as e:  # noqa: BLE001  that request alone fails, when its token is accepted
+            failed[request_id] = f"computing the grammar's token mask failed: {e}"
+        seconds[request_id] = time.monotonic() - began
+    return failed, seconds
 
 
 BIT_VALUES = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)

@@ -5,7 +5,9 @@ hold any number of pipes. The listener's endpoint takes a TCP control connection
 (connected and handshaken as the tcp pipe's, auth included: sockets.py), then a second
 one, handshaken the same way, for the pair's rendezvous store (PairStore), which lives as
 long as the pipe (NCCL forms its communicator at the first transfer). No TCPStore: it
-would listen on every interface, for anyone's keys.
+would listen on every interface, for anyone's keys. Gloo's own connections check no token,
+so once the groups are formed both sides check that gloo reaches the authenticated peer
+(_check_pair).
 
 A message's header goes over the control socket, followed by one route byte per
 tensor saying how that tensor's bytes travel:
@@ -48,6 +50,7 @@ INLINE_MAX_BYTES = 64 << 10  # a message of CPU tensors alone this small goes on
 # A connector's first byte on a handshaken connection: a new pipe, or the store connection of one.
 PIPE, STORE = b"P", b"S"
 PAIR_ID_BYTES = 16
+PAIR_NONCE_BYTES = 16  # sent over gloo and over the control socket once the pair is formed (_check_pair)
 RENDEZVOUS = struct.Struct(f"!{PAIR_ID_BYTES}sB")  # listener -> connector: the pair's id, has_cuda
 HAS_CUDA = struct.Struct("!B")  # connector -> listener
 # PairStore's requests (connector -> listener: op, then the keys and the value, with their sizes) and replies.
@@ -166,6 +169,28 @@ def _make_groups(
         nccl_options._timeout = timeout
         nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, 2, nccl_options)
     return gloo, nccl
+
+
+def _check_pair(sock: socket.socket, gloo: dist.ProcessGroup, config: PipeConfig) -> None:
+    """Gloo's own connections check no token: a stranger that reaches a gloo listener between its
+    address reaching the store and the peer's connect could take the peer's place. So each side sends
+    a nonce both over gloo and over the (authenticated) control socket, and compares the two it gets:
+    a pair whose gloo does not reach the peer that authenticated is refused (PipeError)."""
+    mine, theirs = os.urandom(PAIR_NONCE_BYTES), torch.empty(PAIR_NONCE_BYTES, dtype=torch.uint8)
+    with sockets.socket_errors("torch_dist pair check", config.timeout):
+        sock.sendall(mine)
+        told = sockets.recv_exact(sock, PAIR_NONCE_BYTES)
+    peer = 1 - gloo.rank()
+    try:
+        works = [gloo.send([torch.frombuffer(bytearray(mine), dtype=torch.uint8)], peer, 0),
+                 gloo.recv([theirs], peer, 0)]
+        for work in works:
+            work.wait()
+    except RuntimeError as e:
+        raise PipeError(f"torch_dist pair check: gloo did not reach the peer: {e}") from None
+    if theirs.numpy().tobytes() != told:
+        raise PipeError("torch_dist pair check: gloo's connection does not reach the peer that authenticated "
+                        "(someone else connected to a gloo listener first); the pipe is refused")
 
 
 class ControlReader:
@@ -375,6 +400,7 @@ class PairSetup:
         local_ip = sock.getsockname()[0]
         try:
             gloo, nccl = _make_groups(store, 0, local_ip, bool(peer_cuda) and torch.cuda.is_available(), config)
+            _check_pair(sock, gloo, config)
         except BaseException:
             store.close()
             raise
@@ -405,6 +431,9 @@ def connect(config: PipeConfig, host: str, port: int) -> TorchDistPipe:
                 bool(peer_cuda) and torch.cuda.is_available(),
                 config,
             )
+            _check_pair(sock, gloo, config)
+        except PipeError:
+            raise
         except RuntimeError as e:
             raise PipeError(f"torch_dist: could not form the pair's process group with {host}: {e}") from None
     except BaseException:
