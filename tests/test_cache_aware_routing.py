@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import torch
-from servers import Node, metric_sum, start_node, wait_for
+from servers import Node, metric_sum, start_node, wait_all_ready, wait_for
 from test_router import MODEL, start_router
 
 from disagg.engine.block_hash import prompt_block_hashes
@@ -307,7 +307,8 @@ def serve_conversations(tmp_path, routing: str, tokenizer_dir: str) -> tuple[dic
     """Two fresh colocated nodes behind a router with `routing`, the conversations through it:
     (answers, which node served each turn, the nodes' prefix-cache hits in tokens). Under
     cache_aware, conversation 0's node is then killed and one more turn of each is sent."""
-    nodes = [start_node("both", tmp_path) for _ in range(2)]
+    nodes = [start_node("both", tmp_path, wait=False) for _ in range(2)]
+    wait_all_ready(*nodes)  # loaded together, one core each
     addresses = [f"127.0.0.1:{n.port}" for n in nodes]
     router = start_router(tmp_path, addresses, ["--routing", routing, "--tokenizer", tokenizer_dir])
     try:

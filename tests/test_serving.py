@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 from prompts import PASSAGE, PROMPTS, hf_greedy
-from servers import free_port, read_sse_text, start_node, wait_exit, wait_for
+from servers import free_port, read_sse_text, start_node, wait_all_ready, wait_exit, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -68,11 +68,12 @@ def pair(request, tmp_path_factory):
     if request.param == "nixl" and importlib.util.find_spec("nixl_cu12") is None:  # found, not imported:
         pytest.skip("the nixl pipe needs nixl-cu12")  # NIXL and grpc_tools abort one process (test_pipes.py)
     tmp = tmp_path_factory.mktemp(f"pair-{request.param}")
-    prefill = start_node("producer", tmp, connector=request.param, kv_extra={"auth_token": NODE_TOKEN})
-    decode = start_node("consumer", tmp, connector=request.param, prefill_nodes=[prefill.grpc_address],
+    prefill = start_node("producer", tmp, connector=request.param, kv_extra={"auth_token": NODE_TOKEN}, wait=False)
+    decode = start_node("consumer", tmp, connector=request.param, prefill_nodes=[prefill.grpc_address], wait=False,
                         kv_extra={"auth_token": NODE_TOKEN, "prefill_policy": "fail", "remote_prefill": "always",
                                   # 20 prompts queue up on one CPU core: the last waits for all the others.
                                   "prefill_timeout": 240.0, "lookup_timeout": 60.0})
+    wait_all_ready(prefill, decode)
     yield prefill, decode, request.param
     decode.kill()
     prefill.kill()
@@ -161,9 +162,9 @@ def test_prefill_node_killed_between_two_layers(tmp_path, hf_model, hf_tokenizer
     """SIGKILL the prefill node once the first layers of the prompts' KV have crossed the pipe and
     before the last have (the KV goes layer by layer as the prefill computes it): every request is
     still answered, recomputed, and the decode node holds no block afterwards."""
-    prefill = start_node("producer", tmp_path)
+    prefill = start_node("producer", tmp_path, wait=False)
     decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address],
-                        kv_extra={"lookup_timeout": 20.0})
+                        kv_extra={"lookup_timeout": 20.0}, wait=False)
     prompts = [PROMPTS[8] + f"\nQuestion {i}: what was the second topic?" for i in range(2)]
     expected = [hf_tokenizer.decode(hf_greedy(hf_model, hf_tokenizer(p).input_ids, MAX_TOKENS),
                                     skip_special_tokens=True) for p in prompts]
@@ -175,6 +176,7 @@ def test_prefill_node_killed_between_two_layers(tmp_path, hf_model, hf_tokenizer
         return decode.labelled("disagg_kv_transfer_bytes_total", "direction").get("received", 0.0)
 
     try:
+        wait_all_ready(prefill, decode)
         async def run():
             async with httpx.AsyncClient(timeout=120) as client:
                 tasks = [asyncio.create_task(complete(client, decode.url, p, False)) for p in prompts]
@@ -202,14 +204,15 @@ def test_a_prompt_prefilled_in_chunks_crosses_chunk_by_chunk(tmp_path, hf_model,
     answer equals transformers'; so does a second prompt whose leading blocks the decode node
     holds already: only its tail crosses, in one part, being shorter than layerwise_min_tokens."""
     prefill = start_node("producer", tmp_path, extra_args=["--max-num-batched-tokens", "128"],
-                         kv_extra={"layerwise_min_tokens": 200})
+                         kv_extra={"layerwise_min_tokens": 200}, wait=False)
     # "always": the second prompt's tail alone is short enough to be computed on the decode node.
     decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address],
-                        kv_extra={"prefill_policy": "fail", "remote_prefill": "always"})
+                        kv_extra={"prefill_policy": "fail", "remote_prefill": "always"}, wait=False)
     prompts = [PROMPTS[8] + f"\nQuestion {i}: what was the first topic?" for i in range(2)]
     expected = [hf_tokenizer.decode(hf_greedy(hf_model, hf_tokenizer(p).input_ids, MAX_TOKENS),
                                     skip_special_tokens=True) for p in prompts]
     try:
+        wait_all_ready(prefill, decode)
         first = post_completion(decode.url, prompts[0])
         assert first.status_code == 200 and first.json()["choices"][0]["text"] == expected[0]
         chunks = -(-first.json()["usage"]["prompt_tokens"] // 128)
@@ -228,11 +231,12 @@ def test_max_num_seqs_caps_remote_requests(tmp_path, reference_texts):
     """12 concurrent remote-prefill requests on a decode node with --max-num-seqs 4: all answered
     token-exact, and never more than 4 running (remote requests once bypassed the cap, and the GPU
     block table, sized by it, ran out of rows)."""
-    prefill = start_node("producer", tmp_path)
+    prefill = start_node("producer", tmp_path, wait=False)
     decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address], extra_args=["--max-num-seqs", "4"],
                         kv_extra={"prefill_policy": "fail", "remote_prefill": "always", "prefill_timeout": 240.0,
-                                  "lookup_timeout": 120.0})
+                                  "lookup_timeout": 120.0}, wait=False)
     try:
+        wait_all_ready(prefill, decode)
         # Short prompts: the prefill node computes them together, so their KV arrives together.
         indices = [0, 1, 2, 3, 4, 7, 10, 11, 12, 13, 14, 15]
 
@@ -255,10 +259,11 @@ def test_max_num_seqs_caps_remote_requests(tmp_path, reference_texts):
 
 
 def test_prefill_slower_than_timeout(tmp_path, reference_texts):
-    prefill = start_node("producer", tmp_path)
+    prefill = start_node("producer", tmp_path, wait=False)
     decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address],
-                        kv_extra={"prefill_timeout": 0.001, "remote_prefill": "always"})
+                        kv_extra={"prefill_timeout": 0.001, "remote_prefill": "always"}, wait=False)
     try:
+        wait_all_ready(prefill, decode)
         r = post_completion(decode.url, PROMPTS_20[3])
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference_texts[3]
         r = post_completion(decode.url, PROMPTS_20[3], prefill_policy="fail")
@@ -272,9 +277,10 @@ def test_prefill_slower_than_timeout(tmp_path, reference_texts):
 
 def test_decode_node_killed_entries_expire(tmp_path):
     """KV addressed to a decode node that died is dropped after the TTL; nothing stays pinned."""
-    prefill = start_node("producer", tmp_path, kv_extra={"buffer_ttl": 3.0})
-    decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address])
+    prefill = start_node("producer", tmp_path, kv_extra={"buffer_ttl": 3.0}, wait=False)
+    decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address], wait=False)
     try:
+        wait_all_ready(prefill, decode)
         async def run():
             async with httpx.AsyncClient(timeout=60) as client:
                 tasks = [asyncio.create_task(complete(client, decode.url, PROMPTS[8] + str(i), False))
@@ -293,10 +299,11 @@ def test_decode_node_killed_entries_expire(tmp_path):
 
 
 def test_client_disconnect_mid_stream_frees_both_nodes(tmp_path):
-    prefill = start_node("producer", tmp_path)
+    prefill = start_node("producer", tmp_path, wait=False)
     decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address],
-                        kv_extra={"remote_prefill": "always"})
+                        kv_extra={"remote_prefill": "always"}, wait=False)
     try:
+        wait_all_ready(prefill, decode)
         body = greedy_body(PROMPTS_20[2], stream=True, max_tokens=400, ignore_eos=True)
         with httpx.stream("POST", f"{decode.url}/v1/completions", json=body, timeout=60) as r:
             chunks = 0

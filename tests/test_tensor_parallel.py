@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 from prompts import CODE, PASSAGE
-from servers import start_node, wait_ready
+from servers import start_node, wait_all_ready
 
 from disagg.engine.builder import build_rank_runner
 from disagg.engine.config import EngineConfig
@@ -200,9 +200,8 @@ def test_handoff_between_nodes_of_different_tp_sizes_and_a_killed_rank(tmp_path:
                          extra_args=args + tp2, wait=False)
     nodes = [prefill2, decode1, decode2]
     try:
-        for node in nodes:  # started together: their loads overlap
-            wait_ready(node)
-        llm = LLM(str(model_dir), device="cpu", max_num_batched_tokens=64)
+        wait_all_ready(*nodes)  # started together: their loads overlap
+        llm = LLM(str(model_dir), device="cpu", max_num_batched_tokens=64, kv_cache_memory=2**25)  # 728 tokens
         prompts = [llm.tokenizer.encode(p) for p in (PROMPTS[1], PROMPTS[2], PROMPTS[6])]  # 6, 76, 106 tokens
         expected = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))]
         assert token_ids(complete(decode1, prompts, 8)) == expected
