@@ -20,9 +20,10 @@ from prometheus_client.samples import Sample
 from disagg.launch import wait_healthy
 
 PAIR_MAX_MODEL_LEN = 512  # conftest's shared CPU 1P1D pair
-# A node's KV cache unless its test sizes it: 2,912 tokens of the embedded model (the CPU default, 512 MiB, is
-# 400 MB more per node than any test fills; max_model_len follows the cache down from 8,192 where unset).
-NODE_KV_CACHE_MEMORY = "128MiB"
+# A node's KV cache unless its test sizes it, and the offline references': 2,912 tokens of the embedded model
+# (the CPU default, 512 MiB, is 400 MB more per process than any test fills; max_model_len follows the cache
+# down from 8,192 where unset).
+KV_CACHE_BYTES = 128 * 2**20
 KV_SIZE_FLAGS = ("--kv-cache-memory", "--kv-cache-memory-bytes", "--gpu-memory-utilization")
 
 
@@ -136,7 +137,7 @@ def start_node(role: str, tmp_dir: Path, *, model: str | None = None, connector:
         args += ["--prefill-nodes", ",".join(prefill_nodes)]
     args += list(extra_args)
     if not any(arg.split("=")[0] in KV_SIZE_FLAGS for arg in extra_args):
-        args += ["--kv-cache-memory", NODE_KV_CACHE_MEMORY]
+        args += ["--kv-cache-memory", str(KV_CACHE_BYTES)]
     log_path = tmp_dir / f"{role}-{port}.log"
     # One thread each: the suite shares two cores between several node processes.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

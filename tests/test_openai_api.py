@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 from prompts import PROMPTS, hf_greedy, penalized_reference
-from servers import Node, read_sse_text, start_node
+from servers import KV_CACHE_BYTES, Node, read_sse_text, start_node
 
 from disagg import LLM, SamplingParams
 from disagg.engine.sampling_params import SamplingParamError, StructuredOutputSpec
@@ -42,7 +42,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Node:
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(device="cpu")
+    return LLM(device="cpu", kv_cache_memory=KV_CACHE_BYTES)
 
 
 @pytest.fixture(scope="module")
