@@ -88,52 +88,6 @@ def reference_texts(hf_model, hf_tokenizer) -> list[str]:
     return texts
 
 
-def prompt_indices(connector: str) -> list[int]:
-    """All 20 prompts on the default pipe; the other pipes get a mix of short and long ones."""
-    return list(range(len(PROMPTS_20))) if connector == "tcp" else [0, 5, 12]
-
-
-def test_disaggregated_equals_colocated_and_transformers(pair, colocated, reference_texts):
-    prefill, decode, connector = pair
-    chosen = prompt_indices(connector)
-    prompts = [PROMPTS_20[i] for i in chosen]
-    expected = [reference_texts[i] for i in chosen]
-    async def both():  # at once: each node computes on its own core
-        return await asyncio.gather(complete_all(decode.url, prompts), complete_all(colocated.url, prompts))
-    disagg, local = asyncio.run(both())
-    assert local == expected
-    assert disagg == expected
-    # Every prompt really went through the prefill node (policy "fail" would have refused otherwise).
-    assert "remote prefill" not in decode.log()
-    assert len(re.findall(r"prefill d[0-9a-f]{8}-[0-9a-f]{32}: ", prefill.log())) >= len(prompts)
-
-
-def test_disaggregated_streaming_equals_non_streaming(pair, reference_texts):
-    _, decode, connector = pair
-    if connector != "tcp":
-        pytest.skip("streaming differs from non-streaming only above the pipe: tested on tcp")
-    chosen = prompt_indices(connector)
-    texts = asyncio.run(complete_all(decode.url, [PROMPTS_20[i] for i in chosen], stream=True))
-    assert texts == [reference_texts[i] for i in chosen]
-
-
-def test_disaggregated_chat_equals_colocated_and_transformers(pair, colocated, hf_model, hf_tokenizer):
-    _, decode, connector = pair
-    if connector != "tcp":
-        pytest.skip("chat differs from completions only above the pipe: tested on tcp")
-    conversations = [[{"role": "user", "content": p}] for p in EXTRA_PROMPTS[:6]]
-    expected = []
-    for messages in conversations:
-        ids = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        expected.append(hf_tokenizer.decode(hf_greedy(hf_model, list(ids), MAX_TOKENS), skip_special_tokens=True))
-    async def both():
-        return await asyncio.gather(chat_all(colocated.url, conversations), chat_all(decode.url, conversations))
-    local, disagg = asyncio.run(both())
-    assert local == expected
-    assert disagg == expected
-
-
 # -- failure semantics, each with its own processes ------------------------------------------
 
 
@@ -346,6 +300,56 @@ def test_mismatched_model_is_refused_at_start(tmp_path, tiny_llama_dir):
         assert "model_name" in decode.log()
     finally:
         prefill.kill()
+
+
+# -- through the module's pair and colocated node, after the tests above: those start nodes of their
+# own, and the module's stay up until its end --------------------------------------------------
+
+
+def prompt_indices(connector: str) -> list[int]:
+    """All 20 prompts on the default pipe; the other pipes get a mix of short and long ones."""
+    return list(range(len(PROMPTS_20))) if connector == "tcp" else [0, 5, 12]
+
+
+def test_disaggregated_equals_colocated_and_transformers(pair, colocated, reference_texts):
+    prefill, decode, connector = pair
+    chosen = prompt_indices(connector)
+    prompts = [PROMPTS_20[i] for i in chosen]
+    expected = [reference_texts[i] for i in chosen]
+    async def both():  # at once: each node computes on its own core
+        return await asyncio.gather(complete_all(decode.url, prompts), complete_all(colocated.url, prompts))
+    disagg, local = asyncio.run(both())
+    assert local == expected
+    assert disagg == expected
+    # Every prompt really went through the prefill node (policy "fail" would have refused otherwise).
+    assert "remote prefill" not in decode.log()
+    assert len(re.findall(r"prefill d[0-9a-f]{8}-[0-9a-f]{32}: ", prefill.log())) >= len(prompts)
+
+
+def test_disaggregated_streaming_equals_non_streaming(pair, reference_texts):
+    _, decode, connector = pair
+    if connector != "tcp":
+        pytest.skip("streaming differs from non-streaming only above the pipe: tested on tcp")
+    chosen = prompt_indices(connector)
+    texts = asyncio.run(complete_all(decode.url, [PROMPTS_20[i] for i in chosen], stream=True))
+    assert texts == [reference_texts[i] for i in chosen]
+
+
+def test_disaggregated_chat_equals_colocated_and_transformers(pair, colocated, hf_model, hf_tokenizer):
+    _, decode, connector = pair
+    if connector != "tcp":
+        pytest.skip("chat differs from completions only above the pipe: tested on tcp")
+    conversations = [[{"role": "user", "content": p}] for p in EXTRA_PROMPTS[:6]]
+    expected = []
+    for messages in conversations:
+        ids = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        expected.append(hf_tokenizer.decode(hf_greedy(hf_model, list(ids), MAX_TOKENS), skip_special_tokens=True))
+    async def both():
+        return await asyncio.gather(chat_all(colocated.url, conversations), chat_all(decode.url, conversations))
+    local, disagg = asyncio.run(both())
+    assert local == expected
+    assert disagg == expected
 
 
 def test_load_100_streaming_requests_then_everything_is_free(pair):
