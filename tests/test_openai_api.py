@@ -35,7 +35,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Node:
     tmp = tmp_path_factory.mktemp("openai-api")
     (tmp / "config.yaml").write_text("enable-auto-tool-choice: true\ntool-call-parser: hermes\n"
                                      "disable-log-requests: true\n")
-    node = start_node("both", tmp, extra_args=["--api-key", API_KEY, "--config", str(tmp / "config.yaml")])
+    # The model's whole context (8,192 tokens; the tests' default cache holds 2,912): the long prompts of
+    # test_huge_bodies_get_413_and_long_prompts_leave_health_answering are as long as it lets them be.
+    node = start_node("both", tmp, extra_args=["--api-key", API_KEY, "--config", str(tmp / "config.yaml"),
+                                               "--kv-cache-memory", "384MiB"])
     yield node
     node.kill()
 
