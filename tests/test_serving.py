@@ -21,6 +21,8 @@ EXTRA_PROMPTS = [
 PROMPTS_20 = PROMPTS + EXTRA_PROMPTS
 MAX_TOKENS = 24
 NODE_TOKEN = "s3cret-of-16-bytes+"  # the nodes' auth_token (16 bytes at least)
+# The module's pair and colocated node hold the 20 prompts at once (about 3,600 tokens with their answers).
+KV_20_PROMPTS = ["--kv-cache-memory", "256MiB"]
 
 
 def greedy_body(prompt, **extra) -> dict:
@@ -55,7 +57,7 @@ async def chat_all(url: str, conversations: list) -> list[str]:
 
 @pytest.fixture(scope="module")
 def colocated(tmp_path_factory):
-    node = start_node("both", tmp_path_factory.mktemp("colocated"))
+    node = start_node("both", tmp_path_factory.mktemp("colocated"), extra_args=KV_20_PROMPTS)
     yield node
     node.kill()
 
@@ -68,8 +70,10 @@ def pair(request, tmp_path_factory):
     if request.param == "nixl" and importlib.util.find_spec("nixl_cu12") is None:  # found, not imported:
         pytest.skip("the nixl pipe needs nixl-cu12")  # NIXL and grpc_tools abort one process (test_pipes.py)
     tmp = tmp_path_factory.mktemp(f"pair-{request.param}")
-    prefill = start_node("producer", tmp, connector=request.param, kv_extra={"auth_token": NODE_TOKEN}, wait=False)
-    decode = start_node("consumer", tmp, connector=request.param, prefill_nodes=[prefill.grpc_address], wait=False,
+    prefill = start_node("producer", tmp, connector=request.param, kv_extra={"auth_token": NODE_TOKEN},
+                         extra_args=KV_20_PROMPTS, wait=False)
+    decode = start_node("consumer", tmp, connector=request.param, prefill_nodes=[prefill.grpc_address],
+                        extra_args=KV_20_PROMPTS, wait=False,
                         kv_extra={"auth_token": NODE_TOKEN, "prefill_policy": "fail", "remote_prefill": "always",
                                   # 20 prompts queue up on one CPU core: the last waits for all the others.
                                   "prefill_timeout": 240.0, "lookup_timeout": 60.0})
