@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from servers import PAIR_MAX_MODEL_LEN, Node, start_node
+from servers import PAIR_MAX_MODEL_LEN, Node, start_node, wait_all_ready
 
 from disagg.engine.loader import resolve_model
 
@@ -27,6 +27,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if SLOW_FIXTURES & set(item.fixturenames):  # fixturenames: those it uses through other fixtures too
             item.add_marker(pytest.mark.slow)
+    # The modules that use the shared pair run first, so that its two nodes stop before the rest start theirs
+    # (pytest_runtest_teardown); a stable sort keeps each module's tests together and in their order.
+    pair_modules = {item.module for item in items if "pair_1p1d" in item.fixturenames}
+    items.sort(key=lambda item: item.module not in pair_modules)
+
+
+_pair_nodes: list[Node] = []  # the shared pair's nodes, once started
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Stop the shared pair after the last test that uses it: two idle nodes are 2 GB the rest would carry."""
+    if _pair_nodes and nextitem is not None and "pair_1p1d" in item.fixturenames:
+        session_items = item.session.items
+        if not any("pair_1p1d" in later.fixturenames for later in session_items[session_items.index(item) + 1:]):
+            for node in _pair_nodes:
+                node.kill()
 
 
 @pytest.fixture(scope="session")
@@ -40,12 +56,14 @@ def pair_1p1d(tmp_path_factory: pytest.TempPathFactory) -> tuple[Node, Node]:
     """One CPU 1P1D pair (prefill node, decode node) shared by the modules that test through it."""
     tmp = tmp_path_factory.mktemp("pair-1p1d")
     args = ["--max-model-len", str(PAIR_MAX_MODEL_LEN)]
-    prefill = start_node("producer", tmp, extra_args=args)
+    prefill = start_node("producer", tmp, extra_args=args, wait=False)
     # "fail": a request the prefill node does not serve is an error, not a silent recompute; "always":
     # every prompt crosses, however short (the modules test the handoff under load).
-    decode = start_node("consumer", tmp, prefill_nodes=[prefill.grpc_address], extra_args=args,
+    decode = start_node("consumer", tmp, prefill_nodes=[prefill.grpc_address], extra_args=args, wait=False,
                         kv_extra={"prefill_policy": "fail", "remote_prefill": "always", "prefill_timeout": 120.0,
                                   "lookup_timeout": 60.0})
+    wait_all_ready(prefill, decode)
+    _pair_nodes[:] = [prefill, decode]
     yield prefill, decode
     decode.kill()
     prefill.kill()

@@ -20,6 +20,11 @@ from prometheus_client.samples import Sample
 from disagg.launch import wait_healthy
 
 PAIR_MAX_MODEL_LEN = 512  # conftest's shared CPU 1P1D pair
+# A node's KV cache unless its test sizes it, and the offline references': 2,912 tokens of the embedded model
+# (the CPU default, 512 MiB, is 400 MB more per process than any test fills; max_model_len follows the cache
+# down from 8,192 where unset).
+KV_CACHE_BYTES = 128 * 2**20
+KV_SIZE_FLAGS = ("--kv-cache-memory", "--kv-cache-memory-bytes", "--gpu-memory-utilization")
 
 
 def free_port() -> int:
@@ -131,6 +136,8 @@ def start_node(role: str, tmp_dir: Path, *, model: str | None = None, connector:
     if prefill_nodes:
         args += ["--prefill-nodes", ",".join(prefill_nodes)]
     args += list(extra_args)
+    if not any(arg.split("=")[0] in KV_SIZE_FLAGS for arg in extra_args):
+        args += ["--kv-cache-memory", str(KV_CACHE_BYTES)]
     log_path = tmp_dir / f"{role}-{port}.log"
     # One thread each: the suite shares two cores between several node processes.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -173,12 +180,25 @@ async def read_sse_text(response: httpx.Response) -> str:
     return text
 
 
-def wait_ready(node: Node, timeout: float = 120.0) -> None:
+def wait_ready(node: Node, timeout: float = 120.0, until: Callable[[dict], bool] = lambda health: True) -> None:
     try:
-        wait_healthy(node.url, node.proc, timeout)
+        wait_healthy(node.url, node.proc, timeout, until)
     except RuntimeError as e:
         node.kill()
         raise RuntimeError(f"{node.role} node: {e}:\n{node.log()[-3000:]}") from None
+
+
+def wait_all_ready(*nodes: Node) -> None:
+    """Nodes started together (wait=False), so that their loads overlap: until each serves, a decode node
+    until it holds each of its prefill nodes healthy (it may have found one still loading at its start,
+    and retries it a second later). If one fails, all are stopped."""
+    try:
+        for node in nodes:
+            wait_ready(node, until=lambda health: all(health.get("prefill_nodes", {}).values()))
+    except BaseException:
+        for node in nodes:
+            node.kill()
+        raise
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import torch
-from servers import Node, metric_sum, start_node, wait_for
+from servers import Node, metric_sum, start_node, wait_all_ready, wait_for
 from test_router import MODEL, start_router
 
 from disagg.engine.block_hash import prompt_block_hashes
@@ -303,11 +303,11 @@ def kv_events_live(router: Node) -> dict[str, bool]:
     return {address: view["kv_events"]["live"] for address, view in nodes.items()}
 
 
-def serve_conversations(tmp_path, routing: str, tokenizer_dir: str) -> tuple[dict, dict, float]:
+def serve_conversations(tmp_path, routing: str, tokenizer_dir: str, nodes: list[Node]) -> tuple[dict, dict, float]:
     """Two fresh colocated nodes behind a router with `routing`, the conversations through it:
     (answers, which node served each turn, the nodes' prefix-cache hits in tokens). Under
     cache_aware, conversation 0's node is then killed and one more turn of each is sent."""
-    nodes = [start_node("both", tmp_path) for _ in range(2)]
+    wait_all_ready(*nodes)
     addresses = [f"127.0.0.1:{n.port}" for n in nodes]
     router = start_router(tmp_path, addresses, ["--routing", routing, "--tokenizer", tokenizer_dir])
     try:
@@ -325,8 +325,6 @@ def serve_conversations(tmp_path, routing: str, tokenizer_dir: str) -> tuple[dic
         return result
     finally:
         router.kill()
-        for n in nodes:
-            n.kill()
 
 
 @pytest.mark.slow
@@ -335,8 +333,16 @@ def test_later_turns_land_where_their_prefix_is_and_a_dead_node_drops_out(tmp_pa
     from disagg.engine.loader import resolve_model
 
     tokenizer_dir = str(resolve_model(None))
-    plain, plain_nodes, plain_hits = serve_conversations(tmp_path, "least_loaded", tokenizer_dir)
-    cached, cached_nodes, cached_hits = serve_conversations(tmp_path, "cache_aware", tokenizer_dir)
+    # Both routings' pairs load at once: the second while the first serves one request at a time.
+    nodes = [start_node("both", tmp_path, wait=False) for _ in range(4)]
+    try:
+        plain, plain_nodes, plain_hits = serve_conversations(tmp_path, "least_loaded", tokenizer_dir, nodes[:2])
+        for n in nodes[:2]:
+            n.kill()
+        cached, cached_nodes, cached_hits = serve_conversations(tmp_path, "cache_aware", tokenizer_dir, nodes[2:])
+    finally:
+        for n in nodes:
+            n.kill()
     print(f"prefix-cache hits (tokens): cache_aware {cached_hits:.0f}, least_loaded {plain_hits:.0f}; "
           f"served by: cache_aware {cached_nodes}, least_loaded {plain_nodes}")
     assert cached == plain  # token-exact: answers from cached KV equal those computed afresh

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from pydantic import TypeAdapter, ValidationError
 from schemathesis.checks import not_a_server_error
 from schemathesis.generation import GenerationMode
-from servers import PAIR_MAX_MODEL_LEN, Node, read_sse_text, start_node, wait_for
+from servers import KV_CACHE_BYTES, PAIR_MAX_MODEL_LEN, Node, read_sse_text, start_node, wait_for
 
 from disagg import LLM, SamplingParams
 
@@ -39,7 +39,7 @@ FD_MARGIN = 8
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(device="cpu")
+    return LLM(device="cpu", kv_cache_memory=KV_CACHE_BYTES)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import grpc
 import httpx
 import pytest
 from prompts import PASSAGE, hf_greedy
-from servers import start_node
+from servers import start_node, wait_all_ready
 
 from disagg import LLM, SamplingParams, cli
 from disagg.config import KVTransferConfig
@@ -115,10 +115,11 @@ def token_pair(tmp_path_factory):
     """A prefill and a decode node sharing TOKEN; every prompt crosses, and one the prefill node does not
     serve within lookup_timeout (10 s) is an error, not a recompute that would hide the failure."""
     tmp = tmp_path_factory.mktemp("token-pair")
-    prefill = start_node("producer", tmp, kv_extra={"auth_token": TOKEN})
-    decode = start_node("consumer", tmp, prefill_nodes=[prefill.grpc_address],
+    prefill = start_node("producer", tmp, kv_extra={"auth_token": TOKEN}, wait=False)
+    decode = start_node("consumer", tmp, prefill_nodes=[prefill.grpc_address], wait=False,
                         kv_extra={"auth_token": TOKEN, "prefill_policy": "fail", "remote_prefill": "always",
                                   "lookup_timeout": 10.0})
+    wait_all_ready(prefill, decode)
     yield prefill, decode
     decode.kill()
     prefill.kill()

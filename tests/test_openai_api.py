@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 from prompts import PROMPTS, hf_greedy, penalized_reference
-from servers import Node, read_sse_text, start_node
+from servers import KV_CACHE_BYTES, Node, read_sse_text, start_node
 
 from disagg import LLM, SamplingParams
 from disagg.engine.sampling_params import SamplingParamError, StructuredOutputSpec
@@ -35,14 +35,17 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Node:
     tmp = tmp_path_factory.mktemp("openai-api")
     (tmp / "config.yaml").write_text("enable-auto-tool-choice: true\ntool-call-parser: hermes\n"
                                      "disable-log-requests: true\n")
-    node = start_node("both", tmp, extra_args=["--api-key", API_KEY, "--config", str(tmp / "config.yaml")])
+    # The model's whole context (8,192 tokens; the tests' default cache holds 2,912): the long prompts of
+    # test_huge_bodies_get_413_and_long_prompts_leave_health_answering are as long as it lets them be.
+    node = start_node("both", tmp, extra_args=["--api-key", API_KEY, "--config", str(tmp / "config.yaml"),
+                                               "--kv-cache-memory", "384MiB"])
     yield node
     node.kill()
 
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(device="cpu")
+    return LLM(device="cpu", kv_cache_memory=KV_CACHE_BYTES)
 
 
 @pytest.fixture(scope="module")

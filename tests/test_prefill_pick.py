@@ -6,7 +6,7 @@ import re
 import httpx
 import pytest
 from prompts import CODE, PASSAGE, hf_greedy
-from servers import start_node, wait_for, wait_ready
+from servers import start_node, wait_all_ready, wait_for
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 8
@@ -50,8 +50,7 @@ def test_prompts_sharing_a_prefix_go_to_the_prefill_node_that_holds_it(tmp_path,
         return [(int(total), int(cached)) for total, cached in found]
 
     try:
-        for node in nodes:
-            wait_ready(node)
+        wait_all_ready(*nodes)  # started together: their loads overlap
         answers = {}
         for key in ((0, 1), (1, 1)):
             answers[key] = ask(key)

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from prompts import PASSAGE, hf_greedy
-from servers import start_node, wait_for
+from servers import start_node, wait_all_ready, wait_for
 
 from disagg.config import EXTRA_DEFAULTS, KVTransferConfig
 from disagg.control_plane import PrefillProgress
@@ -148,9 +148,9 @@ def test_default_pair_routes_by_measured_costs(tmp_path, hf_model, hf_tokenizer)
     measure both routes. Then, by the measured costs, a prompt of a few tokens is computed here, the
     long prompt again (cached here now) too, and another ~1,200-token prompt, arriving while two
     answers decode here, goes to the idle prefill node. All token for token as transformers."""
-    prefill = start_node("producer", tmp_path)
+    prefill = start_node("producer", tmp_path, wait=False)
     # "fail": a prompt routed remote that the prefill node does not serve is an error, not a recompute.
-    decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address],
+    decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address], wait=False,
                         kv_extra={"prefill_policy": "fail", "prefill_timeout": 120.0, "lookup_timeout": 60.0})
     warm = [PASSAGE[:200], PASSAGE[200:]]  # a few dozen tokens each: computed here under the threshold
     short = "The capital of France is"
@@ -179,6 +179,7 @@ def test_default_pair_routes_by_measured_costs(tmp_path, hf_model, hf_tokenizer)
         return hf_tokenizer.decode(hf_greedy(hf_model, ids, max_tokens), skip_special_tokens=True)
 
     try:
+        wait_all_ready(prefill, decode)
         for prompt in warm:
             assert ask(prompt) == expected(prompt)
         assert ask(long) == expected(long)

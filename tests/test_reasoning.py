@@ -119,7 +119,7 @@ QWEN3_TEMPLATE = (
 
 
 @pytest.fixture(scope="module", params=["deepseek_r1", "qwen3"])
-def reasoning_node(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+def reasoning_node(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, pair_1p1d):
     """A node with one --reasoning-parser at a time, and the hermes tool parser, so that calls are
     read out of what follows the reasoning. deepseek_r1's is a decode node of the shared pair's
     prefill node, which samples every first token (remote_prefill always); qwen3's is colocated,
@@ -131,7 +131,7 @@ def reasoning_node(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
         (tmp / "template.jinja").write_text(QWEN3_TEMPLATE)
         node = start_node("both", tmp, extra_args=[*args, "--chat-template", str(tmp / "template.jinja")])
     else:
-        prefill = request.getfixturevalue("pair_1p1d")[0]
+        prefill = pair_1p1d[0]
         node = start_node("consumer", tmp, prefill_nodes=[prefill.grpc_address],
                           extra_args=[*args, "--max-model-len", str(PAIR_MAX_MODEL_LEN)],
                           kv_extra={"prefill_policy": "fail", "remote_prefill": "always"})

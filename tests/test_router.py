@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from servers import Node, free_port, metric_sum, read_sse_text, start_node, wait_for, wait_ready
+from servers import KV_CACHE_BYTES, Node, free_port, metric_sum, read_sse_text, start_node, wait_for, wait_ready
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -66,7 +66,7 @@ def colocated_answers() -> dict[str, list[str]]:
     """The offline engine's greedy answers: the colocated reference."""
     from disagg import LLM, SamplingParams
 
-    llm = LLM(device="cpu")
+    llm = LLM(device="cpu", kv_cache_memory=KV_CACHE_BYTES)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     completions = [o.text for o in llm.generate(PROMPTS, params)]
     chats = [o.text for o in llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params)]

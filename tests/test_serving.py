@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 from prompts import PASSAGE, PROMPTS, hf_greedy
-from servers import free_port, read_sse_text, start_node, wait_exit, wait_for
+from servers import free_port, read_sse_text, start_node, wait_all_ready, wait_exit, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -21,6 +21,8 @@ EXTRA_PROMPTS = [
 PROMPTS_20 = PROMPTS + EXTRA_PROMPTS
 MAX_TOKENS = 24
 NODE_TOKEN = "s3cret-of-16-bytes+"  # the nodes' auth_token (16 bytes at least)
+# The module's pair and colocated node hold the 20 prompts at once (about 3,600 tokens with their answers).
+KV_20_PROMPTS = ["--kv-cache-memory", "256MiB"]
 
 
 def greedy_body(prompt, **extra) -> dict:
@@ -55,7 +57,7 @@ async def chat_all(url: str, conversations: list) -> list[str]:
 
 @pytest.fixture(scope="module")
 def colocated(tmp_path_factory):
-    node = start_node("both", tmp_path_factory.mktemp("colocated"))
+    node = start_node("both", tmp_path_factory.mktemp("colocated"), extra_args=KV_20_PROMPTS)
     yield node
     node.kill()
 
@@ -68,11 +70,14 @@ def pair(request, tmp_path_factory):
     if request.param == "nixl" and importlib.util.find_spec("nixl_cu12") is None:  # found, not imported:
         pytest.skip("the nixl pipe needs nixl-cu12")  # NIXL and grpc_tools abort one process (test_pipes.py)
     tmp = tmp_path_factory.mktemp(f"pair-{request.param}")
-    prefill = start_node("producer", tmp, connector=request.param, kv_extra={"auth_token": NODE_TOKEN})
+    prefill = start_node("producer", tmp, connector=request.param, kv_extra={"auth_token": NODE_TOKEN},
+                         extra_args=KV_20_PROMPTS, wait=False)
     decode = start_node("consumer", tmp, connector=request.param, prefill_nodes=[prefill.grpc_address],
+                        extra_args=KV_20_PROMPTS, wait=False,
                         kv_extra={"auth_token": NODE_TOKEN, "prefill_policy": "fail", "remote_prefill": "always",
                                   # 20 prompts queue up on one CPU core: the last waits for all the others.
                                   "prefill_timeout": 240.0, "lookup_timeout": 60.0})
+    wait_all_ready(prefill, decode)
     yield prefill, decode, request.param
     decode.kill()
     prefill.kill()
@@ -85,6 +90,224 @@ def reference_texts(hf_model, hf_tokenizer) -> list[str]:
         ids = hf_tokenizer(prompt).input_ids if isinstance(prompt, str) else prompt
         texts.append(hf_tokenizer.decode(hf_greedy(hf_model, ids, MAX_TOKENS), skip_special_tokens=True))
     return texts
+
+
+# -- failure semantics, each with its own processes ------------------------------------------
+
+
+
+def post_completion(url: str, prompt, timeout: float = 120, **extra) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json=greedy_body(prompt, **extra), timeout=timeout)
+
+
+def test_prefill_node_down_at_start(tmp_path, reference_texts):
+    """Decode starts with a dead prefill address: it serves by recomputing; policy fail gets a 503."""
+    dead = f"127.0.0.1:{free_port()}"
+    decode = start_node("consumer", tmp_path, prefill_nodes=[dead], kv_extra={"remote_prefill": "always"})
+    try:
+        started = time.monotonic()
+        r = post_completion(decode.url, PROMPTS_20[1])
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference_texts[1]
+        r = post_completion(decode.url, PROMPTS_20[1], prefill_policy="fail")
+        assert r.status_code == 503
+        assert "prefill" in r.json()["error"]["message"]
+        assert time.monotonic() - started < 60
+    finally:
+        decode.kill()
+
+
+def test_prefill_node_killed_between_two_layers(tmp_path, hf_model, hf_tokenizer):
+    """SIGKILL the prefill node once the first layers of the prompts' KV have crossed the pipe and
+    before the last have (the KV goes layer by layer as the prefill computes it): every request is
+    still answered, recomputed, and the decode node holds no block afterwards."""
+    prefill = start_node("producer", tmp_path, wait=False)
+    decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address],
+                        kv_extra={"lookup_timeout": 20.0}, wait=False)
+    prompts = [PROMPTS[8] + f"\nQuestion {i}: what was the second topic?" for i in range(2)]
+    expected = [hf_tokenizer.decode(hf_greedy(hf_model, hf_tokenizer(p).input_ids, MAX_TOKENS),
+                                    skip_special_tokens=True) for p in prompts]
+    config = hf_model.config  # float32 on the CPU
+    kv_bytes = [len(hf_tokenizer(p).input_ids) * config.num_hidden_layers * 2 * config.num_key_value_heads
+                * config.head_dim * 4 for p in prompts]
+
+    def received() -> float:
+        return decode.labelled("disagg_kv_transfer_bytes_total", "direction").get("received", 0.0)
+
+    try:
+        wait_all_ready(prefill, decode)
+        async def run():
+            async with httpx.AsyncClient(timeout=120) as client:
+                tasks = [asyncio.create_task(complete(client, decode.url, p, False)) for p in prompts]
+                await asyncio.to_thread(wait_for, lambda: received() > 0, 60, "the first layer's KV")
+                at_kill = received()
+                prefill.kill()
+                return at_kill, await asyncio.gather(*tasks)
+        started = time.monotonic()
+        at_kill, answers = asyncio.run(run())
+        assert 0 < at_kill < min(kv_bytes), "the kill came after a whole prompt's KV had arrived"
+        assert answers == expected
+        assert time.monotonic() - started < 90
+        assert "recomputing" in decode.log()
+        wait_for(lambda: decode.metric("disagg_kv_blocks_used") == 0, 20, "decode blocks free")
+        # With the prefill node gone for good, later requests are recomputed too.
+        assert post_completion(decode.url, PROMPTS_20[2]).status_code == 200
+    finally:
+        decode.kill()
+        prefill.kill()
+
+
+def test_a_prompt_prefilled_in_chunks_crosses_chunk_by_chunk(tmp_path, hf_model, hf_tokenizer):
+    """A prefill node that computes long prompts in chunks of 128 tokens sends each chunk's KV as it
+    computes it: a 640-token prompt crosses in 5 chunks of 9 layer parts, and the decode node's
+    answer equals transformers'; so does a second prompt whose leading blocks the decode node
+    holds already: only its tail crosses, in one part, being shorter than layerwise_min_tokens."""
+    prefill = start_node("producer", tmp_path, extra_args=["--max-num-batched-tokens", "128"],
+                         kv_extra={"layerwise_min_tokens": 200}, wait=False)
+    # "always": the second prompt's tail alone is short enough to be computed on the decode node.
+    decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address],
+                        kv_extra={"prefill_policy": "fail", "remote_prefill": "always"}, wait=False)
+    prompts = [PROMPTS[8] + f"\nQuestion {i}: what was the first topic?" for i in range(2)]
+    expected = [hf_tokenizer.decode(hf_greedy(hf_model, hf_tokenizer(p).input_ids, MAX_TOKENS),
+                                    skip_special_tokens=True) for p in prompts]
+    try:
+        wait_all_ready(prefill, decode)
+        first = post_completion(decode.url, prompts[0])
+        assert first.status_code == 200 and first.json()["choices"][0]["text"] == expected[0]
+        chunks = -(-first.json()["usage"]["prompt_tokens"] // 128)
+        parts = prefill.metric("disagg_kv_part_send_seconds_count")
+        assert chunks == 5 and parts >= chunks * 9
+        second = post_completion(decode.url, prompts[1])
+        assert second.status_code == 200 and second.json()["choices"][0]["text"] == expected[1]
+        assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 600
+        assert prefill.metric("disagg_kv_part_send_seconds_count") == parts + 1
+    finally:
+        decode.kill()
+        prefill.kill()
+
+
+def test_max_num_seqs_caps_remote_requests(tmp_path, reference_texts):
+    """12 concurrent remote-prefill requests on a decode node with --max-num-seqs 4: all answered
+    token-exact, and never more than 4 running (remote requests once bypassed the cap, and the GPU
+    block table, sized by it, ran out of rows)."""
+    prefill = start_node("producer", tmp_path, wait=False)
+    decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address], extra_args=["--max-num-seqs", "4"],
+                        kv_extra={"prefill_policy": "fail", "remote_prefill": "always", "prefill_timeout": 240.0,
+                                  "lookup_timeout": 120.0}, wait=False)
+    try:
+        wait_all_ready(prefill, decode)
+        # Short prompts: the prefill node computes them together, so their KV arrives together.
+        indices = [0, 1, 2, 3, 4, 7, 10, 11, 12, 13, 14, 15]
+
+        async def run() -> tuple[list[str], float]:
+            answers = asyncio.ensure_future(complete_all(decode.url, [PROMPTS_20[i] for i in indices]))
+            most = 0.0
+            async with httpx.AsyncClient(timeout=10) as client:
+                while not answers.done():
+                    text = (await client.get(f"{decode.url}/metrics")).text
+                    most = max(most, float(re.search(r"^disagg_num_requests_running (\S+)", text, re.M).group(1)))
+                    await asyncio.sleep(0.02)
+            return await answers, most
+        texts, most_running = asyncio.run(run())
+        assert texts == [reference_texts[i] for i in indices]
+        assert 1 <= most_running <= 4
+        assert decode.metric("disagg_kv_blocks_used") == 0
+    finally:
+        decode.kill()
+        prefill.kill()
+
+
+def test_prefill_slower_than_timeout(tmp_path, reference_texts):
+    prefill = start_node("producer", tmp_path, wait=False)
+    decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address],
+                        kv_extra={"prefill_timeout": 0.001, "remote_prefill": "always"}, wait=False)
+    try:
+        wait_all_ready(prefill, decode)
+        r = post_completion(decode.url, PROMPTS_20[3])
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference_texts[3]
+        r = post_completion(decode.url, PROMPTS_20[3], prefill_policy="fail")
+        assert r.status_code == 503 and "within 0.001s" in r.json()["error"]["message"]
+        # Whatever the prefill node computed for nobody is expired and freed.
+        wait_for(lambda: prefill.metric("disagg_kv_blocks_used") == 0, 30, "prefill blocks free")
+    finally:
+        decode.kill()
+        prefill.kill()
+
+
+def test_decode_node_killed_entries_expire(tmp_path):
+    """KV addressed to a decode node that died is dropped after the TTL; nothing stays pinned."""
+    prefill = start_node("producer", tmp_path, kv_extra={"buffer_ttl": 3.0}, wait=False)
+    decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address], wait=False)
+    try:
+        wait_all_ready(prefill, decode)
+        async def run():
+            async with httpx.AsyncClient(timeout=60) as client:
+                tasks = [asyncio.create_task(complete(client, decode.url, PROMPTS[8] + str(i), False))
+                         for i in range(2)]
+                await asyncio.sleep(0.5)
+                decode.kill()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        asyncio.run(run())
+        wait_for(lambda: prefill.metric("disagg_lookup_buffer_entries") == 0, 30, "buffer drained")
+        assert prefill.metric("disagg_lookup_buffer_bytes") == 0
+        wait_for(lambda: prefill.metric("disagg_kv_blocks_used") == 0, 30, "prefill blocks free")
+        assert httpx.get(f"{prefill.url}/health").status_code == 200
+    finally:
+        decode.kill()
+        prefill.kill()
+
+
+def test_client_disconnect_mid_stream_frees_both_nodes(tmp_path):
+    prefill = start_node("producer", tmp_path, wait=False)
+    decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address],
+                        kv_extra={"remote_prefill": "always"}, wait=False)
+    try:
+        wait_all_ready(prefill, decode)
+        body = greedy_body(PROMPTS_20[2], stream=True, max_tokens=400, ignore_eos=True)
+        with httpx.stream("POST", f"{decode.url}/v1/completions", json=body, timeout=60) as r:
+            chunks = 0
+            for line in r.iter_lines():
+                chunks += line.startswith("data: ")
+                if chunks >= 3:
+                    break
+        wait_for(lambda: decode.metric("disagg_kv_blocks_used") == 0, 20, "decode blocks free")
+        wait_for(lambda: prefill.metric("disagg_kv_blocks_used") == 0, 20, "prefill blocks free")
+        assert prefill.metric("disagg_lookup_buffer_entries") == 0
+    finally:
+        decode.kill()
+        prefill.kill()
+
+
+@pytest.fixture(scope="module")
+def secret_prefill(tmp_path_factory):
+    node = start_node("producer", tmp_path_factory.mktemp("secret-prefill"), kv_extra={"auth_token": NODE_TOKEN})
+    yield node
+    node.kill()
+
+
+@pytest.mark.parametrize("decode_args,kv_extra,needle", [
+    ([], {"auth_token": "wrong-but-16-bytes+"}, "auth"),
+    (["--block-size", "32"], {"auth_token": NODE_TOKEN}, "block_size"),
+    (["--dtype", "bfloat16"], {"auth_token": NODE_TOKEN}, "dtype"),
+])
+def test_mismatched_decode_node_is_refused_at_start(secret_prefill, tmp_path, decode_args, kv_extra, needle):
+    decode = start_node("consumer", tmp_path, prefill_nodes=[secret_prefill.grpc_address], kv_extra=kv_extra,
+                        extra_args=decode_args, wait=False)
+    assert wait_exit(decode) != 0
+    assert needle in decode.log().lower()
+
+
+def test_mismatched_model_is_refused_at_start(tmp_path, tiny_llama_dir):
+    prefill = start_node("producer", tmp_path, model=str(tiny_llama_dir()))
+    try:
+        decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address], wait=False)
+        assert wait_exit(decode) != 0
+        assert "model_name" in decode.log()
+    finally:
+        prefill.kill()
+
+
+# -- through the module's pair and colocated node, after the tests above: those start nodes of their
+# own, and the module's stay up until its end --------------------------------------------------
 
 
 def prompt_indices(connector: str) -> list[int]:
@@ -131,214 +354,6 @@ def test_disaggregated_chat_equals_colocated_and_transformers(pair, colocated, h
     local, disagg = asyncio.run(both())
     assert local == expected
     assert disagg == expected
-
-
-# -- failure semantics, each with its own processes ------------------------------------------
-
-
-
-def post_completion(url: str, prompt, timeout: float = 120, **extra) -> httpx.Response:
-    return httpx.post(f"{url}/v1/completions", json=greedy_body(prompt, **extra), timeout=timeout)
-
-
-def test_prefill_node_down_at_start(tmp_path, reference_texts):
-    """Decode starts with a dead prefill address: it serves by recomputing; policy fail gets a 503."""
-    dead = f"127.0.0.1:{free_port()}"
-    decode = start_node("consumer", tmp_path, prefill_nodes=[dead], kv_extra={"remote_prefill": "always"})
-    try:
-        started = time.monotonic()
-        r = post_completion(decode.url, PROMPTS_20[1])
-        assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference_texts[1]
-        r = post_completion(decode.url, PROMPTS_20[1], prefill_policy="fail")
-        assert r.status_code == 503
-        assert "prefill" in r.json()["error"]["message"]
-        assert time.monotonic() - started < 60
-    finally:
-        decode.kill()
-
-
-def test_prefill_node_killed_between_two_layers(tmp_path, hf_model, hf_tokenizer):
-    """SIGKILL the prefill node once the first layers of the prompts' KV have crossed the pipe and
-    before the last have (the KV goes layer by layer as the prefill computes it): every request is
-    still answered, recomputed, and the decode node holds no block afterwards."""
-    prefill = start_node("producer", tmp_path)
-    decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address],
-                        kv_extra={"lookup_timeout": 20.0})
-    prompts = [PROMPTS[8] + f"\nQuestion {i}: what was the second topic?" for i in range(2)]
-    expected = [hf_tokenizer.decode(hf_greedy(hf_model, hf_tokenizer(p).input_ids, MAX_TOKENS),
-                                    skip_special_tokens=True) for p in prompts]
-    config = hf_model.config  # float32 on the CPU
-    kv_bytes = [len(hf_tokenizer(p).input_ids) * config.num_hidden_layers * 2 * config.num_key_value_heads
-                * config.head_dim * 4 for p in prompts]
-
-    def received() -> float:
-        return decode.labelled("disagg_kv_transfer_bytes_total", "direction").get("received", 0.0)
-
-    try:
-        async def run():
-            async with httpx.AsyncClient(timeout=120) as client:
-                tasks = [asyncio.create_task(complete(client, decode.url, p, False)) for p in prompts]
-                await asyncio.to_thread(wait_for, lambda: received() > 0, 60, "the first layer's KV")
-                at_kill = received()
-                prefill.kill()
-                return at_kill, await asyncio.gather(*tasks)
-        started = time.monotonic()
-        at_kill, answers = asyncio.run(run())
-        assert 0 < at_kill < min(kv_bytes), "the kill came after a whole prompt's KV had arrived"
-        assert answers == expected
-        assert time.monotonic() - started < 90
-        assert "recomputing" in decode.log()
-        wait_for(lambda: decode.metric("disagg_kv_blocks_used") == 0, 20, "decode blocks free")
-        # With the prefill node gone for good, later requests are recomputed too.
-        assert post_completion(decode.url, PROMPTS_20[2]).status_code == 200
-    finally:
-        decode.kill()
-        prefill.kill()
-
-
-def test_a_prompt_prefilled_in_chunks_crosses_chunk_by_chunk(tmp_path, hf_model, hf_tokenizer):
-    """A prefill node that computes long prompts in chunks of 128 tokens sends each chunk's KV as it
-    computes it: a 640-token prompt crosses in 5 chunks of 9 layer parts, and the decode node's
-    answer equals transformers'; so does a second prompt whose leading blocks the decode node
-    holds already: only its tail crosses, in one part, being shorter than layerwise_min_tokens."""
-    prefill = start_node("producer", tmp_path, extra_args=["--max-num-batched-tokens", "128"],
-                         kv_extra={"layerwise_min_tokens": 200})
-    # "always": the second prompt's tail alone is short enough to be computed on the decode node.
-    decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address],
-                        kv_extra={"prefill_policy": "fail", "remote_prefill": "always"})
-    prompts = [PROMPTS[8] + f"\nQuestion {i}: what was the first topic?" for i in range(2)]
-    expected = [hf_tokenizer.decode(hf_greedy(hf_model, hf_tokenizer(p).input_ids, MAX_TOKENS),
-                                    skip_special_tokens=True) for p in prompts]
-    try:
-        first = post_completion(decode.url, prompts[0])
-        assert first.status_code == 200 and first.json()["choices"][0]["text"] == expected[0]
-        chunks = -(-first.json()["usage"]["prompt_tokens"] // 128)
-        parts = prefill.metric("disagg_kv_part_send_seconds_count")
-        assert chunks == 5 and parts >= chunks * 9
-        second = post_completion(decode.url, prompts[1])
-        assert second.status_code == 200 and second.json()["choices"][0]["text"] == expected[1]
-        assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 600
-        assert prefill.metric("disagg_kv_part_send_seconds_count") == parts + 1
-    finally:
-        decode.kill()
-        prefill.kill()
-
-
-def test_max_num_seqs_caps_remote_requests(tmp_path, reference_texts):
-    """12 concurrent remote-prefill requests on a decode node with --max-num-seqs 4: all answered
-    token-exact, and never more than 4 running (remote requests once bypassed the cap, and the GPU
-    block table, sized by it, ran out of rows)."""
-    prefill = start_node("producer", tmp_path)
-    decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address], extra_args=["--max-num-seqs", "4"],
-                        kv_extra={"prefill_policy": "fail", "remote_prefill": "always", "prefill_timeout": 240.0,
-                                  "lookup_timeout": 120.0})
-    try:
-        # Short prompts: the prefill node computes them together, so their KV arrives together.
-        indices = [0, 1, 2, 3, 4, 7, 10, 11, 12, 13, 14, 15]
-
-        async def run() -> tuple[list[str], float]:
-            answers = asyncio.ensure_future(complete_all(decode.url, [PROMPTS_20[i] for i in indices]))
-            most = 0.0
-            async with httpx.AsyncClient(timeout=10) as client:
-                while not answers.done():
-                    text = (await client.get(f"{decode.url}/metrics")).text
-                    most = max(most, float(re.search(r"^disagg_num_requests_running (\S+)", text, re.M).group(1)))
-                    await asyncio.sleep(0.02)
-            return await answers, most
-        texts, most_running = asyncio.run(run())
-        assert texts == [reference_texts[i] for i in indices]
-        assert 1 <= most_running <= 4
-        assert decode.metric("disagg_kv_blocks_used") == 0
-    finally:
-        decode.kill()
-        prefill.kill()
-
-
-def test_prefill_slower_than_timeout(tmp_path, reference_texts):
-    prefill = start_node("producer", tmp_path)
-    decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address],
-                        kv_extra={"prefill_timeout": 0.001, "remote_prefill": "always"})
-    try:
-        r = post_completion(decode.url, PROMPTS_20[3])
-        assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference_texts[3]
-        r = post_completion(decode.url, PROMPTS_20[3], prefill_policy="fail")
-        assert r.status_code == 503 and "within 0.001s" in r.json()["error"]["message"]
-        # Whatever the prefill node computed for nobody is expired and freed.
-        wait_for(lambda: prefill.metric("disagg_kv_blocks_used") == 0, 30, "prefill blocks free")
-    finally:
-        decode.kill()
-        prefill.kill()
-
-
-def test_decode_node_killed_entries_expire(tmp_path):
-    """KV addressed to a decode node that died is dropped after the TTL; nothing stays pinned."""
-    prefill = start_node("producer", tmp_path, kv_extra={"buffer_ttl": 3.0})
-    decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address])
-    try:
-        async def run():
-            async with httpx.AsyncClient(timeout=60) as client:
-                tasks = [asyncio.create_task(complete(client, decode.url, PROMPTS[8] + str(i), False))
-                         for i in range(2)]
-                await asyncio.sleep(0.5)
-                decode.kill()
-                await asyncio.gather(*tasks, return_exceptions=True)
-        asyncio.run(run())
-        wait_for(lambda: prefill.metric("disagg_lookup_buffer_entries") == 0, 30, "buffer drained")
-        assert prefill.metric("disagg_lookup_buffer_bytes") == 0
-        wait_for(lambda: prefill.metric("disagg_kv_blocks_used") == 0, 30, "prefill blocks free")
-        assert httpx.get(f"{prefill.url}/health").status_code == 200
-    finally:
-        decode.kill()
-        prefill.kill()
-
-
-def test_client_disconnect_mid_stream_frees_both_nodes(tmp_path):
-    prefill = start_node("producer", tmp_path)
-    decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address],
-                        kv_extra={"remote_prefill": "always"})
-    try:
-        body = greedy_body(PROMPTS_20[2], stream=True, max_tokens=400, ignore_eos=True)
-        with httpx.stream("POST", f"{decode.url}/v1/completions", json=body, timeout=60) as r:
-            chunks = 0
-            for line in r.iter_lines():
-                chunks += line.startswith("data: ")
-                if chunks >= 3:
-                    break
-        wait_for(lambda: decode.metric("disagg_kv_blocks_used") == 0, 20, "decode blocks free")
-        wait_for(lambda: prefill.metric("disagg_kv_blocks_used") == 0, 20, "prefill blocks free")
-        assert prefill.metric("disagg_lookup_buffer_entries") == 0
-    finally:
-        decode.kill()
-        prefill.kill()
-
-
-@pytest.fixture(scope="module")
-def secret_prefill(tmp_path_factory):
-    node = start_node("producer", tmp_path_factory.mktemp("secret-prefill"), kv_extra={"auth_token": NODE_TOKEN})
-    yield node
-    node.kill()
-
-
-@pytest.mark.parametrize("decode_args,kv_extra,needle", [
-    ([], {"auth_token": "wrong-but-16-bytes+"}, "auth"),
-    (["--block-size", "32"], {"auth_token": NODE_TOKEN}, "block_size"),
-    (["--dtype", "bfloat16"], {"auth_token": NODE_TOKEN}, "dtype"),
-])
-def test_mismatched_decode_node_is_refused_at_start(secret_prefill, tmp_path, decode_args, kv_extra, needle):
-    decode = start_node("consumer", tmp_path, prefill_nodes=[secret_prefill.grpc_address], kv_extra=kv_extra,
-                        extra_args=decode_args, wait=False)
-    assert wait_exit(decode) != 0
-    assert needle in decode.log().lower()
-
-
-def test_mismatched_model_is_refused_at_start(tmp_path, tiny_llama_dir):
-    prefill = start_node("producer", tmp_path, model=str(tiny_llama_dir()))
-    try:
-        decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address], wait=False)
-        assert wait_exit(decode) != 0
-        assert "model_name" in decode.log()
-    finally:
-        prefill.kill()
 
 
 def test_load_100_streaming_requests_then_everything_is_free(pair):

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from prompts import CODE, PASSAGE
-from servers import start_node, wait_ready
+from prompts import CODE, PASSAGE, hf_greedy
+from servers import start_node, wait_all_ready
 
 from disagg.engine.builder import build_rank_runner
 from disagg.engine.config import EngineConfig
@@ -187,7 +187,8 @@ def token_ids(response: httpx.Response) -> list[list[int]]:
     return [choice["token_ids"] for choice in sorted(response.json()["choices"], key=lambda c: c["index"])]
 
 
-def test_handoff_between_nodes_of_different_tp_sizes_and_a_killed_rank(tmp_path: Path, model_dir: Path, pair_1p1d):
+def test_handoff_between_nodes_of_different_tp_sizes_and_a_killed_rank(tmp_path: Path, hf_model, hf_tokenizer,
+                                                                        pair_1p1d):
     # Prefill TP=2 -> decode TP=1, and prefill TP=1 (the shared pair's) -> decode TP=2, over tcp: every
     # prompt crosses ("always"), layer by layer. The wire carries every KV head: the prefill ranks' heads
     # gathered by its rank 0, the decode rank 0 sending each worker its heads.
@@ -200,11 +201,9 @@ def test_handoff_between_nodes_of_different_tp_sizes_and_a_killed_rank(tmp_path:
                          extra_args=args + tp2, wait=False)
     nodes = [prefill2, decode1, decode2]
     try:
-        for node in nodes:  # started together: their loads overlap
-            wait_ready(node)
-        llm = LLM(str(model_dir), device="cpu", max_num_batched_tokens=64)
-        prompts = [llm.tokenizer.encode(p) for p in (PROMPTS[1], PROMPTS[2], PROMPTS[6])]  # 6, 76, 106 tokens
-        expected = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))]
+        prompts = [hf_tokenizer(p).input_ids for p in (PROMPTS[1], PROMPTS[2], PROMPTS[6])]  # 6, 76, 106 tokens
+        expected = [hf_greedy(hf_model, p, 8) for p in prompts]  # transformers', while the nodes load
+        wait_all_ready(*nodes)  # started together: their loads overlap
         assert token_ids(complete(decode1, prompts, 8)) == expected
         assert token_ids(complete(decode2, prompts, 8)) == expected
         for node in (decode1, decode2):
