@@ -108,6 +108,37 @@ def usage(node: Node) -> Usage:
     return Usage(int(fields["VmRSS"].split()[0]) * 1024, int(fields["Threads"]), len(os.listdir(f"/proc/{pid}/fd")))
 
 
+TCP_STATES = {"01": "ESTABLISHED", "06": "TIME_WAIT", "08": "CLOSE_WAIT", "0A": "LISTEN", "04": "FIN_WAIT1",
+              "05": "FIN_WAIT2", "07": "CLOSE", "09": "LAST_ACK", "0B": "CLOSING", "02": "SYN_SENT", "03": "SYN_RECV"}
+
+
+def open_files(node: Node, ports: dict[int, str]) -> dict[str, int]:
+    """What a process's descriptors are, counted: TCP sockets by state, local port and peer (a node's
+    name where the port is one of `ports`), other sockets and files by kind. The evidence for a
+    process that did not get back to its baseline."""
+    pid = node.proc.pid
+    tcp = {}
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in list(f)[1:]:
+                cols = line.split()
+                local, remote = int(cols[1].split(":")[1], 16), int(cols[2].split(":")[1], 16)
+                tcp[cols[9]] = (f"{TCP_STATES.get(cols[3], cols[3])} {ports.get(local, 'a local port')} <-> "
+                                f"{ports.get(remote, 'a client' if remote else '*')}")
+    kinds: dict[str, int] = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            kind = tcp.get(target[8:-1], "socket (not TCP)")
+        else:
+            kind = target.split(":")[0] if ":" in target else "file " + target
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
+
+
 def within(now: Usage, base: Usage) -> bool:
     return (now.threads <= base.threads + THREAD_MARGIN and now.fds <= base.fds + FD_MARGIN
             and now.rss_bytes <= base.rss_bytes + rss_margin(base.rss_bytes))
@@ -376,9 +407,9 @@ def health_summary(probes: list[tuple[float, float | None]], load_start: float) 
 
 # --- the run -------------------------------------------------------------------------------------
 
-async def reference_texts(url: str) -> dict[str, str]:
+async def reference_texts(url: str, prompts: list[str] = PROMPTS) -> dict[str, str]:
     async with httpx.AsyncClient(timeout=300) as client:
-        return {prompt: (await stream_text(client, url, prompt))[0] for prompt in PROMPTS}
+        return {prompt: (await stream_text(client, url, prompt))[0] for prompt in prompts}
 
 
 async def warm_up(nodes: dict[str, Node], reference: dict[str, str], streams: int) -> list[str]:
@@ -451,6 +482,8 @@ def main() -> None:
     begun = time.time()
     prefill, decode, router = start_system(Path(args.log_dir))
     nodes = {"prefill": prefill, "decode": decode, "router": router}
+    ports = {port: f"{name} {what}" for name, node in nodes.items()
+             for what, port in (("HTTP", node.port), ("gRPC", node.grpc_port), ("KV", node.kv_port)) if port}
     ctx = multiprocessing.get_context("spawn")
     stop_health, health_out = ctx.Event(), ctx.Queue()
     try:
@@ -460,6 +493,8 @@ def main() -> None:
         settle(nodes, {name: usage(node) for name, node in nodes.items()}, 30)
         baseline = {name: usage(node) for name, node in nodes.items()}
         log_sizes = {name: node.log_path.stat().st_size for name, node in nodes.items()}
+        files_before = {name: open_files(node, ports) for name, node in nodes.items()}
+        after_one_more = None
         prefills_before = remote_prefills(decode)
         print(f"baseline after warm-up: {baseline}", flush=True)
 
@@ -486,6 +521,13 @@ def main() -> None:
 
         settle_seconds = settle(nodes, baseline, args.settle)
         after = {name: usage(node) for name, node in nodes.items()}
+        files = {name: open_files(node, ports) for name, node in nodes.items()}
+        if not all(within(after[name], baseline[name]) for name in nodes):
+            # Evidence: are they held only until the next request (an idle pool cleaned lazily)?
+            asyncio.run(reference_texts(router.url, PROMPTS[:1]))
+            time.sleep(6.0)  # past the nodes' 5 s keep-alive
+            after_one_more = {name: asdict(usage(node)) | {"open_files": open_files(node, ports)}
+                              for name, node in nodes.items()}
         prefills_after = remote_prefills(decode)
     finally:
         for node in (router, decode, prefill):
@@ -494,6 +536,7 @@ def main() -> None:
     resources = {name: {"baseline": asdict(baseline[name]), "after": asdict(after[name]),
                         "rss_margin_bytes": rss_margin(baseline[name].rss_bytes),
                         "back_to_baseline": within(after[name], baseline[name]),
+                        "open_files_before": files_before[name], "open_files_after": files[name],
                         "log_growth_bytes": nodes[name].log_path.stat().st_size - log_sizes[name]}
                  for name in nodes}
     health_report = {name: health_summary(probes, start) for name, probes in health.items()}
@@ -522,7 +565,7 @@ def main() -> None:
         "victims": victims.summary(),
         "remote_prefills": {k: prefills_after.get(k, 0) - prefills_before.get(k, 0) for k in prefills_after},
         "hostile": by_kind, "hostile_requests": [asdict(h) for h in plan], "health": health_report,
-        "resources": resources,
+        "resources": resources, "after_one_more_victim": after_one_more,
         "margins": {"threads": THREAD_MARGIN, "fds": FD_MARGIN, "rss": "max(10% of baseline, 150 MiB)"},
         "failures": failures, "ok": not failures,
     }
