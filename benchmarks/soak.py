@@ -467,18 +467,35 @@ def settle(nodes: dict[str, Node], baseline: dict[str, Usage], timeout: float) -
     return time.monotonic() - start
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--duration", type=float, default=600, help="seconds of load")
-    ap.add_argument("--streams", type=int, default=200, help="concurrent victim streams")
-    ap.add_argument("--hostile", type=int, default=50, help="hostile requests spread over the run")
-    ap.add_argument("--settle", type=float, default=120, help="seconds allowed to get back to the baseline")
-    ap.add_argument("--log-dir", default="/tmp/disagg-soak-logs")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # for the idle sockets
+def hostile_by_kind(plan: list[Hostile]) -> dict[str, dict]:
+    by_kind: dict[str, dict] = {}
+    for h in plan:
+        entry = by_kind.setdefault(h.kind, {"sent": 0, "statuses": {}, "failed": 0, "max_seconds": 0.0})
+        entry["sent"] += 1
+        entry["failed"] += h.failed
+        entry["max_seconds"] = max(entry["max_seconds"], h.seconds)
+        for key, n in h.statuses.items():
+            entry["statuses"][key] = entry["statuses"].get(key, 0) + n
+    return by_kind
 
+
+def failures_of(report: dict, plan: list[Hostile]) -> list[str]:
+    victims = report["victims"]
+    failures = list(report["warm_up_problems"])
+    if victims["mismatch_count"]:
+        failures.append(f"{victims['mismatch_count']} victims differ from their reference")
+    if victims["lost_count"]:
+        failures.append(f"{victims['lost_count']} victims got no complete answer")
+    failures += [f"/health of {name}: max {h['max_s']} s, {h['unanswered']} unanswered"
+                 for name, h in report["health"].items() if h["unanswered"] or (h["max_s"] or 0) > HEALTH_LIMIT_S]
+    failures += [f"hostile {h.index} ({h.kind} -> {h.target}): {h.statuses} {h.note}" for h in plan if h.failed]
+    failures += [f"{name} not back to baseline: {r['baseline']} -> {r['after']}"
+                 for name, r in report["resources"].items() if not r["back_to_baseline"]]
+    return failures
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Starts the system, runs the soak and returns its report (with "failures")."""
     begun = time.time()
     prefill, decode, router = start_system(Path(args.log_dir))
     nodes = {"prefill": prefill, "decode": decode, "router": router}
@@ -486,42 +503,45 @@ def main() -> None:
              for what, port in (("HTTP", node.port), ("gRPC", node.grpc_port), ("KV", node.kv_port)) if port}
     ctx = multiprocessing.get_context("spawn")
     stop_health, health_out = ctx.Event(), ctx.Queue()
+    loads: list[float] = []
+    stop_loads = threading.Event()
+
+    def sample_load_average() -> None:
+        while not stop_loads.wait(10):
+            loads.append(os.getloadavg()[0])
+
     try:
         reference = asyncio.run(reference_texts(router.url))
         print(f"reference texts from the unloaded system: {len(reference)} prompts", flush=True)
-        warm_problems = asyncio.run(warm_up(nodes, reference, args.streams))
+        warm_up_problems = asyncio.run(warm_up(nodes, reference, args.streams))
         settle(nodes, {name: usage(node) for name, node in nodes.items()}, 30)
         baseline = {name: usage(node) for name, node in nodes.items()}
         log_sizes = {name: node.log_path.stat().st_size for name, node in nodes.items()}
         files_before = {name: open_files(node, ports) for name, node in nodes.items()}
-        after_one_more = None
         prefills_before = remote_prefills(decode)
         print(f"baseline after warm-up: {baseline}", flush=True)
 
         poller = ctx.Process(target=poll_health, args=({n: node.url for n, node in nodes.items()}, stop_health,
                                                        health_out))
         poller.start()
+        threading.Thread(target=sample_load_average, daemon=True).start()
         plan = plan_hostile(args.hostile, args.duration)
-        loads = []
-        sampler_stop = threading.Event()
-
-        def sample_load() -> None:
-            while not sampler_stop.wait(10):
-                loads.append(os.getloadavg()[0])
-
-        sampler = threading.Thread(target=sample_load, daemon=True)
-        sampler.start()
         start = time.monotonic()
         victims = asyncio.run(load(nodes, reference, args, plan))
         load_seconds = time.monotonic() - start
-        sampler_stop.set()
+        stop_loads.set()
         stop_health.set()
         health = health_out.get(timeout=60)
         poller.join(timeout=30)
 
+        dead = {name: node.proc.returncode for name, node in nodes.items() if node.proc.poll() is not None}
+        if dead:
+            print(json.dumps(victims.summary(), indent=1))
+            sys.exit(f"FAILED: {dead} (name: exit code) ended during the load; their logs are in {args.log_dir}")
         settle_seconds = settle(nodes, baseline, args.settle)
         after = {name: usage(node) for name, node in nodes.items()}
-        files = {name: open_files(node, ports) for name, node in nodes.items()}
+        files_after = {name: open_files(node, ports) for name, node in nodes.items()}
+        after_one_more = None
         if not all(within(after[name], baseline[name]) for name in nodes):
             # Evidence: are they held only until the next request (an idle pool cleaned lazily)?
             asyncio.run(reference_texts(router.url, PROMPTS[:1]))
@@ -533,44 +553,42 @@ def main() -> None:
         for node in (router, decode, prefill):
             node.kill()
 
-    resources = {name: {"baseline": asdict(baseline[name]), "after": asdict(after[name]),
-                        "rss_margin_bytes": rss_margin(baseline[name].rss_bytes),
-                        "back_to_baseline": within(after[name], baseline[name]),
-                        "open_files_before": files_before[name], "open_files_after": files[name],
-                        "log_growth_bytes": nodes[name].log_path.stat().st_size - log_sizes[name]}
-                 for name in nodes}
-    health_report = {name: health_summary(probes, start) for name, probes in health.items()}
-    by_kind: dict[str, dict] = {}
-    for h in plan:
-        entry = by_kind.setdefault(h.kind, {"sent": 0, "statuses": {}, "failed": 0, "max_seconds": 0.0})
-        entry["sent"] += 1
-        entry["failed"] += h.failed
-        entry["max_seconds"] = max(entry["max_seconds"], h.seconds)
-        for key, n in h.statuses.items():
-            entry["statuses"][key] = entry["statuses"].get(key, 0) + n
-    failures = list(warm_problems)
-    if victims.mismatch_count:
-        failures.append(f"{victims.mismatch_count} victims differ from their reference")
-    if victims.lost_count:
-        failures.append(f"{victims.lost_count} victims got no complete answer")
-    failures += [f"/health of {name}: max {h['max_s']} s, {h['unanswered']} unanswered"
-                 for name, h in health_report.items() if h["unanswered"] or (h["max_s"] or 0) > HEALTH_LIMIT_S]
-    failures += [f"hostile {h.index} ({h.kind} -> {h.target}): {h.statuses} {h.note}" for h in plan if h.failed]
-    failures += [f"{name} not back to baseline: {r['baseline']} -> {r['after']}"
-                 for name, r in resources.items() if not r["back_to_baseline"]]
     report = {
         "args": vars(args), "wall_seconds": round(time.time() - begun), "load_seconds": round(load_seconds, 1),
         "settle_seconds": round(settle_seconds, 1),
         "load_average": {"max": max(loads, default=None), "mean": round(statistics.mean(loads), 2) if loads else None},
-        "victims": victims.summary(),
+        "warm_up_problems": warm_up_problems, "victims": victims.summary(),
         "remote_prefills": {k: prefills_after.get(k, 0) - prefills_before.get(k, 0) for k in prefills_after},
-        "hostile": by_kind, "hostile_requests": [asdict(h) for h in plan], "health": health_report,
-        "resources": resources, "after_one_more_victim": after_one_more,
+        "hostile": hostile_by_kind(plan), "hostile_requests": [asdict(h) for h in plan],
+        "health": {name: health_summary(probes, start) for name, probes in health.items()},
+        "resources": {name: {"baseline": asdict(baseline[name]), "after": asdict(after[name]),
+                             "rss_margin_bytes": rss_margin(baseline[name].rss_bytes),
+                             "back_to_baseline": within(after[name], baseline[name]),
+                             "open_files_before": files_before[name], "open_files_after": files_after[name],
+                             "log_growth_bytes": nodes[name].log_path.stat().st_size - log_sizes[name]}
+                      for name in nodes},
+        "after_one_more_victim": after_one_more,
         "margins": {"threads": THREAD_MARGIN, "fds": FD_MARGIN, "rss": "max(10% of baseline, 150 MiB)"},
-        "failures": failures, "ok": not failures,
     }
+    report["failures"] = failures_of(report, plan)
+    return report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=float, default=600, help="seconds of load")
+    ap.add_argument("--streams", type=int, default=200, help="concurrent victim streams")
+    ap.add_argument("--hostile", type=int, default=50, help="hostile requests spread over the run")
+    ap.add_argument("--settle", type=float, default=120, help="seconds allowed to get back to the baseline")
+    ap.add_argument("--log-dir", default="/tmp/disagg-soak-logs")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # for the idle sockets
+    report = run(args)
     print(json.dumps({k: report[k] for k in ("victims", "remote_prefills", "hostile", "health", "resources",
                                              "load_average", "settle_seconds")}, indent=1))
+    failures = report["failures"]
     print("\nFAILED:\n  " + "\n  ".join(failures) if failures else "\nOK: every check held")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
