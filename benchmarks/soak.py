@@ -1,6 +1,9 @@
 """Soak run (issue 24): victims token-exact under hostile load on a CPU 1P1D pair behind the router.
 
-    python benchmarks/soak.py --duration 600 --streams 200 --hostile 50 --json soak.json
+    python benchmarks/soak.py --duration 600 --streams 200 --hostile 50 --json soak.json   # the defaults
+    python benchmarks/soak.py --duration 60 --streams 40 --hostile 12                     # a short run
+
+(from the repository root: the nodes are `python -m disagg.cli` processes.)
 
 Starts, on loopback only, a prefill node and a decode node sharing a KV auth token, both with an API
 key, and `disagg router` in front. Each victim prompt's greedy answer (max_tokens 32, ignore_eos) is
@@ -9,8 +12,8 @@ the router at all times, each compared with its reference text, while --hostile 
 spread evenly over the run, cycle through issue 24's list (KINDS below) against the router and the
 decode node in turn, and a separate process polls every node's /health each 0.5 s. Afterwards, once
 no KV block is in use, each process's RSS, threads and open descriptors are compared with their
-level before the load (taken after a warm-up that ran every code path once: pools that grow once
-and stay are not a leak).
+level before the load (taken after a warm-up, a burst of victims and one hostile body of each
+kind: pools that grow once and stay are not a leak).
 
 The run fails (exit 1) if a victim differs from its reference or gets no complete answer, a /health
 answer took over 1 s (or none came), a hostile request got a 5xx or no answer, a held connection was
@@ -25,6 +28,7 @@ import multiprocessing
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -70,8 +74,6 @@ def rss_margin(baseline_bytes: int) -> int:
 # --- the system ----------------------------------------------------------------------------------
 
 def start_router(log_dir: Path, decode: Node) -> Node:
-    import subprocess
-
     port = free_port()
     args = [sys.executable, "-m", "disagg.cli", "router", "--decode-nodes", f"127.0.0.1:{decode.port}",
             "--port", str(port), "--api-key", API_KEY]
