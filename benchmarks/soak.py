@@ -164,20 +164,23 @@ async def stream_text(client: httpx.AsyncClient, url: str, prompt: str) -> tuple
     """(the streamed text, seconds to the end, the longest wait for an event: the first counts from
     the request). Raises if the answer is not a 200 that ends with [DONE] and carries no error event."""
     start = last = time.monotonic()
-    text, longest, done = "", 0.0, False
-    async with client.stream("POST", f"{url}/v1/completions", json=victim_body(prompt), headers=AUTH) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if line == "data: [DONE]":
-                done = True
-            elif line.startswith("data: "):
-                now = time.monotonic()
-                longest, last = max(longest, now - last), now
-                event = json.loads(line[6:])
-                if "error" in event:
-                    raise RuntimeError(f"error event: {event['error']}")
-                text += "".join(choice["text"] for choice in event["choices"])
+    text, longest, done, events = "", 0.0, False, 0
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=victim_body(prompt), headers=AUTH) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"{r.status_code}: {(await r.aread())[:300]!r}")
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    now = time.monotonic()
+                    longest, last, events = max(longest, now - last), now, events + 1
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        raise RuntimeError(f"error event: {event['error']}")
+                    text += "".join(choice["text"] for choice in event["choices"])
+    except httpx.HTTPError as e:  # where it broke: before the answer's first event, or in the stream
+        raise RuntimeError(f"{type(e).__name__} ({e}) after {events} events") from e
     if not done:
         raise RuntimeError("the stream ended without [DONE]")
     return text, time.monotonic() - start, longest
@@ -208,20 +211,22 @@ def percentile(ordered: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def victim_loop(client: httpx.AsyncClient, url: str, reference: dict[str, str], slot: int, stop: float,
-                      victims: Victims) -> None:
+async def victim_loop(client: httpx.AsyncClient, url: str, reference: dict[str, str], slot: int, start: float,
+                      stop: float, victims: Victims) -> None:
     i = slot
     while time.monotonic() < stop:
         prompt = PROMPTS[i % len(PROMPTS)]
         i += 1
         victims.sent += 1
+        sent = time.monotonic()
         try:
             text, seconds, longest = await stream_text(client, url, prompt)
         # No complete answer: a refusal, a broken connection, an error event or no [DONE].
-        except (httpx.HTTPError, RuntimeError, AssertionError, KeyError, json.JSONDecodeError) as e:
+        except (RuntimeError, KeyError, json.JSONDecodeError) as e:
             victims.lost_count += 1
-            if len(victims.lost) < 10:
-                victims.lost.append(f"{prompt!r}: {type(e).__name__}: {e}")
+            if len(victims.lost) < 10:  # times in seconds into the load, to set beside the hostile requests'
+                victims.lost.append(f"{prompt!r} sent at {sent - start:.1f} s, lost at "
+                                    f"{time.monotonic() - start:.1f} s: {type(e).__name__}: {e}")
             continue
         victims.completed += 1
         victims.seconds.append(seconds)
@@ -449,7 +454,7 @@ async def load(nodes: dict[str, Node], reference: dict[str, str], args: argparse
             print(f"  [{time.monotonic() - start:5.0f}s] hostile {hostile.index} done in {hostile.seconds}s: "
                   f"{hostile.statuses}", flush=True)
 
-        await asyncio.gather(*(victim_loop(streams, nodes["router"].url, reference, slot, stop, victims)
+        await asyncio.gather(*(victim_loop(streams, nodes["router"].url, reference, slot, start, stop, victims)
                                for slot in range(args.streams)), *(scheduled(h) for h in plan))
     return victims
 
