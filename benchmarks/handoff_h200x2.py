@@ -298,6 +298,14 @@ def plot_goodput(result: dict, png: str) -> None:
     fig.savefig(png, dpi=90)
 
 
+def merge_json(paths: list[str], out: str) -> None:
+    """Phase results (one JSON object each) joined into one file, later keys winning."""
+    result = {}
+    for path in paths:
+        result.update(json.loads(Path(path).read_text()))
+    Path(out).write_text(json.dumps(result, indent=1))
+
+
 def write_json(args: argparse.Namespace, result: dict) -> None:
     args_key = f"{args.phase}_args"
     Path(args.json).write_text(json.dumps({args_key: {k: v for k, v in vars(args).items() if k != "merge"}} | result,
@@ -335,10 +343,7 @@ def main() -> int:
         plot_goodput(json.loads(Path(args.json).read_text()), args.plot)
         return 0
     if args.merge:
-        result = {}
-        for path in args.merge:
-            result.update(json.loads(Path(path).read_text()))
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        merge_json(args.merge, args.json)
         return 0
     args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     args.vocab = SHAPES[args.shape]["vocab_size"]

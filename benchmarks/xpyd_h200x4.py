@@ -43,6 +43,7 @@ from handoff_h200x2 import (
     TTFT_SLO,
     WORKLOADS,
     attainment,
+    merge_json,
     node_kwargs,
     serve_once,
     start_router,
@@ -255,10 +256,7 @@ def main() -> int:
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
     if args.merge:
-        result = {}
-        for path in args.merge:
-            result.update(json.loads(Path(path).read_text()))
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        merge_json(args.merge, args.json)
         return 0
     if args.dry_run:
         WORKLOADS.update(DRY_WORKLOADS)  # serve_once reads handoff_h200x2's table
