@@ -162,6 +162,19 @@ def test_xpyd_spreads_load_survives_a_dead_prefill_node_and_matches_colocated(cl
             return results
 
     results = asyncio.run(run())
+    # Once both decode nodes have marked the dead node down, a prompt sent to each is computed by the
+    # survivor. During the run a decode node's pick (by cache and load) may have kept to the node that
+    # held its prompts until the end.
+    wait_for(lambda: not any(httpx.get(f"{d.url}/health", timeout=5).json()["prefill_nodes"][victim.grpc_address]
+                             for d in decodes), 30, "both decode nodes mark the dead prefill node down")
+
+    async def one_each() -> list[tuple[str, str]]:
+        async with httpx.AsyncClient(timeout=180) as client:
+            return [await ask(client, d.url, k, None) for k, d in enumerate(decodes)]
+
+    after = asyncio.run(one_each())
+    for k, (text, _) in enumerate(after):
+        assert text == expected[request_kind(k).removesuffix("-stream")][k], f"request {k} after the kill differs"
     for i, (text, _) in enumerate(results):
         kind = request_kind(i).removesuffix("-stream")
         assert text == expected[kind][i % len(PROMPTS)], f"request {i} ({request_kind(i)}) differs"
@@ -178,7 +191,8 @@ def test_xpyd_spreads_load_survives_a_dead_prefill_node_and_matches_colocated(cl
     assert sum(routed.values()) == NUM_REQUESTS
     for node in prefills:
         assert PREFILL_LOG_LINE.search(node.log()), f"prefill node {node.port} got no work"
-    # The surviving prefill node pushed KV to both decode nodes, which used it (not recomputed).
+    # The surviving prefill node pushed KV to both decode nodes (at the latest for the prompts after
+    # the kill), which used it (not recomputed).
     survivor = prefills[1]
     for decode in decodes:
         assert f"KV to 127.0.0.1:{decode.kv_port} " in survivor.log(), f"no KV pushed to decode node {decode.port}"
