@@ -95,11 +95,11 @@ def test_environment_variables_give_every_flag_below_the_config_file_and_the_com
 def test_sigterm_lets_a_request_in_flight_finish_within_the_shutdown_timeout(tmp_path: Path):
     """--shutdown-timeout: on SIGTERM new connections are refused at once and a stream in flight runs
     to its end (longer than the 5 s grace there was before the flag) before the node exits."""
-    node = start_node("both", tmp_path, extra_args=["--shutdown-timeout", "60"])
+    node = start_node("both", tmp_path, extra_args=["--shutdown-timeout", "300"])
     body = {"prompt": "Once upon a time", "max_tokens": MAX_TOKENS_DRAINED, "ignore_eos": True, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     try:
-        with httpx.stream("POST", f"{node.url}/v1/completions", json=body, timeout=120) as response:
+        with httpx.stream("POST", f"{node.url}/v1/completions", json=body, timeout=300) as response:
             events = (line[6:] for line in response.iter_lines() if line.startswith("data: "))
             next(events)
             node.proc.send_signal(signal.SIGTERM)
