@@ -272,6 +272,7 @@ def check_serve_args(args: argparse.Namespace, kv: KVTransferConfig) -> list[str
                          "are not built yet); give one")
     if args.override_generation_config is not None:
         generation_overrides(args)  # its ValueError names the flag
+    profiler_dir(args)  # its ValueError names the flag
     if args.generation_config not in ("auto", "vllm") and not Path(args.generation_config).expanduser().is_dir():
         raise ValueError(f"--generation-config {args.generation_config!r} is none of auto, vllm or a directory")
     prefill_nodes = [a.strip() for a in (args.prefill_nodes or "").split(",") if a.strip()]
@@ -316,6 +317,26 @@ def served_model_name(args: argparse.Namespace) -> str:
     if args.model is None:
         return DEFAULT_MODEL_NAME
     return args.model if is_hub_id(args.model) else Path(args.model).name
+
+
+def profiler_dir(args: argparse.Namespace) -> str | None:
+    """Where /stop_profile writes its traces: --profiler-config's torch_profiler_dir, else
+    $VLLM_TORCH_PROFILER_DIR (vLLM's older way), else None (no profiler endpoints)."""
+    if args.profiler_config is None:
+        return os.environ.get("VLLM_TORCH_PROFILER_DIR") or None
+    try:
+        config = json.loads(args.profiler_config)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--profiler-config is not valid JSON: {e}") from None
+    if not isinstance(config, dict) or not config.get("torch_profiler_dir"):
+        raise ValueError('--profiler-config must be a JSON object with "torch_profiler_dir"')
+    if config.get("profiler", "torch") != "torch":
+        raise ValueError(f"--profiler-config: profiler {config['profiler']!r} is not built here; use \"torch\"")
+    unknown = sorted(set(config) - {"profiler", "torch_profiler_dir"})
+    if unknown:
+        raise ValueError(f"--profiler-config: {', '.join(unknown)} not built here; give profiler and "
+                         "torch_profiler_dir")
+    return config["torch_profiler_dir"]
 
 
 def generation_overrides(args: argparse.Namespace) -> dict:
@@ -368,6 +389,7 @@ def serve(args: argparse.Namespace) -> None:
     from disagg.engine.async_engine import AsyncEngine
     from disagg.engine.config import EngineConfig
     from disagg.engine.engine import LLMEngine
+    from disagg.engine.profiler import TorchProfiler
     from disagg.serving import HTTPOptions
 
     if args.disable_log_stats:  # the engine thread's only INFO line is its periodic stats summary
@@ -380,8 +402,10 @@ def serve(args: argparse.Namespace) -> None:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     name = served_model_name(args)
     limits = HTTPLimits.from_args(args)
+    trace_dir = profiler_dir(args)
+    profiler = None if trace_dir is None else TorchProfiler(trace_dir, f"{kv.kv_role}-{args.port}")
     engine = AsyncEngine(LLMEngine(EngineConfig(**engine_kwargs(args) | {
-        "model": local_model(args), "grammar_cache_bytes": int(args.grammar_cache_mb * 2**20)})))
+        "model": local_model(args), "grammar_cache_bytes": int(args.grammar_cache_mb * 2**20)})), profiler)
     metrics.register_vllm_names(name)  # every role serves vLLM's metric names, labelled with the served name
     if kv.kv_role == "producer":
         from disagg.prefill_node.server import run_prefill_node
@@ -454,6 +478,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None,
                         help="YAML file of flags (keys are flag names without --, as in vLLM); flags given on "
                              "the command line win")
+    parser.add_argument("--profiler-config", default=None,
+                        help='JSON {"profiler": "torch", "torch_profiler_dir": DIR} (vLLM\'s; or '
+                             "$VLLM_TORCH_PROFILER_DIR): serve POST /start_profile and /stop_profile, which "
+                             "write a torch.profiler trace of the node's steps into DIR (for development: "
+                             "tracing slows the node)")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     parser.add_argument("--check-config", action="store_true",
                         help="validate the flags and exit, loading no model (a Hub model is looked up, not downloaded)")

@@ -49,6 +49,29 @@ def openai_error_response(status: int, message: str, param: str | None = None, c
     return JSONResponse(openai_error(status, message, param, code), status_code=status, headers=headers)
 
 
+def add_profiler_routes(app: FastAPI, engine: "AsyncEngine") -> None:
+    """vLLM's POST /start_profile and /stop_profile, on a node started with a profiler (--profiler-config)
+    only, as vLLM serves them: a development setting, which every node kind takes."""
+    if engine.profiler is None:
+        return
+
+    @app.post("/start_profile")
+    async def start_profile() -> Response:
+        try:
+            await engine.start_profile()
+        except RuntimeError as e:
+            return openai_error_response(409, str(e))
+        return JSONResponse({"status": "started", "trace_dir": str(engine.profiler.trace_dir)})
+
+    @app.post("/stop_profile")
+    async def stop_profile() -> Response:
+        try:
+            trace = await engine.stop_profile()
+        except RuntimeError as e:
+            return openai_error_response(409, str(e))
+        return JSONResponse({"status": "stopped", "trace": trace})
+
+
 def add_error_handlers(app: FastAPI, error_response: Callable[..., Response]) -> None:
     """Starlette's own refusals (404 no such path, 405 wrong method) and an unexpected exception in
     `error_response`'s shape (OpenAI's), where Starlette would answer {"detail": ...} or plain text."""

@@ -6,6 +6,7 @@ Two lanes: a test that starts processes or loads the real model is marked `slow`
 (model_dir, and so hf_model, hf_tokenizer and tiny_llama_dir, which build on it) is marked here;
 one that starts processes otherwise is marked in its module."""
 
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -55,7 +56,9 @@ def model_dir() -> Path:
 def pair_1p1d(tmp_path_factory: pytest.TempPathFactory) -> tuple[Node, Node]:
     """One CPU 1P1D pair (prefill node, decode node) shared by the modules that test through it."""
     tmp = tmp_path_factory.mktemp("pair-1p1d")
-    args = ["--max-model-len", str(PAIR_MAX_MODEL_LEN)]
+    # The profiler's routes (test_vllm_metrics) cost nothing until a test starts it.
+    args = ["--max-model-len", str(PAIR_MAX_MODEL_LEN),
+            "--profiler-config", json.dumps({"profiler": "torch", "torch_profiler_dir": str(tmp / "traces")})]
     prefill = start_node("producer", tmp, extra_args=args, wait=False)
     # "fail": a request the prefill node does not serve is an error, not a silent recompute; "always":
     # every prompt crosses, however short (the modules test the handoff under load).

@@ -190,6 +190,9 @@ def test_vllm_flags_are_mapped(hf_cache: Path):
     assert_refused_in_one_line(check_config("--kv-role consumer --kv-transfer-config "
                                             "'{\"kv_connector\": \"PyNcclConnector\", \"kv_role\": \"kv_producer\"}'",
                                             hf_cache), "--kv-role consumer disagrees with kv_role")
+    assert_refused_in_one_line(check_config("--profiler-config '{\"profiler\": \"cuda\", "
+                                            "\"torch_profiler_dir\": \"t\"}'", hf_cache),
+                               "profiler 'cuda' is not built here")
 
 
 def test_seed_documents_command_lines_start_unchanged(hf_cache: Path, tmp_path: Path):

@@ -6,6 +6,7 @@ of github.com/vllm-project/vllm, unchanged. Every metric its PromQL queries must
 labels it selects and groups by, and, on a node that served requests, hold data.
 """
 
+import gzip
 import json
 import re
 from pathlib import Path
@@ -157,6 +158,27 @@ def test_request_params_n_observes_each_prompts_n(pair_1p1d):
     assert delta("vllm:request_params_n_bucket", le="2.0", **labels) == 0
     assert delta("vllm:request_params_n_bucket", le="5.0", **labels) == 2
     assert delta("disagg_request_params_n_sum") == 6
+
+
+def test_start_and_stop_profile_trace_each_node_of_a_pair(pair_1p1d):
+    """vLLM's /start_profile and /stop_profile (the pair runs with --profiler-config): a trace of each
+    node's engine steps for the request between the two calls; a second start or a stop with no start
+    is refused."""
+    prefill, decode = pair_1p1d
+    for node in pair_1p1d:
+        assert httpx.post(f"{node.url}/stop_profile", timeout=30).status_code == 409
+        assert httpx.post(f"{node.url}/start_profile", timeout=30).status_code == 200
+        refused = httpx.post(f"{node.url}/start_profile", timeout=30)
+        assert refused.status_code == 409 and "running already" in refused.json()["error"]["message"]
+    body = {"model": MODEL, "prompt": "The profiler sees", "max_tokens": 4, "temperature": 0}
+    assert httpx.post(f"{decode.url}/v1/completions", json=body, timeout=120).status_code == 200
+    for node in pair_1p1d:
+        stopped = httpx.post(f"{node.url}/stop_profile", timeout=120)
+        assert stopped.status_code == 200, stopped.text
+        with gzip.open(stopped.json()["trace"]) as f:
+            names = {event.get("name") for event in json.load(f)["traceEvents"]}
+        # The model's forward ran on each node while the profiler ran: its matrix products are in the trace.
+        assert names & {"aten::mm", "aten::addmm", "aten::linear"}, f"{node.role}: {sorted(names)[:40]}"
 
 
 def test_request_stats_times_and_prompt_sources():

@@ -82,7 +82,14 @@ from disagg.engine.output import RequestOutput
 from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.sequence import TokenLogprob
 from disagg.engine.tokenizer import Tokenizer
-from disagg.serving import STATUS_CLIENT_CLOSED, HTTPOptions, make_app, openai_error, request_label
+from disagg.serving import (
+    STATUS_CLIENT_CLOSED,
+    HTTPOptions,
+    add_profiler_routes,
+    make_app,
+    openai_error,
+    request_label,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -1053,4 +1060,5 @@ def build_app(node: DecodeNode, options: HTTPOptions, served_model_name: str,
     async def version_info() -> dict:
         return {"version": app.version}
 
+    add_profiler_routes(app, node.engine)
     return app

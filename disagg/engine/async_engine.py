@@ -34,6 +34,7 @@ from disagg.engine.engine import LLMEngine
 from disagg.engine.kv_events import KVEventPublisher, KVEventSubscription
 from disagg.engine.output import RequestOutput
 from disagg.engine.prefix_blocks import PrefixBlocks
+from disagg.engine.profiler import TorchProfiler
 from disagg.engine.remote_prefill import FirstToken, RemoteSlot
 from disagg.engine.request_stats import IterationStats, RequestStats
 from disagg.engine.sampling_params import SamplingParams, StructuredOutputSpec
@@ -70,8 +71,9 @@ class EngineStats:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, profiler: TorchProfiler | None = None):
         self.engine = engine
+        self.profiler = profiler  # /start_profile and /stop_profile, when the node was started with one
         # Fixed once the engine is built, so any thread may read them.
         self.tokenizer = engine.tokenizer
         self.model_dir = engine.model_dir
@@ -266,6 +268,14 @@ class AsyncEngine:
             raise ValueError("prefix blocks cannot move to or from this engine: it has no prefix cache, "
                              "or its blocks are split over tensor-parallel ranks")
         return self.engine.prefix_blocks
+
+    async def start_profile(self) -> None:
+        """Start the profiler on the engine thread, between two steps (RuntimeError if it runs already)."""
+        await self._call(self.profiler.start)
+
+    async def stop_profile(self) -> str:
+        """Stop it between two steps and write its trace; the trace's path."""
+        return str(await self._call(self.profiler.stop))
 
     async def keep_remote_blocks_aside(self, request_id: str) -> int:
         return await self._call(self.engine.keep_remote_blocks_aside, request_id)

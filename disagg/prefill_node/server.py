@@ -15,7 +15,7 @@ from disagg.pipes.errors import PipeError
 from disagg.prefill_node.node import PrefillNode
 from disagg.prefill_node.pull import PrefixPuller
 from disagg.prefill_node.service import start_grpc_server
-from disagg.serving import add_error_handlers, node_info, openai_error_response, serve_http
+from disagg.serving import add_error_handlers, add_profiler_routes, node_info, openai_error_response, serve_http
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ def build_health_app(node: PrefillNode) -> FastAPI:
         metrics.BUFFER_BYTES.set(stats.bytes)
         return PlainTextResponse(generate_latest(), media_type="text/plain; version=0.0.4")
 
+    add_profiler_routes(app, node.engine)
     return app
 
 
