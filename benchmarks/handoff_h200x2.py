@@ -29,8 +29,11 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+
+import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e_disagg_vs_colocated import REPO, NodeSpec, System, bench_args, free_port, save_metrics, systems, warm_up
@@ -134,6 +137,9 @@ def goodput_phase(args: argparse.Namespace, model: Path) -> dict:
     gpu0, gpu1 = specs(args)
     log_dir = Path(args.work) / "logs-goodput"
     kwargs = node_kwargs(args, model, args.kv_modes.split(",")[-1])
+    if args.profile:  # every node serves /start_profile; TraceWindow uses it during the middle rate
+        kwargs["extra"] = kwargs["extra"] + ["--profiler-config", json.dumps(
+            {"profiler": "torch", "torch_profiler_dir": str(log_dir / "traces")})]
     result = {}
     prefill_extra = ["--max-num-batched-tokens", str(args.prefill_max_num_batched_tokens)] \
         if args.prefill_max_num_batched_tokens else []
@@ -172,12 +178,18 @@ def workload_sweep(args: argparse.Namespace, workload: str, rates: list[str], ur
     runs = {name: {} for name in urls}
     for i, rate in enumerate(rates):
         for name in (list(urls) if i % 2 == 0 else list(urls)[::-1]):
-            profile = args.profile and name == "disagg_1p1d" and rate == rates[len(rates) // 2]
-            samplers = start_profiles(disagg, log_dir, f"{workload}-{rate}") if profile else []
+            profile = args.profile and rate == rates[len(rates) // 2]
+            samplers = start_profiles(disagg, log_dir, f"{workload}-{rate}") \
+                if profile and name == "disagg_1p1d" else []
+            window = TraceWindow(decoders[name][:1] + ([disagg.prefill] if name == "disagg_1p1d" else [])) \
+                if profile else None
             before, engines_before = handoff_sums(disagg), engine_sums(decoders[name])
             r = runs[name][rate] = serve_once(urls[name], args, workload, rate, args.num_requests, 7 + i, goodput)
             r["engine"] = engine_means(engines_before, engine_sums(decoders[name]))
             stop_profiles(samplers)
+            if window is not None:
+                r["torch_traces"] = window.join()
+                print(f"    torch.profiler traces: {r['torch_traces']}", flush=True)
             r["attainment_by_slo_scale"] = {str(k): attainment(r["per_request"], k * slo["ttft_ms"], k * slo["tpot_ms"])
                                             for k in SLO_SCALES}
             line = (f"  {workload} {name:13s} rate {rate:>5s}: {100 * r['goodput_fraction']:.0f}% within SLO, "
@@ -208,6 +220,30 @@ def start_profiles(disagg: System, log_dir: Path, label: str) -> list[subprocess
             print("    (py-spy is not installed: no profile)", flush=True)
             break
     return samplers
+
+
+class TraceWindow:
+    """A torch.profiler trace (the nodes' /start_profile, /stop_profile) of `length_s` seconds from
+    `delay_s` into a run, on a thread of its own while the run goes on: each node's GPU timeline
+    (kernels, NCCL, copies, on every stream) beside its engine thread's ops."""
+
+    def __init__(self, nodes: list, delay_s: float = 8.0, length_s: float = 2.0):
+        self.nodes, self.traces = nodes, {}
+        self.thread = threading.Thread(target=self._run, args=(delay_s, length_s), daemon=True)
+        self.thread.start()
+
+    def _run(self, delay_s: float, length_s: float) -> None:
+        time.sleep(delay_s)
+        for node in self.nodes:
+            httpx.post(f"{node.url}/start_profile", timeout=60).raise_for_status()
+        time.sleep(length_s)
+        for node in self.nodes:
+            stopped = httpx.post(f"{node.url}/stop_profile", timeout=600)
+            self.traces[f"{node.role}-{node.port}"] = stopped.json().get("trace") or stopped.text
+
+    def join(self) -> dict[str, str]:
+        self.thread.join()
+        return self.traces
 
 
 def stop_profiles(samplers: list[subprocess.Popen]) -> None:
@@ -332,7 +368,9 @@ def main() -> int:
     ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--prefill-max-num-batched-tokens", type=int,
                     help="the prefill node's chunk size alone (goodput; it has no decode batch to keep moving)")
-    ap.add_argument("--profile", action="store_true", help="py-spy both 1P1D nodes during the middle rate's run")
+    ap.add_argument("--profile", action="store_true",
+                    help="during the middle rate's run: py-spy on both 1P1D nodes, and a 2 s torch.profiler trace "
+                         "of the decoding nodes (and the prefill node) of each system")
     ap.add_argument("--kv-cache-memory", default="24GiB")
     ap.add_argument("--max-model-len", type=int, default=16384 + 64)
     ap.add_argument("--max-num-batched-tokens", type=int, help="the nodes' chunk size (default: theirs, 2048)")

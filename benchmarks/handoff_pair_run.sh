@@ -3,7 +3,7 @@
 #   bash benchmarks/handoff_pair_run.sh PHASE...     carry [".whl", ".device"]
 #   bash benchmarks/handoff_pair_run.sh pipes        carry [".whlnx"] (NIXL's wheel alone is 57 MB of the 64 MiB)
 # PHASE: tests (the 2-GPU handoff tests), ttft (layer-wise, then whole, or $MODES; $LENS), goodput
-# (layer-wise; $WORKLOADS, rates $RATES_4K / $RATES_CHAT; PROFILE=1 runs py-spy on the pair's nodes; PREFILL_CHUNK sets the
+# (layer-wise; $WORKLOADS, rates $RATES_4K / $RATES_CHAT; PROFILE=1 runs py-spy on the pair's nodes and takes torch.profiler traces; PREFILL_CHUNK sets the
 # prefill node's max-num-batched-tokens), pipes (torch_dist beside nixl: 16 MiB, 256 MiB, a layer list).
 # Each writes its JSON and log under $OUT; the last lines are the summary.
 set -uo pipefail
@@ -31,7 +31,7 @@ for phase in "$@"; do
             ${PREFILL_CHUNK:+--prefill-max-num-batched-tokens $PREFILL_CHUNK} \
             --num-requests "${NUM_REQUESTS:-48}" --kv-modes layerwise --json "$out/goodput.json" 2>&1 \
             | tee "$out/goodput.log" | tail -40
-        cp /tmp/handoff_h200x2/logs-goodput/pyspy-* "$out/" 2>/dev/null || true ;;
+        cp /tmp/handoff_h200x2/logs-goodput/pyspy-* /tmp/handoff_h200x2/logs-goodput/traces/* "$out/" 2>/dev/null || true ;;
     pipes)
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whlnx/*.whl || exit 1
         python3 benchmarks/pipe_bandwidth.py --pipes torch_dist,nixl --sizes 16M,256M --repeats 3 \
