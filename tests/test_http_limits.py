@@ -3,6 +3,7 @@ loop and refused by cheap limits first, so /health stays fast; --api-key guards 
 the probes; idle, slow-header and slow-body connections are closed, and thousands of idle ones
 neither run the node out of descriptors nor flood its log."""
 
+import asyncio
 import json
 import os
 import resource
@@ -20,6 +21,7 @@ from servers import Node, free_port, malformed_http_answer, start_node, wait_rea
 
 from disagg.api.app import MAX_PROBLEMS, APIError, parse_request
 from disagg.api.protocol import MAX_MESSAGES, ChatCompletionRequest
+from disagg.router.server import KEEPALIVE_EXPIRY_S, POOL_SWEEP_S
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,6 +36,7 @@ BIG_CHAT = json.dumps({"messages": [{"role": "user", "content": ""}] * 100_000},
 NUM_SENDERS = 8
 LOAD_SECONDS = 6.0
 NUM_IDLE = 3000
+BURST = 32  # concurrent requests through the router
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +46,21 @@ def node(tmp_path_factory) -> Node:
                       extra_args=["--api-key", API_KEY, "--max-model-len", "512", *TIMEOUT_ARGS])
     yield node
     node.kill()
+
+
+@pytest.fixture(scope="module")
+def router(node, tmp_path_factory) -> Node:
+    """`disagg router` in front of the node, with the same key and timeouts."""
+    port = free_port()
+    args = [sys.executable, "-m", "disagg.cli", "router", "--decode-nodes", f"127.0.0.1:{node.port}",
+            "--port", str(port), "--api-key", API_KEY, *TIMEOUT_ARGS]
+    log_path = tmp_path_factory.mktemp("http-limits-router") / "router.log"
+    proc = subprocess.Popen(args, stdout=log_path.open("w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    router = Node("router", proc, port, log_path, args=args)
+    wait_ready(router)
+    yield router
+    router.kill()
 
 
 def health_latency(node: Node, timeout: float = 10.0) -> float:
@@ -197,27 +215,59 @@ def test_thousands_of_idle_connections_neither_exhaust_descriptors_nor_flood_the
     assert health_latency(node) < HEALTH_LIMIT_S
 
 
-def test_router_closes_slow_connections_and_guards_its_paths(node, tmp_path):
-    port = free_port()
-    args = [sys.executable, "-m", "disagg.cli", "router", "--decode-nodes", f"127.0.0.1:{node.port}",
-            "--port", str(port), "--api-key", API_KEY, *TIMEOUT_ARGS]
-    log_path = tmp_path / "router.log"
-    proc = subprocess.Popen(args, stdout=log_path.open("w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    router = Node("router", proc, port, log_path, args=args)
-    try:
-        wait_ready(router)
-        assert httpx.get(f"{router.url}/version", timeout=10).status_code == 401
-        # Its own refusals in OpenAI's shape, as the nodes': not HTTP, and a probe's path with the wrong method.
-        status, body = malformed_http_answer(port)
-        assert status == b"HTTP/1.1 400 Bad Request" and body["error"]["type"] == "invalid_request_error"
-        refused = httpx.post(f"{router.url}/health", timeout=10)
-        assert refused.status_code == 405 and refused.json()["error"]["message"] == "Method Not Allowed: POST /health"
-        with open_connection(router) as sock:
-            took = closed_by_server_within(sock, 15, b"GET /health HTTP/1.1\r\nHost: x\r\n")
-        assert took is not None and took < TIMEOUTS["--timeout-request-headers"] + 2, took
-    finally:
-        router.kill()
+def test_router_closes_slow_connections_and_guards_its_paths(router):
+    assert httpx.get(f"{router.url}/version", timeout=10).status_code == 401
+    # Its own refusals in OpenAI's shape, as the nodes': not HTTP, and a probe's path with the wrong method.
+    status, body = malformed_http_answer(router.port)
+    assert status == b"HTTP/1.1 400 Bad Request" and body["error"]["type"] == "invalid_request_error"
+    refused = httpx.post(f"{router.url}/health", timeout=10)
+    assert refused.status_code == 405 and refused.json()["error"]["message"] == "Method Not Allowed: POST /health"
+    with open_connection(router) as sock:
+        took = closed_by_server_within(sock, 15, b"GET /health HTTP/1.1\r\nHost: x\r\n")
+    assert took is not None and took < TIMEOUTS["--timeout-request-headers"] + 2, took
+
+
+def connection_states(router: Node, node: Node) -> list[str]:
+    """The TCP states of the router's sockets connected to the node's HTTP port: its descriptors'
+    socket inodes looked up in /proc's TCP tables (ESTABLISHED, CLOSE_WAIT, or the kernel's code)."""
+    pid = router.proc.pid
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    states = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in list(f)[1:]:
+                cols = line.split()  # local address, remote address, state, ..., inode (10th)
+                if cols[9] in inodes and int(cols[2].split(":")[1], 16) == node.port:
+                    states.append({"01": "ESTABLISHED", "08": "CLOSE_WAIT"}.get(cols[3], cols[3]))
+    return states
+
+
+def test_router_keeps_no_idle_connection_after_a_burst(node, router):
+    """The soak run's finding (issue 24): after a burst, the router's proxy pool kept its idle
+    connections until its next request, in CLOSE_WAIT once the node had closed them. Here the
+    node closes them after its 1 s keep-alive; a pool expiry and a sweep later, none is left."""
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(timeout=60, headers=AUTH) as client:
+            answers = await asyncio.gather(*(client.post(f"{router.url}/tokenize", json={"prompt": "Hi"})
+                                             for _ in range(BURST)))
+        return [r.status_code for r in answers]
+
+    assert asyncio.run(burst()) == [200] * BURST
+    after_burst = connection_states(router, node)
+    wait = KEEPALIVE_EXPIRY_S + POOL_SWEEP_S + 1
+    time.sleep(wait)
+    later = connection_states(router, node)
+    print(f"router -> node after {BURST} requests: {len(after_burst)} connections "
+          f"({after_burst.count('ESTABLISHED')} established); {wait:.0f} s later {later}")
+    assert after_burst.count("ESTABLISHED") > 1  # the burst did fill the pool
+    assert "CLOSE_WAIT" not in later and later.count("ESTABLISHED") <= 1, later  # one: a health check, at most
 
 
 # --- fuzzed chat bodies, parsed as the node parses them: a model or a 400, never anything else ----

@@ -13,6 +13,8 @@ import http.server
 import json
 import os
 import re
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -23,6 +25,8 @@ from pathlib import Path
 import httpx
 import pytest
 from servers import KV_CACHE_BYTES, Node, free_port, metric_sum, read_sse_text, start_node, wait_for, wait_ready
+
+from disagg.router.server import NO_RESPONSE
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -507,6 +511,87 @@ def test_a_hung_decode_node_fails_its_requests_instead_of_holding_them(tmp_path:
     finally:
         node.close()
         router.kill()
+
+
+class KeepAliveClosingNode:
+    """Answers /health, and the first completion on each connection, kept alive; closes a
+    connection that brings a second one without answering it (a reset, not a FIN, if `reset`), and
+    any that brings the prompt "drop": a decode node that closes an idle kept-alive connection just
+    as the router sends a request on it (its keep-alive timeout, or shedding over its connection
+    cap). `posts`: (the client's port, the request's number on its connection, prompt, answered)."""
+
+    def __init__(self, reset: bool):
+        posts = self.posts = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive
+
+            def setup(self):
+                super().setup()
+                self.served = 0
+
+            def answer(self, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self.answer({"status": "ok"})
+
+            def do_POST(self):
+                prompt = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompt"]
+                answered = self.served == 0 and prompt != "drop"
+                posts.append((self.client_address[1], self.served, prompt, answered))
+                self.served += 1
+                if answered:
+                    self.answer({"choices": [{"index": 0, "text": f"{prompt}!", "finish_reason": "stop"}]})
+                    return
+                self.close_connection = True
+                if reset:  # closed at once, no FIN first: the router's read fails with a reset
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    self.connection.close()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["closed", "reset"])
+def test_a_request_on_a_kept_alive_connection_the_node_just_closed_is_sent_again(tmp_path: Path, reset: bool):
+    """The keep-alive race (issue 24's soak): sent again once, on a new connection, and answered;
+    a request that fails on a new connection is not sent to the node again."""
+    node = KeepAliveClosingNode(reset)
+    router = start_router(tmp_path, [node.address])
+    url = f"{router.url}/v1/completions"
+    try:
+        with httpx.Client(timeout=30) as client:
+            answers = [client.post(url, json={"prompt": prompt}) for prompt in ("one", "two")]
+            assert [a.status_code for a in answers] == [200, 200], answers[1].text
+            assert answers[1].json()["choices"][0]["text"] == "two!"
+            # "two" came on the connection that answered "one", was closed unanswered, and came again on a new one.
+            (port_one, *one), (port_two, *two), (port_again, *again) = node.posts
+            assert (one, two, again) == ([0, "one", True], [1, "two", False], [0, "two", True]), node.posts
+            assert port_two == port_one and port_again != port_one
+            error = "ReadError" if reset else f"RemoteProtocolError: {NO_RESPONSE}"
+            assert f"closed the kept-alive connection before answering ({error})" in router.log()
+            # On a new connection the same failure is the node's: not sent to it again.
+            dropped = client.post(url, json={"prompt": "drop"})
+        assert dropped.status_code == 503, dropped.text  # no other decode node to try
+        assert [post[1:] for post in node.posts[3:]] == [(0, "drop", False)], node.posts
+    finally:
+        router.kill()
+        node.close()
 
 
 @pytest.mark.slow

@@ -50,9 +50,14 @@ PASSED_ON = {"/v1/models": ["GET"], "/tokenize": ["POST"], "/detokenize": ["POST
 # Connection) are httpx's business.
 FORWARDED_HEADERS = ("content-type", "authorization", "accept")
 CONNECT_TIMEOUT_S = 5.0  # a decode node that does not accept within this is tried as unreachable
-# Below uvicorn's 5 s keep-alive: an idle connection is dropped here before the decode node closes
-# it, so a request is never sent down a connection the node is closing at that very moment.
+# Below the decode node's 5 s keep-alive (--timeout-keep-alive's default): an idle connection is
+# closed here before the node closes it, so that the router holds no socket the node has closed
+# (CLOSE_WAIT) and seldom sends a request down one the node is closing at that very moment.
 KEEPALIVE_EXPIRY_S = 2.0
+POOL_SWEEP_S = 1.0  # how often ProxyClient closes the pool's expired idle connections
+MAX_IDLE_CONNECTIONS = 64  # kept alive, over all decode nodes
+# httpcore's error for a connection that ended before any response: h11 still waited for its head.
+NO_RESPONSE = "Server disconnected without sending a response."
 error_response = openai_error_response  # the decode nodes' error shape
 
 
@@ -181,11 +186,86 @@ class NodeDown(Exception):
     """The decode node was declared down while the router waited for its answer."""
 
 
-def proxy_client() -> httpx.AsyncClient:
-    # No read timeout: a non-streamed answer arrives only once the whole generation is done.
-    return httpx.AsyncClient(timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
-                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
-                                                 keepalive_expiry=KEEPALIVE_EXPIRY_S))
+class ConnectionTrace:
+    """httpcore's `trace` extension for one request: whether it opened a connection of its own
+    (else it went on one the pool kept alive)."""
+
+    def __init__(self) -> None:
+        self.opened = False
+
+    async def __call__(self, event: str, info: dict) -> None:
+        if event == "connection.connect_tcp.started":
+            self.opened = True
+
+
+class ProxyClient:
+    """The router's connections to the decode nodes: httpx's keep-alive pool, swept of its expired
+    idle connections, and fresh connections for a request the pool's connection failed before any
+    answer. Create it inside the running event loop; `aclose` it."""
+
+    def __init__(self) -> None:
+        # No read timeout: a non-streamed answer arrives only once the whole generation is done.
+        timeout = httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)
+        self.client = httpx.AsyncClient(timeout=timeout,
+                                        limits=httpx.Limits(max_connections=None,
+                                                            max_keepalive_connections=MAX_IDLE_CONNECTIONS,
+                                                            keepalive_expiry=KEEPALIVE_EXPIRY_S))
+        self.fresh = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_keepalive_connections=0))
+        self.sweeper = asyncio.create_task(self._sweep(), name="proxy-pool-sweep")
+
+    def build_request(self, method: str, url: str, **kwargs) -> httpx.Request:
+        return self.client.build_request(method, url, **kwargs)
+
+    async def send(self, request: httpx.Request, request_id: str) -> httpx.Response:
+        """The decode node's response, its head read and its body to stream.
+
+        A request that fails on a kept-alive connection before any answer (the connection closed,
+        or reset, while httpx waited for the response's head) is sent once more, on a new
+        connection: the keep-alive race, in which the node closes a connection idle at its end
+        (its keep-alive timeout, or shedding the one idle longest over its connection cap) just
+        as the router sends on it. Safe for a POST: the node closes only connections with no
+        request in progress (uvicorn's keep-alive, BoundedH11Protocol), so it never took it; and
+        were the connection cut while the node held the request, the node aborts a request whose
+        connection closes, so the copy sent again is the only one. Never on a new connection
+        (its failure is the node's or the network's: the caller marks the node and tries
+        another) nor once a response's head came (the caller relays what follows)."""
+        trace = ConnectionTrace()
+        request.extensions["trace"] = trace
+        try:
+            return await self.client.send(request, stream=True)
+        except (httpx.RemoteProtocolError, httpx.ReadError) as e:
+            if trace.opened or (isinstance(e, httpx.RemoteProtocolError) and str(e) != NO_RESPONSE):
+                raise
+            logger.info("%s: decode node %s closed the kept-alive connection before answering (%s); "
+                        "sending it again on a new connection", request_id, request.url.netloc.decode(),
+                        describe(e))
+        del request.extensions["trace"]
+        return await self.fresh.send(request, stream=True)
+
+    async def aclose(self) -> None:
+        self.sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.sweeper
+        await self.client.aclose()
+        await self.fresh.aclose()
+
+    async def _sweep(self) -> None:
+        # httpcore closes an idle connection that expired, or that the node closed (its socket
+        # readable: has_expired), only when a request comes or goes. After a burst, with no request
+        # behind it, the pool's idle connections would stay open until the next request: past the
+        # expiry, and once the node closed them (its keep-alive, or shedding over its connection
+        # cap), in CLOSE_WAIT, up to MAX_IDLE_CONNECTIONS descriptors. So each POOL_SWEEP_S the
+        # sweep closes them itself. httpx keeps its transport and httpcore pool private (httpx
+        # 0.28, httpcore 1.0; test_http_limits' CLOSE_WAIT test breaks if they move); `connections`,
+        # `is_idle`, `has_expired` and `aclose` are httpcore's public interface. A connection closed
+        # here just after the pool handed it to a request makes httpcore take another for it
+        # (ConnectionNotAvailable).
+        pool = self.client._transport._pool
+        while True:
+            await asyncio.sleep(POOL_SWEEP_S)
+            for connection in pool.connections:
+                if connection.is_idle() and connection.has_expired():
+                    await connection.aclose()
 
 
 async def prompt_token_ids(prompts: PromptTokens, path: str, body: bytes) -> list[int] | None:
@@ -201,7 +281,7 @@ async def prompt_token_ids(prompts: PromptTokens, path: str, body: bytes) -> lis
         return None
 
 
-def build_app(router: Router, client: httpx.AsyncClient, options: HTTPOptions,
+def build_app(router: Router, client: ProxyClient, options: HTTPOptions,
               prompts: PromptTokens | None = None) -> FastAPI:
     """The router's HTTP app; `client` carries the proxied requests to the decode nodes; `prompts`
     (cache_aware routing) reads their prompts' token ids."""
@@ -215,7 +295,7 @@ def build_app(router: Router, client: httpx.AsyncClient, options: HTTPOptions,
         headers[REQUEST_ID_HEADER] = request_id
         upstream_request = client.build_request(request.method, f"{node.url}{request.url.path}",
                                                 params=request.query_params, headers=headers, content=body)
-        sending = asyncio.create_task(client.send(upstream_request, stream=True))
+        sending = asyncio.create_task(client.send(upstream_request, request_id))
         disconnect = asyncio.create_task(wait_for_disconnect(request.receive))
         down = asyncio.create_task(node.down.wait())
         try:
@@ -317,7 +397,7 @@ async def run_router(decode_nodes: list[str], host: str, port: int, options: HTT
                      log_level: str, limits: HTTPLimits | None, routing: Routing,
                      prompts: PromptTokens | None) -> None:
     router = Router(decode_nodes, health_interval, routing, options.api_key)
-    client = proxy_client()
+    client = ProxyClient()
     try:
         await router.start()
         healthy = sum(n.healthy for n in router.nodes)
