@@ -10,7 +10,7 @@ run: $(VENV)/.ready
 	$(BIN)/disagg up
 
 test: $(VENV)/.ready-test
-	$(BIN)/python -m pytest -q --durations=25 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25 tests
 
 lint: $(VENV)/.ready-test
 	$(BIN)/ruff check .

@@ -22,8 +22,12 @@ from disagg.engine.loader import resolve_model
 torch.set_num_threads(1)
 
 SLOW_FIXTURES = {"model_dir", "pair_1p1d"}  # the real model; a 1P1D pair of node processes
+# Modules that hold three node processes or more at once.
+MANY_NODE_MODULES = {"test_serving", "test_cache_aware_routing", "test_router", "test_tensor_parallel",
+                     "test_prefill_pick", "test_prefill_route", "test_kv_plane_hardening"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if SLOW_FIXTURES & set(item.fixturenames):  # fixturenames: those it uses through other fixtures too
@@ -32,6 +36,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # (pytest_runtest_teardown); a stable sort keeps each module's tests together and in their order.
     pair_modules = {item.module for item in items if "pair_1p1d" in item.fixturenames}
     items.sort(key=lambda item: item.module not in pair_modules)
+    # Under pytest-xdist (`-n 2 --dist loadgroup`, the README's command) a worker takes whole modules, so that
+    # a module's servers start once. The pair's modules and those that start three node processes or more
+    # go to one worker together, one after the other: one pair starts, and two such modules never hold
+    # their processes at once (the suite's memory).
+    for item in items:
+        heavy = item.module in pair_modules or item.module.__name__ in MANY_NODE_MODULES
+        item.add_marker(pytest.mark.xdist_group("many_nodes" if heavy else item.module.__name__))
 
 
 _pair_nodes: list[Node] = []  # the shared pair's nodes, once started

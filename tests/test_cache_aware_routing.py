@@ -245,7 +245,7 @@ def test_round_robin_takes_each_healthy_node_in_turn():
 # Real processes: two colocated nodes behind the router.
 
 CONVERSATIONS = 3
-TURNS = 3
+TURNS = 2
 MAX_TOKENS = 8
 
 
