@@ -213,3 +213,16 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
 def wait_exit(node: Node, timeout: float = 120.0) -> int:
     """For nodes expected to refuse to start: their exit code."""
     return node.proc.wait(timeout=timeout)
+
+
+def socket_inodes(pid: int) -> set[str]:
+    """The inodes of process `pid`'s sockets, to look up in /proc/<pid>/net/tcp{,6}."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    return inodes

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from servers import Node, free_port, malformed_http_answer, start_node, wait_ready
+from servers import Node, free_port, malformed_http_answer, socket_inodes, start_node, wait_ready
 
 from disagg.api.app import MAX_PROBLEMS, APIError, parse_request
 from disagg.api.protocol import MAX_MESSAGES, ChatCompletionRequest
@@ -231,14 +231,7 @@ def connection_states(router: Node, node: Node) -> list[str]:
     """The TCP states of the router's sockets connected to the node's HTTP port: its descriptors'
     socket inodes looked up in /proc's TCP tables (ESTABLISHED, CLOSE_WAIT, or the kernel's code)."""
     pid = router.proc.pid
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:  # closed meanwhile
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
+    inodes = socket_inodes(pid)
     states = []
     for table in ("tcp", "tcp6"):
         with open(f"/proc/{pid}/net/{table}") as f:

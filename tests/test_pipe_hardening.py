@@ -20,6 +20,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pipe_peer import messages, same, state
+from servers import socket_inodes
 
 from disagg import pipes
 from disagg.lookup_buffer import BufferFullError, LookupBufferConsumer, LookupBufferProducer
@@ -159,14 +160,7 @@ def test_slots_held_from_many_addresses_never_keep_a_peer_out(pipe_name, holder)
 
 def listening(pid: int) -> set[tuple[str, int]]:
     """(address, port) of each TCP socket process `pid` listens on, from Linux's /proc."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except FileNotFoundError:  # closed meanwhile
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
+    inodes = socket_inodes(pid)
     found = set()
     for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
         for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
