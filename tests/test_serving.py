@@ -277,23 +277,24 @@ def test_client_disconnect_mid_stream_frees_both_nodes(tmp_path):
         prefill.kill()
 
 
-@pytest.fixture(scope="module")
-def secret_prefill(tmp_path_factory):
-    node = start_node("producer", tmp_path_factory.mktemp("secret-prefill"), kv_extra={"auth_token": NODE_TOKEN})
-    yield node
-    node.kill()
-
-
-@pytest.mark.parametrize("decode_args,kv_extra,needle", [
+MISMATCHED_DECODE_NODES = [  # (decode node's flags, its kv_connector_extra_config, what its error names)
     ([], {"auth_token": "wrong-but-16-bytes+"}, "auth"),
     (["--block-size", "32"], {"auth_token": NODE_TOKEN}, "block_size"),
     (["--dtype", "bfloat16"], {"auth_token": NODE_TOKEN}, "dtype"),
-])
-def test_mismatched_decode_node_is_refused_at_start(secret_prefill, tmp_path, decode_args, kv_extra, needle):
-    decode = start_node("consumer", tmp_path, prefill_nodes=[secret_prefill.grpc_address], kv_extra=kv_extra,
-                        extra_args=decode_args, wait=False)
-    assert wait_exit(decode) != 0
-    assert needle in decode.log().lower()
+]
+
+
+def test_mismatched_decode_node_is_refused_at_start(tmp_path):
+    # One prefill node for the three cases, stopped before the module's pair and colocated node start.
+    prefill = start_node("producer", tmp_path, kv_extra={"auth_token": NODE_TOKEN})
+    try:
+        for decode_args, kv_extra, needle in MISMATCHED_DECODE_NODES:
+            decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address], kv_extra=kv_extra,
+                                extra_args=decode_args, wait=False)
+            assert wait_exit(decode) != 0
+            assert needle in decode.log().lower(), needle
+    finally:
+        prefill.kill()
 
 
 def test_mismatched_model_is_refused_at_start(tmp_path, tiny_llama_dir):
