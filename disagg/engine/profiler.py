@@ -7,8 +7,7 @@ Perfetto (https://ui.perfetto.dev). It is started and stopped on the engine thre
 under tensor parallelism it covers rank 0's process only.
 """
 
-import glob
-import os
+import time
 from pathlib import Path
 
 import torch
@@ -27,23 +26,15 @@ class TorchProfiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self.profile = torch.profiler.profile(
-            activities=activities,
-            on_trace_ready=torch.profiler.tensorboard_trace_handler(str(self.trace_dir), self.worker_name,
-                                                                    use_gzip=True))
+        self.profile = torch.profiler.profile(activities=activities)
         self.profile.start()
 
     def stop(self) -> Path:
-        """Stop and write the trace; the file written."""
+        """Stop and write the trace (gzipped Chrome trace JSON, as vLLM's); the file written."""
         if self.profile is None:
             raise RuntimeError("the profiler is not running: POST /start_profile first")
         profile, self.profile = self.profile, None
-        before = set(self._traces())
-        profile.stop()  # on_trace_ready writes the file
-        written = sorted(set(self._traces()) - before, key=os.path.getmtime)
-        if not written:
-            raise RuntimeError(f"the profiler wrote no trace into {self.trace_dir}")
-        return Path(written[-1])
-
-    def _traces(self) -> list[str]:
-        return glob.glob(str(self.trace_dir / f"{glob.escape(self.worker_name)}*.pt.trace.json.gz"))
+        profile.stop()
+        path = self.trace_dir / f"{self.worker_name}.{time.time_ns()}.pt.trace.json.gz"
+        profile.export_chrome_trace(str(path))
+        return path
