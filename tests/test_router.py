@@ -426,7 +426,21 @@ def test_unreachable_decode_node_is_skipped(cluster: Cluster, tmp_path: Path):
         router.kill()
 
 
-class HungDecodeNode:
+class StandInNode:
+    """A decode node's stand-in: `handler` served on loopback, a thread a connection."""
+
+    def __init__(self, handler: type[http.server.BaseHTTPRequestHandler]):
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.server.daemon_threads = True
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class HungDecodeNode(StandInNode):
     """Answers /health until a completion request arrives; then hangs on everything, having sent
     the stream's first chunk: a decode node frozen mid-request (stopped, or its GPU wedged)."""
 
@@ -458,15 +472,11 @@ class HungDecodeNode:
                 pass
 
         Handler.release = self.release
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.address = f"127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        super().__init__(Handler)
 
     def close(self) -> None:
         self.release.set()
-        self.server.shutdown()
-        self.server.server_close()
+        super().close()
 
 
 @pytest.mark.slow
@@ -513,7 +523,7 @@ def test_a_hung_decode_node_fails_its_requests_instead_of_holding_them(tmp_path:
         router.kill()
 
 
-class KeepAliveClosingNode:
+class KeepAliveClosingNode(StandInNode):
     """Answers /health, and the first completion on each connection, kept alive; closes a
     connection that brings a second one without answering it (a reset, not a FIN, if `reset`), and
     any that brings the prompt "drop": a decode node that closes an idle kept-alive connection just
@@ -557,14 +567,7 @@ class KeepAliveClosingNode:
             def log_message(self, *args):
                 pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.address = f"127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler)
 
 
 @pytest.mark.parametrize("reset", [False, True], ids=["closed", "reset"])
