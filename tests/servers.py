@@ -152,6 +152,20 @@ def start_node(role: str, tmp_dir: Path, *, model: str | None = None, connector:
     return node
 
 
+def start_router(tmp_dir: Path, decode_nodes: list[str], extra_args: list[str] = (), wait: bool = True) -> Node:
+    """`disagg router` over the given decode nodes (HTTP host:port); waits until /health answers 200."""
+    port = free_port()
+    args = [sys.executable, "-m", "disagg.cli", "router", "--decode-nodes", ",".join(decode_nodes),
+            "--port", str(port), "--health-interval", "0.5", "--log-level", "INFO", *extra_args]
+    log_path = tmp_dir / f"router-{port}.log"
+    proc = subprocess.Popen(args, stdout=log_path.open("w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    node = Node("router", proc, port, log_path, args=args)
+    if wait:
+        wait_ready(node)
+    return node
+
+
 def malformed_http_answer(port: int) -> tuple[bytes, dict]:
     """What a node's HTTP server answers a request h11 cannot parse: (status line, the JSON body)."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import torch
-from servers import Node, metric_sum, start_node, wait_all_ready, wait_for
-from test_router import MODEL, start_router
+from servers import Node, metric_sum, start_node, start_router, wait_all_ready, wait_for
+from test_router import MODEL
 
 from disagg.engine.block_hash import prompt_block_hashes
 from disagg.engine.block_manager import BlockManager

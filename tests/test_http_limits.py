@@ -8,8 +8,6 @@ import json
 import os
 import resource
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -17,7 +15,7 @@ import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from servers import Node, free_port, malformed_http_answer, socket_inodes, start_node, wait_ready
+from servers import Node, malformed_http_answer, socket_inodes, start_node, start_router
 
 from disagg.api.app import MAX_PROBLEMS, APIError, parse_request
 from disagg.api.protocol import MAX_MESSAGES, ChatCompletionRequest
@@ -51,14 +49,8 @@ def node(tmp_path_factory) -> Node:
 @pytest.fixture(scope="module")
 def router(node, tmp_path_factory) -> Node:
     """`disagg router` in front of the node, with the same key and timeouts."""
-    port = free_port()
-    args = [sys.executable, "-m", "disagg.cli", "router", "--decode-nodes", f"127.0.0.1:{node.port}",
-            "--port", str(port), "--api-key", API_KEY, *TIMEOUT_ARGS]
-    log_path = tmp_path_factory.mktemp("http-limits-router") / "router.log"
-    proc = subprocess.Popen(args, stdout=log_path.open("w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    router = Node("router", proc, port, log_path, args=args)
-    wait_ready(router)
+    router = start_router(tmp_path_factory.mktemp("http-limits-router"), [f"127.0.0.1:{node.port}"],
+                          ["--api-key", API_KEY, *TIMEOUT_ARGS])
     yield router
     router.kill()
 

@@ -11,12 +11,9 @@ requests failed.
 import asyncio
 import http.server
 import json
-import os
 import re
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -24,7 +21,17 @@ from pathlib import Path
 
 import httpx
 import pytest
-from servers import KV_CACHE_BYTES, Node, free_port, metric_sum, read_sse_text, start_node, wait_for, wait_ready
+from servers import (
+    KV_CACHE_BYTES,
+    Node,
+    free_port,
+    metric_sum,
+    read_sse_text,
+    start_node,
+    start_router,
+    wait_for,
+    wait_ready,
+)
 
 from disagg.router.server import NO_RESPONSE
 
@@ -42,20 +49,6 @@ KINDS = ("completion", "completion-stream", "chat", "chat-stream")
 NUM_REQUESTS = 40
 # a prefill node's line for each prompt (decode node ids)
 PREFILL_LOG_LINE = re.compile(r"prefill d[0-9a-f]{8}-[0-9a-f]{32}:")
-
-
-def start_router(tmp_dir: Path, decode_nodes: list[str], extra_args: list[str] = (), wait: bool = True) -> Node:
-    """`disagg router` over the given decode nodes (HTTP host:port); waits until /health answers 200."""
-    port = free_port()
-    args = [sys.executable, "-m", "disagg.cli", "router", "--decode-nodes", ",".join(decode_nodes),
-            "--port", str(port), "--health-interval", "0.5", "--log-level", "INFO", *extra_args]
-    log_path = tmp_dir / f"router-{port}.log"
-    proc = subprocess.Popen(args, stdout=log_path.open("w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    node = Node("router", proc, port, log_path, args=args)
-    if wait:
-        wait_ready(node)
-    return node
 
 
 @dataclass
