@@ -183,3 +183,21 @@ def test_remote_requests_under_max_num_seqs_on_cuda(gpu_model_dir, prompts, refe
         assert len(decode.scheduler.running) <= 4 and holding <= 4
     assert most == 4
     assert [done[f"r{k}"] for k in range(len(chosen))] == [reference[i] for i in chosen]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs two GPUs")
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_tensor_parallel_2_greedy_equals_transformers(gpu_model_dir, prompts, reference, enforce_eager):
+    """TP=2 on cuda:0 and cuda:1 (NCCL all-reduces, captured in the decode graphs unless eager), with
+    chunked prefill and a prefix hit, gives transformers' float32 tokens."""
+    llm = LLM(str(gpu_model_dir), device="cuda", dtype="float32", enforce_eager=enforce_eager,
+              kv_cache_memory=2**30, max_num_seqs=16, max_num_batched_tokens=256, tensor_parallel_size=2)
+    try:
+        assert (llm.engine.runner.graphs is None) == enforce_eager
+        outs = llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in outs] == reference
+        again = llm.generate(prompts[6:], GREEDY)
+        assert all(o.num_cached_tokens > 0 for o in again)
+        assert [o.token_ids for o in again] == reference[6:]
+    finally:
+        llm.engine.close()
