@@ -18,10 +18,10 @@ first header before posting its first recv, and it sleeps on the socket until th
 is far enough ahead), which is 8% of a 1 GiB burst and would hide the per-message rate
 the benchmark is for. On the CPU the default is 64 MiB.
 
-A pipe receives into views of one buffer registered with it once (`KVPipe.register`), as a
-decode node receives into its KV cache: nixl then registers nothing and sends no metadata per
-message. --per-message receives into tensors of their own instead (nixl registers them, and
-sends their metadata, per message).
+A pipe sends from and receives into views of one buffer registered with it once on each side
+(`KVPipe.register`), as a decode node receives into its KV cache: nixl then registers nothing and
+sends no metadata per message. --per-message uses tensors of their own instead (nixl registers
+them per message on both sides, and sends the receiver's metadata per message).
 """
 
 import argparse
@@ -101,6 +101,7 @@ def sender(
     address: tuple[str, int],
     case_list: list[Case],
     repeats: int,
+    per_message: bool,
     results: mp.Queue,
 ) -> None:
     device = devices()[0]
@@ -112,8 +113,7 @@ def sender(
         link = RawNccl(address, rank=0, device=device)
     else:
         link = pipes.connect(pipe_name, PipeConfig(timeout=120), *address)
-    for case in case_list:
-        tensors = case.tensors(device)
+    for case, tensors in zip(case_list, buffers(link, case_list, device, per_message)):
         times = []
         for _ in range(WARMUP + repeats):
             start = time.perf_counter()
@@ -131,9 +131,9 @@ def sender(
 # ---- the receiver (this process) ----------------------------------------------------
 
 
-def destinations(link, case_list: list[Case], device: torch.device, per_message: bool) -> list[list[torch.Tensor]]:
-    """Where each case is received: for a pipe, views of one buffer registered with it once (a KV
-    cache's blocks), unless per_message; for a baseline, tensors of their own."""
+def buffers(link, case_list: list[Case], device: torch.device, per_message: bool) -> list[list[torch.Tensor]]:
+    """Where each case is sent from or received into: for a pipe, views of one buffer registered with
+    it once (a KV cache's blocks), unless per_message; for a baseline, tensors of their own."""
     if per_message or not isinstance(link, pipes.KVPipe):
         return [case.tensors(device) for case in case_list]
     buffer = torch.ones(max(case.nbytes for case in case_list), dtype=torch.uint8, device=device)
@@ -146,7 +146,7 @@ def destinations(link, case_list: list[Case], device: torch.device, per_message:
 
 
 def receive(link, case_list: list[Case], repeats: int, device: torch.device, per_message: bool) -> None:
-    for case, out in zip(case_list, destinations(link, case_list, device, per_message)):
+    for case, out in zip(case_list, buffers(link, case_list, device, per_message)):
         for _ in range(WARMUP + repeats):
             for _ in range(case.burst):
                 link.recv(out=out)
@@ -174,7 +174,7 @@ def run_pipe(pipe_name: str, case_list: list[Case], repeats: int, per_message: b
         server = pipes.listen(pipe_name, PipeConfig(kv_port=0, timeout=120))
         address = server.address
     proc = ctx.Process(
-        target=sender, args=(pipe_name, address, case_list, repeats, results)
+        target=sender, args=(pipe_name, address, case_list, repeats, per_message, results)
     )
     proc.start()
     if pipe_name == "raw_socket":
@@ -270,7 +270,7 @@ def main() -> None:
     )
     p.add_argument("--json", help="write the records here")
     p.add_argument("--per-message", action="store_true",
-                   help="receive into tensors of their own, not into views of a buffer registered once")
+                   help="send and receive tensors of their own, not views of a buffer registered once")
     args = p.parse_args()
 
     on_gpu = devices()[0].type == "cuda"

@@ -15,6 +15,10 @@ them, its decode CUDA graphs capturing the all-reduces (--enforce-eager: both en
   time over TP=2's (asked: >= 1.6).
 - bf16 logits of one 512-token prompt at every position (all_logits, through the paged cache), TP=2
   against TP=1: `softmax_max_abs_diff_bf16` (asked: <= 2e-2) and the raw logits' max difference.
+- --profile DIR: the decode steps of batch 1 and 32 at each size once more under torch.profiler (the
+  driver's process: its CPU ops, and every kernel of cuda:0), a gzipped Chrome trace each in DIR, and
+  `decode_profile`: per step, the wall time, the GPU's busy time, and the time in NCCL kernels (which
+  includes their wait for the other rank) against the other kernels.
 """
 
 import argparse
@@ -53,6 +57,40 @@ def all_logits(bench: DisaggBench, token_ids: list[int]) -> torch.Tensor:
         engine.block_manager.free(seq)
 
 
+def profile_decode(bench: DisaggBench, batch_prompts: list[list[int]], steps: int, trace: Path) -> dict:
+    """Prefill outside the profiler, then `steps` decode steps under it: where a step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = bench.engine
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    ids = {f"profile-{trace.stem}-{i}" for i in range(len(batch_prompts))}
+    for request_id, prompt in zip(sorted(ids), batch_prompts):
+        engine.add_request(request_id, prompt, params)
+    started: set[str] = set()
+    while started != ids:  # every prompt computed: each has its first token
+        started |= {out.request_id for out in engine.step()}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        done = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            done += 1
+        wall = time.perf_counter() - start
+    prof.export_chrome_trace(str(trace))
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, reach = 0.0, 0.0  # the union of kernel intervals, in microseconds
+    for begin, end, _ in kernels:
+        busy += max(0.0, end - max(begin, reach))
+        reach = max(reach, end)
+    nccl = sum(end - begin for begin, end, name in kernels if "nccl" in name.lower())
+    other = sum(end - begin for begin, end, name in kernels if "nccl" not in name.lower())
+    return {"steps": done, "step_ms": wall / done * 1e3, "gpu_busy_ms": busy / done / 1e3,
+            "nccl_kernel_ms": nccl / done / 1e3, "other_kernel_ms": other / done / 1e3,
+            "kernels_per_step": len(kernels) / done}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", help="cuda (GPUs 0 and 1) or cpu (the code path only)")
@@ -63,6 +101,7 @@ def main() -> int:
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--enforce-eager", action="store_true", help="no decode CUDA graphs at either size")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", default=None, metavar="DIR", help="also profile the decode steps into DIR")
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and torch.cuda.device_count() < 2:
@@ -114,6 +153,16 @@ def main() -> int:
     logits_diff = (one - two).abs().max().item()
     same_argmax = (one.argmax(-1) == two.argmax(-1)).float().mean().item()
 
+    profiles = {}
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+        for tp in benches:
+            for batch in DECODE_BATCHES:
+                trace = Path(args.profile) / f"tp{tp}-b{batch}.pt.trace.json.gz"
+                profiles.setdefault(str(tp), {})[str(batch)] = p = profile_decode(
+                    benches[tp], prompts(batch, DECODE_CONTEXT), args.decode_steps, trace)
+                print(f"  profile TP={tp} b{batch}: " + ", ".join(f"{k} {v:.3f}" for k, v in p.items()), flush=True)
+
     step = {tp: {b: statistics.median(v) for b, v in step_s[tp].items()} for tp in benches}
     prefill = {tp: statistics.median(v) for tp, v in prefill_s.items()}
     result = {
@@ -130,6 +179,7 @@ def main() -> int:
         "softmax_max_abs_diff_bf16": softmax_diff,
         "logits_max_abs_diff_bf16": logits_diff,
         "argmax_agreement": same_argmax,
+        "decode_profile": profiles,
         "targets": {"decode_tp2_over_tp1": "<= 0.65", "prefill_tp2_speedup": ">= 1.6",
                     "softmax_max_abs_diff_bf16": "<= 2e-2"},
     }

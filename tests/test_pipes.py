@@ -3,6 +3,7 @@
 The test process listens; tests/pipe_peer.py is the connecting peer.
 """
 
+import concurrent.futures
 import importlib.util
 import json
 import os
@@ -317,6 +318,32 @@ def test_nixl_memory_registered_once_takes_no_metadata_per_message():
         peer.kill()
         peer.wait()
         listener.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(NIXL_MISSING is not None, reason=f"nixl: {NIXL_MISSING}")
+def test_nixl_sends_from_memory_registered_once_register_nothing_per_message():
+    """A sender's buffer registered once (a prefill node's KV) is written from with no registration
+    per message; a source outside it is registered for its message alone. Every byte arrives."""
+    listener = pipes.listen("nixl", PipeConfig(kv_port=0, timeout=20))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        accepted = pool.submit(listener.accept, 30)
+        sender = pipes.connect("nixl", PipeConfig(timeout=20), *listener.address)
+        receiver = accepted.result()
+        try:
+            source = torch.randn(4, 64)
+            sender.register(source)
+            sender._agent = agent = pipe_peer.CountingAgent(sender._agent)
+            for i, tensor in enumerate([source[0], source[1:3], torch.randn(5), source[3]]):
+                sent = pool.submit(sender.send, [tensor])
+                out = receiver.recv()
+                sent.result(timeout=20)
+                assert torch.equal(out[0], tensor), f"message {i}"
+            assert agent.calls["register_memory"] == agent.calls["deregister_memory"] == 1  # message 2's
+        finally:
+            sender.close()
+            receiver.close()
+            listener.close()
 
 
 @pytest.mark.timeout(60)

@@ -138,9 +138,9 @@ class KVPipe(ABC):
         """recv's transport part, under the receive lock; any error but NoMessage breaks the pipe."""
 
     def register(self, tensor: torch.Tensor) -> None:
-        """Receives may land in `tensor` (a KV cache) for the rest of the connection: a transport
-        whose peer writes into registered memory (nixl) registers it once here instead of per
-        message. The others need nothing."""
+        """Receives may land in `tensor` (a KV cache), and sends may come from it, for the rest of
+        the connection: a transport that reads and writes registered memory (nixl) registers it once
+        here instead of per message. The others need nothing."""
         return
 
     @abstractmethod

@@ -116,9 +116,9 @@ class NixlPipe(KVPipe):
         self._registered: list[_Registration] = []
 
     def register(self, tensor: torch.Tensor) -> None:
-        """Receive into `tensor` (a KV cache) from now on with no registration and no metadata per
-        message: registered with our agent now, its metadata sent with the next message's answer,
-        once; deregistered when the pipe closes (kept registered for good if a receive into it was
+        """Receive into `tensor` (a KV cache), or send from it, from now on with no registration and
+        no metadata per message: registered with our agent now, its metadata sent with the next
+        message's answer, once; deregistered when the pipe closes (kept registered for good if a receive into it was
         cut off while the peer may still write). A no-op for memory inside memory registered already,
         and for a tensor that is not contiguous (receives into it register per message)."""
         if not tensor.is_contiguous() or not tensor.numel():
@@ -161,8 +161,11 @@ class NixlPipe(KVPipe):
             self._write_all(number, sources, regions)
 
     def _write_all(self, number: int, sources: list[torch.Tensor], regions: list) -> None:
-        """Write each source into its regions of the peer's memory and wait until all are done."""
-        registered = self._agent.register_memory(sources)
+        """Write each source into its regions of the peer's memory and wait until all are done.
+        Sources outside memory registered once are registered for this message alone."""
+        with self._writes_done:
+            own = [s for s in sources if not any(reg.holds(s) for reg in self._registered)]
+        registered = self._agent.register_memory(own) if own else None
         handles = []
         try:
             for i, (source, (vram, dest)) in enumerate(zip(sources, regions)):
