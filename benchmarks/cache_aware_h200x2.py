@@ -182,7 +182,8 @@ def shared_prefix_run(args: argparse.Namespace, url: str, prefill: list[Node], d
 def warm_up(args: argparse.Namespace, prefill: list[Node], decode: list[Node], urls: dict[str, str]) -> None:
     """First-call costs (kernel choices, the pipes' connects, each route's first measurement) out of the runs."""
     for i, node in enumerate(decode):
-        # Two at once: the second goes to the other prefill node (the first one's queue holds the first).
+        # Two at once: the pool sends the second to the other prefill node (the first prompt counts in the
+        # first node's queue), so both pipes of this decode node connect.
         run_benchmark(bench_args(node.url, qps="inf", num_requests=2, input_len=args.prefix_len + args.input_len,
                                  output_len=4, prompt_kind="token-ids", vocab_size=args.vocab, seed=90 + i))
     for i, url in enumerate(urls.values()):
