@@ -96,10 +96,11 @@ def ttft_phase(args: argparse.Namespace, model: Path) -> dict:
             "ttft_fixed_ms_512": first[512]["timeline_ms"]["colocated_fixed"] if 512 in first else None}
 
 
-def start_router(log_dir: Path, fronts: list[System]) -> tuple[subprocess.Popen, str]:
+def start_router(log_dir: Path, fronts: list[System], extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
+    """`disagg router` (least loaded unless `extra` says otherwise) in front of the systems' front nodes."""
     port = free_port()
     nodes = ",".join(f"127.0.0.1:{s.front.port}" for s in fronts)
-    argv = [sys.executable, "-m", "disagg.cli", "router", "--decode-nodes", nodes, "--port", str(port)]
+    argv = [sys.executable, "-m", "disagg.cli", "router", "--decode-nodes", nodes, "--port", str(port), *extra]
     proc = subprocess.Popen(argv, stdout=(log_dir / f"router-{port}.log").open("w"), stderr=subprocess.STDOUT,
                             cwd=REPO)
     url = f"http://127.0.0.1:{port}"

@@ -4,7 +4,10 @@
 #   bash benchmarks/handoff_pair_run.sh pipes        carry [".whlnx"] (NIXL's wheel alone is 57 MB of the 64 MiB)
 # PHASE: tests (the 2-GPU handoff tests), ttft (layer-wise, then whole, or $MODES; $LENS), goodput
 # (layer-wise; $WORKLOADS, rates $RATES_4K / $RATES_CHAT; PROFILE=1 runs py-spy on the pair's nodes and takes torch.profiler traces; PREFILL_CHUNK sets the
-# prefill node's max-num-batched-tokens), pipes (torch_dist beside nixl: 16 MiB, 256 MiB, a layer list).
+# prefill node's max-num-batched-tokens), pipes (torch_dist beside nixl: 16 MiB, 256 MiB, a layer list),
+# cache (issue 26: cache_aware against least_loaded routing, 2P2D over tcp, shared 4k prefixes; rates
+# $RATES_CACHE, $REPEATS_CACHE runs of each, REMOTE_PREFILL=auto|always for the decode nodes, DECODE_KV their
+# KV cache, 16GiB unless set).
 # Each writes its JSON and log under $OUT; the last lines are the summary.
 set -uo pipefail
 if [ -d .whl ]; then
@@ -32,6 +35,12 @@ for phase in "$@"; do
             --num-requests "${NUM_REQUESTS:-48}" --kv-modes layerwise --json "$out/goodput.json" 2>&1 \
             | tee "$out/goodput.log" | tail -40
         cp /tmp/handoff_h200x2/logs-goodput/pyspy-* /tmp/handoff_h200x2/logs-goodput/traces/* "$out/" 2>/dev/null || true ;;
+    cache)
+        python3 benchmarks/cache_aware_h200x2.py --tokenizer-dir .device/tok --rates "${RATES_CACHE:-2}" \
+            --repeats "${REPEATS_CACHE:-2}" --remote-prefill "${REMOTE_PREFILL:-auto}" \
+            ${DECODE_KV:+--decode-kv-cache-memory $DECODE_KV} --json "$out/cache_aware.json" 2>&1 \
+            | tee "$out/cache.log" | tail -12
+        mkdir -p "$out/cache-logs" && cp /tmp/handoff_h200x2/logs-cache/*.log "$out/cache-logs/" 2>/dev/null || true ;;
     pipes)
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whlnx/*.whl || exit 1
         python3 benchmarks/pipe_bandwidth.py --pipes torch_dist,nixl --sizes 16M,256M --repeats 3 \
