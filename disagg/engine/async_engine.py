@@ -274,8 +274,10 @@ class AsyncEngine:
         await self._call(self.profiler.start)
 
     async def stop_profile(self) -> str:
-        """Stop it between two steps and write its trace; the trace's path."""
-        return str(await self._call(self.profiler.stop))
+        """Stop it between two steps, and write its trace on a thread of its own, while the engine
+        steps on; the trace's path."""
+        profile = await self._call(self.profiler.stop)
+        return str(await asyncio.to_thread(self.profiler.write, profile))
 
     async def keep_remote_blocks_aside(self, request_id: str) -> int:
         return await self._call(self.engine.keep_remote_blocks_aside, request_id)

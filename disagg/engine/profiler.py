@@ -3,8 +3,8 @@
 
 The trace holds the CPU ops of every thread of the process and, on a GPU, every kernel and copy on
 every stream (CUPTI): the engine's steps beside the KV pipe's receives, as a timeline to open in
-Perfetto (https://ui.perfetto.dev). It is started and stopped on the engine thread, between steps;
-under tensor parallelism it covers rank 0's process only.
+Perfetto (https://ui.perfetto.dev). It is started and stopped on the engine thread, between steps,
+and written off it; under tensor parallelism it covers rank 0's process only.
 """
 
 import time
@@ -18,6 +18,10 @@ class TorchProfiler:
         self.trace_dir = Path(trace_dir)
         self.worker_name = worker_name
         self.profile: torch.profiler.profile | None = None
+        # A process's first profile imports torch.profiler's machinery: over a second on a CPU, several
+        # on a busy GPU node. Here, as the node starts, rather than on the engine thread mid-serving.
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+            pass
 
     def start(self) -> None:
         if self.profile is not None:
@@ -29,12 +33,17 @@ class TorchProfiler:
         self.profile = torch.profiler.profile(activities=activities)
         self.profile.start()
 
-    def stop(self) -> Path:
-        """Stop and write the trace (gzipped Chrome trace JSON, as vLLM's); the file written."""
+    def stop(self) -> torch.profiler.profile:
+        """Stop profiling; `write` the profile it returns."""
         if self.profile is None:
             raise RuntimeError("the profiler is not running: POST /start_profile first")
         profile, self.profile = self.profile, None
         profile.stop()
+        return profile
+
+    def write(self, profile: torch.profiler.profile) -> Path:
+        """Write a stopped profile's trace (gzipped Chrome trace JSON, as vLLM's); the file written.
+        Seconds for a busy node's trace: not for the engine thread."""
         path = self.trace_dir / f"{self.worker_name}.{time.time_ns()}.pt.trace.json.gz"
         profile.export_chrome_trace(str(path))
         return path
