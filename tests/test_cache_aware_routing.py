@@ -24,7 +24,7 @@ from disagg.engine.kv_tiers.host import HostTier
 from disagg.engine.kv_view import MEDIUM_WEIGHTS
 from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.sequence import Sequence
-from disagg.router.kv_view import CacheView, KVEventsError, follow_kv_events
+from disagg.router.kv_view import ROUTED_TTL_S, CacheView, KVEventsError, follow_kv_events
 from disagg.router.router import DecodeNode, Router, Routing, cache_aware
 
 BLOCK = 4
@@ -224,6 +224,30 @@ def test_pick_scores_live_healthy_nodes_by_the_prompts_blocks():
         b.mark_unhealthy("test")  # out of the running
         assert router.pick(token_ids=prompt) is a
         assert router.pick(token_ids=None) is a  # a prompt the router could not read: by load
+        await router.close()
+
+    asyncio.run(run())
+
+
+def test_a_prompt_sent_to_a_node_counts_as_held_there_until_its_events_can_say_so():
+    """The second use of a prefix, sent while the first is being computed (no event names its blocks
+    yet), follows the first instead of going to the least loaded node; routed blocks stop counting
+    after ROUTED_TTL_S, and a node whose events stopped still matches nothing."""
+    async def run() -> None:
+        router = Router(["a:1", "b:2"], routing=Routing("cache_aware"))
+        for n in router.nodes:
+            n.mark_healthy()
+            n.cache.apply({"type": "snapshot", "seq": 0, "block_size": BLOCK, "hashes": {"device": []}})
+        prefix = list(range(100, 140))
+        first = router.pick(token_ids=prefix + [1, 2])  # new everywhere: the least loaded
+        router.begin(first)
+        assert router.pick(token_ids=prefix + [3, 4]) is first  # busier, but it is computing the prefix
+        other = next(n for n in router.nodes if n is not first)
+        assert router.pick(token_ids=list(range(500, 540))) is other  # a new prompt: by load
+        first.cache.expect(prompt_block_hashes(prefix, BLOCK), now=time.monotonic() - ROUTED_TTL_S)
+        assert router.pick(token_ids=prefix + [5, 6]) is other  # expired: new again, by load
+        other.cache.drop("stopped publishing")
+        assert other.cache.matched_blocks(prompt_block_hashes(list(range(500, 540)), BLOCK)) == 0
         await router.close()
 
     asyncio.run(run())

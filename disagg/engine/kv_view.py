@@ -68,9 +68,13 @@ class CacheView:
             return 0.0
         matched = 0.0
         for h in block_hashes:
-            weight = max((MEDIUM_WEIGHTS.get(medium, 0.0) for medium, held in self.hashes.items() if h in held),
-                         default=0.0)
+            weight = self.weight(h)
             if not weight:
                 break
             matched += weight
         return matched
+
+    def weight(self, block_hash: int) -> float:
+        """What the node's holding one block is worth: its best tier's weight, 0 where none holds it."""
+        return max((MEDIUM_WEIGHTS.get(medium, 0.0) for medium, held in self.hashes.items() if block_hash in held),
+                   default=0.0)

@@ -18,7 +18,9 @@ picks by its `--routing` policy:
   blocks is new (the chat template's header and a short system prompt, which every node holds, are
   no reason to pile new conversations on one node) and goes to the least loaded; and when the
   busiest candidate has more than `balance_abs_threshold` requests in flight beyond the least
-  busy, the least busy takes it. A node whose events stopped matches nothing.
+  busy, the least busy takes it. A node whose events stopped matches nothing. A prompt's blocks
+  count as held on the node it was sent to for a few seconds (kv_view.py), before its events can
+  say so: later uses of a prefix still being computed follow the first.
 """
 
 import asyncio
@@ -171,6 +173,8 @@ class Router:
         num_blocks = len(next(iter(hashes.values()), []))
         node = cache_aware(candidates, matched, num_blocks, self.routing)
         MATCHED_BLOCKS.labels(node.address).inc(matched[node.address])
+        if node.cache.block_size:
+            node.cache.expect(hashes[node.cache.block_size])
         return node
 
     def begin(self, node: DecodeNode) -> None:
