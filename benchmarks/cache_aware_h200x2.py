@@ -252,15 +252,6 @@ def machine(args: argparse.Namespace) -> str:
     return f"{len(gpus)} x {gpus[0]}" if gpus else "unknown GPUs"
 
 
-def commit() -> str | None:
-    """The checkout's commit, where it is a git checkout (a copied tree on the GPU machine may not be)."""
-    try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
-    except FileNotFoundError:
-        return None
-    return done.stdout.strip() if done.returncode == 0 else None
-
-
 def write_json(args: argparse.Namespace, result: dict) -> None:
     Path(args.json).write_text(json.dumps(result, indent=1))
 
@@ -299,7 +290,7 @@ def main() -> int:
     rates = [r.strip() for r in args.rates.split(",")]
     result: dict = {"machine": machine(args), "args": vars(args),
                     "measured": {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                 "device": args.device, "commit": commit()}}
+                                 "device": args.device}}  # the commit: by hand (the GPU machine's copy may not say)
     model = write_model(args.shape, Path(args.work) / f"llama-{args.shape}", Path(args.tokenizer_dir),
                         "cuda" if args.device == "cuda" else "cpu")
     clock.stage(f"model at {model}")
