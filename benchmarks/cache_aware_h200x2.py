@@ -68,7 +68,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e_disagg_vs_colocated import REPO, Node, System, bench_args, start_node, stop, wait_ready
+from e2e_disagg_vs_colocated import Node, System, bench_args, start_node, stop, wait_ready
 from gpu_e2e import SHAPES, write_model
 from handoff_h200x2 import start_router
 from xpyd_h200x4 import node_spec
