@@ -66,7 +66,7 @@ def test_up_refuses_a_port_in_use_in_one_line(capsys: pytest.CaptureFixture):
         taken.listen()
         grpc_port = taken.getsockname()[1]
         with pytest.raises(SystemExit) as exit_:
-            cli.main(["up", "--port", str(free_port()), "--grpc-port", str(grpc_port), "--device", "cpu"])
+            cli.main(["up", "--port", str(free_port_pair()), "--grpc-port", str(grpc_port), "--device", "cpu"])
     err = capsys.readouterr().err
     assert exit_.value.code != 0
     assert err.count("\n") == 1, err
