@@ -275,7 +275,10 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: LlamaConfig, max_positions: int, shard: LlamaShard, tp: TPGroup):
         super().__init__()
-        self.embed_tokens = nn.Embedding(shard.vocab_rows, config.hidden_size)  # this rank's rows of the vocabulary
+        # This rank's rows of the vocabulary. An empty _weight skips the random init, which load_weights replaces
+        # anyway: on the meta device (builder) normal_ costs a second the first time, per process.
+        self.embed_tokens = nn.Embedding(shard.vocab_rows, config.hidden_size,
+                                         _weight=torch.empty(shard.vocab_rows, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i, shard, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
