@@ -51,7 +51,9 @@ MAX_TOKENS = 32
 SAMPLING = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 AUTH_TOKEN = "example-secret-token"  # both sides of a pipe must present the same one (16 bytes at least)
 KV_WAIT_S = 120.0  # how long one side waits for the other before giving up with an error
-ENGINE = EngineConfig(device="cpu")  # the embedded SmolLM2-135M-Instruct; both engines must run the same model
+# The embedded SmolLM2-135M-Instruct; both engines must run the same model. Three short prompts need a few MiB
+# of KV cache, not the CPU default's 512 MiB in each of the three engines.
+ENGINE = EngineConfig(device="cpu", kv_cache_memory=64 * 2**20)
 
 
 def request_id(index: int) -> str:
@@ -165,7 +167,8 @@ def main() -> int:
               "see the traceback above", file=sys.stderr)
         return 1
 
-    colocated = [out.text for out in LLM(device=ENGINE.device).generate(PROMPTS, SAMPLING)]
+    colocated = [out.text for out in LLM(device=ENGINE.device, kv_cache_memory=ENGINE.kv_cache_memory).generate(
+        PROMPTS, SAMPLING)]
     for prompt, text, reference in zip(PROMPTS, disaggregated, colocated):
         print(f"\n> {prompt}\n{text!r}")
         if text != reference:

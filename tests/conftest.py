@@ -49,7 +49,7 @@ _pair_nodes: list[Node] = []  # the shared pair's nodes, once started
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """Stop the shared pair after the last test that uses it: two idle nodes are 2 GB the rest would carry."""
+    """Stop the shared pair after the last test that uses it: two idle nodes are about 1 GB the rest would carry."""
     if _pair_nodes and nextitem is not None and "pair_1p1d" in item.fixturenames:
         session_items = item.session.items
         if not any("pair_1p1d" in later.fixturenames for later in session_items[session_items.index(item) + 1:]):

@@ -47,12 +47,15 @@ def free_port_pair() -> int:
 
 def start_up(port: int, grpc_port: int, kv_port: int) -> subprocess.Popen:
     """`disagg up` on the CPU in a process group of its own, as a terminal starts it (Ctrl-C signals the
-    group: up and both nodes); its output on stdout, text."""
+    group: up and both nodes); its output on stdout, text. Its nodes' KV cache is every test node's,
+    through the environment default that `disagg serve` reads (the CPU default, 512 MiB, in each of the
+    two was the suite's memory peak, beside test_serving's nodes)."""
     return subprocess.Popen(
         [sys.executable, "-m", "disagg.cli", "up", "--port", str(port), "--grpc-port", str(grpc_port),
          "--kv-port", str(kv_port), "--device", "cpu"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+             "DISAGG_KV_CACHE_MEMORY": str(KV_CACHE_BYTES)})
 
 
 def output_until_serving(proc: subprocess.Popen) -> str:

@@ -7,6 +7,7 @@ import pytest
 import torch
 from kv_export import KVCollector
 from prompts import PASSAGE, PROMPTS, hf_greedy, penalized_reference
+from servers import KV_CACHE_BYTES
 
 from disagg import LLM, SamplingParams
 from disagg.engine.async_engine import AsyncEngine, RequestFailed
@@ -28,7 +29,9 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def llm(model_dir) -> LLM:
-    return LLM(str(model_dir), device="cpu", dtype="float32")
+    # Room for all of PROMPTS at once with their answers (about 2,900 tokens), so that no test of it preempts;
+    # the CPU default (512 MiB) would hold twice that, zeroed, for the whole module.
+    return LLM(str(model_dir), device="cpu", dtype="float32", kv_cache_memory=2 * KV_CACHE_BYTES)
 
 
 def assert_matches_reference(llm: LLM, hf_model, prompts: list, max_tokens: list[int]) -> list:
@@ -78,7 +81,8 @@ def test_prefix_cache_hits_match_transformers(llm, hf_model):
 
 
 def test_chunked_prefill_matches_transformers(model_dir, hf_model):
-    llm = LLM(str(model_dir), device="cpu", max_num_batched_tokens=96, enable_prefix_caching=False)
+    llm = LLM(str(model_dir), device="cpu", max_num_batched_tokens=96, enable_prefix_caching=False,
+              kv_cache_memory=KV_CACHE_BYTES)
     assert_matches_reference(llm, hf_model, [PROMPTS[5], PROMPTS[6], PROMPTS[9]], [16, 16, 16])
 
 
@@ -211,7 +215,8 @@ def test_prompt_longer_than_the_cache_is_refused(model_dir):
 def test_remote_prefill_continues_like_local(llm, model_dir, hf_model):
     """A prompt prefilled by one engine, in chunks, and decoded by another gives transformers' tokens;
     each chunk's KV is handed out in the step that computes it, or all of it at the end (at_end)."""
-    prefill = LLM(str(model_dir), device="cpu", max_num_batched_tokens=32, enable_prefix_caching=False)
+    prefill = LLM(str(model_dir), device="cpu", max_num_batched_tokens=32, enable_prefix_caching=False,
+                  kv_cache_memory=KV_CACHE_BYTES)
     decode = llm.engine
     free = decode.block_manager.num_free_blocks
     prompts = [PROMPTS[2], PROMPTS[6], PROMPTS[5]]
@@ -253,7 +258,7 @@ def test_remote_prefill_continues_like_local(llm, model_dir, hf_model):
 def test_a_failing_kv_export_costs_its_own_layers_only(model_dir):
     """A put that raises (its receiver broke) ends that request's export; the step and the other
     request's export go on, and both get their first token."""
-    prefill = LLM(str(model_dir), device="cpu").engine
+    prefill = LLM(str(model_dir), device="cpu", kv_cache_memory=KV_CACHE_BYTES).engine
     good, bad = KVCollector(30), KVCollector(30)
 
     def failing_put(first: int, end: int, kv: torch.Tensor) -> None:
@@ -428,7 +433,7 @@ def test_min_tokens_masks_eos_and_stop_strings(llm):
 
 
 def test_prompt_logprobs_match_transformers_chunked_and_cached(model_dir, hf_model):
-    llm = LLM(str(model_dir), device="cpu", dtype="float32", max_num_batched_tokens=64)
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", max_num_batched_tokens=64, kv_cache_memory=KV_CACHE_BYTES)
     prompt = PASSAGE + "\nSummarize:"
     ids = llm.tokenizer.encode(prompt)
     with torch.no_grad():

@@ -16,7 +16,16 @@ from pathlib import Path
 
 import pytest
 from lookup_peer import make_request
-from servers import Node, free_port, free_port_pair, output_until_serving, start_up, wait_for, wait_ready
+from servers import (
+    KV_CACHE_BYTES,
+    Node,
+    free_port,
+    free_port_pair,
+    output_until_serving,
+    start_up,
+    wait_for,
+    wait_ready,
+)
 
 from disagg import cli
 from disagg.lookup_buffer import LookupBufferConsumer, LookupBufferProducer
@@ -66,7 +75,7 @@ def test_up_refuses_a_port_in_use_in_one_line(capsys: pytest.CaptureFixture):
         taken.listen()
         grpc_port = taken.getsockname()[1]
         with pytest.raises(SystemExit) as exit_:
-            cli.main(["up", "--port", str(free_port()), "--grpc-port", str(grpc_port), "--device", "cpu"])
+            cli.main(["up", "--port", str(free_port_pair()), "--grpc-port", str(grpc_port), "--device", "cpu"])
     err = capsys.readouterr().err
     assert exit_.value.code != 0
     assert err.count("\n") == 1, err
@@ -75,10 +84,11 @@ def test_up_refuses_a_port_in_use_in_one_line(capsys: pytest.CaptureFixture):
 
 def start_signallable(role: str, tmp_path: Path, extra: list[str] = ()) -> Node:
     """`disagg serve` as a terminal starts it: SIGINT at its default (a test runner in the background may
-    ignore it, and the child would inherit that), so Ctrl-C is what Python makes of it."""
+    ignore it, and the child would inherit that), so Ctrl-C is what Python makes of it. Its KV cache is
+    every test node's (servers.KV_CACHE_BYTES), not the CPU default's 512 MiB."""
     port = free_port()
     args = [sys.executable, "-m", "disagg.cli", "serve", "--kv-role", role, "--port", str(port), "--device", "cpu",
-            "--log-level", "INFO", *extra]
+            "--log-level", "INFO", "--kv-cache-memory", str(KV_CACHE_BYTES), *extra]
     grpc_port = free_port() if role == "producer" else None
     if role == "producer":
         args += ["--grpc-port", str(grpc_port), "--kv-transfer-config", json.dumps({"kv_port": free_port()})]

@@ -18,7 +18,7 @@ import pytest
 import torch
 from kv_export import KVCollector
 from prompts import PASSAGE, hf_greedy
-from servers import start_node, wait_for
+from servers import KV_CACHE_BYTES, start_node, wait_for
 
 from disagg import LLM, SamplingParams
 from disagg.engine import async_engine
@@ -294,7 +294,7 @@ def test_a_decode_engine_takes_its_host_tier_hits_and_needs_only_the_rest(model_
     """A remote request whose prefix the decode engine's device pool lost but its host tier holds:
     those blocks are loaded into its reservation and count as cached, so the prefill engine sends
     only the rest of the KV (skip_tokens), and the answer is transformers' still."""
-    prefill = LLM(str(model_dir), device="cpu")
+    prefill = LLM(str(model_dir), device="cpu", kv_cache_memory=KV_CACHE_BYTES)
     decode = LLM(str(model_dir), device="cpu", kv_cache_memory=48 * BLOCK_BYTES, kv_offloading_size=gib(64))
     prompt = CONVERSATIONS[0]
     generate_exact(decode, hf_model, [prompt])  # its blocks go to the host tier

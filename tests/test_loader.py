@@ -144,6 +144,27 @@ def test_load_weights_casts_to_dtype(model_dir: Path) -> None:
     assert weights["model.layers.0.self_attn.k_proj.weight"].shape == (3 * 64, 576)
 
 
+def test_cpu_weights_are_the_checkpoint_file_mapped_not_copies(tiny_llama_dir) -> None:
+    """At the checkpoint's dtype on the CPU, every parameter lies in the process's map of model.safetensors,
+    whose pages every process serving the file shares (a node holds no copy of its own); another dtype
+    is a cast, in memory of its own."""
+    from disagg import LLM
+
+    path = tiny_llama_dir()
+    model = LLM(str(path), device="cpu", dtype="float32", kv_cache_memory=2**20).engine.runner.model
+    cast = LLM(str(path), device="cpu", dtype="bfloat16", kv_cache_memory=2**20).engine.runner.model
+    file = str((path / "model.safetensors").resolve())
+    maps = [line.split()[0].split("-") for line in Path("/proc/self/maps").read_text().splitlines()
+            if line.endswith(" " + file)]
+
+    def in_file(t: torch.Tensor) -> bool:
+        return any(int(start, 16) <= t.data_ptr() and t.data_ptr() + t.nbytes <= int(end, 16) for start, end in maps)
+
+    assert maps and all(in_file(p) for p in model.parameters())
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, as the config says
+    assert not any(in_file(p) for p in cast.parameters())
+
+
 @pytest.mark.parametrize("text", TEXTS)
 def test_encode_matches_transformers(text: str, tokenizer: Tokenizer, hf_tokenizer, gguf_hf_tokenizer) -> None:
     ids = tokenizer.encode(text)

@@ -81,8 +81,10 @@ def predict(tmp_path: Path, serving: bool = True) -> tuple[dict[str, float], lis
     predicted goodput, and the SLO (from the profile: this machine's speed now, shared as it is).
     serving: the profile also measures what a served node adds (it starts one)."""
     profile = tmp_path / "profile.json"
+    # 128 MiB of KV (the engine's and the served node's) holds this grid many times over; the CPU default is 512.
     out = disagg("plan", "profile", "--device", "cpu", "--out", str(profile), "--prefill-tokens", "16,64,256",
-                 "--decode-batch", "1,4", "--decode-context", "32,96", *([] if serving else ["--no-serving"]))
+                 "--decode-batch", "1,4", "--decode-context", "32,96", "--kv-cache-memory", "128MiB",
+                 *([] if serving else ["--no-serving"]))
     assert "wrote" in out
     loaded = Profile.load(str(profile))
     assert loaded.device == "cpu" and loaded.link.connector == "tcp" and loaded.link.bytes_per_s > 0

@@ -5,7 +5,7 @@ import signal
 import time
 
 import pytest
-from servers import free_port, free_port_pair, output_until_serving, start_up
+from servers import KV_CACHE_BYTES, free_port, free_port_pair, output_until_serving, start_up
 
 from disagg import LLM, SamplingParams
 from disagg.launch import SAMPLE
@@ -39,7 +39,7 @@ def test_up_starts_both_nodes_answers_the_sample_and_stops_on_ctrl_c(model_dir):
         if group_alive(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
     assert "disagg prefill node ready" in output and "disagg decode node ready" in output
-    expected = LLM(str(model_dir), device="cpu").chat(
+    expected = LLM(str(model_dir), device="cpu", kv_cache_memory=KV_CACHE_BYTES).chat(
         [{"role": "user", "content": SAMPLE}], SamplingParams(temperature=0, max_tokens=64))[0].text
     answer = output.split(f"> {SAMPLE}\n", 1)[1].split("\n\n(first token after", 1)[0]
     assert answer == expected

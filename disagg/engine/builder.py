@@ -164,7 +164,8 @@ def build_rank_runner(config: EngineConfig, model_dir: Path, mc: LlamaConfig, de
     free_at_start = gpu_free_at_start(config, device)
     if config.gpu_memory_utilization is not None and device.type != "cuda" and tp.rank == 0:
         logger.warning(GPU_MEMORY_UTILIZATION_ON_CPU)
-    model = LlamaForCausalLM(mc, max(max_model_len, mc.max_position_embeddings), tp)
+    with torch.device("meta"):  # no memory, and no random values, for the weights that load_weights puts in place
+        model = LlamaForCausalLM(mc, max(max_model_len, mc.max_position_embeddings), tp)
     model.load_weights(load_weights(model_dir, dtype, "cpu", model.weight_slices()))
     model.to(device=device, dtype=dtype).eval()
     # Rotary tables stay float32 for accuracy; they are cast per call.

@@ -202,7 +202,9 @@ def load_weights(model_dir: Path, dtype: torch.dtype, device: torch.device | str
                  slices: dict[str, tuple[int, int, int]] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of every *.safetensors shard, by Hugging Face name, cast to `dtype` on `device`.
     slices: name -> (dimension, start, end) of the tensors of which only that part is read (a
-    tensor-parallel rank's share: LlamaForCausalLM.weight_slices); the rest of them is never read."""
+    tensor-parallel rank's share: LlamaForCausalLM.weight_slices); the rest of them is never read.
+    A whole tensor on the CPU at the file's dtype is no copy: safetensors returns it in its private map of
+    the file, read on first touch, whose pages the page cache shares between every process that maps it."""
     slices = slices or {}
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"

@@ -142,7 +142,8 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    # On the CPU even while the model is made on the meta device (builder): the tables are computed, not loaded.
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
@@ -161,7 +162,7 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     def __init__(self, config: LlamaConfig, max_positions: int):
         super().__init__()
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * rope_inv_freq(config)[None, :]
+        freqs = torch.arange(max_positions, dtype=torch.float32, device="cpu")[:, None] * rope_inv_freq(config)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
@@ -274,7 +275,10 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: LlamaConfig, max_positions: int, shard: LlamaShard, tp: TPGroup):
         super().__init__()
-        self.embed_tokens = nn.Embedding(shard.vocab_rows, config.hidden_size)  # this rank's rows of the vocabulary
+        # This rank's rows of the vocabulary. An empty _weight skips the random init, which load_weights replaces
+        # anyway: on the meta device (builder) normal_ costs a second the first time, per process.
+        self.embed_tokens = nn.Embedding(shard.vocab_rows, config.hidden_size,
+                                         _weight=torch.empty(shard.vocab_rows, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i, shard, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
@@ -381,8 +385,18 @@ class LlamaForCausalLM(nn.Module):
         if missing or unexpected:
             raise ValueError(f"checkpoint does not match the {self.config.architecture} layout: "
                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-        with torch.no_grad():
-            params = dict(self.named_parameters())
-            for name, tensor in weights.items():
-                # A last rank's vocabulary shard is shorter than its rows (padding, never gathered out).
-                params[name][:tensor.shape[0]].copy_(tensor)
+        # Each parameter becomes the checkpoint's tensor itself, not a copy of it: on the CPU at the checkpoint's
+        # dtype, a map of its safetensors file (loader.load_weights), whose pages every process serving that
+        # file shares. The builder makes the model on the meta device, so no memory was spent on them before.
+        params = dict(self.named_parameters())
+        for name, tensor in weights.items():
+            shape = params[name].shape
+            if tensor.shape[1:] != shape[1:] or tensor.shape[0] > shape[0]:
+                raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the model's config "
+                                 f"gives {tuple(shape)}")
+            if tensor.shape[0] < shape[0]:  # a last rank's vocabulary shard is shorter: padding, never gathered out
+                tensor = torch.cat([tensor, tensor.new_zeros(shape[0] - tensor.shape[0], *shape[1:])])
+            module, _, attr = name.rpartition(".")
+            setattr(self.get_submodule(module), attr, nn.Parameter(tensor, requires_grad=False))
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
