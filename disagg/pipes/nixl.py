@@ -122,9 +122,9 @@ class NixlPipe(KVPipe):
     def register(self, tensor: torch.Tensor) -> None:
         """Receive into `tensor` (a KV cache), or send from it, from now on with no registration and
         no metadata per message: registered with our agent now, its metadata sent with the next
-        message's answer, once; deregistered when the pipe closes (kept registered for good if a receive into it was
-        cut off while the peer may still write). A no-op for memory inside memory registered already,
-        and for a tensor that is not contiguous (receives into it register per message)."""
+        message's answer, once; deregistered when the pipe closes (kept registered for good if a
+        receive into it was cut off while the peer may still write). A no-op for memory inside memory
+        registered already, and for a tensor that is not contiguous (it is registered per message)."""
         if not tensor.is_contiguous() or not tensor.numel():
             return
         with self._recv_lock:
@@ -179,8 +179,7 @@ class NixlPipe(KVPipe):
                 while (state := self._agent.check_xfer_state(handle)) != "DONE":
                     if state == "ERR":
                         raise PipeClosed("a NIXL write failed: the peer is gone")
-                    self._wait(deadline, "sending tensor data", pause)
-                    pause = min(2 * pause, POLL_S)
+                    pause = self._wait(deadline, "sending tensor data", pause)
         except BaseException:
             if not self._settle(handles):  # still writing: neither the handles nor the sources may go
                 self._unsettled = True
@@ -324,8 +323,7 @@ class NixlPipe(KVPipe):
                 deadline = time.monotonic() + self._config.timeout  # progress
             if not expected:
                 return
-            self._wait(deadline, "receiving tensor data", pause)
-            pause = min(2 * pause, POLL_S)
+            pause = self._wait(deadline, "receiving tensor data", pause)
 
     def _drain_notifs(self, expected: set[bytes]) -> bool:
         """After a cut-off receive: wait a bounded time for the writes already started to end, or
@@ -338,9 +336,10 @@ class NixlPipe(KVPipe):
                 return True
         return not expected
 
-    def _wait(self, deadline: float, what: str, pause: float) -> None:
+    def _wait(self, deadline: float, what: str, pause: float) -> float:
         """Between two polls, `pause` long: raise if the time is up, the pipe was closed here or the
-        peer's control socket closed."""
+        peer's control socket closed. Returns the pause before the next poll (twice this one, at
+        most POLL_S)."""
         if self._closed:
             raise PipeClosed(f"{what}: the pipe was closed locally")
         if time.monotonic() > deadline:
@@ -350,6 +349,7 @@ class NixlPipe(KVPipe):
                 raise PipeClosed(f"{what}: the peer closed the connection (or died)")
         except OSError as e:
             raise PipeClosed(f"{what}: connection lost ({e})") from None
+        return min(2 * pause, POLL_S)
 
     def _peer_gone(self, pause: float = POLL_S) -> bool:
         """Wait up to `pause` for the control socket: True if the peer has closed it."""
