@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # One call on the H200 pair (nvidia-h200-x2), after benchmarks/device_setup.sh here:
 #   bash benchmarks/handoff_pair_run.sh PHASE...     carry [".whl", ".device"]
-#   bash benchmarks/handoff_pair_run.sh pipes        carry [".whlnx"] (NIXL's wheel alone is 57 MB of the 64 MiB)
 # PHASE: tests (the 2-GPU handoff tests), ttft (layer-wise, then whole, or $MODES; $LENS), goodput
 # (layer-wise; $WORKLOADS, rates $RATES_4K / $RATES_CHAT; PROFILE=1 runs py-spy on the pair's nodes and takes torch.profiler traces; PREFILL_CHUNK sets the
 # prefill node's max-num-batched-tokens), pipes (torch_dist beside nixl: 16 MiB, 256 MiB, a layer list),
@@ -42,7 +41,6 @@ for phase in "$@"; do
             | tee "$out/cache.log" | tail -12
         mkdir -p "$out/cache-logs" && cp /tmp/handoff_h200x2/logs-cache/*.log "$out/cache-logs/" 2>/dev/null || true ;;
     pipes)
-        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whlnx/*.whl || exit 1
         python3 benchmarks/pipe_bandwidth.py --pipes torch_dist,nixl --sizes 16M,256M --repeats 3 \
             --json "$out/pipes.json" 2>&1 | tee "$out/pipes.log" | tail -12 ;;
     *) echo "unknown phase $phase" >&2; exit 2 ;;

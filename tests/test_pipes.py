@@ -54,7 +54,10 @@ UCX_MISSING = _missing("ucx", "ucxx")
 # pointer), and the suite's collection imports grpc_tools: the nixl cases run in a pytest process
 # of their own, which sets this variable.
 NIXL_HERE = "DISAGG_TEST_NIXL" in os.environ
-NIXL_MISSING = _missing("nixl", "nixl_cu12") or (None if NIXL_HERE else "runs in a process of its own")
+# The pipe imports whichever of NIXL's packages is installed (disagg/pipes/nixl.py).
+NIXL_PACKAGE_MISSING = None if any(importlib.util.find_spec(p) for p in ("nixl_cu12", "nixl_cu13", "nixl")) \
+    else "none of nixl-cu12, nixl-cu13, nixl is installed"
+NIXL_MISSING = NIXL_PACKAGE_MISSING or (None if NIXL_HERE else "runs in a process of its own")
 ALL_PIPES = [
     "tcp",
     "torch_dist",
@@ -75,7 +78,7 @@ ALL_PIPES = [
 
 @pytest.mark.slow
 @pytest.mark.timeout(260)
-@pytest.mark.skipif(NIXL_HERE or _missing("nixl", "nixl_cu12") is not None, reason="nixl-cu12 is not installed")
+@pytest.mark.skipif(NIXL_HERE or NIXL_PACKAGE_MISSING is not None, reason=f"nixl: {NIXL_PACKAGE_MISSING}")
 def test_nixl_pipe_in_a_process_of_its_own():
     """Every [nixl] case of this file, in a pytest process that has not loaded grpc_tools."""
     result = subprocess.run(
