@@ -1,7 +1,6 @@
 """TritonAttention: the CUDA backend. Paged kernels read the cache in place through a
 device-resident block table; a step's metadata is a few int32 vectors sent in one copy."""
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,6 +14,7 @@ from disagg.engine.layers.attention import StepInputs
 from disagg.engine.scheduler import ScheduledSeq
 
 MAX_SPLITS = 32
+ALIGN = 4  # int32 elements: 16 bytes
 
 
 @dataclass
@@ -84,9 +84,15 @@ class TritonAttention:
         parts = [ids, positions, token_rows, sample_rows]
         if seq_lens:
             parts += [query_start, seq_lens, seq_rows, tile_seq, tile_start]
-        host = np.concatenate([np.fromiter(itertools.chain.from_iterable(parts), np.int32), updates.reshape(-1)])
+        parts.append(updates.reshape(-1))
+        # Every part starts 16-byte aligned: Triton compiles a kernel once per alignment of its pointers,
+        # and a compile mid-serving stalls every request for about a second.
+        starts = np.cumsum([0] + [-(-len(p) // ALIGN) * ALIGN for p in parts])
+        host = np.zeros(starts[-1], np.int32)
+        for part, start in zip(parts, starts):
+            host[start:start + len(part)] = part
         flat = self._to_device(host)
-        views = flat.split([len(p) for p in parts] + [updates.size])
+        views = [flat[start:start + len(part)] for part, start in zip(parts, starts)]
         self.block_table.apply(views[-1].view(2, -1))
         meta = TritonMetadata(views[1], views[2], num_decodes, self.num_splits(max(num_decodes, 1)))
         if seq_lens:
