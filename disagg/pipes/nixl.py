@@ -71,7 +71,9 @@ log = logging.getLogger(__name__)
 METADATA_LEN = struct.Struct("!I")
 MAX_METADATA_BYTES = 1 << 20  # an agent's metadata is a few KiB
 BLOBS = struct.Struct("!I")  # metadata blobs that answer a header: as long as wire.MAGIC, to tell a goodbye
-MAX_BLOBS = 64  # a blob per memory registered once since the last message, and one for the message's own
+# A blob per memory registered once since the last message, and one per device of the message's own.
+MAX_BLOBS = 64
+MESSAGE_BLOBS = 4  # room kept for a message's own: its destinations lie on at most this many devices
 TENSOR_REGIONS = struct.Struct("!IB")  # regions of one tensor, is VRAM
 REGION = struct.Struct("!QQQ")  # address, bytes, device id
 MAX_REGIONS = 1 << 20  # per tensor: a KV cache's views are layers x 2 x runs of blocks
@@ -132,8 +134,9 @@ class NixlPipe(KVPipe):
             with self._writes_done:
                 if any(reg.holds(tensor) for reg in self._registered):
                     return
-                if sum(not reg.announced for reg in self._registered) >= MAX_BLOBS - 1:
-                    raise ValueError(f"at most {MAX_BLOBS - 1} tensors may be registered between two messages")
+                if sum(not reg.announced for reg in self._registered) >= MAX_BLOBS - MESSAGE_BLOBS:
+                    raise ValueError(f"at most {MAX_BLOBS - MESSAGE_BLOBS} tensors may be registered between two "
+                                     "messages")
             descs = self._agent.register_memory(tensor)
             start = tensor.data_ptr()
             registration = _Registration(tensor, descs, tensor.get_device(), start, start + tensor.nbytes)
@@ -169,7 +172,7 @@ class NixlPipe(KVPipe):
         Sources outside memory registered once are registered for this message alone."""
         with self._writes_done:
             own = [s for s in sources if not any(reg.holds(s) for reg in self._registered)]
-        registered = self._agent.register_memory(own) if own else None
+        registered = self._register_per_device(own)
         handles = []
         try:
             for i, (source, (vram, dest)) in enumerate(zip(sources, regions)):
@@ -190,8 +193,26 @@ class NixlPipe(KVPipe):
         finally:
             for handle in handles or []:
                 self._agent.release_xfer_handle(handle)
-            if registered is not None:
-                self._agent.deregister_memory(registered)
+            for descs in registered or []:
+                self._agent.deregister_memory(descs)
+
+    def _register_per_device(self, tensors: list[torch.Tensor]) -> list:
+        """Register tensors for one message: a descriptor list per device, as NIXL registers a list of
+        tensors only if they share one (a message may carry CPU and GPU tensors, or two GPUs')."""
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for tensor in tensors:
+            by_device.setdefault(tensor.device, []).append(tensor)
+        if len(by_device) > MESSAGE_BLOBS:
+            raise ValueError(f"a message's tensors lie on {len(by_device)} devices; at most {MESSAGE_BLOBS}")
+        registered = []
+        try:
+            for group in by_device.values():
+                registered.append(self._agent.register_memory(group))
+        except BaseException:
+            for descs in registered:
+                self._agent.deregister_memory(descs)
+            raise
+        return registered
 
     def _load_blobs(self) -> None:
         """Load the metadata blobs of the receiver's memory that answer our header."""
@@ -286,12 +307,11 @@ class NixlPipe(KVPipe):
         regions = b"".join(_regions(views) for views in written)
         with self._writes_in_flight():  # close() waits for it: the registrations below stay ours
             own = [v for views in written for v in views if not any(reg.holds(v) for reg in self._registered)]
-            registered = self._agent.register_memory(own) if own else None
+            registered = self._register_per_device(own)
             try:
                 new = [reg for reg in self._registered if not reg.announced]
-                blobs = [self._agent.get_partial_agent_metadata(reg.descs, False) for reg in new]
-                if registered is not None:
-                    blobs.append(self._agent.get_partial_agent_metadata(registered, False))
+                blobs = [self._agent.get_partial_agent_metadata(descs, False)
+                         for descs in [reg.descs for reg in new] + registered]
                 answer = [BLOBS.pack(len(blobs)), *(METADATA_LEN.pack(len(blob)) + blob for blob in blobs), regions]
                 self._send_control(b"".join(answer))
                 for reg in new:
@@ -299,8 +319,8 @@ class NixlPipe(KVPipe):
                 self._await_notifs(expected)
             except BaseException as e:
                 if self._drain_notifs(expected):
-                    if registered is not None:
-                        self._agent.deregister_memory(registered)
+                    for descs in registered:
+                        self._agent.deregister_memory(descs)
                     raise
                 # Never deregistered, never freed: ours, and the memory registered once.
                 _quarantined.append((registered, own, self._registered))
@@ -312,8 +332,8 @@ class NixlPipe(KVPipe):
                                        "destinations: they must not be reused") from None
                 log.warning("a cut-off NIXL receive keeps %d bytes aside: the peer may still write there", nbytes)
                 raise
-            if registered is not None:
-                self._agent.deregister_memory(registered)
+            for descs in registered:
+                self._agent.deregister_memory(descs)
 
     def _await_notifs(self, expected: set[bytes]) -> None:
         deadline, pause = time.monotonic() + self._config.timeout, FIRST_POLL_S
