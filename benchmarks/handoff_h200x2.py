@@ -179,11 +179,13 @@ def workload_sweep(args: argparse.Namespace, workload: str, rates: list[str], ur
     runs = {name: {} for name in urls}
     for i, rate in enumerate(rates):
         for name in (list(urls) if i % 2 == 0 else list(urls)[::-1]):
-            profile = args.profile and rate == rates[len(rates) // 2]
-            samplers = start_profiles(disagg, log_dir, f"{workload}-{rate}") \
-                if profile and name == "disagg_1p1d" else []
-            window = TraceWindow(decoders[name][:1] + ([disagg.prefill] if name == "disagg_1p1d" else [])) \
-                if profile else None
+            middle = rate == rates[len(rates) // 2]
+            profile = args.profile and middle
+            # py-spy on the system's first decoding node (and the 1P1D prefill node), alone with --pyspy.
+            sampled = decoders[name][:1] + ([disagg.prefill] if name == "disagg_1p1d" else [])
+            samplers = start_profiles(sampled, log_dir, f"{workload}-{rate}-{name}") \
+                if middle and (args.pyspy or profile) else []
+            window = TraceWindow(sampled) if profile else None
             before, engines_before = handoff_sums(disagg), engine_sums(decoders[name])
             r = runs[name][rate] = serve_once(urls[name], args, workload, rate, args.num_requests, 7 + i, goodput)
             r["engine"] = engine_means(engines_before, engine_sums(decoders[name]))
@@ -206,11 +208,11 @@ def workload_sweep(args: argparse.Namespace, workload: str, rates: list[str], ur
     return {"slo": slo, "unloaded": unloaded, "runs": runs}
 
 
-def start_profiles(disagg: System, log_dir: Path, label: str) -> list[subprocess.Popen]:
-    """py-spy (if installed) sampling both nodes of the pair with their GIL state, for one run."""
+def start_profiles(nodes: list, log_dir: Path, label: str) -> list[subprocess.Popen]:
+    """py-spy (if installed) sampling the nodes for one run: every thread (--idle: waits too) of each,
+    and the thread that holds the GIL (--gil) of the first."""
     samplers = []
-    # Every thread (--idle: waits too), and the thread that holds the GIL (--gil) for the decode node.
-    for node, mode in ((disagg.front, "--idle"), (disagg.prefill, "--idle"), (disagg.front, "--gil")):
+    for node, mode in [(node, "--idle") for node in nodes] + [(nodes[0], "--gil")]:
         out = log_dir / f"pyspy-{label}-{node.role}{mode.replace('--', '-')}.txt"
         argv = ["py-spy", "record", "--pid", str(node.proc.pid), "--rate", "200", "--format", "raw",
                 "--threads", mode, "--output", str(out), "--nonblocking"]
@@ -369,6 +371,9 @@ def main() -> int:
     ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--prefill-max-num-batched-tokens", type=int,
                     help="the prefill node's chunk size alone (goodput; it has no decode batch to keep moving)")
+    ap.add_argument("--pyspy", action="store_true",
+                    help="during the middle rate's runs: py-spy alone (no torch.profiler) on each system's first "
+                         "decoding node and the 1P1D prefill node")
     ap.add_argument("--profile", action="store_true",
                     help="during the middle rate's run: py-spy on both 1P1D nodes, and a 2 s torch.profiler trace "
                          "of the decoding nodes (and the prefill node) of each system")

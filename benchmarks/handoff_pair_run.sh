@@ -2,8 +2,9 @@
 # One call on the H200 pair (nvidia-h200-x2), after benchmarks/device_setup.sh here:
 #   bash benchmarks/handoff_pair_run.sh PHASE...     carry [".whl", ".device"]
 # PHASE: tests (the 2-GPU handoff tests), ttft (layer-wise, then whole, or $MODES; $LENS), goodput
-# (layer-wise; $WORKLOADS, rates $RATES_4K / $RATES_CHAT; PROFILE=1 runs py-spy on the pair's nodes and takes torch.profiler traces; PREFILL_CHUNK sets the
-# prefill node's max-num-batched-tokens), pipes (torch_dist beside nixl: 16 MiB, 256 MiB, a layer list),
+# (layer-wise; $WORKLOADS, rates $RATES_4K / $RATES_CHAT; PROFILE=1 runs py-spy on the pair's nodes and takes
+# torch.profiler traces, PYSPY=1 py-spy alone on a decoding node of each system; CONNECTOR: the KV pipe, torch_dist
+# unless set; PREFILL_CHUNK sets the prefill node's max-num-batched-tokens), pipes (torch_dist beside nixl: 16 MiB, 256 MiB, a layer list),
 # cache (issue 26: cache_aware against least_loaded routing, 2P2D over tcp, shared 4k prefixes; rates
 # $RATES_CACHE, $REPEATS_CACHE runs of each, REMOTE_PREFILL=auto|always for the decode nodes, DECODE_KV their
 # KV cache, 16GiB unless set).
@@ -15,7 +16,7 @@ if [ -d .whl ]; then
 fi
 export PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 DISAGG_TEST_TOKENIZER_DIR=.device/tok
 out=${OUT:-/tmp/out}
-common=(--tokenizer-dir .device/tok --gpus 2 --connector torch_dist --kv-buffer-device cuda --kv-cache-memory 24GiB)
+common=(--tokenizer-dir .device/tok --gpus 2 --connector "${CONNECTOR:-torch_dist}" --kv-buffer-device cuda --kv-cache-memory 24GiB)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for phase in "$@"; do
     case $phase in
@@ -29,7 +30,7 @@ for phase in "$@"; do
         done ;;
     goodput)
         python3 benchmarks/handoff_h200x2.py "${common[@]}" --phase goodput --workloads "${WORKLOADS:-4k,chat}" \
-            --rates-4k "${RATES_4K:-2,3,4,5,6}" --rates-chat "${RATES_CHAT:-4,8,12,16}" ${PROFILE:+--profile} \
+            --rates-4k "${RATES_4K:-2,3,4,5,6}" --rates-chat "${RATES_CHAT:-4,8,12,16}" ${PROFILE:+--profile} ${PYSPY:+--pyspy} \
             ${PREFILL_CHUNK:+--prefill-max-num-batched-tokens $PREFILL_CHUNK} \
             --num-requests "${NUM_REQUESTS:-48}" --kv-modes layerwise --json "$out/goodput.json" 2>&1 \
             | tee "$out/goodput.log" | tail -40
