@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from lookup_peer import make_request
 from servers import (
+    KV_CACHE_BYTES,
     Node,
     free_port,
     free_port_pair,
@@ -84,11 +85,11 @@ def test_up_refuses_a_port_in_use_in_one_line(capsys: pytest.CaptureFixture):
 def start_signallable(role: str, tmp_path: Path, extra: list[str] = ()) -> Node:
     """`disagg serve` as a terminal starts it: SIGINT at its default (a test runner in the background may
     ignore it, and the child would inherit that), so Ctrl-C is what Python makes of it. Its KV cache is
-    the CPU default's: with 128 MiB, a Ctrl-C just after the cache's log line often ends the process by
-    SIGINT (-2) rather than with 130 (the note of 2026-11-26, issue 25), which the loading test asserts."""
+    every test node's (servers.KV_CACHE_BYTES), not the CPU default's 512 MiB: with it, the loading test's
+    Ctrl-C often lands while the node imports its servers, where it used to end the node by SIGINT (-2)."""
     port = free_port()
     args = [sys.executable, "-m", "disagg.cli", "serve", "--kv-role", role, "--port", str(port), "--device", "cpu",
-            "--log-level", "INFO", *extra]
+            "--log-level", "INFO", "--kv-cache-memory", str(KV_CACHE_BYTES), *extra]
     grpc_port = free_port() if role == "producer" else None
     if role == "producer":
         args += ["--grpc-port", str(grpc_port), "--kv-transfer-config", json.dumps({"kv_port": free_port()})]
