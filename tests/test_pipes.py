@@ -179,9 +179,18 @@ def test_stress_echo(pipe_name):
         listener.close()
 
 
+# On the H200 pair (nixl-cu13 1.5.1) these messages, whose receiving memory is partly on the GPU and
+# partly on the CPU, fail: the sender's agent refuses the receiver's metadata (loadRemoteMD:
+# NIXL_ERR_NOT_ALLOWED); why is not found. Messages whose memory is on one GPU go through (the other
+# nixl GPU tests, pipe_bandwidth.py, the handoff benchmark's nodes).
+CUDA_ECHO_PIPES = [*ALL_PIPES[:3], pytest.param("nixl", marks=[
+    pytest.mark.skipif(NIXL_MISSING is not None, reason=f"nixl: {NIXL_MISSING}"),
+    pytest.mark.xfail(strict=True, reason="NIXL_ERR_NOT_ALLOWED for memory on a GPU and the CPU")])]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("pipe_name", ALL_PIPES)
+@pytest.mark.parametrize("pipe_name", CUDA_ECHO_PIPES)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_cuda_tensors_between_two_gpus(pipe_name):
     torch.cuda.set_device(0)
