@@ -69,6 +69,12 @@ PREFILL_ROUTE_BASIS = Counter("disagg_prefill_route_basis_total", "How a decode 
                               ["basis"])
 REMOTE_PREFILL = Counter("disagg_remote_prefill_total", "Remote prefills, by outcome",
                          ["outcome"])  # ok, recomputed, failed
+PREFIX_WAITS = Counter("disagg_arriving_prefix_waits_total", "Prompts a decode node added while their prefix's "
+                       "KV was arriving for another request, and that waited for it, by outcome: hit (it "
+                       "landed and was reused) or missed (that request ended without it, or the wait's bound "
+                       "passed)", ["outcome"])
+PREFIX_WAIT_TOKENS = Counter("disagg_arriving_prefix_tokens_total", "Prompt tokens that waiting for an "
+                             "arriving prefix found in the prefix cache: not asked of a prefill node again")
 KV_BLOCKS_USED = Gauge("disagg_kv_blocks_used", "KV cache blocks in use")
 KV_BLOCKS_TOTAL = Gauge("disagg_kv_blocks_total", "KV cache blocks in all")
 BUFFER_ENTRIES = Gauge("disagg_lookup_buffer_entries", "Entries held in the lookup buffer")

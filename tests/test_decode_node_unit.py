@@ -15,11 +15,12 @@ from types import SimpleNamespace
 import grpc
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from disagg.control_plane import PrefillCall, PrefillResult
 from disagg.decode_node.node import DecodeNode, PrefillUnavailable
 from disagg.decode_node.prefill_client import PrefillFailed, PrefillNodeUnavailable
-from disagg.engine.async_engine import AsyncEngine
+from disagg.engine.async_engine import AsyncEngine, PrefixWait
 from disagg.engine.remote_prefill import RemoteSlot
 from disagg.engine.sampling_params import SamplingParams
 from disagg.lookup_buffer.errors import (
@@ -84,6 +85,7 @@ class FakeEngine:
         self.stat_loggers: list = []  # the route's cost measurement subscribes here
         self.stats = SimpleNamespace(num_running=0)
         self.slot = RemoteSlot(cached_tokens=cached_tokens, cache=CACHE, rows=rows, first=None)
+        self.waited: PrefixWait | None = None  # how a remote request's wait for an arriving prefix went
         self.queues: dict[str, asyncio.Queue] = {}
 
     async def _call(self, fn, *args):
@@ -95,14 +97,15 @@ class FakeEngine:
         return True
 
     async def add_routed_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                                 remote) -> tuple[asyncio.Queue, RemoteSlot | None]:
+                                 remote, prefix_wait: float = 0.0
+                                 ) -> tuple[asyncio.Queue, RemoteSlot | None, PrefixWait | None]:
         self.queues[request_id] = asyncio.Queue()
         if not remote(len(prompt_token_ids) - self.slot.cached_tokens):
             self.log.append(("add_local_request", request_id, prompt_token_ids))
             self.queues[request_id].put_nowait(Out(LOCAL, True))
-            return self.queues[request_id], None
-        self.log.append(("add_remote_request", request_id, prompt_token_ids))
-        return self.queues[request_id], self.slot
+            return self.queues[request_id], None, None
+        self.log.append(("add_remote_request", request_id, prompt_token_ids, prefix_wait))
+        return self.queues[request_id], self.slot, self.waited
 
     async def finish_remote_prefill(self, request_id: str, queue: asyncio.Queue, slot: RemoteSlot, kv,
                                     first_token: int, first_logprob=None, kv_start: int = 0) -> None:
@@ -285,6 +288,27 @@ def test_happy_path_receives_in_place_and_streams():
         # in place: the KV is in the blocks already; the remote first token; loaded after the cached part
         assert called(log, "finish_remote_prefill") == [("finish_remote_prefill", rid, engine.slot, None, FIRST, 3)]
         assert node.kv_received_at == {}
+
+    asyncio.run(main())
+
+
+def test_a_request_that_waited_for_an_arriving_prefix_asks_for_the_rest_and_is_counted():
+    """The engine made the request wait (bounded by lookup_timeout) for its prefix, arriving for another
+    request: the Prefill call skips what its slot, made after the wait, holds; /metrics counts the wait."""
+    def sample(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    async def main():
+        log: list[tuple] = []
+        engine = FakeEngine(log, cached_tokens=4)
+        engine.waited = PrefixWait(arriving=4, saved=4)
+        hits, tokens = sample("disagg_arriving_prefix_waits_total", outcome="hit"), \
+            sample("disagg_arriving_prefix_tokens_total")
+        assert (await collect(make_node(log, engine=engine)))[1] is None
+        assert called(log, "add_remote_request")[0][3] == LOOKUP_TIMEOUT
+        assert called(log, "prefill")[0][1].skip_tokens == 4
+        assert sample("disagg_arriving_prefix_waits_total", outcome="hit") == hits + 1
+        assert sample("disagg_arriving_prefix_tokens_total") == tokens + 4
 
     asyncio.run(main())
 

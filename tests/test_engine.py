@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import time
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from prompts import PASSAGE, PROMPTS, hf_greedy, penalized_reference
 from servers import KV_CACHE_BYTES
 
 from disagg import LLM, SamplingParams
-from disagg.engine.async_engine import AsyncEngine, RequestFailed
+from disagg.engine.async_engine import AsyncEngine, PrefixWait, RequestFailed
 from disagg.engine.sampling_params import StructuredOutputSpec
 from disagg.engine.scheduler import ScheduledSeq
 from disagg.engine.sequence import Sequence
@@ -472,3 +473,71 @@ def test_a_remote_first_token_off_the_grammar_is_refused_before_it_is_sent(llm):
     engine.finish_remote_prefill("g", None, slot.first, kv_start=slot.cached_tokens)
     assert engine.requests["g"].seq.output_token_ids == [on_grammar]
     assert engine.abort_request("g")
+
+
+def remote_everything(uncached: int) -> bool:
+    return True
+
+
+def test_a_routed_request_waits_for_its_prefix_arriving_for_another_and_is_slotted_for_the_rest(llm):
+    """Issue 26: a second request whose prefix is arriving for a first one (its blocks reserved, KV not
+    loaded) gets its slot only once that KV is loaded, with the prefix cached: the prefill node is
+    asked for the rest only. A request for another prefix is slotted at once meanwhile."""
+    engine = AsyncEngine(llm.engine)
+    bs = engine.block_size
+    prefix = list(range(1000, 1000 + 8 * bs))  # new to this module's cache
+
+    async def scenario():
+        queue, slot, waited = await engine.add_routed_request("first", prefix + [5, 6, 7], greedy(2),
+                                                              remote_everything, prefix_wait=30)
+        assert waited is None and slot.cached_tokens == 0 and slot.rows is not None
+        second = asyncio.create_task(engine.add_routed_request("second", prefix + [8, 9], greedy(2),
+                                                               remote_everything, prefix_wait=30))
+        _, other, other_waited = await engine.add_routed_request("other", list(range(2000, 2040)), greedy(2),
+                                                                 remote_everything, prefix_wait=30)
+        assert other_waited is None and other.rows is not None
+        await asyncio.sleep(0.3)
+        assert not second.done()
+        await engine.finish_remote_prefill("first", queue, slot, None, 7)  # its KV landed in its blocks
+        _, slot2, waited2 = await asyncio.wait_for(second, 10)
+        for request_id in ("first", "second", "other"):
+            await engine.drop(request_id)
+        return slot2, waited2
+
+    try:
+        slot2, waited2 = asyncio.run(scenario())
+    finally:
+        engine.stop()
+    assert waited2 == PrefixWait(arriving=8 * bs, saved=8 * bs)
+    assert slot2.cached_tokens == 8 * bs and slot2.rows is not None and len(slot2.rows) == 2
+
+
+@pytest.mark.parametrize("ending", ["aborted", "recomputed", "never_comes"])
+def test_a_request_waiting_for_an_arriving_prefix_goes_on_when_it_will_not_come(llm, ending):
+    """The first request ends without its KV (its client left, its prefill node failed) or its KV takes
+    longer than the second's bound: the second goes on, slotted for its whole prompt, as without a wait."""
+    engine = AsyncEngine(llm.engine)
+    bs = engine.block_size
+    prefix = list(range(3000 + 100 * len(ending), 3000 + 100 * len(ending) + 4 * bs))  # new to the cache
+
+    async def scenario():
+        await engine.add_routed_request("first", prefix + [5], greedy(2), remote_everything, prefix_wait=30)
+        second = asyncio.create_task(engine.add_routed_request("second", prefix + [6], greedy(2), remote_everything,
+                                                               prefix_wait=0.5 if ending == "never_comes" else 30))
+        await asyncio.sleep(0.2)
+        assert not second.done()
+        if ending == "aborted":
+            await engine.drop("first")
+        elif ending == "recomputed":
+            await engine.prefill_locally("first")
+        start = time.monotonic()
+        _, slot, waited = await asyncio.wait_for(second, 10)
+        for request_id in ("first", "second"):
+            await engine.drop(request_id)
+        return slot, waited, time.monotonic() - start
+
+    try:
+        slot, waited, seconds = asyncio.run(scenario())
+    finally:
+        engine.stop()
+    assert waited == PrefixWait(arriving=4 * bs, saved=0) and slot.cached_tokens == 0 and seconds < 2

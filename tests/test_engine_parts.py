@@ -14,9 +14,10 @@ from disagg.engine.kv_arrival import KVArrival
 from disagg.engine.kv_cache import KVCache
 from disagg.engine.layers import attention
 from disagg.engine.layers.attention import PrefillSegment, SdpaAttention, SdpaMetadata
+from disagg.engine.remote_prefill import RemotePrefills
 from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.scheduler import PROMPT_LOGPROB_TOKENS, Scheduler
-from disagg.engine.sequence import Sequence, SequenceStatus
+from disagg.engine.sequence import RemotePrefill, Sequence, SequenceStatus
 from disagg.pipes import RowScatter
 
 BS = 4
@@ -373,3 +374,74 @@ def test_a_2048_token_chunk_after_6k_cached_tokens_stays_within_its_score_budget
     grown_mb = int(subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True,
                                   cwd=Path(__file__).resolve().parents[1]).stdout)
     assert grown_mb < 400, f"the chunk's attention took {grown_mb} MB at its peak"
+
+
+def remote_prefills(num_blocks: int = 16) -> tuple[BlockManager, Scheduler, RemotePrefills]:
+    """A decode node's bookkeeping: remote prefill as its one KV source, over a small CPU cache."""
+    manager = BlockManager(num_blocks, BS)
+    scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=100)
+    kv_cache = KVCache(1, num_blocks, BS, 1, 1, torch.float32, torch.device("cpu"))
+    remote = RemotePrefills(kv_cache, manager, 1, (1, 1), [])
+    scheduler.arrivals = [remote]
+    return manager, scheduler, remote
+
+
+def add_remote(scheduler: Scheduler, request_id: str, tokens: list[int], wait: bool = True) -> Sequence:
+    """As LLMEngine.add_request(remote_prefill=True, wait_for_prefix=wait) does."""
+    s = remote_seq(request_id, tokens)
+    s.waits_for_prefix = wait
+    scheduler.add(s)
+    scheduler.reserve()
+    return s
+
+
+def land(remote: RemotePrefills, s: Sequence) -> None:
+    """Its first token and KV came (into its blocks), and the next poll loads it."""
+    s.append_token(7)
+    remote.receive(s, RemotePrefill(None, s.num_cached_tokens))
+    remote.poll()
+
+
+def test_a_request_waits_for_its_prefix_arriving_for_another_then_hits_it():
+    """Issue 26: b's first two blocks are those a holds and is receiving; b takes no blocks (nothing
+    reads KV not landed: they are no hits yet) and holds nobody up, then hits them once a's KV is loaded."""
+    manager, scheduler, remote = remote_prefills()
+    a = add_remote(scheduler, "a", list(range(12)))
+    b_tokens = list(range(10)) + [90, 91, 92]  # blocks 0 and 1 as a's, block 2 not
+    assert remote.arriving_tokens(remote_seq("probe", b_tokens)) == 2 * BS
+    b = add_remote(scheduler, "b", b_tokens)
+    other = add_remote(scheduler, "other", list(range(100, 112)))  # another prefix never waits
+    assert a.status == other.status == SequenceStatus.WAITING_FOR_KV
+    assert b.status == SequenceStatus.WAITING and b.block_table == [] and remote.blocked(b)
+    assert manager.prefix_hits(b) == []
+    assert run_batch(scheduler) == [] and not scheduler.has_work()  # the engine loop does not spin on b
+    land(remote, a)
+    assert not remote.blocked(b) and scheduler.has_work()
+    assert run_batch(scheduler) == ["a"]  # a decodes; b gets its blocks, the two landed ones shared
+    assert b.status == SequenceStatus.WAITING_FOR_KV and b.num_cached_tokens == 2 * BS
+    assert b.block_table[:2] == a.block_table[:2] and not b.waits_for_prefix
+    assert remote.arriving_tokens(remote_seq("probe", list(range(12)) + [1])) == 0  # a's are hits now
+    assert remote.arriving_tokens(remote_seq("probe", b_tokens)) == BS  # b's own third block is arriving
+
+
+@pytest.mark.parametrize("ending", ["recomputed", "aborted"])
+def test_a_request_waiting_for_a_prefix_goes_on_as_before_when_that_request_ends_without_it(ending):
+    manager, scheduler, remote = remote_prefills()
+    a = add_remote(scheduler, "a", list(range(12)))
+    b = add_remote(scheduler, "b", list(range(12)) + [5])
+    assert remote.blocked(b)
+    if ending == "recomputed":  # as LLMEngine.prefill_locally: the prefill node failed
+        a.remote = False
+        scheduler.requeue(a)
+    else:
+        scheduler.finish(a)
+    assert not remote.blocked(b)
+    run_batch(scheduler)  # a recomputed goes first; b gets its blocks behind it
+    assert b.status == SequenceStatus.WAITING_FOR_KV and b.num_cached_tokens == 0  # all of it is asked for
+
+
+def test_a_request_not_told_to_wait_takes_its_blocks_at_once():
+    manager, scheduler, remote = remote_prefills()
+    add_remote(scheduler, "a", list(range(12)))
+    b = add_remote(scheduler, "b", list(range(12)) + [5], wait=False)
+    assert b.status == SequenceStatus.WAITING_FOR_KV and b.num_cached_tokens == 0 and not remote.blocked(b)

@@ -6,10 +6,11 @@ import asyncio
 import re
 import uuid
 
+import httpx
 import pytest
 import torch
 from prompts import CODE, PASSAGE, hf_greedy
-from servers import PAIR_MAX_MODEL_LEN, free_port, start_node
+from servers import PAIR_MAX_MODEL_LEN, free_port, metric_sum, start_node
 
 from disagg.config import KVTransferConfig
 from disagg.control_plane import NodeInfo, PrefillCall
@@ -155,3 +156,53 @@ def test_a_prefix_pulled_from_a_peer_gives_what_computing_it_gives(tmp_path, pai
         assert f"pull of 4 prefix blocks from {gone} failed" in a.log()
     finally:
         a.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_decode_node_waits_for_a_prefix_already_arriving_instead_of_fetching_it_again(pair_1p1d, hf_model,
+                                                                                         hf_tokenizer):
+    """Issue 26, on the shared pair (every prompt crosses): a second request for a prefix whose KV is on
+    its way to the decode node for a first one (its blocks reserved, not loaded) waits for it, then
+    asks the prefill node for its own suffix only: its KV comes for those tokens alone, its answer
+    counts the prefix as cached, and both answers are transformers'."""
+    decode = pair_1p1d[1]
+    prefix = hf_tokenizer("Waited for, not fetched twice. " + PASSAGE * 7).input_ids[:25 * BLOCK]
+    assert len(prefix) == 25 * BLOCK
+    prompts = [prefix + hf_tokenizer(f" Question {q}: what is this about?").input_ids for q in (1, 2)]
+    config = hf_model.config
+    kv_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * \
+        (config.hidden_size // config.num_attention_heads) * 4  # float32 on the CPU
+    before = decode.samples()
+
+    async def complete(client: httpx.AsyncClient, prompt: list[int]) -> dict:
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+        response = await client.post(f"{decode.url}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    async def run() -> list[dict]:
+        async with httpx.AsyncClient() as client:
+            first = asyncio.create_task(complete(client, prompts[0]))
+            # The first is added and waits for its KV (the prefill node computes it meanwhile): send the second.
+            while metric_sum(decode.samples(), "disagg_num_requests_waiting") < 1:
+                assert not first.done(), "the first request ended before it was seen waiting for its KV"
+                await asyncio.sleep(0.005)
+            return list(await asyncio.gather(first, complete(client, prompts[1])))
+
+    answers = asyncio.run(run())
+    after = decode.samples()
+
+    def delta(name: str, **labels: str) -> float:
+        return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+
+    cached = [answer["usage"]["prompt_tokens_details"]["cached_tokens"] for answer in answers]
+    assert cached == [0, len(prefix)]
+    assert delta("disagg_arriving_prefix_waits_total", outcome="hit") == 1
+    assert delta("disagg_arriving_prefix_tokens_total") == len(prefix)
+    # The prefix's KV crossed once: the whole first prompt's, then the second's suffix.
+    assert delta("disagg_kv_transfer_bytes_total", direction="received") == \
+        (len(prompts[0]) + len(prompts[1]) - len(prefix)) * kv_per_token
+    for prompt, answer in zip(prompts, answers):
+        assert answer["choices"][0]["text"] == hf_tokenizer.decode(hf_greedy(hf_model, prompt, 8),
+                                                                   skip_special_tokens=True)

@@ -7,7 +7,9 @@ A disaggregated request, in order (docs/ARCHITECTURE.md, "A request, end to end"
      as on a colocated server, when that is cheaper by the measured costs (a prompt of which few
      tokens miss our prefix cache, or one the pool's queue would hold up); so is one that asks for
      prompt logprobs;
-  1. the engine reserves blocks for the prompt (the request waits for KV without a step);
+  1. the engine reserves blocks for the prompt (the request waits for KV without a step); if its
+     prefix's KV is arriving for another request here, it first waits for that to land (bounded by
+     lookup_timeout), then hits it, and only the rest is asked for;
   2. Prefill(request id, prompt, sampling, our pipe endpoint) on the picked prefill node, with a hint
      naming another prefill node that holds more of the prompt's prefix, if one does (it may pull it);
   3. drop_select on our LookupBuffer consumer takes exactly that request's KV off the pipe;
@@ -108,7 +110,14 @@ class DecodeNode:
             route = self.costs.choose(policy_route, uncached, num_decoding, node_seconds, node_per_token)
             return route.remote
 
-        queue, slot = await self.engine.add_routed_request(request_id, prompt_token_ids, params, remote)
+        # A prefix arriving for another request is waited for (bounded as that request's KV is), not fetched again.
+        queue, slot, waited = await self.engine.add_routed_request(request_id, prompt_token_ids, params, remote,
+                                                                   prefix_wait=self.lookup_timeout)
+        if waited is not None:
+            metrics.PREFIX_WAITS.labels("hit" if waited.saved else "missed").inc()
+            metrics.PREFIX_WAIT_TOKENS.inc(waited.saved)
+            logger.debug("%s waited for %d arriving prefix tokens: %d found cached", request_id, waited.arriving,
+                         waited.saved)
         metrics.PREFILL_ROUTE.labels("local" if slot is None else "remote").inc()
         metrics.PREFILL_ROUTE_BASIS.labels(route.basis).inc()
         if route.basis == "measured":

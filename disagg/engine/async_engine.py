@@ -38,7 +38,7 @@ from disagg.engine.profiler import TorchProfiler
 from disagg.engine.remote_prefill import FirstToken, RemoteSlot
 from disagg.engine.request_stats import IterationStats, RequestStats
 from disagg.engine.sampling_params import SamplingParams, StructuredOutputSpec
-from disagg.engine.sequence import KVExport, TokenLogprob
+from disagg.engine.sequence import KVExport, Sequence, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,21 @@ class RequestAborted(RuntimeError):
 
 class RequestFailed(RuntimeError):
     """The engine failed this request (its sampling or its step's forward raised); the others go on."""
+
+
+@dataclass(frozen=True)
+class PrefixWait:
+    """A routed request that waited for its prompt's prefix arriving for another request (issue 26)."""
+    arriving: int  # prompt tokens after its cached prefix that were arriving when it was added
+    saved: int  # how many more leading tokens the prefix cache held for it when the wait ended
+
+
+@dataclass
+class _PrefixWaiter:
+    seq: Sequence
+    cached: int  # its prompt's tokens in the prefix cache when it was added
+    arriving: int
+    ended: concurrent.futures.Future  # (RemoteSlot | None, PrefixWait), set on the engine thread
 
 
 @dataclass(frozen=True)
@@ -96,6 +111,8 @@ class AsyncEngine:
         # Request id -> where its outputs go. Read and written on the engine thread only, so a
         # request's outputs can never reach another request's stream, whatever ids callers reuse.
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # Request id -> a routed request waiting for its prefix arriving for another (engine thread only).
+        self.prefix_waits: dict[str, _PrefixWaiter] = {}
         self.kv_events = KVEventPublisher(engine.block_manager, engine.offload)  # engine thread only
         self.step_started: float | None = None  # time.monotonic() when the step running began; None between steps
         self.stopped = False
@@ -176,37 +193,84 @@ class AsyncEngine:
         return queue
 
     async def add_routed_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                                 remote: Callable[[int], bool]) -> tuple[asyncio.Queue, RemoteSlot | None]:
+                                 remote: Callable[[int], bool], prefix_wait: float = 0.0
+                                 ) -> tuple[asyncio.Queue, RemoteSlot | None, PrefixWait | None]:
         """Add a request whose prompt KV and first token come from a prefill node
         (`finish_remote_prefill`) if `remote(uncached prompt tokens)` says so, with what it holds of
         its KV now (RemoteSlot), else as one computed here (slot None). The prefix cache is looked up
         and the request added in one call on the engine thread: no step runs in between to change
-        the cache, and the request waits for one step at most, as any add does."""
+        the cache, and the request waits for one step at most, as any add does.
+
+        If its prompt's next blocks after the cached ones are arriving for another remote request, they
+        count as cached for `remote`, and the request waits up to `prefix_wait` seconds (0: not at all)
+        for them to land, then hits them: the slot, made then, asks for the rest only. The wait ends
+        early if that request ends without them (failed, aborted, recomputed); then its slot is what it
+        would have been. PrefixWait says how the wait went."""
         queue: asyncio.Queue = asyncio.Queue()
-        slot = await self._call(self._add_routed, request_id, prompt_token_ids, params,
-                                (asyncio.get_running_loop(), queue), remote)
-        return queue, slot
+        slot, waiter = await self._call(self._add_routed, request_id, prompt_token_ids, params,
+                                        (asyncio.get_running_loop(), queue), remote, prefix_wait > 0)
+        if waiter is None:
+            return queue, slot, None
+        ended = asyncio.wrap_future(waiter)
+        try:
+            done, _ = await asyncio.wait({ended}, timeout=prefix_wait)
+            if not done:  # the bound passed: go on with what the cache holds now
+                await self._call(self._end_prefix_wait, request_id)
+            slot, waited = await ended
+        except asyncio.CancelledError:
+            # Shielded: a second cancellation (servers cancel repeatedly) must not lose the abort.
+            await asyncio.shield(self.drop(request_id))
+            raise
+        return queue, slot, waited
 
     def _add_routed(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    stream: tuple[asyncio.AbstractEventLoop, asyncio.Queue],
-                    remote: Callable[[int], bool]) -> RemoteSlot | None:
-        """On the engine thread."""
-        uncached = len(prompt_token_ids) - self.engine.cached_prefix_tokens(prompt_token_ids, params)
-        return self._add(request_id, prompt_token_ids, params, stream, remote_prefill=remote(uncached))
+                    stream: tuple[asyncio.AbstractEventLoop, asyncio.Queue], remote: Callable[[int], bool],
+                    may_wait: bool) -> tuple[RemoteSlot | None, concurrent.futures.Future | None]:
+        """On the engine thread: the slot now, or the future its wait ends with."""
+        cached, arriving = self.engine.prefix_tokens(prompt_token_ids, params)
+        remote_prefill = remote(len(prompt_token_ids) - cached - arriving)
+        waits = may_wait and arriving > 0
+        seq = self._add(request_id, prompt_token_ids, params, stream, remote_prefill=remote_prefill,
+                        wait_for_prefix=waits)
+        if waits:
+            ended: concurrent.futures.Future = concurrent.futures.Future()
+            self.prefix_waits[request_id] = _PrefixWaiter(seq, cached, arriving, ended)
+            return None, ended
+        return (self.engine.remote_slot(request_id) if remote_prefill else None), None
+
+    def _end_prefix_waits(self) -> None:
+        """On the engine thread, after a step: end the waits of the requests whose prefix came, or whose
+        prefix's request ended without it (they may have got their blocks in that step)."""
+        for request_id, waiter in list(self.prefix_waits.items()):
+            if not self.engine.waits_for_prefix(waiter.seq):
+                self._end_prefix_wait(request_id)
+
+    def _end_prefix_wait(self, request_id: str) -> None:
+        """On the engine thread: the request waits no more (ended already: nothing to do)."""
+        waiter = self.prefix_waits.pop(request_id, None)
+        if waiter is None:
+            return
+        cached = self.engine.end_prefix_wait(waiter.seq)
+        waited = PrefixWait(waiter.arriving, max(0, cached - waiter.cached))
+        # A request ended meanwhile (failed, or its engine stopped) has nothing to receive: its stream says why.
+        live = waiter.seq.remote and request_id in self.engine.requests
+        if waiter.ended.set_running_or_notify_cancel():  # else its caller went away
+            waiter.ended.set_result((self.engine.remote_slot(request_id) if live else None, waited))
 
     def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-             stream: tuple[asyncio.AbstractEventLoop, asyncio.Queue], **kwargs) -> RemoteSlot | None:
+             stream: tuple[asyncio.AbstractEventLoop, asyncio.Queue], **kwargs) -> Sequence:
         """On the engine thread: the request and its stream, together."""
         if request_id in self.streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = self.engine.add_request(request_id, prompt_token_ids, params, **kwargs)
         self.streams[request_id] = stream
         self.request_stats.added(seq, time.monotonic())
-        return self.engine.remote_slot(request_id) if kwargs.get("remote_prefill") else None
+        return seq
 
     def _drop(self, request_id: str, error: Exception | None) -> bool:
         """On the engine thread: abort the request; its stream gets `error`, or nothing more."""
         found = self.engine.abort_request(request_id)
+        self._end_prefix_wait(request_id)  # if it waited for a prefix: whoever awaits that goes on
         if found:
             reason = "abort" if error is None or isinstance(error, RequestAborted) else "error"
             self.request_stats.finished(request_id, reason, time.monotonic())
@@ -354,6 +418,7 @@ class AsyncEngine:
                 self._deliver(out.request_id, out)
             if self.engine.num_steps != steps:
                 self.request_stats.stepped(now - started, self.engine.step_prompt_tokens)
+            self._end_prefix_waits()
             self.stats = self._stats()
             self.kv_events.publish()
             self._log_stats()

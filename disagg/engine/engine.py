@@ -113,14 +113,17 @@ class LLMEngine:
         self.validate_prompt(token_ids)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    *, kv_export: KVExport | None = None, remote_prefill: bool = False) -> Sequence:
+                    *, kv_export: KVExport | None = None, remote_prefill: bool = False,
+                    wait_for_prefix: bool = False) -> Sequence:
         """Queue a request. Raises ValueError for bad input; other requests are unaffected.
 
         kv_export: where the prompt's KV goes, layer group by layer group, as each of its prompt steps
         computes it (a prefill node's job).
         remote_prefill: the prompt's KV and first token come from a prefill node (`finish_remote_prefill`)
         instead of being computed here (a decode node's job); blocks are reserved for it now if the
-        cap and free blocks allow (`remote_slot` says what it holds)."""
+        cap and free blocks allow (`remote_slot` says what it holds).
+        wait_for_prefix: while its prompt's next blocks are arriving for another remote request
+        (`prefix_tokens`), it takes no blocks; then it hits them (`waits_for_prefix`, `end_prefix_wait`)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -129,6 +132,7 @@ class LLMEngine:
         seq = Sequence(request_id, token_ids, params)
         seq.kv_export = kv_export
         seq.remote = remote_prefill
+        seq.waits_for_prefix = wait_for_prefix
         if params.structured is not None:
             self.sampler.structured.add(request_id, params.structured)
         text = TextState(self.tokenizer, token_ids, params.stop, params.skip_special_tokens,
@@ -141,10 +145,29 @@ class LLMEngine:
                 self.offload.store_new()  # lazy: blocks it evicted are copied out before its KV lands in them
         return seq
 
-    def cached_prefix_tokens(self, token_ids: list[int], params: SamplingParams) -> int:
+    def prefix_tokens(self, token_ids: list[int], params: SamplingParams) -> tuple[int, int]:
         """How many leading tokens of this prompt the device prefix cache holds now, in whole blocks
-        (the host and disk tiers are not asked): those a request for it would not compute."""
-        return len(self.block_manager.prefix_hits(Sequence("", token_ids, params))) * self.block_manager.block_size
+        (the host and disk tiers are not asked): those a request for it would not compute; and how many
+        after them are arriving for another remote request (RemotePrefills.arriving_tokens): those a
+        request that waits for them would not compute either."""
+        seq = Sequence("", token_ids, params)
+        cached = len(self.block_manager.prefix_hits(seq)) * self.block_manager.block_size
+        return cached, self.remote.arriving_tokens(seq)
+
+    def waits_for_prefix(self, seq: Sequence) -> bool:
+        """The request (added with wait_for_prefix) still waits for its prefix arriving for another."""
+        return seq.status == SequenceStatus.WAITING and self.remote.blocked(seq)
+
+    def end_prefix_wait(self, seq: Sequence) -> int:
+        """The request waits for an arriving prefix no more (it came, the request bringing it ended, or
+        the caller's bound passed): it takes blocks as any other, a remote one now if it can. Returns how
+        many of its leading tokens the prefix cache holds for it now."""
+        seq.waits_for_prefix = False
+        if seq.status == SequenceStatus.WAITING and seq.remote:
+            self.scheduler.reserve()
+        if seq.status == SequenceStatus.WAITING:
+            return len(self.block_manager.prefix_hits(seq)) * self.block_manager.block_size
+        return seq.num_cached_tokens
 
     def remote_slot(self, request_id: str) -> RemoteSlot:
         """What a remote request holds (its cached leading tokens and, if it has blocks, their rows),

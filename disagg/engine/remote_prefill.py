@@ -7,6 +7,11 @@ filled by the lookup buffer's receiver) or as a tensor; `receive` takes that, an
 once the sequence holds its blocks and the sources before this one (the KV tiers, for the prefix
 they hold) are done. From then on it is an ordinary sequence.
 
+A request whose prompt's next blocks after its prefix-cache hits are the very blocks another remote
+request holds and is about to receive can wait for them (`waits_for_prefix`, `blocked`) instead of
+having them sent again: once loaded they are in the prefix cache, and it hits them (issue 26). Until
+then they are not cached: nothing reads KV that has not landed.
+
 Its first token comes with the KV. Its output is made once, by `FirstToken`, where the token
 arrives (the decode node's event loop), so it never waits for the engine's step in flight; the
 engine then takes over the state that made it.
@@ -88,12 +93,37 @@ class RemotePrefills(KVArrival):
         self.before = before  # sources whose KV lies before ours in a prompt: loaded first
         self.received: dict[str, Sequence] = {}  # KV in hand, not loaded yet
         self.failed: list[tuple[Sequence, Exception]] = []  # their load raised in poll
+        self.reserved: dict[str, Sequence] = {}  # remote sequences that got blocks; pruned by poll once loaded
 
     def start(self, seq: Sequence) -> None:
-        pass  # nothing to ask for here: the decode node called the prefill node already
+        # Nothing to ask for here: the decode node calls the prefill node. Its KV will land in these blocks.
+        seq.waits_for_prefix = False
+        if seq.remote:
+            self.reserved[seq.request_id] = seq
 
     def pending(self, seq: Sequence) -> bool:
         return seq.remote
+
+    def blocked(self, seq: Sequence) -> bool:
+        """It was added to wait for its prefix arriving for another request, and it still is."""
+        return seq.waits_for_prefix and self.arriving_tokens(seq) > 0
+
+    def arriving_tokens(self, seq: Sequence) -> int:
+        """How many prompt tokens after the sequence's prefix-cache hits (whole blocks) are in blocks that
+        another remote request holds and whose KV it has not loaded yet: equal block keys (chained hashes
+        and tokens), so the same prefix. Once loaded, they are hits."""
+        bm = self.block_manager
+        hits = len(bm.prefix_hits(seq))
+        longest = hits
+        for other in self.reserved.values():
+            if other is seq or not other.remote or other.status != SequenceStatus.WAITING_FOR_KV:
+                continue  # loaded, recomputed or ended since (poll prunes it)
+            end = min(bm.num_block_keys(seq), other.num_prompt_tokens // bm.block_size)
+            i = hits
+            while i < end and bm.block_key(seq, i) == bm.block_key(other, i):
+                i += 1
+            longest = max(longest, i)
+        return (longest - hits) * bm.block_size
 
     def slot(self, seq: Sequence, first: FirstToken) -> RemoteSlot:
         holds = seq.status == SequenceStatus.WAITING_FOR_KV and self.in_place
@@ -123,6 +153,9 @@ class RemotePrefills(KVArrival):
         """Load the received KV of the sequences that hold their blocks and whose earlier KV (the
         tiers') is in: they run from the next schedule. One whose load raised goes to `failed` with
         its error (the others go on)."""
+        for request_id, seq in list(self.reserved.items()):
+            if not seq.remote or seq.status != SequenceStatus.WAITING_FOR_KV:
+                del self.reserved[request_id]
         for request_id, seq in list(self.received.items()):
             if seq.status == SequenceStatus.FINISHED or not seq.remote:
                 del self.received[request_id]

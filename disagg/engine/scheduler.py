@@ -63,7 +63,7 @@ class Scheduler:
         """Give a waiting sequence its blocks if the cap and the free blocks allow, and start the KV
         sources on it; it runs now if none of its KV is on its way, else waits for it. False: it
         must wait for blocks or a place."""
-        if (self.num_holding >= self.max_num_seqs or any(a.blocked(seq) for a in self.arrivals)
+        if (self.num_holding >= self.max_num_seqs or self.blocked(seq)
                 or not self.block_manager.can_allocate(seq)):
             return False
         self.block_manager.allocate(seq)
@@ -78,14 +78,22 @@ class Scheduler:
     def reserve(self) -> None:
         """Between steps: give blocks, in arrival order, to the waiting sequences whose KV comes from
         elsewhere (remote prefill), so that it lands in them as it comes. Stops at the first that must
-        wait, or that computes its prompt (the next schedule admits that one): nobody is overtaken."""
+        wait for blocks or a place, or that computes its prompt (the next schedule admits that one):
+        nobody is overtaken. One whose prefix is arriving for another request is passed, as schedule
+        passes it."""
         for seq in self.waiting:
-            if seq.status == SequenceStatus.WAITING and not (seq.remote and self.admit(seq)):
+            if seq.status != SequenceStatus.WAITING or self.blocked(seq):
+                continue
+            if not (seq.remote and self.admit(seq)):
                 return
+
+    def blocked(self, seq: Sequence) -> bool:
+        return any(arrival.blocked(seq) for arrival in self.arrivals)
 
     def has_work(self) -> bool:
         """A step would run something: a running sequence, one whose KV has arrived, or the first
-        waiting one, if it can get its blocks (else the loop would spin until blocks are freed)."""
+        waiting one that is not waiting for a prefix arriving for another, if it can get its blocks
+        (else the loop would spin until blocks are freed, or the prefix has come)."""
         if self.running:
             return True
         first = True
@@ -93,7 +101,7 @@ class Scheduler:
             if seq.status == SequenceStatus.WAITING_FOR_KV:
                 if not self.kv_pending(seq):
                     return True
-            elif first:
+            elif first and not self.blocked(seq):
                 first = False
                 if self.num_holding < self.max_num_seqs and self.block_manager.can_allocate(seq):
                     return True
@@ -137,7 +145,7 @@ class Scheduler:
                 continue
             if seq.status == SequenceStatus.WAITING:
                 if not self.admit(seq):
-                    if self.num_holding >= self.max_num_seqs or not any(a.blocked(seq) for a in self.arrivals):
+                    if self.num_holding >= self.max_num_seqs or not self.blocked(seq):
                         break  # no place or no blocks: the ones behind it do not overtake it
                     i += 1
                     continue

@@ -68,6 +68,9 @@ class Sequence:
         self.kv_export: KVExport | None = None  # prefill node: where its prompt's KV goes
         self.remote = False  # decode node: its prompt's KV and first token come from a prefill node
         self.remote_prefill: RemotePrefill | None = None  # ... the KV has come, not loaded yet
+        # Decode node: its prompt's next blocks were arriving for another request when it was added, so it
+        # takes no blocks while they still are (RemotePrefills.blocked), then hits them in the prefix cache.
+        self.waits_for_prefix = False
         self.block_keys: list[tuple[int, tuple[int, ...]]] = []  # BlockManager.block_keys, kept as they are made
 
     @property
