@@ -59,7 +59,7 @@ class RequestFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class PrefixWait:
-    """A routed request that waited for its prompt's prefix arriving for another request (issue 26)."""
+    """A routed request that waited for its prompt's prefix arriving for another request."""
     arriving: int  # prompt tokens after its cached prefix that were arriving when it was added
     saved: int  # how many more leading tokens the prefix cache held for it when the wait ended
 

@@ -9,7 +9,7 @@ they hold) are done. From then on it is an ordinary sequence.
 
 A request whose prompt's next blocks after its prefix-cache hits are the very blocks another remote
 request holds and is about to receive can wait for them (`waits_for_prefix`, `blocked`) instead of
-having them sent again: once loaded they are in the prefix cache, and it hits them (issue 26). Until
+having them sent again: once loaded they are in the prefix cache, and it hits them. Until
 then they are not cached: nothing reads KV that has not landed.
 
 Its first token comes with the KV. Its output is made once, by `FirstToken`, where the token
