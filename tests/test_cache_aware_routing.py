@@ -385,6 +385,10 @@ def test_later_turns_land_where_their_prefix_is_and_a_dead_node_drops_out(tmp_pa
 PREFIXES = 8
 USES = 6  # requests that start with each prefix
 PREFIX_TOKENS = 256  # 16 blocks of the CPU engine's 16 tokens
+# Tokens out: the first is where a cached prefix could differ from a computed one; each more costs a
+# decode step (about 0.1 s on the shared CI cores) on each of the 48 requests of a run, for nothing new.
+ANSWER_TOKENS = 4
+KILL_RUN = 16  # requests of the run a decode node is killed in
 
 
 def shared_prefix_prompts(tokenizer, seed: int) -> list[list[int]]:
@@ -423,7 +427,7 @@ async def send_all(router: Node, prompts: list[list[int]], tag: str, concurrency
         while queue:
             i = queue.pop()
             r = await client.post(f"{router.url}/v1/completions", headers={"x-request-id": f"{tag}-{i}"},
-                                  json={"model": MODEL, "prompt": prompts[i], "max_tokens": MAX_TOKENS,
+                                  json={"model": MODEL, "prompt": prompts[i], "max_tokens": ANSWER_TOKENS,
                                         "temperature": 0})
             assert r.status_code == 200, (i, r.text)
             answers[i] = r.json()["choices"][0]["text"]
@@ -451,7 +455,7 @@ def test_2p2d_cache_aware_routing_hits_shared_prefixes_and_survives_a_dead_decod
     both prefill nodes, its own route for each prompt: remote_prefill "auto"), two routers in front of
     the same decode nodes: `disagg router` with no --routing (so cache_aware, the default) and one with
     --routing least_loaded. Each policy gets its own 8 prefixes of 256 tokens, new to every node, each
-    used by 6 requests (a 3-token tail of their own, 8 tokens out) in random order.
+    used by 6 requests (a 3-token tail of their own, 4 tokens out) in random order.
 
     Hit rate: over the two decode nodes, the growth of vllm:prefix_cache_hits_total over that of
     vllm:prefix_cache_queries_total during the policy's run: of the prompt tokens the decode nodes
@@ -470,8 +474,8 @@ def test_2p2d_cache_aware_routing_hits_shared_prefixes_and_survives_a_dead_decod
     test_a_prompt_sent_to_a_node_counts_as_held_there_until_its_events_can_say_so.
 
     Every answer is the colocated engine's (the offline LLM, as test_router's reference), token for
-    token. Then, through the cache_aware router, two at a time, the same prompts again while one
-    decode node is SIGKILLed after a few answers: every request is answered (the router sends one
+    token. Then, through the cache_aware router, two at a time, the first 16 of its prompts again while
+    one decode node is SIGKILLed after 4 answers: every request is answered (the router sends one
     that finds the node gone to the other), still token-exact, the router marks the node unhealthy
     and sends it nothing more. A prefill node killed mid-run is test_router's
     test_xpyd_spreads_load_survives_a_dead_prefill_node_and_matches_colocated; a prefix pulled from a
@@ -493,7 +497,7 @@ def test_2p2d_cache_aware_routing_hits_shared_prefixes_and_survives_a_dead_decod
     try:
         # The reference while the nodes load: the colocated engine, greedy.
         llm = LLM(device="cpu", kv_cache_memory=KV_CACHE_BYTES)
-        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+        params = SamplingParams(temperature=0, max_tokens=ANSWER_TOKENS)
         expected = {policy: [o.text for o in llm.generate(p, params)] for policy, p in prompts.items()}
         del llm
         wait_all_ready(*nodes)
@@ -524,7 +528,7 @@ def test_2p2d_cache_aware_routing_hits_shared_prefixes_and_survives_a_dead_decod
         # A decode node SIGKILLed mid-run.
         router, victim = routers["cache_aware"], decodes[0]
         victim_address, survivor_address = addresses
-        again = prompts["cache_aware"][:24]
+        again = prompts["cache_aware"][:KILL_RUN]
         answered: list[int] = []
         at_kill: list[int] = []  # how many were answered when it was killed
 
@@ -544,11 +548,11 @@ def test_2p2d_cache_aware_routing_hits_shared_prefixes_and_survives_a_dead_decod
             return await sending
 
         answers = asyncio.run(run_and_kill())
-        assert answers == expected["cache_aware"][:24]  # every one answered, token-exact
+        assert answers == expected["cache_aware"][:KILL_RUN]  # every one answered, token-exact
         wait_for(lambda: not router_health(router)[victim_address]["healthy"], 10, "the router marks it unhealthy")
         routed_before = router.labelled("disagg_router_requests_total", "decode_node")
-        last = asyncio.run(send_all(router, prompts["cache_aware"][24:28], "last", concurrency=1))
-        assert last == expected["cache_aware"][24:28]
+        last = asyncio.run(send_all(router, prompts["cache_aware"][KILL_RUN:KILL_RUN + 4], "last", concurrency=1))
+        assert last == expected["cache_aware"][KILL_RUN:KILL_RUN + 4]
         assert router.labelled("disagg_router_requests_total", "decode_node") == {
             victim_address: routed_before[victim_address], survivor_address: routed_before[survivor_address] + 4}
         assert set(routed_to(router, "last").values()) == {survivor_address}
