@@ -417,7 +417,10 @@ async def run_router(decode_nodes: list[str], host: str, port: int, options: HTT
 def embedded_tokenizer_dir() -> Path:
     """The embedded model's directory, the default of `disagg serve` and so of --tokenizer: found
     without torch once a node has converted it, else converted here (once, as a node would)."""
-    target = converted_dir(embedded_gguf_path(), DEFAULT_MODEL_NAME)
+    try:
+        target = converted_dir(embedded_gguf_path(), DEFAULT_MODEL_NAME)
+    except ValueError as e:  # no embedded model here: say what else to do
+        raise ValueError(f"{e}; or pass --tokenizer: the served model's Hugging Face directory") from None
     if (target / "tokenizer.json").is_file():
         return target
     from disagg.engine.loader import resolve_model  # torch: only on a machine that never ran a node
