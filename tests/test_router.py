@@ -614,10 +614,10 @@ def test_no_healthy_decode_node_answers_503_and_the_api_key_is_checked(tmp_path:
 
 
 def test_pick_is_least_outstanding_among_healthy_nodes():
-    from disagg.router.router import Router
+    from disagg.router.router import Router, Routing
 
     async def run() -> None:
-        router = Router(["a:1", "b:2", "c:3"])
+        router = Router(["a:1", "b:2", "c:3"], routing=Routing("least_loaded"))
         a, b, c = router.nodes
         assert router.pick() is None  # nothing checked yet
         a.mark_healthy()

