@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One call on four GPUs (nvidia-h200-x4 or nvidia-h100-x4), after benchmarks/device_setup.sh here:
+#   bash benchmarks/xpyd_quad_run.sh PHASE...     carry [".whl", ".device"]
+# PHASE: tests (the 2-GPU engine and pipe tests), 4k or chat (xpyd_h200x4.py's goodput phase for that
+# workload: colocated x4 first, then $LAYOUTS, rates $RATES_4K / $RATES_CHAT, $NUM_REQUESTS a rate),
+# plan (`disagg plan` against the goodput JSON files already under $OUT). Each writes its JSON and log
+# under $OUT; a later call merges them: xpyd_h200x4.py --merge 4k.json chat.json plan.json --json ...
+set -uo pipefail
+if [ -d .whl ]; then
+    python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+fi
+export PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 DISAGG_TEST_TOKENIZER_DIR=.device/tok
+out=${OUT:-/tmp/out}
+common=(--tokenizer-dir .device/tok --connector "${CONNECTOR:-torch_dist}" --num-requests "${NUM_REQUESTS:-40}")
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+for phase in "$@"; do
+    case $phase in
+    tests)
+        python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py tests/test_pipes.py -k gpu 2>&1 \
+            | tee "$out/tests.log" | tail -5 ;;
+    4k|chat)
+        python3 benchmarks/xpyd_h200x4.py "${common[@]}" --phase goodput --workloads "$phase" \
+            --layouts "${LAYOUTS:-colocated_x4,1p3d,2p2d,3p1d}" \
+            ${RATES_4K:+--rates-4k $RATES_4K} ${RATES_CHAT:+--rates-chat $RATES_CHAT} \
+            --json "$out/$phase.json" 2>&1 | tee "$out/$phase.log" | tail -30 ;;
+    plan)
+        python3 benchmarks/xpyd_h200x4.py --tokenizer-dir .device/tok --phase plan \
+            --measured $(ls "$out"/4k.json "$out"/chat.json 2>/dev/null) --json "$out/plan.json" 2>&1 \
+            | tee "$out/plan.log" | tail -20 ;;
+    *) echo "unknown phase $phase" >&2; exit 2 ;;
+    esac
+done
