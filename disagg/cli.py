@@ -55,6 +55,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         action="store_false", help="turn the prefix cache off")
     parser.add_argument("--seed", type=int, default=0, help="seed for requests that set none")
     parser.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode without CUDA graphs")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="launch each greedy decode step before reading back the one in flight, so the host's "
+                             "work overlaps the GPU's (off by default)")
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="shard the model over N ranks (Megatron-style): this process and N-1 worker processes "
                              "it spawns, on GPUs DEVICE..DEVICE+N-1 (NCCL), or all on the CPU (gloo); prefill "
@@ -111,7 +114,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
                 enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
                 tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
-                attention_backend=args.attention_backend,
+                async_scheduling=args.async_scheduling, attention_backend=args.attention_backend,
                 kv_offloading_size=args.kv_offloading_size, kv_offloading_backend=args.kv_offloading_backend,
                 kv_offloading_mode=args.kv_offloading_mode, kv_disk_path=args.kv_disk_path,
                 kv_disk_size=args.kv_disk_size, tokenizer=args.tokenizer, chat_template=args.chat_template)

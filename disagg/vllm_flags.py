@@ -24,7 +24,8 @@ VLLM_FLAGS = (
     "--gpu-memory-utilization", "--kv-cache-memory-bytes", "--swap-space", "--cpu-offload-gb", "--block-size",
     "--enable-prefix-caching", "--no-enable-prefix-caching", "--enable-chunked-prefill",
     "--no-enable-chunked-prefill", "--max-num-seqs", "--max-num-batched-tokens", "--scheduling-policy",
-    "--enforce-eager", "--max-seq-len-to-capture", "--kv-offloading-size", "--kv-offloading-backend",
+    "--enforce-eager", "--async-scheduling", "--max-seq-len-to-capture", "--kv-offloading-size",
+    "--kv-offloading-backend",
     # parallelism
     "--tensor-parallel-size", "--pipeline-parallel-size", "--data-parallel-size", "--distributed-executor-backend",
     # disaggregation

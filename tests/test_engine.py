@@ -541,3 +541,100 @@ def test_a_request_waiting_for_an_arriving_prefix_goes_on_when_it_will_not_come(
     finally:
         engine.stop()
     assert waited == PrefixWait(arriving=4 * bs, saved=0) and slot.cached_tokens == 0 and seconds < 2
+
+
+# Async scheduling: a greedy decode step is launched before the one in flight is read back.
+
+@pytest.fixture(scope="module")
+def ahead(model_dir):
+    """An engine with async scheduling, counting the steps it launched ahead."""
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", kv_cache_memory=KV_CACHE_BYTES, async_scheduling=True)
+    launch = llm.engine._launch
+    llm.ahead_steps = 0
+
+    def counted(batch, prev):
+        llm.ahead_steps += prev is not None
+        return launch(batch, prev)
+
+    llm.engine._launch = counted
+    return llm
+
+
+def no_placeholders(outputs) -> bool:
+    return all(t >= 0 for out in outputs for t in out.token_ids)
+
+
+def test_async_scheduling_gives_transformers_tokens_and_steps_ahead(ahead, hf_model):
+    before = ahead.ahead_steps
+    outs = assert_matches_reference(ahead, hf_model, PROMPTS, MAX_TOKENS)
+    assert ahead.ahead_steps - before > 10  # most decode steps went ahead of the read-back
+    assert no_placeholders(outs) and ahead.engine.in_flight is None
+    assert ahead.engine.block_manager.num_free_blocks == ahead.engine.block_manager.num_blocks
+
+
+def test_async_scheduling_stops_where_the_synchronous_engine_stops(ahead, llm):
+    """Stop strings, stop tokens and EOS are seen a step late: the step launched meanwhile is dropped."""
+    cases = [greedy(32), SamplingParams(temperature=0, max_tokens=32, stop=[" 8"]),
+             SamplingParams(temperature=0, max_tokens=40, stop=["."]), SamplingParams(temperature=0, max_tokens=64)]
+    prompts = ["1, 2, 3, 4, 5,", "1, 2, 3, 4, 5,", PROMPTS[2], PROMPTS[1]]
+    want = [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in llm.generate(prompts, cases)]
+    got = ahead.generate(prompts, cases)
+    assert [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in got] == want
+    k = next(i for i, t in enumerate(want[0][0]) if i >= 3 and t not in want[0][0][:i])
+    params = SamplingParams(temperature=0, max_tokens=32, stop_token_ids=[want[0][0][k]])
+    assert ahead.generate("1, 2, 3, 4, 5,", params)[0].token_ids == want[0][0][:k + 1]
+    assert ahead.engine.block_manager.num_free_blocks == ahead.engine.block_manager.num_blocks
+
+
+def test_async_scheduling_with_arrivals_aborts_and_sampled_requests_between_steps(ahead, hf_model):
+    """A request added mid-decode, one aborted while a step is in flight, one that samples (it never goes
+    ahead): the greedy ones still get transformers' tokens, the aborted one no placeholder, and every
+    block comes back."""
+    engine = ahead.engine
+    free = engine.block_manager.num_free_blocks
+    engine.add_request("a", PROMPTS[1], greedy(24))
+    engine.add_request("gone", PROMPTS[3], greedy(24))
+    outputs = [out for _ in range(6) for out in engine.step()]
+    assert engine.in_flight is not None  # a step is in flight between two calls
+    engine.add_request("late", PROMPTS[4], greedy(16))
+    assert engine.abort_request("gone")
+    outputs += [out for _ in range(3) for out in engine.step()]
+    engine.add_request("sampled", PROMPTS[2], SamplingParams(temperature=0.8, max_tokens=12, seed=3,
+                                                                  ignore_eos=True))
+    done = run_to_end(ahead)
+    assert no_placeholders(outputs + list(done.values()))
+    assert "gone" not in done and not any(out.request_id == "gone" and out.finished for out in outputs)
+    for request_id, max_tokens in (("a", 24), ("late", 16)):
+        out = done[request_id]
+        assert out.token_ids == reference(hf_model, out.prompt_token_ids, max_tokens)
+    assert len(done["sampled"].token_ids) == 12
+    assert engine.block_manager.num_free_blocks == free
+
+
+def test_async_scheduling_a_failed_step_ahead_fails_its_requests_once_the_step_before_is_read(ahead, hf_model,
+                                                                                             monkeypatch):
+    engine = ahead.engine
+    free = engine.block_manager.num_free_blocks
+    run = engine.runner.run
+    calls = 0
+
+    def failing_third_ahead(batch, placeholders=None):
+        nonlocal calls
+        calls += placeholders is not None
+        if calls == 3 and placeholders is not None:
+            raise RuntimeError("injected forward failure")
+        return run(batch, placeholders)
+
+    monkeypatch.setattr(engine.runner, "run", failing_third_ahead)
+    engine.add_request("x", PROMPTS[1], greedy(16))
+    engine.add_request("y", PROMPTS[4], greedy(16))
+    done = run_to_end(ahead)
+    for out in done.values():
+        # What came before the failure is the tokens transformers gives, and no placeholder.
+        assert out.finish_reason == "error"
+        assert out.error == "the model forward failed: RuntimeError: injected forward failure"
+        assert no_placeholders([out]) and 2 <= len(out.token_ids) < 16
+        assert out.token_ids == reference(hf_model, out.prompt_token_ids, 16)[:len(out.token_ids)]
+    assert engine.in_flight is None and engine.block_manager.num_free_blocks == free
+    monkeypatch.undo()
+    assert_matches_reference(ahead, hf_model, [PROMPTS[3]], [8])

@@ -65,10 +65,11 @@ def reference(hf_cuda, prompts) -> list[list[int]]:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-def test_float32_greedy_equals_transformers(gpu_model_dir, prompts, reference, enforce_eager):
+@pytest.mark.parametrize("enforce_eager,async_scheduling", [(False, False), (True, False), (False, True)],
+                         ids=["graphs", "eager", "graphs-async"])
+def test_float32_greedy_equals_transformers(gpu_model_dir, prompts, reference, enforce_eager, async_scheduling):
     llm = LLM(str(gpu_model_dir), device="cuda", dtype="float32", enforce_eager=enforce_eager,
-              kv_cache_memory=2**30, max_num_seqs=16)
+              kv_cache_memory=2**30, max_num_seqs=16, async_scheduling=async_scheduling)
     assert (llm.engine.runner.graphs is None) == enforce_eager
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == reference

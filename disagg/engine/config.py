@@ -24,6 +24,8 @@ class EngineConfig:
     # device each on CUDA (cuda:i .. cuda:i+N-1 from device cuda:i); on the CPU all share it.
     tensor_parallel_size: int = 1
     enforce_eager: bool = False  # CUDA: no decode graphs
+    # Greedy decode steps launched before the step in flight is read back (LLMEngine._step_ahead).
+    async_scheduling: bool = False
     attention_backend: str | None = None  # "sdpa" or "triton"; None: triton on CUDA, sdpa on the CPU
     # KV tiers under the device pool (vLLM's names): GiB of host memory, 0 for none.
     kv_offloading_size: float = 0.0

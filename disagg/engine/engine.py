@@ -17,7 +17,7 @@ from disagg.engine.prefix_blocks import PrefixBlocks
 from disagg.engine.remote_prefill import FirstToken, RemotePrefills, RemoteSlot
 from disagg.engine.sampler import Sampler
 from disagg.engine.sampling_params import SamplingParamError, SamplingParams
-from disagg.engine.scheduler import Scheduler
+from disagg.engine.scheduler import ScheduledSeq, Scheduler
 from disagg.engine.sequence import KVExport, RemotePrefill, Sequence, SequenceStatus, TokenLogprob
 from disagg.engine.structured_output import GrammarCompiler, StructuredOutput
 from disagg.engine.tokenizer import Tokenizer, load_chat_template
@@ -28,6 +28,34 @@ logger = logging.getLogger(__name__)
 class _Request:
     seq: Sequence
     text: TextState
+
+
+@dataclass
+class _InFlight:
+    """A decode step launched and not read back yet (async scheduling): its sequences in its rows'
+    order, and the tokens it chose. Each of its sequences still running holds a placeholder as its
+    last token, -(its row + 1), which the next step's input takes from `tokens` on the device."""
+    seqs: list[Sequence]
+    tokens: torch.Tensor
+    # Their copy to the host, queued right after them (a copy queued later would wait for the next
+    # step too), and on a GPU the event that says it is done.
+    host: torch.Tensor
+    copied: torch.cuda.Event | None
+
+    @classmethod
+    def launched(cls, seqs: list[Sequence], tokens: torch.Tensor) -> "_InFlight":
+        if not tokens.is_cuda:
+            return cls(seqs, tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(seqs, tokens, host, copied)
+
+    def read(self) -> list[int]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host.tolist()
 
 
 class LLMEngine:
@@ -70,6 +98,7 @@ class LLMEngine:
                                         sorted(self.tokenizer.eos_token_ids), config.grammar_cache_bytes)
         self.sampler = Sampler(config.seed, self.tokenizer.eos_token_ids, StructuredOutput(self.grammars))
         self.requests: dict[str, _Request] = {}
+        self.in_flight: _InFlight | None = None  # async scheduling: the step launched, not read back
         self.num_steps = 0  # batches run: a sign of life that callers elsewhere can watch
         self.step_prompt_tokens = 0  # prompt tokens the step running (or last run) computes, for its measured cost
 
@@ -223,6 +252,7 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
+        drop_placeholder(request.seq)
         request.seq.finish_reason = "abort"
         self.scheduler.finish(request.seq)
         self.sampler.release(request_id)
@@ -240,14 +270,21 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         """Something for step() to do now (requests waiting for KV need no steps until it comes)."""
-        return (self.scheduler.has_work() or self.remote.has_loads()
+        return (self.scheduler.has_work() or self.remote.has_loads() or self.in_flight is not None
                 or (self.offload is not None and self.offload.busy))
 
     # -- the loop ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Take in arrived KV, run one batch; return an output for every request that got a token."""
+        """Take in arrived KV, run one batch; return an output for every request that got a token.
+        Under async scheduling the tokens of a decode step come with the next call's outputs."""
         outputs = self._poll_arrivals()  # failed loads
+        if self.config.async_scheduling:
+            return outputs + self._step_ahead()
+        return outputs + self._step()
+
+    def _step(self) -> list[RequestOutput]:
+        outputs = []
         batch = self.scheduler.schedule()
         if not batch:
             if self.offload is not None and self.offload.busy:
@@ -283,6 +320,95 @@ class LLMEngine:
                 logger.exception("request %s failed; the other requests go on", seq.request_id)
                 outputs.append(self._fail(seq, f"sampling its next token failed: {type(e).__name__}: {e}"))
         return outputs
+
+    # -- async scheduling: a decode step launched before the one in flight is read back --------
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """Launch the next step before reading back the one in flight, so that the host's work on a
+        step's tokens (reading them, detokenizing, stop checks, outputs) and on the next step's inputs
+        overlaps the GPU's next step. Only greedy decoding of the running sequences goes ahead
+        (`_can_step_ahead`); anything else waits for the step in flight and then runs as without."""
+        prev, self.in_flight = self.in_flight, None
+        launched = None
+        if self._can_step_ahead():
+            batch = self.scheduler.schedule()
+            try:
+                launched = self._launch(batch, prev)
+            except Exception as e:  # the step's requests fail once the one in flight is read back
+                logger.exception("the model forward failed; failing the %d requests of this step", len(batch))
+                outputs = self._read_back(prev) if prev is not None else []
+                return outputs + [self._fail(item.seq, f"the model forward failed: {type(e).__name__}: {e}")
+                                  for item in batch if self._live(item.seq)]
+        if prev is None:
+            return self._land(launched) if launched is not None else self._step()
+        outputs = self._read_back(prev)
+        return outputs + (self._land(launched) if launched is not None else [])
+
+    def _can_step_ahead(self) -> bool:
+        """The next step would decode the running sequences alone, greedily, with nothing a token's
+        value must be known for first (a grammar, penalties, logprobs, a KV export), no sequence
+        admitted (the waiting ones wait for KV still on its way) and no preemption (free blocks for
+        every next token): its inputs can be made before the step in flight is read back."""
+        s, bm = self.scheduler, self.block_manager
+        if (self.runner.workers is not None or self.offload is not None or not s.running
+                or any(seq.status != SequenceStatus.WAITING_FOR_KV or not s.kv_pending(seq) for seq in s.waiting)):
+            return False
+        needed = 0
+        for seq in s.running:
+            p = seq.params
+            if (seq.num_tokens - seq.num_computed_tokens != 1 or not p.greedy or p.logprobs is not None
+                    or p.processes_logits or p.structured is not None or seq.kv_export is not None
+                    or seq.scores_prompt):
+                return False
+            needed += bm.blocks_for(seq.num_computed_tokens + 1) - len(seq.block_table)
+        return needed <= bm.num_free_blocks and len(s.running) <= s.max_num_batched_tokens
+
+    def _launch(self, batch: list[ScheduledSeq], prev: _InFlight | None) -> tuple[list[ScheduledSeq], _InFlight]:
+        """Run a decode batch whose input tokens may be placeholders for `prev`'s; its chosen tokens stay
+        on the device, their copy to the host under way."""
+        self.num_steps += 1
+        self.step_prompt_tokens = 0
+        batch, logits, _ = self.runner.run(batch, None if prev is None else prev.tokens)
+        return batch, _InFlight.launched([item.seq for item in batch], self.sampler.greedy_on_device(logits))
+
+    def _land(self, launched: tuple[list[ScheduledSeq], _InFlight]) -> list[RequestOutput]:
+        """After the step before it was read back (its tokens are this one's inputs, now known on the
+        host): advance the launched step's sequences still running, and give each a placeholder for
+        the token it is choosing."""
+        batch, in_flight = launched
+        live = [item for item in batch if self._live(item.seq)]
+        self.scheduler.postprocess(live)
+        for row, item in enumerate(batch):
+            if self._live(item.seq):
+                item.seq.append_token(-(row + 1))
+        if live:
+            self.in_flight = in_flight
+        return []
+
+    def _read_back(self, prev: _InFlight) -> list[RequestOutput]:
+        """The tokens of the step in flight, in place of its sequences' placeholders; their outputs."""
+        live = [(row, seq) for row, seq in enumerate(prev.seqs) if self._live(seq)]
+        try:
+            tokens = prev.read()
+        except Exception as e:  # the device failed: nothing of this step can be trusted
+            logger.exception("reading back a step's tokens failed; failing its %d requests", len(live))
+            for _, seq in live:
+                drop_placeholder(seq)
+            return [self._fail(seq, f"the model forward failed: {type(e).__name__}: {e}") for _, seq in live]
+        outputs = []
+        for row, seq in live:
+            drop_placeholder(seq)
+            try:
+                outputs.append(self._append(seq, tokens[row], None))
+            except Exception as e:
+                logger.exception("request %s failed; the other requests go on", seq.request_id)
+                outputs.append(self._fail(seq, f"sampling its next token failed: {type(e).__name__}: {e}"))
+        return outputs
+
+    def _live(self, seq: Sequence) -> bool:
+        """Still running here: not finished, aborted or failed since it was scheduled."""
+        request = self.requests.get(seq.request_id)
+        return request is not None and request.seq is seq and seq.finish_reason is None
 
     def _poll_arrivals(self) -> list[RequestOutput]:
         """Let the KV sources take in what arrived; a load that failed fails its request alone."""
@@ -322,6 +448,12 @@ class LLMEngine:
             self.sampler.release(seq.request_id)
             del self.requests[seq.request_id]
         return make_output(seq, request.text, token)
+
+def drop_placeholder(seq: Sequence) -> None:
+    """Take off the placeholder an async-scheduled step left as the sequence's last token, if any."""
+    if seq.token_ids and seq.token_ids[-1] < 0:
+        seq.token_ids.pop()
+
 
 def add_prompt_logprobs(seq: Sequence, first: int, entries: list[TokenLogprob]) -> None:
     """Record a chunk's prompt logprobs, which start at prompt token `first`; a chunk computed again

@@ -32,12 +32,17 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.workers: TPWorkers | None = None  # the driver's, under tensor parallelism (builder.build_runner)
 
-    def run(self, batch: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], torch.Tensor, PromptLogprobs]:
+    def run(self, batch: list[ScheduledSeq], placeholders: torch.Tensor | None = None
+            ) -> tuple[list[ScheduledSeq], torch.Tensor, PromptLogprobs]:
         """Compute the batch's new tokens. Returns the batch in the order it ran, float32 logits
         [num_sampled, vocab] on the device for the sequences whose last token was computed, in
         that order, and the prompt logprobs of this step's chunks of sequences that ask for them
         (only then is anything beyond the sampled rows computed). Under tensor parallelism every
-        rank runs it on the same batch (the driver sends it to the others first)."""
+        rank runs it on the same batch (the driver sends it to the others first).
+        placeholders: the tokens a step before chose, still on the device: an input token -(i + 1)
+        stands for its row i (async scheduling, one process only)."""
+        if placeholders is not None:
+            return self._run(batch, placeholders)
         return self._on_all_ranks("run", self._run, batch)
 
     def _on_all_ranks(self, method: str, run: Callable, batch: list[ScheduledSeq]):
@@ -64,9 +69,13 @@ class ModelRunner:
             self.workers.stop()
 
     @torch.inference_mode()
-    def _run(self, batch: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], torch.Tensor, PromptLogprobs]:
+    def _run(self, batch: list[ScheduledSeq], placeholders: torch.Tensor | None = None
+             ) -> tuple[list[ScheduledSeq], torch.Tensor, PromptLogprobs]:
         batch = self.order(batch)
         inputs = self.attention.prepare(batch)
+        if placeholders is not None:  # on the device: the host never waits for those tokens
+            ids = inputs.input_ids
+            inputs.input_ids = torch.where(ids < 0, placeholders.to(ids.dtype)[(-1 - ids).clamp(min=0)], ids)
         scoring = any(scores_prompt(item.seq) for item in batch)
         exports = [item for item in batch if exports_now(item)]
         decode_only = all(item.num_new_tokens == 1 for item in batch)

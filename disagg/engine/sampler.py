@@ -37,7 +37,7 @@ class Sampler:
         logits = self.structured.mask(logits, seqs, masks)
         if all(seq.params.greedy and seq.params.logprobs is None for seq in seqs):
             # On the device: one small copy of the chosen tokens instead of the whole logits.
-            return [(token, None) for token in torch.argmax(logits, dim=-1).tolist()]
+            return [(token, None) for token in self.greedy_on_device(logits).tolist()]
         logits = logits.cpu()
         logprobs = None
         if any(seq.params.logprobs is not None for seq in seqs):
@@ -58,6 +58,12 @@ class Sampler:
             except Exception as e:  # noqa: BLE001  handed to the engine, which fails this request
                 results.append(e)
         return results
+
+    @staticmethod
+    def greedy_on_device(logits: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens of rows that need nothing else (no grammar, penalties or logprobs), left where
+        the logits are: async scheduling reads them back a step later."""
+        return torch.argmax(logits, dim=-1)
 
     def processed(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The batch's logits after min_tokens, logit_bias and the penalties, in vLLM's order,
