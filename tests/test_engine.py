@@ -566,7 +566,7 @@ def no_placeholders(outputs) -> bool:
 
 def test_async_scheduling_gives_transformers_tokens_and_steps_ahead(ahead, hf_model):
     before = ahead.ahead_steps
-    outs = assert_matches_reference(ahead, hf_model, PROMPTS, MAX_TOKENS)
+    outs = assert_matches_reference(ahead, hf_model, PROMPTS[:6], MAX_TOKENS[:6])  # lengths 2-32, ends apart
     assert ahead.ahead_steps - before > 10  # most decode steps went ahead of the read-back
     assert no_placeholders(outs) and ahead.engine.in_flight is None
     assert ahead.engine.block_manager.num_free_blocks == ahead.engine.block_manager.num_blocks
