@@ -10,14 +10,8 @@
 # KV cache, 16GiB unless set).
 # Each writes its JSON and log under $OUT; the last lines are the summary.
 set -uo pipefail
-if [ -d .whl ]; then
-    # --upgrade: a second call on the same machine replaces what the first installed (else pip keeps it)
-    python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-fi
-export PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 DISAGG_TEST_TOKENIZER_DIR=.device/tok
-out=${OUT:-/tmp/out}
+source "$(dirname "$0")/device_env.sh"
 common=(--tokenizer-dir .device/tok --gpus 2 --connector "${CONNECTOR:-torch_dist}" --kv-buffer-device cuda --kv-cache-memory 24GiB)
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for phase in "$@"; do
     case $phase in
     tests)

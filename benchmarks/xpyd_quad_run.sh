@@ -6,13 +6,8 @@
 # plan (`disagg plan` against the goodput JSON files already under $OUT). Each writes its JSON and log
 # under $OUT; a later call merges them: xpyd_h200x4.py --merge 4k.json chat.json plan.json --json ...
 set -uo pipefail
-if [ -d .whl ]; then
-    python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-fi
-export PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 DISAGG_TEST_TOKENIZER_DIR=.device/tok
-out=${OUT:-/tmp/out}
+source "$(dirname "$0")/device_env.sh"
 common=(--tokenizer-dir .device/tok --connector "${CONNECTOR:-torch_dist}" --num-requests "${NUM_REQUESTS:-40}")
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for phase in "$@"; do
     case $phase in
     tests)
