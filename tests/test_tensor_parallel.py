@@ -189,9 +189,9 @@ def token_ids(response: httpx.Response) -> list[list[int]]:
 
 def test_handoff_between_nodes_of_different_tp_sizes_and_a_killed_rank(tmp_path: Path, hf_model, hf_tokenizer):
     # Prefill TP=2 -> decode TP=1, then prefill TP=1 -> decode TP=2, over tcp: every prompt crosses
-    # ("always"), layer by layer. The wire carries every KV head: the prefill ranks' heads gathered by
-    # its rank 0, the decode rank 0 sending each worker its heads. One pair at a time: three processes
-    # each, so that the suite's memory stays low.
+    # ("always"), layer by layer. The prefill ranks' heads are gathered by its rank 0; each decode rank
+    # receives its own heads on its own endpoint. One pair at a time: three processes each, so that the
+    # suite's memory stays low.
     kv_extra = {"prefill_policy": "fail", "remote_prefill": "always"}
     args, tp2 = ["--max-model-len", "512", "--max-num-batched-tokens", "64"], ["--tensor-parallel-size", "2"]
     prefill2 = start_node("producer", tmp_path, extra_args=args + tp2, wait=False)
@@ -221,6 +221,19 @@ def test_handoff_between_nodes_of_different_tp_sizes_and_a_killed_rank(tmp_path:
         wait_all_ready(prefill1, decode2)
         assert token_ids(complete(decode2, prompts, 8)) == expected
         assert decode2.labelled("disagg_prefill_route_total", "route").get("remote") == len(prompts)
+        # Each decode rank received only its own heads, on its own endpoint: rank 0 holds 1 of the 3 KV
+        # heads and rank 1 the other 2, so rank 0 took a third of the bytes sent (and each its entries'
+        # small headers), none of rank 1's.
+        sent = prefill1.labelled("disagg_kv_transfer_bytes_total", "direction")["sent"]
+        by_rank = decode2.labelled("disagg_kv_rank_received_bytes_total", "rank")
+        assert by_rank["0"] + by_rank["1"] == sent, (sent, by_rank)
+        assert 0.33 < by_rank["0"] / sent < 0.34 and 0.66 < by_rank["1"] / sent < 0.67, (sent, by_rank)
+        assert decode2.labelled("disagg_kv_transfer_bytes_total", "direction")["received"] == sent
+
+        # The prefill node killed: every decode rank's lookup ends (its producer lost), the request fails by policy.
+        prefill1.kill()
+        response = complete(decode2, prompts[:1], 8)
+        assert response.status_code == 503 and "remote prefill" in response.json()["error"]["message"]
     finally:
         for node in nodes:
             node.kill()
