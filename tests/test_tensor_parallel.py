@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 from prompts import CODE, PASSAGE, hf_greedy
-from servers import start_node, wait_all_ready
+from servers import start_node, wait_all_ready, wait_for
 
 from disagg.engine.builder import build_rank_runner
 from disagg.engine.config import EngineConfig
@@ -237,3 +237,42 @@ def test_handoff_between_nodes_of_different_tp_sizes_and_a_killed_rank(tmp_path:
     finally:
         for node in nodes:
             node.kill()
+
+
+def test_handoff_tp2_to_tp2_and_a_decode_rank_killed_mid_request(tmp_path: Path, hf_model, hf_tokenizer):
+    # Both nodes at TP=2: each decode rank gets its heads from the prefill node's rank 0 on its own
+    # endpoint. Then a decode worker rank killed while a request is in flight: the decode node exits
+    # (non-zero) within seconds, the client's request ends rather than hangs, and the prefill node serves on.
+    kv_extra = {"prefill_policy": "fail", "remote_prefill": "always"}
+    args = ["--max-model-len", "512", "--max-num-batched-tokens", "64", "--tensor-parallel-size", "2"]
+    prefill = start_node("producer", tmp_path, extra_args=args, wait=False)
+    decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address], kv_extra=kv_extra,
+                        extra_args=args, wait=False)
+    try:
+        prompts = [hf_tokenizer(p).input_ids for p in (PROMPTS[1], PROMPTS[2], PROMPTS[6])]
+        expected = [hf_greedy(hf_model, p, 8) for p in prompts]
+        wait_all_ready(prefill, decode)
+        assert token_ids(complete(decode, prompts, 8)) == expected
+        by_rank = decode.labelled("disagg_kv_rank_received_bytes_total", "rank")
+        assert 1.99 < by_rank["1"] / by_rank["0"] < 2.01, by_rank  # 2 KV heads against 1
+
+        ended = threading.Event()
+
+        def request() -> None:
+            try:
+                complete(decode, prompts * 4, 64)
+            except httpx.HTTPError:
+                pass  # the node went away under it
+            ended.set()
+
+        threading.Thread(target=request, daemon=True).start()
+        wait_for(lambda: decode.log().count(" runs as ") > len(prompts), 10, "the request reached the decode node")
+        pid = int(re.search(r"ranks 1 \(pid (\d+)\)", decode.log()).group(1))
+        os.kill(pid, signal.SIGKILL)
+        assert decode.proc.wait(timeout=10) != 0
+        assert ended.wait(10), "the client's request hangs"
+        assert prefill.proc.poll() is None
+        assert httpx.get(f"{prefill.url}/health", timeout=5).status_code == 200
+    finally:
+        prefill.kill()
+        decode.kill()
