@@ -242,10 +242,9 @@ class DecodeNode:
         try:
             await asyncio.gather(own, others)
         finally:
-            for task in (own, others):  # one failed: the other's wait ends (its error is the first one's)
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
+            own.cancel()  # one failed: the other's wait ends (its error is the first one's)
+            others.cancel()
+            await asyncio.gather(own, others, return_exceptions=True)
         return own.result()
 
     async def _let_go(self, request_id: str, client: PrefillClient | None) -> None:
