@@ -407,8 +407,14 @@ def serve(args: argparse.Namespace) -> None:
     limits = HTTPLimits.from_args(args)
     trace_dir = profiler_dir(args)
     profiler = None if trace_dir is None else TorchProfiler(trace_dir, f"{kv.kv_role}-{args.port}")
+    rank_service = None
+    if kv.kv_role == "consumer" and args.tensor_parallel_size > 1:  # each rank receives its own KV heads
+        from disagg.decode_node.rank_kv import rank_service_for
+
+        rank_service = rank_service_for(kv)
     engine = AsyncEngine(LLMEngine(EngineConfig(**engine_kwargs(args) | {
-        "model": local_model(args), "grammar_cache_bytes": int(args.grammar_cache_mb * 2**20)})), profiler)
+        "model": local_model(args), "grammar_cache_bytes": int(args.grammar_cache_mb * 2**20),
+        "rank_service": rank_service})), profiler)
     metrics.register_vllm_names(name)  # every role serves vLLM's metric names, labelled with the served name
     if kv.kv_role == "producer":
         from disagg.prefill_node.server import run_prefill_node

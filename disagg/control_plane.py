@@ -4,7 +4,7 @@
 converted to and from protobuf at the gRPC boundary only.
 """
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from disagg.engine.sampling_params import SamplingParams
@@ -14,7 +14,8 @@ if TYPE_CHECKING:  # engine/sequence.py imports torch; the router reads NodeInfo
 
 # 2: Prefill streams progress; penalties, logit_bias and min_tokens in SamplingFields. 3: Watch (a decode
 # node follows each prefill node's load and prefix cache); progress tells of a long step in progress.
-PROTOCOL_VERSION = 3
+# 4: a decode node's ranks each receive their KV heads (kv_ranks).
+PROTOCOL_VERSION = 4
 # Fields two nodes must agree on before KV can move between them.
 COMPATIBILITY_FIELDS = ("protocol_version", "model_name", "dtype", "num_layers", "num_kv_heads",
                         "head_dim", "block_size", "kv_connector")
@@ -42,6 +43,19 @@ class NodeInfo:
         return None
 
 
+@dataclass(frozen=True)
+class KVRank:
+    """One decode rank's pipe endpoint and the KV heads [first, end) its cache holds."""
+    dest: tuple[str, int]
+    heads: tuple[int, int]
+
+
+def rank_entry_id(request_id: str, rank: int) -> str:
+    """The lookup-buffer entry that carries rank `rank`'s KV heads of a request: rank 0's is the
+    request's own id, so a decode node without tensor parallelism sees no difference."""
+    return request_id if rank == 0 else f"{request_id}.{rank}"
+
+
 @dataclass
 class PrefillCall:
     request_id: str
@@ -53,6 +67,9 @@ class PrefillCall:
     # (prefill_node/pull.py); "": none does.
     pull_from: str = ""
     pull_blocks: int = 0
+    # Each decode rank's endpoint and heads (rank 0's dest is kv_dest): each gets only its heads, as
+    # an entry of its own (rank_entry_id). Empty: every KV head goes to kv_dest.
+    kv_ranks: list[KVRank] = field(default_factory=list)
 
 
 @dataclass

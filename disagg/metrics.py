@@ -30,6 +30,9 @@ PROMPT_TOKENS = Counter("disagg_prompt_tokens_total", "Prompt tokens received")
 GENERATION_TOKENS = Counter("disagg_generation_tokens_total", "Tokens generated")
 KV_BYTES = Counter("disagg_kv_transfer_bytes_total", "KV bytes on the pipes, counted as each message (a whole "
                    "prompt's KV, or one layer's) is sent or received", ["direction"])
+KV_RANK_BYTES = Counter("disagg_kv_rank_received_bytes_total", "KV bytes a decode node's tensor-parallel rank "
+                        "received on its own pipe endpoint (rank 0's: every entry its consumer took); a worker "
+                        "rank's are counted as it reports them, with each lookup's answer", ["rank"])
 KV_TRANSFER = Histogram("disagg_kv_transfer_seconds", "Prefill call to KV loaded, on the decode node",
                         buckets=LATENCY_BUCKETS)
 # The KV handoff, step by step, so that the split of a disaggregated TTFT comes from /metrics alone.

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from servers import wait_for
 
 from disagg.config import KVTransferConfig
-from disagg.control_plane import COMPATIBILITY_FIELDS, NodeInfo, PrefillCall
+from disagg.control_plane import COMPATIBILITY_FIELDS, KVRank, NodeInfo, PrefillCall
 from disagg.decode_node.prefill_client import (
     PrefillAuthError,
     PrefillClient,
@@ -143,6 +143,16 @@ def test_the_grammar_crosses_the_grpc_boundary():
         call = PrefillCall("r1", [1, 2, 3], SamplingParams(temperature=0.0, structured=structured), ("127.0.0.1", 9))
         wire = pb.PrefillRequest.FromString(convert.prefill_call_to_proto(call).SerializeToString())
         assert convert.prefill_call_from_proto(wire).params.structured == structured
+
+
+def test_the_decode_ranks_cross_the_grpc_boundary_rank_0_first():
+    ranks = [KVRank(("127.0.0.1", 9), (0, 1)), KVRank(("127.0.0.1", 10), (1, 3))]
+    call = PrefillCall("r1", [1, 2, 3], SamplingParams(), ("127.0.0.1", 9), kv_ranks=ranks)
+    wire = pb.PrefillRequest.FromString(convert.prefill_call_to_proto(call).SerializeToString())
+    assert convert.prefill_call_from_proto(wire).kv_ranks == ranks
+    wire.kv_dest_port = 11  # rank 0's endpoint must be kv_dest, which the caller aborts by
+    with pytest.raises(ValueError, match="kv_ranks must start with kv_dest's"):
+        convert.prefill_call_from_proto(wire)
 
 
 # --- prefill through gRPC ----------------------------------------------------------------------

@@ -84,7 +84,7 @@ class FakeEngine:
         self.kv_bytes_per_token_layer = 1024
         self.stat_loggers: list = []  # the route's cost measurement subscribes here
         self.stats = SimpleNamespace(num_running=0)
-        self.slot = RemoteSlot(cached_tokens=cached_tokens, cache=CACHE, rows=rows, first=None)
+        self.slot = RemoteSlot(cached_tokens=cached_tokens, cache=CACHE, rows=rows, blocks=[], first=None)
         self.waited: PrefixWait | None = None  # how a remote request's wait for an arriving prefix went
         self.queues: dict[str, asyncio.Queue] = {}
 

@@ -112,7 +112,7 @@ def test_layerwise_kv_over_tcp_lands_in_the_decode_engines_blocks(gpu_model_dir,
     transformers' tokens."""
     from disagg.lookup_buffer import LookupBufferConsumer, LookupBufferProducer
     from disagg.pipes import PipeConfig, RowScatter
-    from disagg.prefill_node.node import LayerSender
+    from disagg.prefill_node.node import LayerSender, RankEntry
 
     kwargs = dict(device="cuda", dtype="float32", kv_cache_memory=2**30)
     prefill, decode = LLM(str(gpu_model_dir), **kwargs).engine, LLM(str(gpu_model_dir), **kwargs).engine
@@ -131,7 +131,7 @@ def test_layerwise_kv_over_tcp_lands_in_the_decode_engines_blocks(gpu_model_dir,
             nbytes = prefill.kv_cache.kv[:, :, :len(ids)].nbytes
             producer.open(request_id, ids, [(layer, layer + 1) for layer in range(30)], len(ids), nbytes,
                           consumer.address)
-            sender = LayerSender(producer, request_id, 30, copy_stream)
+            sender = LayerSender(producer, [RankEntry(request_id, consumer.address, None)], 30, copy_stream)
             prefill.add_request(request_id, ids, SamplingParams(temperature=0.0, max_tokens=1),
                                 kv_export=KVExport(0, [(layer, layer + 1) for layer in range(30)], sender.put))
         first = {}

@@ -21,6 +21,7 @@ from servers import start_node, wait_all_ready
 
 from disagg import LLM, SamplingParams, cli
 from disagg.config import KVTransferConfig
+from disagg.control_plane import PrefillCall
 from disagg.engine.loader import DEFAULT_MODEL_NAME
 from disagg.engine.sampling_params import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS_ENTRIES
 from disagg.engine.sequence import Sequence
@@ -96,7 +97,7 @@ def test_registrations_are_bounded_per_address_and_a_live_one_is_never_dropped(m
     assert node.is_registered(decode) and len(node.destinations) == 16
     # Registrations not seen lately make room, the address's own least recently seen first; never one in flight.
     monkeypatch.setattr(node_module, "REGISTRATION_LIVE_S", 0.0)
-    node.callers["in-flight"] = decode
+    node.callers["in-flight"] = PrefillCall("in-flight", [1], SamplingParams(), decode)
     assert all(node.register(("127.0.0.1", port), "127.0.0.1") for port in range(30000, 30100))
     assert node.is_registered(decode) and not node.is_registered(("127.0.0.1", 20000))
     # All addresses together hold at most MAX_REGISTERED_DESTINATIONS.

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 from prompts import CODE, PASSAGE, hf_greedy
-from servers import start_node, wait_all_ready
+from servers import start_node, wait_all_ready, wait_for
 
 from disagg.engine.builder import build_rank_runner
 from disagg.engine.config import EngineConfig
@@ -189,9 +189,9 @@ def token_ids(response: httpx.Response) -> list[list[int]]:
 
 def test_handoff_between_nodes_of_different_tp_sizes_and_a_killed_rank(tmp_path: Path, hf_model, hf_tokenizer):
     # Prefill TP=2 -> decode TP=1, then prefill TP=1 -> decode TP=2, over tcp: every prompt crosses
-    # ("always"), layer by layer. The wire carries every KV head: the prefill ranks' heads gathered by
-    # its rank 0, the decode rank 0 sending each worker its heads. One pair at a time: three processes
-    # each, so that the suite's memory stays low.
+    # ("always"), layer by layer. The prefill ranks' heads are gathered by its rank 0; each decode rank
+    # receives its own heads on its own endpoint. One pair at a time: three processes each, so that the
+    # suite's memory stays low.
     kv_extra = {"prefill_policy": "fail", "remote_prefill": "always"}
     args, tp2 = ["--max-model-len", "512", "--max-num-batched-tokens", "64"], ["--tensor-parallel-size", "2"]
     prefill2 = start_node("producer", tmp_path, extra_args=args + tp2, wait=False)
@@ -221,6 +221,62 @@ def test_handoff_between_nodes_of_different_tp_sizes_and_a_killed_rank(tmp_path:
         wait_all_ready(prefill1, decode2)
         assert token_ids(complete(decode2, prompts, 8)) == expected
         assert decode2.labelled("disagg_prefill_route_total", "route").get("remote") == len(prompts)
+        # Each decode rank received only its own heads, on its own endpoint: rank 0 holds 1 of the 3 KV
+        # heads and rank 1 the other 2, so rank 0 took a third of the bytes sent (and each its entries'
+        # small headers), none of rank 1's.
+        sent = prefill1.labelled("disagg_kv_transfer_bytes_total", "direction")["sent"]
+        by_rank = decode2.labelled("disagg_kv_rank_received_bytes_total", "rank")
+        assert by_rank["0"] + by_rank["1"] == sent, (sent, by_rank)
+        assert 0.33 < by_rank["0"] / sent < 0.34 and 0.66 < by_rank["1"] / sent < 0.67, (sent, by_rank)
+        assert decode2.labelled("disagg_kv_transfer_bytes_total", "direction")["received"] == sent
+
+        # The prefill node killed: every decode rank's lookup ends (its producer lost), the request fails by policy.
+        prefill1.kill()
+        response = complete(decode2, prompts[:1], 8)
+        assert response.status_code == 503 and "remote prefill" in response.json()["error"]["message"]
     finally:
         for node in nodes:
             node.kill()
+
+
+def test_handoff_tp2_to_tp2_and_a_decode_rank_killed_mid_request(tmp_path: Path, hf_model, hf_tokenizer):
+    # Both nodes at TP=2: each decode rank gets its heads from the prefill node's rank 0 on its own
+    # endpoint. The decode node's cache holds 10 blocks, and the three prompts need 1 + 5 + 7: one waits
+    # for blocks, so its KV comes with every head to rank 0, which hands each worker its heads when
+    # the blocks are there. Then a decode worker rank killed while a request is in flight: the decode
+    # node exits (non-zero) within seconds, the client's request ends rather than hangs, and the
+    # prefill node serves on.
+    kv_extra = {"prefill_policy": "fail", "remote_prefill": "always"}
+    args = ["--max-model-len", "512", "--max-num-batched-tokens", "64", "--tensor-parallel-size", "2"]
+    block_bytes = 30 * 2 * 16 * 2 * 64 * 4  # layers, K and V, tokens, rank 1's 2 KV heads, head dim, float32
+    prefill = start_node("producer", tmp_path, extra_args=args, wait=False)
+    decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address], kv_extra=kv_extra,
+                        extra_args=args + ["--kv-cache-memory", str(10 * block_bytes)], wait=False)
+    try:
+        prompts = [hf_tokenizer(p).input_ids for p in (PROMPTS[1], PROMPTS[2], PROMPTS[6])]
+        expected = [hf_greedy(hf_model, p, 8) for p in prompts]
+        wait_all_ready(prefill, decode)
+        assert token_ids(complete(decode, prompts, 8)) == expected
+        by_rank = decode.labelled("disagg_kv_rank_received_bytes_total", "rank")
+        assert by_rank["1"] < 1.9 * by_rank["0"], by_rank  # a prompt's every head came to rank 0
+
+        ended = threading.Event()
+
+        def request() -> None:
+            try:
+                complete(decode, prompts * 4, 32)
+            except httpx.HTTPError:
+                pass  # the node went away under it
+            ended.set()
+
+        threading.Thread(target=request, daemon=True).start()
+        wait_for(lambda: decode.log().count(" runs as ") > len(prompts), 10, "the request reached the decode node")
+        pid = int(re.search(r"ranks 1 \(pid (\d+)\)", decode.log()).group(1))
+        os.kill(pid, signal.SIGKILL)
+        assert decode.proc.wait(timeout=10) != 0
+        assert ended.wait(10), "the client's request hangs"
+        assert prefill.proc.poll() is None
+        assert httpx.get(f"{prefill.url}/health", timeout=5).status_code == 200
+    finally:
+        prefill.kill()
+        decode.kill()

@@ -30,13 +30,14 @@ from collections.abc import AsyncIterator
 from disagg import metrics
 from disagg.control_plane import PrefillCall
 from disagg.decode_node.prefill_client import PrefillClient, PrefillNodeUnavailable, PrefillPool
+from disagg.decode_node.rank_kv import RankReceivers
 from disagg.decode_node.route import Route, RouteCosts
 from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.output import RequestOutput
 from disagg.engine.remote_prefill import RemoteSlot
 from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.step_cost import StepCost
-from disagg.lookup_buffer import LookupBufferConsumer
+from disagg.lookup_buffer import KVEntry, LookupBufferConsumer
 from disagg.pipes.row_scatter import RowScatter
 
 logger = logging.getLogger(__name__)
@@ -52,8 +53,12 @@ class DecodeNode:
     def __init__(self, engine: AsyncEngine, model_name: str, consumer: LookupBufferConsumer | None = None,
                  pool: PrefillPool | None = None, kv_advertise: tuple[str, int] | None = None,
                  prefill_policy: str = "recompute", prefill_timeout: float = 10.0, lookup_timeout: float = 30.0,
-                 remote_prefill: str = "auto", local_prefill_max_tokens: int = 64):
+                 remote_prefill: str = "auto", local_prefill_max_tokens: int = 64,
+                 ranks: RankReceivers | None = None):
+        """ranks: under tensor parallelism, the worker ranks' own receivers: a request whose blocks are
+        reserved gets each rank's KV heads on that rank's endpoint."""
         self.engine = engine
+        self.ranks = ranks
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
@@ -170,12 +175,17 @@ class DecodeNode:
             client = picked or self.pool.pick(prompt_token_ids)  # none was healthy: this says why
             # Our prefix cache's hits are held for this request: only the rest of its KV need come.
             skip = slot.cached_tokens
-            # Blocks reserved already: the KV is received straight into them (else into a buffer first).
+            # Blocks reserved already: the KV is received straight into them (else into a buffer first), and
+            # under tensor parallelism each rank receives its own heads into its own cache's rows.
+            by_rank = self.ranks is not None and slot.rows is not None
             if slot.rows is not None:
                 self.consumer.expect(request_id, [RowScatter(slot.cache, slot.rows)])
+            if by_rank:
+                await self.ranks.expect(request_id, slot.blocks, skip, skip + len(slot.rows))
             # Leading blocks another prefill node holds and the picked one lacks: it may pull them (pull.py).
             pull_from, pull_blocks = self.pool.pull_hint(client, prompt_token_ids)
-            call = PrefillCall(request_id, prompt_token_ids, params, self.kv_advertise, skip, pull_from, pull_blocks)
+            call = PrefillCall(request_id, prompt_token_ids, params, self.kv_advertise, skip, pull_from, pull_blocks,
+                               self.ranks.kv_ranks(self.kv_advertise) if by_rank else [])
             result = await client.prefill(call, idle_timeout=self.prefill_timeout)
             answered = time.perf_counter()
             metrics.REMOTE_PREFILL_CALL.observe(answered - start)
@@ -183,8 +193,7 @@ class DecodeNode:
             # The reply means the KV is queued, not sent: if the node dies now, stop waiting at once.
             watch = asyncio.create_task(self._discard_when_unhealthy(client, request_id))
             try:
-                entry = await self.consumer.drop_select_async(request_id, prompt_token_ids, self.lookup_timeout,
-                                                              source)
+                entry = await self._select(request_id, prompt_token_ids, source, by_rank)
             finally:
                 watch.cancel()
             received = time.perf_counter()
@@ -220,6 +229,24 @@ class DecodeNode:
                 with contextlib.suppress(KeyError):  # it may have been aborted meanwhile
                     await self.engine.prefill_locally(request_id)
 
+    async def _select(self, request_id: str, prompt_token_ids: list[int], source: tuple[str, int],
+                      by_rank: bool) -> KVEntry:
+        """Our consumer's entry of the request, once it (and, by_rank, every worker rank's) has arrived;
+        the first failure ends the wait."""
+        own = asyncio.ensure_future(self.consumer.drop_select_async(request_id, prompt_token_ids,
+                                                                    self.lookup_timeout, source))
+        if not by_rank:
+            return await own
+        others = asyncio.ensure_future(self.ranks.drop_select(request_id, prompt_token_ids, self.lookup_timeout,
+                                                              source))
+        try:
+            await asyncio.gather(own, others)
+        finally:
+            own.cancel()  # one failed: the other's wait ends (its error is the first one's)
+            others.cancel()
+            await asyncio.gather(own, others, return_exceptions=True)
+        return own.result()
+
     async def _let_go(self, request_id: str, client: PrefillClient | None) -> None:
         """Stop receiving the request's KV (blocks a peer may still write kept aside) and stop its
         prefill. Callers shield it: a caller cancelled meanwhile must not skip either."""
@@ -237,7 +264,8 @@ class DecodeNode:
         blocks (for a nixl pipe, until the peer's writes in flight end). Blocks a peer may still write
         into are never given back."""
         await asyncio.to_thread(self.consumer.discard, request_id)
-        if self.consumer.peer_may_write(request_id):
+        ranks_may_be_written = self.ranks is not None and await self.ranks.discard(request_id)
+        if self.consumer.peer_may_write(request_id) or ranks_may_be_written:
             with contextlib.suppress(KeyError):  # the engine ended the request already (it stopped)
                 await self.engine.keep_remote_blocks_aside(request_id)
 

@@ -108,13 +108,15 @@ class PrefillClient:
         self.load = NodeLoad()  # as of its last report
         self.sent_tokens = 0  # prompt tokens sent to it since that report, not in it yet
 
-    async def connect(self, expected: NodeInfo, timeout: float, kv_endpoint: tuple[str, int] | None = None) -> NodeInfo:
+    async def connect(self, expected: NodeInfo, timeout: float, kv_endpoint: tuple[str, int] | None = None,
+                      kv_rank_ports: tuple[int, ...] = ()) -> NodeInfo:
         """The Info handshake: the node's NodeInfo, checked against `expected` (this node's).
-        `kv_endpoint`: our pipe endpoint, registered with the node as a place its KV may go."""
+        `kv_endpoint`: our pipe endpoint, registered with the node as a place its KV may go, and so are
+        our worker ranks' on its host (`kv_rank_ports`, from rank 1 on)."""
         host, port = kv_endpoint or ("", 0)
         try:
-            msg = await self.stub.Info(pb.InfoRequest(kv_host=host, kv_port=port), timeout=timeout,
-                                       metadata=self.metadata)
+            msg = await self.stub.Info(pb.InfoRequest(kv_host=host, kv_port=port, kv_rank_ports=kv_rank_ports),
+                                       timeout=timeout, metadata=self.metadata)
         except grpc.aio.AioRpcError as e:
             raise self._error(e, "Info", timeout) from None
         peer = convert.node_info_from_proto(msg)
@@ -262,8 +264,11 @@ class PrefillPool:
     """The decode node's prefill nodes: `pick()` the healthy one that would answer a prompt first."""
 
     def __init__(self, addresses: list[str], auth_token: str | None, expected: NodeInfo,
-                 kv_endpoint: tuple[str, int] | None = None, health_interval: float = 1.0):
-        """kv_endpoint: this decode node's pipe endpoint, registered with every prefill node."""
+                 kv_endpoint: tuple[str, int] | None = None, health_interval: float = 1.0,
+                 kv_rank_ports: tuple[int, ...] = ()):
+        """kv_endpoint: this decode node's pipe endpoint, registered with every prefill node, and so are its
+        worker ranks' on the same host (kv_rank_ports, from rank 1 on)."""
+        self.kv_rank_ports = kv_rank_ports
         if not addresses:
             raise ValueError("a prefill pool needs at least one prefill node address (host:port)")
         self.expected = expected  # this node's NodeInfo: every prefill node must match it
@@ -276,7 +281,8 @@ class PrefillPool:
     async def start(self, timeout: float) -> None:
         """Handshake with every node, then watch them. Raises PrefillNodeMismatch or
         PrefillAuthError when a node is misconfigured; unreachable nodes only start unhealthy."""
-        results = await asyncio.gather(*(c.connect(self.expected, timeout, self.kv_endpoint) for c in self.clients),
+        results = await asyncio.gather(*(c.connect(self.expected, timeout, self.kv_endpoint, self.kv_rank_ports)
+                                         for c in self.clients),
                                        return_exceptions=True)
         refused = [r for r in results if isinstance(r, (PrefillNodeMismatch, PrefillAuthError))]
         if refused:
@@ -340,7 +346,8 @@ class PrefillPool:
             return
         # Back after a failure: it may have restarted with another model or pipe port.
         try:
-            await client.connect(self.expected, timeout=HEALTH_TIMEOUT_S, kv_endpoint=self.kv_endpoint)
+            await client.connect(self.expected, timeout=HEALTH_TIMEOUT_S, kv_endpoint=self.kv_endpoint,
+                                 kv_rank_ports=self.kv_rank_ports)
         except PrefillClientError as e:
             if str(e) != client.reason:
                 logger.warning("prefill node %s answers but is refused: %s", client.address, e)

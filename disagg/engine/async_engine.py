@@ -98,9 +98,14 @@ class AsyncEngine:
         self.dtype = engine.dtype
         self.block_size = engine.config.block_size
         self.enable_prefix_caching = engine.config.enable_prefix_caching
-        # One token's K and V in one layer, of every KV head: KV leaves and enters a node whole, whatever its TP.
+        # One token's K and V in one layer, of every KV head: a prompt's KV, whatever the nodes' TP.
         self.kv_bytes_per_token_layer = 2 * self.model_config.num_key_value_heads * self.model_config.head_dim * \
             self.dtype.itemsize
+        workers = engine.runner.workers
+        # Each tensor-parallel rank's KV heads [first, end) and, from rank 1 on, the channel to what the node
+        # runs in its process (EngineConfig.rank_service).
+        self.kv_heads_by_rank = list(workers.kv_heads) if workers else [engine.runner.model.shard.kv_heads]
+        self.rank_channels = list(workers.channels) if workers else []
         self.num_request_errors = 0  # engine thread only; published in stats
         self.stats = self._stats()
         self.request_stats = RequestStats()  # engine thread only

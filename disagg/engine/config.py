@@ -1,5 +1,6 @@
 """EngineConfig: what an engine is built from (the engine imports nothing of the network)."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,3 +37,8 @@ class EngineConfig:
     tokenizer: str | None = None  # a directory with tokenizer.json; None: the model's
     chat_template: str | None = None  # a jinja template or a file holding one; None: the tokenizer's
     grammar_cache_bytes: int = 256 * 2**20  # compiled grammars kept (structured_output.GrammarCompiler)
+    # What the node above runs in each tensor-parallel worker's process beside its steps (a decode node's
+    # KV receiver for that rank's heads): called there once the rank's KV cache is built, as
+    # rank_service(rank, kv_cache, channel), `channel` a duplex multiprocessing connection whose other end
+    # the driver holds (LLMEngine.rank_channels). A picklable callable; None: nothing runs.
+    rank_service: Callable | None = None

@@ -70,11 +70,13 @@ class RemoteSlot:
     """What a remote request holds once added: the leading prompt tokens whose KV is in its blocks
     already (the prefill node need not send it), the rows of the KV cache (`cache`, [layers, 2, rows,
     kv_heads, head_dim]) for the rest, where the KV can be received in place (None: the request waits
-    for blocks, or the engine's blocks are split over tensor-parallel ranks, so its KV comes as a
-    tensor), and its first token's maker."""
+    for blocks, so its KV comes as a tensor), its blocks, and its first token's maker. Under tensor
+    parallelism `cache` is rank 0's, which holds its heads only; each rank's cache has the same rows
+    (KVCache.rows of `blocks`), where its own heads are received."""
     cached_tokens: int
     cache: torch.Tensor
     rows: torch.Tensor | None
+    blocks: list[int]
     first: FirstToken
 
 
@@ -82,10 +84,8 @@ class RemotePrefills(KVArrival):
     def __init__(self, kv_cache: KVCache, block_manager: BlockManager, num_layers: int, kv_shape: tuple[int, int],
                  before: list[KVArrival], load: Callable[[list[int], torch.Tensor, int], None] | None = None):
         """load(block_ids, kv, start): writes received KV of every head into the blocks, from token start
-        on (ModelRunner.load_kv: under tensor parallelism, each rank's heads to it); None: kv_cache.scatter,
-        and KV may be received straight into the blocks' rows, which hold every head."""
+        on (ModelRunner.load_kv: under tensor parallelism, each rank's heads to it); None: kv_cache.scatter."""
         self.kv_cache = kv_cache
-        self.in_place = load is None
         self.load = load or kv_cache.scatter
         self.block_manager = block_manager
         self.num_layers = num_layers
@@ -126,9 +126,9 @@ class RemotePrefills(KVArrival):
         return (longest - hits) * bm.block_size
 
     def slot(self, seq: Sequence, first: FirstToken) -> RemoteSlot:
-        holds = seq.status == SequenceStatus.WAITING_FOR_KV and self.in_place
+        holds = seq.status == SequenceStatus.WAITING_FOR_KV
         rows = self.kv_cache.rows(seq.block_table, seq.num_cached_tokens, seq.num_prompt_tokens) if holds else None
-        return RemoteSlot(seq.num_cached_tokens, self.kv_cache.kv, rows, first)
+        return RemoteSlot(seq.num_cached_tokens, self.kv_cache.kv, rows, list(seq.block_table), first)
 
     def receive(self, seq: Sequence, remote: RemotePrefill) -> None:
         """Take a remote sequence's KV (of prompt tokens remote.kv_start on; None: in its blocks

@@ -92,6 +92,7 @@ class TPWorkers:
         self.pipes = pipes
         self.tp: TPGroup | None = None  # the driver's place in the group, once formed
         self.kv_heads: list[tuple[int, int]] = []  # each rank's KV heads, set by the builder
+        self.channels: list = []  # rank i + 1's rank_service channel at index i (EngineConfig.rank_service)
         self.dead: str | None = None  # why the group can no longer compute
         self.stopping = False
         # Called once, on the watchdog thread, when a worker dies while the engine runs.
@@ -108,17 +109,22 @@ class TPWorkers:
         size = config.tensor_parallel_size
         store = TPGroup.host_store(size)
         ctx = mp.get_context("spawn")  # no fork of a process with threads (and CUDA) running
-        processes, pipes = [], []
+        processes, pipes, channels = [], [], []
         for rank in range(1, size):
             receive, send = ctx.Pipe(duplex=False)
+            mine, theirs = ctx.Pipe() if config.rank_service is not None else (None, None)
             process = ctx.Process(target=worker_main, name=f"disagg-tp-rank{rank}", daemon=True,
                                   args=(config, model_dir, dtype, device, rank, store.port, receive,
-                                        torch.get_num_threads(), logging.getLogger().level))
+                                        torch.get_num_threads(), logging.getLogger().level, theirs))
             process.start()
             receive.close()
+            if theirs is not None:
+                theirs.close()
+                channels.append(mine)
             processes.append(process)
             pipes.append(send)
         workers = cls(processes, pipes)
+        workers.channels = channels
         workers.tp = TPGroup.join(0, size, device, store=store)
         logger.info("tensor parallelism %d: rank 0 here (pid %d) on %s, ranks %s", size, os.getpid(),
                     device, ", ".join(f"{r} (pid {p.pid}) on {rank_device(device, r)}"
@@ -180,7 +186,7 @@ class TPWorkers:
 
 
 def worker_main(config: EngineConfig, model_dir: Path, dtype: torch.dtype, device: torch.device, rank: int,
-                port: int, pipe, num_threads: int, log_level: int) -> None:
+                port: int, pipe, num_threads: int, log_level: int, channel) -> None:
     """A worker rank: join the group, build this rank's runner, then run each step the driver sends."""
     from disagg.engine.builder import build_rank_runner  # here: the builder imports this module
     from disagg.engine.loader import load_config
@@ -196,6 +202,8 @@ def worker_main(config: EngineConfig, model_dir: Path, dtype: torch.dtype, devic
         torch.cuda.set_device(device)
     tp = TPGroup.join(rank, config.tensor_parallel_size, device, port=port)
     runner = build_rank_runner(config, model_dir, load_config(model_dir), device, dtype, tp)
+    if channel is not None:
+        config.rank_service(rank, runner.kv_cache, channel)
     seqs: dict[str, Sequence] = {}
     while True:
         try:

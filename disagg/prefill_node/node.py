@@ -17,7 +17,7 @@ from collections import OrderedDict
 import torch
 
 from disagg import metrics
-from disagg.control_plane import NodeInfo, NodeLoad, PrefillCall, PrefillProgress, PrefillResult
+from disagg.control_plane import NodeInfo, NodeLoad, PrefillCall, PrefillProgress, PrefillResult, rank_entry_id
 from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.sequence import KVExport
 from disagg.engine.step_cost import StepCost
@@ -36,36 +36,57 @@ REGISTRATION_LIVE_S = 300.0
 # (docs/ARCHITECTURE.md, "Threads and the GIL"), while only the last part's transfer waits for the
 # prompt's last layer.
 LAYER_PARTS = 8
+MAX_RANK_ENTRIES = 4096  # requests whose entries to a decode node's ranks are remembered, for their Abort
+
+
+@dataclasses.dataclass(frozen=True)
+class RankEntry:
+    """One producer entry of a request's KV: to one decode rank, with its KV heads [first, end) (None:
+    every head, to a decode node that takes them all on one endpoint)."""
+    entry_id: str
+    dest: tuple[str, int]
+    heads: tuple[int, int] | None
 
 
 class LayerSender:
-    """A KVExport's put for one request: each layer group's KV into the producer's open entry, copied
-    to pinned host memory on a stream of its own unless the buffer is on the GPU. Runs on the
-    engine thread and never waits for the GPU."""
+    """A KVExport's put for one request: each layer group's KV into the producer's open entries (one
+    per decode rank, each with that rank's heads), copied to pinned host memory on a stream of its
+    own unless the buffer is on the GPU. Runs on the engine thread and never waits for the GPU."""
 
-    def __init__(self, producer: LookupBufferProducer, request_id: str, num_layers: int,
+    def __init__(self, producer: LookupBufferProducer, entries: list[RankEntry], num_layers: int,
                  copy_stream: torch.cuda.Stream | None):
         self.producer = producer
-        self.request_id = request_id
+        self.entries = entries
         self.num_layers = num_layers
         self.copy_stream = copy_stream  # None: the KV stays where the engine computed it
-        self.tokens_put = 0  # of every layer
+        self.tokens_put = 0  # of every layer, to every entry
 
     def put(self, first: int, end: int, kv: torch.Tensor) -> None:
         ready = None
         if kv.is_cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(kv.device))  # after the gather of these layers
-            if self.copy_stream is not None:
-                host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
+        sent = True
+        for entry in self.entries:
+            part, part_ready = kv, ready
+            if entry.heads is not None:  # a rank's heads, copied below: the pipe sends contiguous tensors
+                part = kv[:, :, :, entry.heads[0]:entry.heads[1]]
+            if kv.is_cuda and self.copy_stream is not None:
+                host = torch.empty(part.shape, dtype=kv.dtype, pin_memory=True)
                 with torch.cuda.stream(self.copy_stream):
                     self.copy_stream.wait_event(ready)
-                    host.copy_(kv, non_blocking=True)
+                    host.copy_(part, non_blocking=True)
                     kv.record_stream(self.copy_stream)  # its memory is not reused before the copy ends
-                    ready = torch.cuda.Event()
-                    ready.record()
-                kv = host
-        if self.producer.put(self.request_id, first, end, kv, ready) and end == self.num_layers:  # else aborted
+                    part_ready = torch.cuda.Event()
+                    part_ready.record()
+                part = host
+            elif entry.heads is not None:
+                part = part.contiguous()
+                if kv.is_cuda:
+                    part_ready = torch.cuda.Event()
+                    part_ready.record(torch.cuda.current_stream(kv.device))
+            sent = self.producer.put(entry.entry_id, first, end, part, part_ready) and sent  # False: aborted
+        if sent and end == self.num_layers:
             self.tokens_put += kv.shape[2]
 
 
@@ -86,7 +107,9 @@ class PrefillNode:
         self.layerwise = layerwise  # else a prompt's KV goes as one message once all layers have run
         self.layerwise_min_tokens = layerwise_min_tokens  # a prompt with fewer tokens to send goes whole
         self.copy_stream: torch.cuda.Stream | None = None  # KV to host memory, off the engine's stream
-        self.callers: dict[str, tuple[str, int]] = {}  # request id -> the kv_dest of the call computing it
+        self.callers: dict[str, PrefillCall] = {}  # request id -> the call computing it
+        # Request id -> its entries to a decode node's ranks, until aborted or pushed out by newer ones.
+        self.rank_entries: OrderedDict[str, list[RankEntry]] = OrderedDict()
         self.senders: dict[str, LayerSender] = {}  # request id -> where its KV goes, as it is computed
         # Pipe endpoints decode nodes registered at their Info handshake, least recently seen first: the
         # only places KV goes, so a caller cannot make this node connect anywhere it likes.
@@ -104,11 +127,11 @@ class PrefillNode:
         params = dataclasses.replace(call.params, max_tokens=1, min_tokens=min(call.params.min_tokens, 1), stop=[])
         if params.structured is not None:  # compiled here, off the engine thread, which then finds it cached
             await self.engine.compile_grammar(params.structured)
-        export, sender, nbytes = await self._open_entry(call)
+        export, sender, nbytes = await self._open_entries(call)
         opened = time.perf_counter()
         metrics.KV_BUFFER_INSERT.observe(opened - start)
         final = None
-        self.callers[call.request_id] = call.kv_dest
+        self.callers[call.request_id] = call
         self.senders[call.request_id] = sender
         try:
             async for out in self.engine.generate(call.request_id, call.prompt_token_ids, params, kv_export=export):
@@ -117,7 +140,8 @@ class PrefillNode:
                 raise RuntimeError(
                     f"prefill of {call.request_id} ended without its KV ({final and final.finish_reason})")
         except BaseException:
-            self.producer.abort(call.request_id)  # on the wire already, the decode node is told it is cancelled
+            for entry in sender.entries:  # on the wire already, the decode node is told it is cancelled
+                self.producer.abort(entry.entry_id)
             raise
         finally:
             self.callers.pop(call.request_id, None)
@@ -137,31 +161,62 @@ class PrefillNode:
             prefill_seconds=seconds,
         )
 
-    async def _open_entry(self, call: PrefillCall) -> tuple[KVExport, LayerSender, int]:
-        """The producer's entry for the prompt's KV from call.skip_tokens on (the decode node holds
-        the rest), its room reserved before the prefill runs, and the export that fills it."""
+    def rank_entries_of(self, call: PrefillCall) -> list[RankEntry]:
+        """Where the call's KV goes: one entry of every head to kv_dest, or one per decode rank with its
+        heads. Raises ValueError for heads outside the model's."""
+        if not call.kv_ranks:
+            return [RankEntry(call.request_id, call.kv_dest, None)]
+        heads = self.info.num_kv_heads
+        for rank in call.kv_ranks:
+            if not 0 <= rank.heads[0] < rank.heads[1] <= heads:
+                raise ValueError(f"decode rank heads {list(rank.heads)} are not a run of this model's {heads} KV heads")
+        return [RankEntry(rank_entry_id(call.request_id, r), rank.dest, rank.heads)
+                for r, rank in enumerate(call.kv_ranks)]
+
+    async def _open_entries(self, call: PrefillCall) -> tuple[KVExport, LayerSender, int]:
+        """The producer's entries for the prompt's KV from call.skip_tokens on (the decode node holds
+        the rest), their room reserved before the prefill runs, and the export that fills them."""
         engine = self.engine
         num_layers = engine.model_config.num_hidden_layers
-        per_layer = engine.kv_bytes_per_token_layer
+        per_head = engine.kv_bytes_per_token_layer // self.info.num_kv_heads
         tokens = len(call.prompt_token_ids) - call.skip_tokens
-        nbytes = num_layers * per_layer * tokens
         layerwise = self.layerwise and tokens >= self.layerwise_min_tokens
         layers = layer_groups(num_layers) if layerwise else [(0, num_layers)]
-        entry = (call.request_id, call.prompt_token_ids, layers, tokens, nbytes, call.kv_dest)
-        if not self.producer.open(*entry, wait=False):  # at once when there is room: no thread hop
-            # Full: wait (bounded) for buffer space off the event loop, and shielded, so that a call
-            # cancelled meanwhile (its decode node gave up) aborts the entry once it is open.
-            opening = asyncio.ensure_future(asyncio.to_thread(self.producer.open, *entry))
-            try:
-                await asyncio.shield(opening)
-            except asyncio.CancelledError:
-                opening.add_done_callback(lambda task: self._abort_opened(task, call.request_id))
-                raise
+        entries, opened, nbytes = self.rank_entries_of(call), [], 0
+        try:
+            for entry in entries:
+                first, end = entry.heads or (0, self.info.num_kv_heads)
+                size = num_layers * per_head * (end - first) * tokens
+                await self._open_entry(entry, call.prompt_token_ids, layers, tokens, size)
+                opened.append(entry)
+                nbytes += size
+        except BaseException:
+            for entry in opened:
+                self.producer.abort(entry.entry_id)
+            raise
+        if call.kv_ranks:
+            self.rank_entries[call.request_id] = entries
+            while len(self.rank_entries) > MAX_RANK_ENTRIES:
+                self.rank_entries.popitem(last=False)
         if engine.device.type == "cuda" and self.kv_buffer_device == "cpu" and self.copy_stream is None:
             self.copy_stream = torch.cuda.Stream(engine.device)
         copy_stream = self.copy_stream if self.kv_buffer_device == "cpu" else None
-        sender = LayerSender(self.producer, call.request_id, num_layers, copy_stream)
+        sender = LayerSender(self.producer, entries, num_layers, copy_stream)
         return KVExport(call.skip_tokens, layers, sender.put, at_end=not layerwise), sender, nbytes
+
+    async def _open_entry(self, entry: RankEntry, token_ids: list[int], layers: list[tuple[int, int]], tokens: int,
+                          nbytes: int) -> None:
+        """One entry opened in the producer, its room reserved."""
+        args = (entry.entry_id, token_ids, layers, tokens, nbytes, entry.dest)
+        if not self.producer.open(*args, wait=False):  # at once when there is room: no thread hop
+            # Full: wait (bounded) for buffer space off the event loop, and shielded, so that a call
+            # cancelled meanwhile (its decode node gave up) aborts the entry once it is open.
+            opening = asyncio.ensure_future(asyncio.to_thread(self.producer.open, *args))
+            try:
+                await asyncio.shield(opening)
+            except asyncio.CancelledError:
+                opening.add_done_callback(lambda task: self._abort_opened(task, entry.entry_id))
+                raise
 
     def _abort_opened(self, opening: asyncio.Future, request_id: str) -> None:
         if not opening.cancelled() and opening.exception() is None:
@@ -198,7 +253,8 @@ class PrefillNode:
         else:
             candidates = None
         if candidates is not None:
-            in_flight = set(self.callers.values())
+            in_flight = {call.kv_dest for call in self.callers.values()}
+            in_flight |= {rank.dest for call in self.callers.values() for rank in call.kv_ranks}
             victim = next((d for d in candidates
                            if d not in in_flight and now - self.destinations[d].seen >= REGISTRATION_LIVE_S), None)
             if victim is None:
@@ -237,9 +293,14 @@ class PrefillNode:
 
     async def abort(self, request_id: str, caller: tuple[str, int]) -> bool:
         """Drop a request, only for the decode node (by its pipe endpoint) that asked for it."""
-        in_engine = self.callers.get(request_id) == caller and await self.engine.abort(request_id)
-        in_buffer = self.producer.abort(request_id, caller)
-        return in_engine or in_buffer
+        call = self.callers.get(request_id)
+        in_engine = call is not None and call.kv_dest == caller and await self.engine.abort(request_id)
+        entries = self.rank_entries.get(request_id) or [RankEntry(request_id, caller, None)]
+        if entries[0].dest != caller:
+            return in_engine
+        self.rank_entries.pop(request_id, None)
+        in_buffer = [self.producer.abort(entry.entry_id, entry.dest) for entry in entries]
+        return in_engine or any(in_buffer)
 
 
 def layer_groups(num_layers: int) -> list[tuple[int, int]]:

@@ -56,10 +56,12 @@ class PrefillServicer(disagg_pb2_grpc.PrefillServiceServicer):
         self.stopping = False  # set as the server stops: Watch streams end, so the stop needs no grace for them
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.NodeInfo:
-        if request.kv_host and not self.node.register((request.kv_host, request.kv_port), peer_address(context.peer())):
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"cannot register {request.kv_host}:{request.kv_port}: every decode node registration "
-                                "from this address, or of all, is in use; retry later")
+        peer = peer_address(context.peer())
+        for port in [request.kv_port, *request.kv_rank_ports] if request.kv_host else []:
+            if not self.node.register((request.kv_host, port), peer):
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"cannot register {request.kv_host}:{port}: every decode node registration "
+                                    "from this address, or of all, is in use; retry later")
         return convert.node_info_to_proto(self.node.info)
 
     async def Prefill(self, request: pb.PrefillRequest,
@@ -71,10 +73,11 @@ class PrefillServicer(disagg_pb2_grpc.PrefillServiceServicer):
             call = convert.prefill_call_from_proto(request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prefill of {request.request_id} refused: {e}")
-        if not self.node.is_registered(call.kv_dest):
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"prefill of {request.request_id} refused: kv_dest {call.kv_dest[0]}:{call.kv_dest[1]} "
-                                "is not a registered decode node; its Info handshake registers it")
+        for dest in [call.kv_dest] + [rank.dest for rank in call.kv_ranks[1:]]:
+            if not self.node.is_registered(dest):
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"prefill of {request.request_id} refused: kv_dest {dest[0]}:{dest[1]} "
+                                    "is not a registered decode node; its Info handshake registers it")
         self.connections[call.request_id] = context.peer()
         self.connections.move_to_end(call.request_id)
         if len(self.connections) > MAX_ABORTABLE:

@@ -6,7 +6,15 @@ everything else passes the dataclasses of disagg/control_plane.py.
 
 from dataclasses import asdict
 
-from disagg.control_plane import NodeInfo, NodeLoad, PrefillCall, PrefillProgress, PrefillResult, sampling_fields
+from disagg.control_plane import (
+    KVRank,
+    NodeInfo,
+    NodeLoad,
+    PrefillCall,
+    PrefillProgress,
+    PrefillResult,
+    sampling_fields,
+)
 from disagg.engine.kv_events import KVEventBatch, KVSnapshot
 from disagg.engine.sampling_params import SamplingParams, StructuredOutputSpec
 from disagg.engine.sequence import TokenLogprob
@@ -33,7 +41,9 @@ def prefill_call_to_proto(call: PrefillCall) -> pb.PrefillRequest:
         sampling["structured"] = pb.StructuredOutput(kind=spec.kind, value=spec.value, after_tokens=spec.after_tokens)
     return pb.PrefillRequest(request_id=call.request_id, prompt_token_ids=call.prompt_token_ids,
                              sampling=pb.SamplingFields(**sampling), kv_dest_host=host, kv_dest_port=port,
-                             skip_tokens=call.skip_tokens, pull_from=call.pull_from, pull_blocks=call.pull_blocks)
+                             skip_tokens=call.skip_tokens, pull_from=call.pull_from, pull_blocks=call.pull_blocks,
+                             kv_ranks=[pb.KVRank(host=r.dest[0], port=r.dest[1], first_head=r.heads[0],
+                                                 end_head=r.heads[1]) for r in call.kv_ranks])
 
 
 def prefill_call_from_proto(msg: pb.PrefillRequest) -> PrefillCall:
@@ -54,9 +64,12 @@ def prefill_call_from_proto(msg: pb.PrefillRequest) -> PrefillCall:
             f"skip_tokens must be in [0, prompt length {len(msg.prompt_token_ids)}), got {msg.skip_tokens}")
     if msg.pull_blocks < 0:
         raise ValueError(f"pull_blocks must be 0 or more, got {msg.pull_blocks}")
+    kv_ranks = [KVRank((r.host, r.port), (r.first_head, r.end_head)) for r in msg.kv_ranks]
+    if kv_ranks and kv_ranks[0].dest != (msg.kv_dest_host, msg.kv_dest_port):
+        raise ValueError("kv_ranks must start with kv_dest's (rank 0's)")
     return PrefillCall(request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids), params=params,
                        kv_dest=(msg.kv_dest_host, msg.kv_dest_port), skip_tokens=msg.skip_tokens,
-                       pull_from=msg.pull_from, pull_blocks=msg.pull_blocks)
+                       pull_from=msg.pull_from, pull_blocks=msg.pull_blocks, kv_ranks=kv_ranks)
 
 
 def prefill_result_to_proto(result: PrefillResult) -> pb.PrefillReply:

@@ -7,12 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class InfoRequest(_message.Message):
-    __slots__ = ("kv_host", "kv_port")
+    __slots__ = ("kv_host", "kv_port", "kv_rank_ports")
     KV_HOST_FIELD_NUMBER: _ClassVar[int]
     KV_PORT_FIELD_NUMBER: _ClassVar[int]
+    KV_RANK_PORTS_FIELD_NUMBER: _ClassVar[int]
     kv_host: str
     kv_port: int
-    def __init__(self, kv_host: _Optional[str] = ..., kv_port: _Optional[int] = ...) -> None: ...
+    kv_rank_ports: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kv_host: _Optional[str] = ..., kv_port: _Optional[int] = ..., kv_rank_ports: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
     __slots__ = ("model_name", "dtype", "num_layers", "num_kv_heads", "head_dim", "block_size", "kv_connector", "kv_ip", "kv_port", "protocol_version")
@@ -88,7 +90,7 @@ class StructuredOutput(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., value: _Optional[str] = ..., after_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_dest_host", "kv_dest_port", "skip_tokens", "pull_from", "pull_blocks")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_dest_host", "kv_dest_port", "skip_tokens", "pull_from", "pull_blocks", "kv_ranks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +99,7 @@ class PrefillRequest(_message.Message):
     SKIP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PULL_FROM_FIELD_NUMBER: _ClassVar[int]
     PULL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_RANKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingFields
@@ -105,7 +108,20 @@ class PrefillRequest(_message.Message):
     skip_tokens: int
     pull_from: str
     pull_blocks: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingFields, _Mapping]] = ..., kv_dest_host: _Optional[str] = ..., kv_dest_port: _Optional[int] = ..., skip_tokens: _Optional[int] = ..., pull_from: _Optional[str] = ..., pull_blocks: _Optional[int] = ...) -> None: ...
+    kv_ranks: _containers.RepeatedCompositeFieldContainer[KVRank]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingFields, _Mapping]] = ..., kv_dest_host: _Optional[str] = ..., kv_dest_port: _Optional[int] = ..., skip_tokens: _Optional[int] = ..., pull_from: _Optional[str] = ..., pull_blocks: _Optional[int] = ..., kv_ranks: _Optional[_Iterable[_Union[KVRank, _Mapping]]] = ...) -> None: ...
+
+class KVRank(_message.Message):
+    __slots__ = ("host", "port", "first_head", "end_head")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_HEAD_FIELD_NUMBER: _ClassVar[int]
+    END_HEAD_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    port: int
+    first_head: int
+    end_head: int
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., first_head: _Optional[int] = ..., end_head: _Optional[int] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
