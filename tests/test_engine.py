@@ -615,17 +615,17 @@ def test_async_scheduling_a_failed_step_ahead_fails_its_requests_once_the_step_b
                                                                                              monkeypatch):
     engine = ahead.engine
     free = engine.block_manager.num_free_blocks
-    run = engine.runner.run
+    run_ahead = engine.runner.run_ahead
     calls = 0
 
-    def failing_third_ahead(batch, placeholders=None):
+    def failing_third_ahead(batch, placeholders):
         nonlocal calls
         calls += placeholders is not None
         if calls == 3 and placeholders is not None:
             raise RuntimeError("injected forward failure")
-        return run(batch, placeholders)
+        return run_ahead(batch, placeholders)
 
-    monkeypatch.setattr(engine.runner, "run", failing_third_ahead)
+    monkeypatch.setattr(engine.runner, "run_ahead", failing_third_ahead)
     engine.add_request("x", PROMPTS[1], greedy(16))
     engine.add_request("y", PROMPTS[4], greedy(16))
     done = run_to_end(ahead)

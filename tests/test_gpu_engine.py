@@ -187,12 +187,15 @@ def test_remote_requests_under_max_num_seqs_on_cuda(gpu_model_dir, prompts, refe
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs two GPUs")
-@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-def test_tensor_parallel_2_greedy_equals_transformers(gpu_model_dir, prompts, reference, enforce_eager):
+@pytest.mark.parametrize("enforce_eager,async_scheduling", [(False, False), (True, False), (False, True)],
+                         ids=["graphs", "eager", "graphs-async"])
+def test_tensor_parallel_2_greedy_equals_transformers(gpu_model_dir, prompts, reference, enforce_eager,
+                                                      async_scheduling):
     """TP=2 on cuda:0 and cuda:1 (NCCL all-reduces, captured in the decode graphs unless eager), with
     chunked prefill and a prefix hit, gives transformers' float32 tokens."""
     llm = LLM(str(gpu_model_dir), device="cuda", dtype="float32", enforce_eager=enforce_eager,
-              kv_cache_memory=2**30, max_num_seqs=16, max_num_batched_tokens=256, tensor_parallel_size=2)
+              kv_cache_memory=2**30, max_num_seqs=16, max_num_batched_tokens=256, tensor_parallel_size=2,
+              async_scheduling=async_scheduling)
     try:
         assert (llm.engine.runner.graphs is None) == enforce_eager
         outs = llm.generate(prompts, GREEDY)

@@ -141,6 +141,21 @@ def test_tp2_greedy_equals_tp1_with_prefix_hits_chunks_and_preemption(model_dir:
     print(f"TP=1 and TP=2 generations: {time.monotonic() - start:.1f} s")
 
 
+def test_tp2_async_scheduling_gives_transformers_tokens(model_dir: Path, hf_model):
+    """Async scheduling under TP=2: each rank takes the next step's input tokens from the tokens it chose
+    itself (the logits are all-gathered, so they are the driver's). Greedy, so steps go ahead."""
+    llm = LLM(str(model_dir), device="cpu", kv_cache_memory=2**24, tensor_parallel_size=2, async_scheduling=True)
+    launch, ahead = llm.engine._launch, []
+    llm.engine._launch = lambda batch, prev: ahead.append(prev is not None) or launch(batch, prev)
+    try:
+        outs = llm.generate(PROMPTS[:5], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    finally:
+        llm.engine.close()
+    assert sum(ahead) > 5 and all(o.error is None for o in outs)
+    for out in outs:
+        assert out.token_ids == hf_greedy(hf_model, out.prompt_token_ids, MAX_TOKENS)
+
+
 def rank_logits(model_dir: Path, size: int, token_ids: list[int]) -> torch.Tensor:
     """Every position's logits of one prompt with the model sharded over `size` ranks, the ranks as threads
     of this process (a gloo group like the worker processes'): rank 0's."""

@@ -350,7 +350,7 @@ class LLMEngine:
         admitted (the waiting ones wait for KV still on its way) and no preemption (free blocks for
         every next token): its inputs can be made before the step in flight is read back."""
         s, bm = self.scheduler, self.block_manager
-        if (self.runner.workers is not None or self.offload is not None or not s.running
+        if (self.offload is not None or not s.running
                 or any(seq.status != SequenceStatus.WAITING_FOR_KV or not s.kv_pending(seq) for seq in s.waiting)):
             return False
         needed = 0
@@ -368,8 +368,8 @@ class LLMEngine:
         on the device, their copy to the host under way."""
         self.num_steps += 1
         self.step_prompt_tokens = 0
-        batch, logits, _ = self.runner.run(batch, None if prev is None else prev.tokens)
-        return batch, _InFlight.launched([item.seq for item in batch], self.sampler.greedy_on_device(logits))
+        batch, tokens = self.runner.run_ahead(batch, None if prev is None else prev.tokens)
+        return batch, _InFlight.launched([item.seq for item in batch], tokens)
 
     def _land(self, launched: tuple[list[ScheduledSeq], _InFlight]) -> list[RequestOutput]:
         """After the step before it was read back (its tokens are this one's inputs, now known on the

@@ -7,7 +7,7 @@ import torch
 
 from disagg.engine.layers.attention import AttentionBackend, StepInputs
 from disagg.engine.models.llama import LlamaForCausalLM
-from disagg.engine.sampler import logprob_entries
+from disagg.engine.sampler import Sampler, logprob_entries
 from disagg.engine.scheduler import ScheduledSeq
 from disagg.engine.sequence import Sequence, TokenLogprob
 from disagg.engine.tp_workers import TPWorkers
@@ -32,23 +32,32 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.workers: TPWorkers | None = None  # the driver's, under tensor parallelism (builder.build_runner)
 
-    def run(self, batch: list[ScheduledSeq], placeholders: torch.Tensor | None = None
-            ) -> tuple[list[ScheduledSeq], torch.Tensor, PromptLogprobs]:
+    def run(self, batch: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], torch.Tensor, PromptLogprobs]:
         """Compute the batch's new tokens. Returns the batch in the order it ran, float32 logits
         [num_sampled, vocab] on the device for the sequences whose last token was computed, in
         that order, and the prompt logprobs of this step's chunks of sequences that ask for them
         (only then is anything beyond the sampled rows computed). Under tensor parallelism every
-        rank runs it on the same batch (the driver sends it to the others first).
-        placeholders: the tokens a step before chose, still on the device: an input token -(i + 1)
-        stands for its row i (async scheduling, one process only)."""
-        if placeholders is not None:
-            return self._run(batch, placeholders)
+        rank runs it on the same batch (the driver sends it to the others first)."""
         return self._on_all_ranks("run", self._run, batch)
 
-    def _on_all_ranks(self, method: str, run: Callable, batch: list[ScheduledSeq]):
+    def run_ahead(self, batch: list[ScheduledSeq], placeholders: torch.Tensor | None
+                  ) -> tuple[list[ScheduledSeq], torch.Tensor]:
+        """A greedy decode step of async scheduling: the batch in the order it ran and the tokens it
+        chose, left on the device. An input token -(i + 1) stands for row i of `placeholders`, the
+        tokens the step before chose. Under tensor parallelism each rank keeps its own (the logits
+        are all-gathered, so every rank chooses the same) and takes them from there."""
+        return self._on_all_ranks("run_ahead", lambda b: self._run_ahead(b, placeholders), batch,
+                                  placeholders is not None)
+
+    def _run_ahead(self, batch: list[ScheduledSeq], placeholders: torch.Tensor | None
+                   ) -> tuple[list[ScheduledSeq], torch.Tensor]:
+        batch, logits, _ = self._run(batch, placeholders)
+        return batch, Sampler.greedy_on_device(logits)
+
+    def _on_all_ranks(self, method: str, run: Callable, batch: list[ScheduledSeq], placeholders: bool = False):
         if self.workers is None:
             return run(batch)
-        self.workers.send(method, batch)
+        self.workers.send(method, batch, placeholders)
         try:
             return run(batch)
         except BaseException as e:  # the other ranks may wait in a collective this one left

@@ -74,9 +74,10 @@ class KVLoad:
 
 @dataclass
 class StepMessage:
-    method: str  # the ModelRunner method: "run" or "all_logits"; or "load_kv"
+    method: str  # the ModelRunner method: "run", "run_ahead" or "all_logits"; or "load_kv"
     batch: list[StepSeq]
     load: KVLoad | None = None
+    placeholders: bool = False  # run_ahead: input tokens -(i + 1) are row i of the last run_ahead's tokens
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -131,9 +132,9 @@ class TPWorkers:
                                       for r, p in enumerate(processes, 1)))
         return workers, workers.tp
 
-    def send(self, method: str, batch: list[ScheduledSeq]) -> None:
+    def send(self, method: str, batch: list[ScheduledSeq], placeholders: bool = False) -> None:
         """Have every worker run `method` on this batch (the driver runs it too, right after)."""
-        self._send(StepMessage(method, [StepSeq.of(item) for item in batch]))
+        self._send(StepMessage(method, [StepSeq.of(item) for item in batch], placeholders=placeholders))
 
     def load_kv(self, block_ids: list[int], kv: torch.Tensor, start: int) -> None:
         """Each worker's KV heads of `kv` (every head) into its blocks (ModelRunner.load_kv)."""
@@ -205,6 +206,7 @@ def worker_main(config: EngineConfig, model_dir: Path, dtype: torch.dtype, devic
     if channel is not None:
         config.rank_service(rank, runner.kv_cache, channel)
     seqs: dict[str, Sequence] = {}
+    ahead: torch.Tensor | None = None  # the tokens the last run_ahead chose: the next one's placeholders
     while True:
         try:
             message: StepMessage = pipe.recv()
@@ -219,7 +221,10 @@ def worker_main(config: EngineConfig, model_dir: Path, dtype: torch.dtype, devic
             continue
         seqs = {step.request_id: mirror(step, seqs.get(step.request_id)) for step in message.batch}
         batch = [ScheduledSeq(seqs[step.request_id], step.num_new_tokens) for step in message.batch]
-        getattr(runner, message.method)(batch)
+        if message.method == "run_ahead":
+            _, ahead = runner.run_ahead(batch, ahead if message.placeholders else None)
+        else:
+            getattr(runner, message.method)(batch)
 
 
 def mirror(step: StepSeq, seq: Sequence | None) -> Sequence:
