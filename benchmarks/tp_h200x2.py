@@ -100,6 +100,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--enforce-eager", action="store_true", help="no decode CUDA graphs at either size")
+    ap.add_argument("--async-scheduling", action="store_true", help="both engines launch each decode step before "
+                                                                    "reading back the one in flight")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default=None, metavar="DIR", help="also profile the decode steps into DIR")
     args = ap.parse_args()
@@ -115,7 +117,8 @@ def main() -> int:
 
     common = dict(device=args.device, dtype="bfloat16", max_batch=max(DECODE_BATCHES), prompt_len=DECODE_CONTEXT,
                   decode_tokens=args.decode_steps, max_model_len=PREFILL_TOKENS + 2 * args.decode_steps,
-                  max_num_batched_tokens=PREFILL_TOKENS, enforce_eager=args.enforce_eager)
+                  max_num_batched_tokens=PREFILL_TOKENS, enforce_eager=args.enforce_eager,
+                  async_scheduling=args.async_scheduling)
     benches, start_s = {}, {}
     for tp in (1, 2):
         start = time.perf_counter()
@@ -169,7 +172,7 @@ def main() -> int:
         "machine": machine_info(device) | {"gpus": [torch.cuda.get_device_name(i) for i in range(2)]
                                            if device.type == "cuda" else []},
         "shape": args.shape, "model": config, "dtype": "bfloat16", "device": args.device,
-        "cuda_graphs": device.type == "cuda" and not args.enforce_eager,
+        "cuda_graphs": device.type == "cuda" and not args.enforce_eager, "async_scheduling": args.async_scheduling,
         "repeats": args.repeats, "decode_steps": args.decode_steps, "decode_context": DECODE_CONTEXT,
         "engine_start_s": {str(tp): round(s, 2) for tp, s in start_s.items()},
         "decode_step_ms": {str(tp): {str(b): round(s * 1e3, 4) for b, s in step[tp].items()} for tp in benches},
