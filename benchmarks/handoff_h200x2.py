@@ -55,6 +55,8 @@ STEP_PREFIXES = ("colocated_", "decode_", "prefill_")  # measure()'s per-request
 
 def node_kwargs(args: argparse.Namespace, model: Path, mode: str) -> dict:
     extra = ["--kv-cache-memory", args.kv_cache_memory, "--max-model-len", str(args.max_model_len)]
+    if args.async_scheduling:
+        extra.append("--async-scheduling")
     if args.max_num_batched_tokens:  # prompts longer than this are computed (and sent) in chunks
         extra += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     return dict(model=str(model), dtype=args.dtype, connector=args.connector, extra=extra,
@@ -378,6 +380,7 @@ def main() -> int:
                     help="during the middle rate's run: py-spy on both 1P1D nodes, and a 2 s torch.profiler trace "
                          "of the decoding nodes (and the prefill node) of each system")
     ap.add_argument("--kv-cache-memory", default="24GiB")
+    ap.add_argument("--async-scheduling", action="store_true", help="every node steps ahead (--async-scheduling)")
     ap.add_argument("--max-model-len", type=int, default=16384 + 64)
     ap.add_argument("--max-num-batched-tokens", type=int, help="the nodes' chunk size (default: theirs, 2048)")
     ap.add_argument("--json", required=True)

@@ -4,14 +4,16 @@
 # PHASE: tests (the 2-GPU handoff tests), ttft (layer-wise, then whole, or $MODES; $LENS), goodput
 # (layer-wise; $WORKLOADS, rates $RATES_4K / $RATES_CHAT; PROFILE=1 runs py-spy on the pair's nodes and takes
 # torch.profiler traces, PYSPY=1 py-spy alone on a decoding node of each system; CONNECTOR: the KV pipe, torch_dist
-# unless set; PREFILL_CHUNK sets the prefill node's max-num-batched-tokens), pipes (torch_dist beside nixl: 16 MiB, 256 MiB, a layer list),
+# unless set; ASYNC=1: every node with --async-scheduling (ttft and goodput); PREFILL_CHUNK sets the prefill
+# node's max-num-batched-tokens), pipes (torch_dist beside nixl: 16 MiB, 256 MiB, a layer list),
 # cache (issue 26: cache_aware against least_loaded routing, 2P2D over tcp, shared 4k prefixes; rates
 # $RATES_CACHE, $REPEATS_CACHE runs of each, REMOTE_PREFILL=auto|always for the decode nodes, DECODE_KV their
 # KV cache, 16GiB unless set).
 # Each writes its JSON and log under $OUT; the last lines are the summary.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-common=(--tokenizer-dir .device/tok --gpus 2 --connector "${CONNECTOR:-torch_dist}" --kv-buffer-device cuda --kv-cache-memory 24GiB)
+common=(--tokenizer-dir .device/tok --gpus 2 --connector "${CONNECTOR:-torch_dist}" --kv-buffer-device cuda --kv-cache-memory 24GiB
+        ${ASYNC:+--async-scheduling})
 for phase in "$@"; do
     case $phase in
     tests)

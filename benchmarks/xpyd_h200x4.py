@@ -251,6 +251,7 @@ def main() -> int:
     ap.add_argument("--rates-chat", default="1,2,3,4.5")
     ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--kv-cache-memory", default="24GiB")
+    ap.add_argument("--async-scheduling", action="store_true", help="every node steps ahead (--async-scheduling)")
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--max-num-batched-tokens", type=int, help="the nodes' chunk size (default: theirs, 2048)")
     ap.add_argument("--prefill-max-num-batched-tokens", type=int,

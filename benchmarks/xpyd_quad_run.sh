@@ -3,11 +3,13 @@
 #   bash benchmarks/xpyd_quad_run.sh PHASE...     carry [".whl", ".device"]
 # PHASE: tests (the 2-GPU engine and pipe tests), 4k or chat (xpyd_h200x4.py's goodput phase for that
 # workload: colocated x4 first, then $LAYOUTS, rates $RATES_4K / $RATES_CHAT, $NUM_REQUESTS a rate),
-# plan (`disagg plan` against the goodput JSON files already under $OUT). Each writes its JSON and log
-# under $OUT; a later call merges them: xpyd_h200x4.py --merge 4k.json chat.json plan.json --json ...
+# plan (`disagg plan` against the goodput JSON files already under $OUT); ASYNC=1: every node with
+# --async-scheduling. Each writes its JSON and log under $OUT; a later call merges them:
+# xpyd_h200x4.py --merge 4k.json chat.json plan.json --json ...
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-common=(--tokenizer-dir .device/tok --connector "${CONNECTOR:-torch_dist}" --num-requests "${NUM_REQUESTS:-40}")
+common=(--tokenizer-dir .device/tok --connector "${CONNECTOR:-torch_dist}" --num-requests "${NUM_REQUESTS:-40}"
+        ${ASYNC:+--async-scheduling})
 for phase in "$@"; do
     case $phase in
     tests)
