@@ -7,3 +7,8 @@ fi
 export PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 DISAGG_TEST_TOKENIZER_DIR=.device/tok
 out=${OUT:-/tmp/out}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+
+gpu_tests() {  # the 2-GPU engine and pipe tests, first in any call that measures
+    python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py tests/test_pipes.py -k gpu 2>&1 \
+        | tee "$out/tests.log" | tail -5
+}

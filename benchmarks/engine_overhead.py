@@ -23,7 +23,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -33,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_throughput import DisaggBench
 from gpu_e2e import write_model
 from kv_handoff import ttft_of
+
+from disagg.launch import wait_healthy
 
 
 def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -74,19 +75,8 @@ def server_phase(model_dir: Path, versions: dict[str, str], log_dir: Path, repea
                                         stderr=subprocess.STDOUT, env=env)
         urls[label] = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
         for label, url in urls.items():
-            while True:
-                if procs[label].poll() is not None:
-                    raise RuntimeError(f"{label}'s node exited: see {log_dir}/server_{label}.log")
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the nodes did not start")
-                time.sleep(1)
+            wait_healthy(url, procs[label], 300)  # a node that exits says why in its log in log_dir
         for url in urls.values():
             for prompt in random_prompts(3, 512, 3):
                 ttft_of(url, prompt)

@@ -16,9 +16,7 @@ common=(--tokenizer-dir .device/tok --gpus 2 --connector "${CONNECTOR:-torch_dis
         ${ASYNC:+--async-scheduling})
 for phase in "$@"; do
     case $phase in
-    tests)
-        python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py tests/test_pipes.py -k gpu 2>&1 \
-            | tee "$out/tests.log" | tail -5 ;;
+    tests) gpu_tests ;;
     ttft)
         for mode in ${MODES:-layerwise whole}; do
             python3 benchmarks/handoff_h200x2.py "${common[@]}" --phase ttft --lens "${LENS:-512,2048,8192,16384}" \

@@ -23,11 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e_disagg_vs_colocated import EMBEDDED_VOCAB
 from kv_handoff import COLOCATED_TIMES, deltas, scrape, ttft_of
+
+from disagg.launch import wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -41,22 +41,6 @@ def start(label: str, tree: str, log_dir: Path, extra: list[str]) -> tuple[subpr
     env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve()), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(argv, stdout=(log_dir / f"{label}.log").open("w"), stderr=subprocess.STDOUT, env=env)
     return proc, f"http://127.0.0.1:{port}"
-
-
-def wait_healthy(procs: dict[str, subprocess.Popen], urls: dict[str, str], log_dir: Path) -> None:
-    deadline = time.monotonic() + 300
-    for label, url in urls.items():
-        while True:
-            if procs[label].poll() is not None:
-                raise RuntimeError(f"{label}'s node exited: see {log_dir}/{label}.log")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the nodes did not start")
-            time.sleep(0.5)
 
 
 def one(url: str, prompt: list[int]) -> dict[str, float]:
@@ -85,7 +69,8 @@ def main() -> None:
         procs = {label: p for label, (p, _) in started.items()}
         urls = {label: u for label, (_, u) in started.items()}
         try:
-            wait_healthy(procs, urls, log_dir)
+            for label, url in urls.items():
+                wait_healthy(url, procs[label], 300)  # a node that exits says why in its log in log_dir
             labels = list(urls)
             for _ in range(3):  # warm-up
                 for label in labels:

@@ -12,9 +12,7 @@ common=(--tokenizer-dir .device/tok --connector "${CONNECTOR:-torch_dist}" --num
         ${ASYNC:+--async-scheduling})
 for phase in "$@"; do
     case $phase in
-    tests)
-        python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py tests/test_pipes.py -k gpu 2>&1 \
-            | tee "$out/tests.log" | tail -5 ;;
+    tests) gpu_tests ;;
     4k|chat)
         python3 benchmarks/xpyd_h200x4.py "${common[@]}" --phase goodput --workloads "$phase" \
             --layouts "${LAYOUTS:-colocated_x4,1p3d,2p2d,3p1d}" \
