@@ -310,16 +310,18 @@ class LLMEngine:
         if self.offload is not None:
             self.offload.store_new()  # eager: the blocks this step filled go to the host tier
         results = self.sampler(logits, sampled, masks)
-        for seq, result in zip(sampled, results):
-            # A failure in one sequence's sampling or post-processing fails that request alone.
-            try:
-                if isinstance(result, Exception):
-                    raise result  # sampling its row raised
-                outputs.append(self._append(seq, *result))
-            except Exception as e:
-                logger.exception("request %s failed; the other requests go on", seq.request_id)
-                outputs.append(self._fail(seq, f"sampling its next token failed: {type(e).__name__}: {e}"))
-        return outputs
+        return outputs + [self._take(seq, result) for seq, result in zip(sampled, results)]
+
+    def _take(self, seq: Sequence, result: tuple[int, TokenLogprob | None] | Exception) -> RequestOutput:
+        """A sampled token into its sequence; a failure in one sequence's sampling or post-processing
+        fails that request alone."""
+        try:
+            if isinstance(result, Exception):
+                raise result  # sampling its row raised
+            return self._append(seq, *result)
+        except Exception as e:
+            logger.exception("request %s failed; the other requests go on", seq.request_id)
+            return self._fail(seq, f"sampling its next token failed: {type(e).__name__}: {e}")
 
     # -- async scheduling: a decode step launched before the one in flight is read back --------
 
@@ -376,11 +378,10 @@ class LLMEngine:
         host): advance the launched step's sequences still running, and give each a placeholder for
         the token it is choosing."""
         batch, in_flight = launched
-        live = [item for item in batch if self._live(item.seq)]
-        self.scheduler.postprocess(live)
-        for row, item in enumerate(batch):
-            if self._live(item.seq):
-                item.seq.append_token(-(row + 1))
+        live = [(row, item) for row, item in enumerate(batch) if self._live(item.seq)]
+        self.scheduler.postprocess([item for _, item in live])
+        for row, item in live:
+            item.seq.append_token(-(row + 1))
         if live:
             self.in_flight = in_flight
         return []
@@ -395,15 +396,9 @@ class LLMEngine:
             for _, seq in live:
                 drop_placeholder(seq)
             return [self._fail(seq, f"the model forward failed: {type(e).__name__}: {e}") for _, seq in live]
-        outputs = []
-        for row, seq in live:
+        for _, seq in live:
             drop_placeholder(seq)
-            try:
-                outputs.append(self._append(seq, tokens[row], None))
-            except Exception as e:
-                logger.exception("request %s failed; the other requests go on", seq.request_id)
-                outputs.append(self._fail(seq, f"sampling its next token failed: {type(e).__name__}: {e}"))
-        return outputs
+        return [self._take(seq, (tokens[row], None)) for row, seq in live]
 
     def _live(self, seq: Sequence) -> bool:
         """Still running here: not finished, aborted or failed since it was scheduled."""
