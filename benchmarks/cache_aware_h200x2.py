@@ -128,9 +128,7 @@ def cluster(args: argparse.Namespace, model: Path, log_dir: Path):
         fronts = [System(f"decode-{gpu}", node, [node]) for gpu, node in enumerate(decode)]
         urls = {}
         for policy in POLICIES:
-            # cache_aware hashes the prompt's blocks as the nodes do: it needs the served model's tokenizer.
-            extra = ["--routing", policy] + (["--tokenizer", str(model)] if policy == "cache_aware" else [])
-            proc, urls[policy] = start_router(log_dir, fronts, extra)
+            proc, urls[policy] = start_router(log_dir, fronts, model, ["--routing", policy])
             routers.append(proc)
         yield prefill, decode, urls
     finally:

@@ -98,11 +98,14 @@ def ttft_phase(args: argparse.Namespace, model: Path) -> dict:
             "ttft_fixed_ms_512": first[512]["timeline_ms"]["colocated_fixed"] if 512 in first else None}
 
 
-def start_router(log_dir: Path, fronts: list[System], extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
-    """`disagg router` (least loaded unless `extra` says otherwise) in front of the systems' front nodes."""
+def start_router(log_dir: Path, fronts: list[System], model: Path,
+                 extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
+    """`disagg router` (cache aware unless `extra` says otherwise) in front of the systems' front nodes; it
+    hashes prompts with the served model's tokenizer, as the nodes do."""
     port = free_port()
     nodes = ",".join(f"127.0.0.1:{s.front.port}" for s in fronts)
-    argv = [sys.executable, "-m", "disagg.cli", "router", "--decode-nodes", nodes, "--port", str(port), *extra]
+    argv = [sys.executable, "-m", "disagg.cli", "router", "--decode-nodes", nodes, "--port", str(port),
+            "--tokenizer", str(model), *extra]
     proc = subprocess.Popen(argv, stdout=(log_dir / f"router-{port}.log").open("w"), stderr=subprocess.STDOUT,
                             cwd=REPO)
     url = f"http://127.0.0.1:{port}"
@@ -148,7 +151,7 @@ def goodput_phase(args: argparse.Namespace, model: Path) -> dict:
         if args.prefill_max_num_batched_tokens else []
     with systems(log_dir, gpu0, gpu0, gpu1, prefill_extra=prefill_extra, **kwargs) as pair_and_first, \
             systems(log_dir, gpu1, None, None, **kwargs) as second:
-        router, router_url = start_router(log_dir, [pair_and_first["colocated"], second["colocated"]])
+        router, router_url = start_router(log_dir, [pair_and_first["colocated"], second["colocated"]], model)
         disagg = pair_and_first["disagg"]
         try:
             urls = {"colocated_x2": router_url, "disagg_1p1d": disagg.front.url}

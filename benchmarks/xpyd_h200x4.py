@@ -93,7 +93,7 @@ def layout(args: argparse.Namespace, model: Path, name: str, log_dir: Path):
             fronts.append(System(f"{name}-{gpu}", node, [node]))
         for system in fronts:
             wait_ready(system.front)
-        router, url = start_router(log_dir, fronts)
+        router, url = start_router(log_dir, fronts, model)
         yield url, fronts
     finally:
         if router is not None:
