@@ -55,6 +55,7 @@ GPUS = 4
 LAYOUTS = {"colocated_x4": (0, 4), "1p3d": (1, 3), "2p2d": (2, 2), "3p1d": (3, 1)}  # (prefill, decode) nodes
 PLAN_NAMES = {"colocated x4": "colocated_x4", "1P3D": "1p3d", "2P2D": "2p2d", "3P1D": "3p1d"}  # `disagg plan`'s
 LOOSE_SCALE = 2.0  # the loose SLO: both limits of the tight one, doubled
+PROFILE_KV = "48GiB"  # the profile's decode grid reaches 64 sequences of 4,096 tokens: 32 GiB at the 8B shape
 # The dry run's workloads: the real ones' shapes, short (the tiny model on two shared cores).
 DRY_WORKLOADS = {"4k": dict(input_len=256, output_len=16, len_dist="fixed", len_range=0.0),
                  "chat": dict(input_len=64, output_len=32, len_dist="lognormal", len_range=0.6)}
@@ -164,12 +165,15 @@ def plan_phase(args: argparse.Namespace, model: Path) -> dict:
     measured = {}
     for path in args.measured:
         measured |= json.loads(Path(path).read_text())["goodput"]
-    profile = Path(args.work) / "profile.json"
-    gpu_pair = {"CUDA_VISIBLE_DEVICES": "0,1"} if args.device == "cuda" else {}
-    grid = ["--prefill-tokens", "16,64,256", "--decode-batch", "1,4", "--decode-context", "32,96"] \
-        if args.dry_run else []
-    run_disagg(["plan", "profile", str(model), "--device", args.device, "--dtype", args.dtype, "--kv-connector",
-                args.connector, "--kv-cache-memory", args.kv_cache_memory, "--out", str(profile), *grid], gpu_pair)
+    profile = Path(args.profile or Path(args.work) / "profile.json")
+    if not args.profile:
+        gpu_pair = {"CUDA_VISIBLE_DEVICES": "0,1"} if args.device == "cuda" else {}
+        grid = ["--prefill-tokens", "16,64,256", "--decode-batch", "1,4", "--decode-context", "32,96"] \
+            if args.dry_run else []
+        kv = args.kv_cache_memory if args.dry_run else PROFILE_KV
+        run_disagg(["plan", "profile", str(model), "--device", args.device, "--dtype", args.dtype, "--kv-connector",
+                    args.connector, "--kv-cache-memory", kv, "--out", str(profile), *grid,
+                    *(["--async-scheduling"] if args.async_scheduling else [])], gpu_pair)
     out = {"plan": {}, "plan_error": {}}
     for workload, w in measured.items():
         rates = sorted(w["runs"]["colocated_x4"], key=float)
@@ -236,6 +240,7 @@ def main() -> int:
     ap.add_argument("--tokenizer-dir", help="a tokenizer.json's directory (default: the embedded model's)")
     ap.add_argument("--phase", choices=["goodput", "plan"])
     ap.add_argument("--measured", nargs="+", help="plan: the goodput phases' JSON files")
+    ap.add_argument("--profile", help="plan: a `disagg plan profile` of these GPUs to use instead of profiling here")
     ap.add_argument("--merge", nargs="+", help="phase JSON files to join into one result")
     ap.add_argument("--dry-run", action="store_true",
                     help="both phases on the CPU: tiny shape, tcp, short prompts, one rate, few requests")
@@ -277,8 +282,8 @@ def main() -> int:
 
         args.tokenizer_dir = str(resolve_model(None))
     start = time.time()
-    model = write_model(args.shape, Path(args.work) / f"llama-{args.shape}", Path(args.tokenizer_dir),
-                        "cuda" if args.device == "cuda" else "cpu")
+    model = None if args.profile else write_model(args.shape, Path(args.work) / f"llama-{args.shape}",
+                                                  Path(args.tokenizer_dir), "cuda" if args.device == "cuda" else "cpu")
     if args.dry_run:
         args.phase = "goodput"
         measured = goodput_phase(args, model)

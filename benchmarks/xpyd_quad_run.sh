@@ -19,7 +19,7 @@ for phase in "$@"; do
             ${RATES_4K:+--rates-4k $RATES_4K} ${RATES_CHAT:+--rates-chat $RATES_CHAT} \
             --json "$out/$phase.json" 2>&1 | tee "$out/$phase.log" | tail -30 ;;
     plan)
-        python3 benchmarks/xpyd_h200x4.py --tokenizer-dir .device/tok --phase plan \
+        python3 benchmarks/xpyd_h200x4.py --tokenizer-dir .device/tok --phase plan ${ASYNC:+--async-scheduling} \
             --measured $(ls "$out"/4k.json "$out"/chat.json 2>/dev/null) --json "$out/plan.json" 2>&1 \
             | tee "$out/plan.log" | tail -20 ;;
     *) echo "unknown phase $phase" >&2; exit 2 ;;

@@ -117,3 +117,28 @@ def test_plan_profile_then_plan_on_the_embedded_model(tmp_path: Path):
     and 2 GPUs and recommends the first, each with a goodput the simulation found."""
     predicted, _ = predict(tmp_path, serving=False)  # the serving part starts a node: the benchmark's
     assert all(0 < rate < 100 for rate in predicted.values()), predicted
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_decode_is_timed_with_the_whole_batch_running(tiny_llama_dir, async_scheduling: bool):
+    """Prompts that take several steps to start (budget < batch x context) keep decoding meanwhile:
+    none may finish before the timed steps, which must each decode the whole batch."""
+    import random
+
+    from disagg.engine.config import EngineConfig
+    from disagg.engine.engine import LLMEngine
+    from disagg.plan.profile import REPEATS, decode_tokens, time_decode
+
+    batch, context, budget = 8, 96, 96  # one prompt a step: 8 steps to start them all
+    engine = LLMEngine(EngineConfig(
+        model=str(tiny_llama_dir()), device="cpu", dtype="float32", enable_prefix_caching=False,
+        max_num_seqs=batch, max_num_batched_tokens=budget,
+        max_model_len=context + decode_tokens(batch, context, budget), kv_cache_memory=64 << 20,
+        async_scheduling=async_scheduling))
+    running = []
+    step = engine.step
+    engine.step = lambda: (running.append(len(engine.scheduler.running)), step())[1]
+    samples = time_decode(engine, [batch], [context], random.Random(0))
+    assert [(s.batch, s.context) for s in samples] == [(batch, context)] and samples[0].seconds > 0
+    assert running[-REPEATS:] == [batch] * REPEATS, running
+    assert not engine.has_unfinished_requests()  # aborted once timed

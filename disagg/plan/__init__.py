@@ -69,6 +69,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     prof.add_argument("--link-gbps", type=float, default=None,
                       help="the KV link's bandwidth in GB/s, instead of timing it (a cluster's network you know)")
     prof.add_argument("--link-latency-ms", type=float, default=1.0, help="with --link-gbps: a transfer's fixed cost")
+    prof.add_argument("--async-scheduling", action="store_true",
+                      help="time steps as nodes serving with --async-scheduling take them (the next decode step "
+                           "launched before the last one is read back)")
     prof.add_argument("--serving", action=argparse.BooleanOptionalAction, default=True,
                       help="also time a served node (`disagg serve`, one request at a time) to learn what serving "
                            "adds to the engine's steps")

@@ -4,7 +4,8 @@ JSON file (`Profile`) so that a plan can be made anywhere.
 Steps are timed on the engine itself (`LLMEngine.step`, as `LLM.generate` drives it), so a profile's
 times include what a served step pays beside the forward (scheduling, sampling):
 - prefill: one step that computes a whole prompt of N tokens (its first token sampled), per N;
-- decode: one step of B sequences whose prompts held L tokens each, per B and L;
+- decode: one step of B sequences whose prompts held L tokens each, per B and L (with
+  --async-scheduling, the interval between steps that go ahead, as such a node's decode steps do);
 - link: one request's KV sent over the configured pipe and acknowledged, for a short and a long
   prompt, giving a fixed cost per transfer and a bandwidth (in a second process, as between nodes);
 - serving: a colocated `disagg serve` of the model, one request at a time: what its TTFT and TPOT
@@ -72,6 +73,7 @@ class Profile:
     decode: list[DecodeSample]
     link: Link
     serving: Serving = field(default_factory=Serving)
+    async_scheduling: bool = False  # steps timed as nodes serving with --async-scheduling take them
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
 
     @property
@@ -131,26 +133,37 @@ def time_prefill(engine, tokens: list[int], rng: random.Random) -> list[PrefillS
     return samples[1:]
 
 
+def decode_tokens(batch: int, context: int, budget: int) -> int:
+    """A decode timing's max_tokens: more than the steps that start its prompts (each running sequence
+    decodes in every one of them), the warm-up and the timed steps, so that none finishes before it is timed."""
+    return batch * -(-context // budget) + REPEATS + 8
+
+
 def time_decode(engine, batches: list[int], contexts: list[int], rng: random.Random) -> list[DecodeSample]:
     from disagg.engine.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=REPEATS + 3, ignore_eos=True)
     vocab = engine.model_config.vocab_size
+    budget = engine.config.max_num_batched_tokens
     samples = []
     for b in batches:
         for length in contexts:
+            params = SamplingParams(temperature=0.0, max_tokens=decode_tokens(b, length, budget), ignore_eos=True)
             ids = [f"decode-{b}-{length}-{i}" for i in range(b)]
             for request_id in ids:
                 engine.add_request(request_id, random_prompt(rng, length, vocab), params)
             started: set[str] = set()
             while len(started) < b:  # the prompts, in as many steps as the budget needs
                 started |= {out.request_id for out in engine.step()}
-            engine.step()  # warm-up
+            for _ in range(2):  # warm-up; with async scheduling the first also puts a step in flight
+                engine.step()
             times = []
             for _ in range(REPEATS):
                 start = time.perf_counter()
                 engine.step()
                 times.append(time.perf_counter() - start)
+            if len(engine.scheduler.running) != b:
+                raise RuntimeError(f"decode batch {b} context {length}: {len(engine.scheduler.running)} sequences "
+                                   "ran in the timed steps")
             for request_id in ids:
                 engine.abort_request(request_id)
             samples.append(DecodeSample(b, length, statistics.median(times)))
@@ -159,11 +172,12 @@ def time_decode(engine, batches: list[int], contexts: list[int], rng: random.Ran
 
 
 def link_devices() -> tuple[str, str]:
-    """Sender and receiver devices: two GPUs if present (KV between GPUs), else the CPU."""
+    """Sender and receiver devices: two GPUs if present (KV between GPUs), else the CPU. The receiver
+    is this process, whose engine ran on the first GPU."""
     import torch
 
     if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
-        return "cuda:0", "cuda:1"
+        return "cuda:1", "cuda:0"
     return "cpu", "cpu"
 
 
@@ -194,6 +208,8 @@ def time_link(connector: str, kv_bytes_per_token: int, device_type: str) -> Link
 
     sizes = [n * kv_bytes_per_token for n in LINK_TOKENS["cuda" if device_type == "cuda" else "cpu"]]
     send_device, recv_device = link_devices()
+    if recv_device.startswith("cuda"):
+        torch.cuda.set_device(recv_device)  # NCCL places this rank on the current device
     server = pipes.listen(connector, PipeConfig(kv_port=0, timeout=120))
     sender = mp.get_context("spawn").Process(target=send_kv, args=(connector, server.address, sizes, send_device))
     sender.start()
@@ -246,6 +262,8 @@ def time_serving(args: argparse.Namespace, model: str, vocab: int, prefill: list
     for flag, value in flags:
         if value is not None:
             argv += [flag, str(value)]
+    if args.async_scheduling:
+        argv.append("--async-scheduling")
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=os.environ)
     try:
         try:
@@ -286,16 +304,18 @@ def profile(args: argparse.Namespace) -> Profile:
     tokens = parse_ints(args.prefill_tokens or grid["prefill_tokens"], "--prefill-tokens")
     batches = parse_ints(args.decode_batch or grid["decode_batch"], "--decode-batch")
     contexts = parse_ints(args.decode_context or grid["decode_context"], "--decode-context")
+    budget = max(tokens + [max(batches)])
+    decode_len = max(contexts) + decode_tokens(max(batches), max(contexts), budget)
     start = time.perf_counter()
     engine = LLMEngine(EngineConfig(
         model=local_model(args), device=args.device, dtype=args.dtype, enable_prefix_caching=False,
-        max_num_seqs=max(batches), max_num_batched_tokens=max(tokens + [max(batches)]),
-        max_model_len=max(tokens + contexts) + REPEATS + 8, kv_cache_memory=args.kv_cache_memory))
+        max_num_seqs=max(batches), max_num_batched_tokens=budget, max_model_len=max(tokens + [decode_len]),
+        kv_cache_memory=args.kv_cache_memory, async_scheduling=args.async_scheduling))
     mc = engine.model_config
     dtype = engine.dtype
     kv_bytes_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * dtype.itemsize
     capacity = engine.kv_cache.num_blocks * engine.config.block_size
-    if max(batches) * (max(contexts) + REPEATS + 8) > capacity:
+    if max(batches) * decode_len > capacity:
         raise ValueError(f"the decode grid needs {max(batches)} x {max(contexts)} tokens of KV; the cache holds "
                          f"{capacity}: give --kv-cache-memory more, or lower --decode-batch / --decode-context")
     print(f"loaded {engine.model_dir.name} on {engine.device} in {time.perf_counter() - start:.1f}s", flush=True)
@@ -321,6 +341,7 @@ def profile(args: argparse.Namespace) -> Profile:
               "beyond the engine's", flush=True)
     return Profile(model=model_name, device=device, dtype=str(dtype).removeprefix("torch."),
                    kv_bytes_per_token=kv_bytes_per_token, threads=torch.get_num_threads(),
+                   async_scheduling=args.async_scheduling,
                    prefill=prefill, decode=decode, link=link, serving=serving)
 
 
