@@ -309,7 +309,7 @@ def profile(args: argparse.Namespace) -> Profile:
     start = time.perf_counter()
     engine = LLMEngine(EngineConfig(
         model=local_model(args), device=args.device, dtype=args.dtype, enable_prefix_caching=False,
-        max_num_seqs=max(batches), max_num_batched_tokens=budget, max_model_len=max(tokens + [decode_len]),
+        max_num_seqs=max(batches), max_num_batched_tokens=budget, max_model_len=max(max(tokens) + 8, decode_len),
         kv_cache_memory=args.kv_cache_memory, async_scheduling=args.async_scheduling))
     mc = engine.model_config
     dtype = engine.dtype
