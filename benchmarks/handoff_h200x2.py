@@ -311,6 +311,29 @@ def summarize_goodput(result: dict) -> dict:
     return out
 
 
+def pool_goodput(paths: list[str]) -> dict:
+    """Goodput phases of the same systems run on one machine at several rates, some repeated: each
+    rate's requests within the SLO (each run's own) counted over every run that had that rate, and
+    the goodput rates and ratio from those pooled fractions, as summarize_goodput takes them."""
+    pooled: dict = {}
+    for path in paths:
+        for workload, w in json.loads(Path(path).read_text())["goodput"].items():
+            for name, by_rate in w["runs"].items():
+                for rate, r in by_rate.items():
+                    cell = pooled.setdefault(workload, {}).setdefault(name, {}).setdefault(
+                        rate, {"within": 0, "requests": 0, "runs": 0})
+                    cell["within"] += round(r["goodput_fraction"] * r["num_requests"])
+                    cell["requests"] += r["num_requests"]
+                    cell["runs"] += 1
+    runs = {workload: {"runs": {name: {rate: {"goodput_fraction": c["within"] / c["requests"]} | c
+                                       for rate, c in sorted(by_rate.items(), key=lambda kv: float(kv[0]))}
+                                for name, by_rate in systems.items()}}
+            for workload, systems in pooled.items()}
+    summary = summarize_goodput(runs)
+    return {"goodput_pooled": {"files": [Path(p).name for p in paths], "attainment": runs},
+            "goodput_rate": summary["goodput_rate"], "goodput_ratio": summary["goodput_ratio"]}
+
+
 def plot_goodput(result: dict, png: str) -> None:
     """Per workload: attainment against rate at the SLO, and against SLO scale at each rate (DistServe's
     two plots), both systems."""
@@ -361,6 +384,7 @@ def main() -> int:
     ap.add_argument("--tokenizer-dir")
     ap.add_argument("--phase", choices=["ttft", "goodput"])
     ap.add_argument("--merge", nargs="+", help="phase JSON files to join into one result")
+    ap.add_argument("--pool", nargs="+", help="goodput phase JSON files of one machine to pool by rate (pool_goodput)")
     ap.add_argument("--shape", default="8b")
     ap.add_argument("--device", default="cuda", help="cpu (with --shape tiny) tries the script without GPUs")
     ap.add_argument("--connector", default="torch_dist")
@@ -391,6 +415,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.plot:
         plot_goodput(json.loads(Path(args.json).read_text()), args.plot)
+        return 0
+    if args.pool:
+        Path(args.json).write_text(json.dumps(pool_goodput(args.pool), indent=1))
         return 0
     if args.merge:
         merge_json(args.merge, args.json)
