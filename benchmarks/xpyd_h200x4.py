@@ -148,11 +148,16 @@ def goodput_rate(runs: dict, slo: dict, scale: float) -> float:
 
 
 def summarize(result: dict) -> dict:
-    out = {"goodput": result, "goodput_rate": {}, "goodput_per_gpu": {}, "best_vs_colocated": {}}
+    """Goodput per layout at both SLOs; `goodput_censored` names the layouts that still met the SLO at the
+    highest rate tried, whose goodput is a lower bound (and so is any ratio with it above the line)."""
+    out = {"goodput": result, "goodput_rate": {}, "goodput_censored": {}, "goodput_per_gpu": {},
+           "best_vs_colocated": {}}
     for workload, w in result.items():
         for slo_name, scale in (("tight", 1.0), ("loose", LOOSE_SCALE)):
             rates = {name: goodput_rate(runs, w["slo"], scale) for name, runs in w["runs"].items()}
             out["goodput_rate"].setdefault(workload, {})[slo_name] = rates
+            out["goodput_censored"].setdefault(workload, {})[slo_name] = sorted(
+                name for name, rate in rates.items() if rate and rate == max(float(r) for r in w["runs"][name]))
             out["goodput_per_gpu"].setdefault(workload, {})[slo_name] = {n: r / GPUS for n, r in rates.items()}
             xpyd = [r for name, r in rates.items() if name != "colocated_x4"]
             colocated = rates.get("colocated_x4")
