@@ -316,7 +316,7 @@ def profile(args: argparse.Namespace) -> Profile:
     kv_bytes_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * dtype.itemsize
     capacity = engine.kv_cache.num_blocks * engine.config.block_size
     if max(batches) * decode_len > capacity:
-        raise ValueError(f"the decode grid needs {max(batches)} x {max(contexts)} tokens of KV; the cache holds "
+        raise ValueError(f"the decode grid needs {max(batches)} x {decode_len} tokens of KV; the cache holds "
                          f"{capacity}: give --kv-cache-memory more, or lower --decode-batch / --decode-context")
     print(f"loaded {engine.model_dir.name} on {engine.device} in {time.perf_counter() - start:.1f}s", flush=True)
     rng = random.Random(0)
