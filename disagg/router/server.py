@@ -474,8 +474,8 @@ async def routing_tokenizer_dir(router: Router, given: str | None) -> Path:
         return Path(root)
     directory = embedded_tokenizer_dir()
     logger.warning("no decode node said which model it serves (%s): cache_aware routing hashes prompts with the "
-                   "embedded model's tokenizer, in %s, and matches no node's blocks if they serve another model; "
-                   "pass --tokenizer (the served model's Hugging Face directory)",
+                   "tokenizer in %s, the embedded model's, and matches no node's blocks if they serve another "
+                   "model; pass --tokenizer (the served model's Hugging Face directory)",
                    "; ".join(reasons) or "none is healthy yet", directory)
     return directory
 
