@@ -9,6 +9,7 @@ import random
 import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -273,6 +274,72 @@ def test_cache_aware_is_the_default_with_the_embedded_models_tokenizer(model_dir
         server.embedded_tokenizer_dir()
 
 
+def choose_tokenizer_dir(answers: dict[str, httpx.Response], healthy: set[str], given: str | None = None,
+                         asked: list[tuple[str, str | None]] | None = None) -> object:
+    """routing_tokenizer_dir over nodes a:1, b:2, c:3 (the `healthy` ones marked so), each node's GET
+    /v1/models answered from `answers`; `asked` gets (node, authorization) of each request. Returns the
+    directory, or the ValueError it raised."""
+    from disagg.router import server
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        address = request.url.netloc.decode()
+        assert request.url.path == "/v1/models"
+        if asked is not None:
+            asked.append((address, request.headers.get("authorization")))
+        return answers[address]
+
+    async def run() -> object:
+        router = Router(["a:1", "b:2", "c:3"], routing=Routing("cache_aware"), api_key="k")
+        await router.client.aclose()
+        router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        for n in router.nodes:
+            if n.address in healthy:
+                n.mark_healthy()
+        try:
+            return await server.routing_tokenizer_dir(router, given)
+        except ValueError as e:
+            return e
+        finally:
+            await router.close()
+
+    return asyncio.run(run())
+
+
+def models_answer(root: object) -> httpx.Response:
+    return httpx.Response(200, json={"object": "list", "data": [{"id": "m", "root": root, "max_model_len": 64}]})
+
+
+def test_without_tokenizer_the_router_hashes_with_the_model_the_first_healthy_node_serves(tmp_path, monkeypatch,
+                                                                                          caplog):
+    """The first healthy node that answers /v1/models (with the router's API key) names the directory;
+    --tokenizer wins; with no node to say, the embedded model's, with a warning; a directory that is
+    not on this machine is an error naming --tokenizer and --routing least_loaded."""
+    from disagg.router import server
+
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "tokenizer.json").write_text("{}")
+    embedded = tmp_path / "embedded"
+    monkeypatch.setattr(server, "embedded_tokenizer_dir", lambda: embedded)
+    answers = {"a:1": models_answer("/nowhere"), "b:2": httpx.Response(401), "c:3": models_answer(str(served))}
+    asked: list[tuple[str, str | None]] = []
+    assert choose_tokenizer_dir(answers, {"b:2", "c:3"}, asked=asked) == served  # a is not healthy, b refuses
+    assert asked == [("b:2", "Bearer k"), ("c:3", "Bearer k")]
+    assert choose_tokenizer_dir(answers, {"c:3"}, given="/given") == Path("/given")
+    with caplog.at_level("WARNING", logger="disagg.router.server"):
+        assert choose_tokenizer_dir(answers, set()) == embedded  # nodes may start after the router
+        answers["b:2"] = httpx.Response(200, json={"data": [{"id": "m"}]})  # a server that names no root
+        assert choose_tokenizer_dir(answers, {"b:2"}) == embedded
+    warnings = [r.getMessage() for r in caplog.records]
+    assert "none is healthy yet" in warnings[0] and "pass --tokenizer" in warnings[0]
+    assert "b:2: GET /v1/models names no model root" in warnings[1]
+    for root in ("/nowhere", str(tmp_path)):  # not here; here, but no tokenizer in it
+        answers["b:2"] = models_answer(root)
+        error = choose_tokenizer_dir(answers, {"b:2"})
+        assert isinstance(error, ValueError) and f"decode node b:2 serves the model in {root!r}" in str(error)
+        assert "pass --tokenizer (the served model's Hugging Face directory) or --routing least_loaded" in str(error)
+
+
 def test_round_robin_takes_each_healthy_node_in_turn():
     async def run() -> None:
         router = Router(["a:1", "b:2", "c:3"], routing=Routing("round_robin"))
@@ -284,6 +351,27 @@ def test_round_robin_takes_each_healthy_node_in_turn():
         await router.close()
 
     asyncio.run(run())
+
+
+# Real processes.
+
+@pytest.mark.slow
+def test_the_router_learns_the_served_models_tokenizer_from_a_node(tmp_path, tiny_llama_dir):
+    """A node serving a model of its own (not the embedded one) names its directory in /v1/models'
+    root, and a router given no --tokenizer hashes with it; both ask for the API key."""
+    served = tiny_llama_dir()
+    node = start_node("both", tmp_path, model=str(served), extra_args=["--api-key", "k3y"])
+    router = None
+    try:
+        models = httpx.get(f"{node.url}/v1/models", headers={"authorization": "Bearer k3y"}, timeout=10).json()
+        assert models["data"][0]["root"] == str(served)
+        router = start_router(tmp_path, [f"127.0.0.1:{node.port}"], ["--api-key", "k3y"])
+        assert (f"hashes prompts with the tokenizer in {served}, the model decode node 127.0.0.1:{node.port} serves"
+                in router.log()), router.log()
+    finally:
+        for process in (router, node):
+            if process is not None:
+                process.kill()
 
 
 # Real processes: two colocated nodes behind the router.

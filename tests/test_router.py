@@ -29,10 +29,12 @@ from servers import (
     read_sse_text,
     start_node,
     start_router,
+    wait_exit,
     wait_for,
     wait_ready,
 )
 
+from disagg.engine.loader import resolve_model
 from disagg.router.server import NO_RESPONSE
 
 pytestmark = pytest.mark.timeout(300)
@@ -226,6 +228,11 @@ def test_router_health_and_models(cluster: Cluster):
     assert healthy_decode_nodes(cluster.router) == {f"127.0.0.1:{d.port}" for d in cluster.decodes}
     models = httpx.get(f"{cluster.router.url}/v1/models", timeout=10).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
+    # The node names the directory it serves. The router (no --tokenizer) hashes with it: learned from a
+    # node, or, started with the nodes and so most likely before they were up, the embedded model's, the same.
+    root = models["data"][0]["root"]
+    assert root == str(resolve_model(None))
+    assert f"hashes prompts with the tokenizer in {root}," in cluster.router.log()
 
 
 @pytest.mark.slow
@@ -585,6 +592,45 @@ def test_a_request_on_a_kept_alive_connection_the_node_just_closed_is_sent_again
             dropped = client.post(url, json={"prompt": "drop"})
         assert dropped.status_code == 503, dropped.text  # no other decode node to try
         assert [post[1:] for post in node.posts[3:]] == [(0, "drop", False)], node.posts
+    finally:
+        router.kill()
+        node.close()
+
+
+class ElsewhereNode(StandInNode):
+    """Healthy, serving a model whose directory (its /v1/models root) is not on this machine: a
+    decode node on another host."""
+
+    ROOT = "/models/on-another-host"
+
+    def __init__(self):
+        root = self.ROOT
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                body = ({"object": "list", "data": [{"id": MODEL, "root": root}]} if self.path == "/v1/models"
+                        else {"status": "ok"})
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        super().__init__(Handler)
+
+
+def test_a_router_without_tokenizer_refuses_a_served_model_that_is_not_here(tmp_path: Path):
+    node = ElsewhereNode()
+    router = start_router(tmp_path, [node.address], wait=False)
+    try:
+        assert wait_exit(router, 60) == 2
+        log = router.log()
+        assert f"decode node {node.address} serves the model in {ElsewhereNode.ROOT!r}" in log, log
+        assert "pass --tokenizer (the served model's Hugging Face directory) or --routing least_loaded" in log
     finally:
         router.kill()
         node.close()

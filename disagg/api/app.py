@@ -1053,14 +1053,19 @@ def build_app(node: DecodeNode, options: HTTPOptions, served_model_name: str,
     app.add_api_route("/tokenize", serving.tokenize, methods=["POST"], openapi_extra=body_schema("/tokenize"))
     app.add_api_route("/detokenize", serving.detokenize, methods=["POST"], openapi_extra=body_schema("/detokenize"))
 
+    def model_card() -> ModelCard:
+        # root absolute: `disagg router` without --tokenizer reads the served model's tokenizer from it.
+        return ModelCard(id=served_model_name, root=str(node.engine.model_dir.absolute()),
+                         max_model_len=node.max_model_len)
+
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=node.max_model_len)])
+        return ModelList(data=[model_card()])
 
     @app.get("/v1/models/{model_id:path}")  # a path: a Hub id served as its name has a slash (ORG/NAME)
     async def model(model_id: str) -> ModelCard:
         serving.check_model(model_id)
-        return ModelCard(id=served_model_name, max_model_len=node.max_model_len)
+        return model_card()
 
     @app.api_route("/health", methods=["GET"])
     @app.api_route("/ping", methods=["GET", "POST"])  # SageMaker's (and vLLM's) health check

@@ -787,6 +787,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "disagg"
+    root: str  # vLLM's: the model the node loaded; here its local directory (the router reads its tokenizer)
     max_model_len: int
 
 

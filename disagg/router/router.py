@@ -132,7 +132,8 @@ class Router:
         self.nodes = [DecodeNode(address) for address in addresses]
         self.health_interval = health_interval
         self.routing = routing
-        self.api_key = api_key  # the decode nodes' too: /kv_events needs it where they ask for one
+        # The decode nodes' key too: /kv_events and /v1/models need it where they ask for one.
+        self.auth_headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.turn = 0  # round_robin: the index of the next node to try first
         # A fresh connection per check: a kept-alive one the node is just closing would fail a healthy node.
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(HEALTH_TIMEOUT_S),
@@ -146,9 +147,8 @@ class Router:
         await self.check_all()
         self.tasks.append(asyncio.create_task(self._health_loop(), name="decode-health"))
         if self.routing.policy == "cache_aware":
-            headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
             self.tasks += [asyncio.create_task(follow_kv_events(n.cache, f"{n.url}/kv_events", self.events_client,
-                                                                headers), name=f"kv-events-{n.address}")
+                                                                self.auth_headers), name=f"kv-events-{n.address}")
                            for n in self.nodes]
 
     def pick(self, exclude: set[str] = frozenset(), token_ids: list[int] | None = None) -> DecodeNode | None:

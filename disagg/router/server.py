@@ -396,12 +396,15 @@ def build_app(router: Router, client: ProxyClient, options: HTTPOptions,
 
 
 async def run_router(decode_nodes: list[str], host: str, port: int, options: HTTPOptions, health_interval: float,
-                     log_level: str, limits: HTTPLimits | None, routing: Routing,
-                     prompts: PromptTokens | None) -> None:
+                     log_level: str, limits: HTTPLimits | None, routing: Routing, tokenizer: str | None) -> None:
+    """`tokenizer`: --tokenizer, the directory cache_aware routing hashes prompts with (None: the served model's)."""
     router = Router(decode_nodes, health_interval, routing, options.api_key)
     client = ProxyClient()
     try:
         await router.start()
+        prompts = None
+        if routing.policy == "cache_aware":
+            prompts = PromptTokens(await routing_tokenizer_dir(router, tokenizer))
         healthy = sum(n.healthy for n in router.nodes)
         if not healthy:
             logger.warning("no decode node is healthy yet (%s); answering 503 until one is",
@@ -428,6 +431,55 @@ def embedded_tokenizer_dir() -> Path:
     return resolve_model(None)
 
 
+async def served_model_root(router: Router, node: DecodeNode) -> str:
+    """The `root` of the first model the node's GET /v1/models lists: the directory it loaded. A
+    ValueError says why there is none."""
+    try:
+        response = await router.client.get(f"{node.url}/v1/models", headers=router.auth_headers)
+    except httpx.HTTPError as e:
+        raise ValueError(f"GET /v1/models failed: {describe(e)}") from None
+    if response.status_code != 200:
+        raise ValueError(f"GET /v1/models answered {response.status_code}")
+    try:
+        root = response.json()["data"][0]["root"]
+    except (ValueError, LookupError, TypeError) as e:
+        raise ValueError(f"GET /v1/models names no model root ({describe(e)})") from None
+    if not isinstance(root, str):
+        raise ValueError(f"GET /v1/models names no model root ({root!r})")
+    return root
+
+
+async def routing_tokenizer_dir(router: Router, given: str | None) -> Path:
+    """The tokenizer directory cache_aware routing hashes prompts with: --tokenizer (`given`), else the
+    model directory the first healthy decode node that says serves, which must be on this machine
+    (another model's hashes would silently never match). When no node says (they may start after the
+    router), the embedded model's, `disagg serve`'s default, with a warning."""
+    if given:
+        logger.info("cache_aware routing hashes prompts with the tokenizer in %s (--tokenizer)", given)
+        return Path(given)
+    reasons = []
+    for node in (n for n in router.nodes if n.healthy):
+        try:
+            root = await served_model_root(router, node)
+        except ValueError as e:
+            reasons.append(f"{node.address}: {e}")
+            continue
+        if not (Path(root) / "tokenizer.json").is_file():
+            raise ValueError(f"decode node {node.address} serves the model in {root!r}, which is no directory with a "
+                             "tokenizer.json on this machine (a node on another host?), and cache_aware routing "
+                             "hashes prompts with the served model's tokenizer: pass --tokenizer (the served model's "
+                             "Hugging Face directory) or --routing least_loaded")
+        logger.info("cache_aware routing hashes prompts with the tokenizer in %s, the model decode node %s serves",
+                    root, node.address)
+        return Path(root)
+    directory = embedded_tokenizer_dir()
+    logger.warning("no decode node said which model it serves (%s): cache_aware routing hashes prompts with the "
+                   "tokenizer in %s, the embedded model's, and matches no node's blocks if they serve another "
+                   "model; pass --tokenizer (the served model's Hugging Face directory)",
+                   "; ".join(reasons) or "none is healthy yet", directory)
+    return directory
+
+
 def main(args: argparse.Namespace) -> None:
     """`disagg router ...`, parsed by disagg.router.add_router_parser."""
     if args.health_interval <= 0:
@@ -442,11 +494,8 @@ def main(args: argparse.Namespace) -> None:
         raise ValueError(f"--cache-threshold must be between 0 and 1, got {args.cache_threshold}")
     if args.balance_abs_threshold < 0:
         raise ValueError(f"--balance-abs-threshold must be >= 0, got {args.balance_abs_threshold}")
-    prompts = None
-    if args.routing == "cache_aware":
-        prompts = PromptTokens(args.tokenizer or embedded_tokenizer_dir())
     options = HTTPOptions(args.api_key, args.max_request_body_bytes, args.enable_docs)
     limits = HTTPLimits.from_args(args)
     routing = Routing(args.routing, args.load_weight, args.cache_threshold, args.balance_abs_threshold)
     asyncio.run(run_router(parse_decode_nodes(args.decode_nodes), args.host, args.port, options,
-                           args.health_interval, args.log_level, limits, routing, prompts))
+                           args.health_interval, args.log_level, limits, routing, args.tokenizer))
