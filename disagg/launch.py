@@ -106,21 +106,22 @@ def plan_layout(args: argparse.Namespace, host_gpus: list[str]) -> Layout:
     prefill = []
     for i, port in enumerate(prefill_ports):
         name = numbered("prefill node", i, num_prefill)
+        # A prefill node listens on its pipe port too, for prefix blocks it pulls from other prefill nodes.
         kv_port, grpc_port = args.kv_port + i, args.grpc_port + i
-        ports = {port: f"{name}'s HTTP port, {offset('--port', port - args.port)}",
-                 grpc_port: f"{name}'s gRPC port, {offset('--grpc-port', i)}",
-                 kv_port: f"{name}'s pipe port, {offset('--kv-port', i)}"}
+        ports = {port: f"the {name}'s HTTP port, {offset('--port', port - args.port)}",
+                 grpc_port: f"the {name}'s gRPC port, {offset('--grpc-port', i)}",
+                 kv_port: f"the {name}'s pipe port, {offset('--kv-port', i)}"}
         command = serve_command(args, "producer", port, kv_port) + ["--grpc-port", str(grpc_port)]
         prefill.append(Process(name, command, port, ports, gpus[i]))
     front = []
     for j, port in enumerate(front_ports):
         name = numbered("colocated node" if colocated else "decode node", j, num_front)
-        ports = {port: f"{name}'s HTTP port, {offset('--port', port - args.port)}"}
+        ports = {port: f"the {name}'s HTTP port, {offset('--port', port - args.port)}"}
         if colocated:
             command = serve_command(args, "both", port, None)
         else:
             kv_port = args.kv_port + num_prefill + j
-            ports[kv_port] = f"{name}'s pipe port, {offset('--kv-port', num_prefill + j)}"
+            ports[kv_port] = f"the {name}'s pipe port, {offset('--kv-port', num_prefill + j)}"
             command = serve_command(args, "consumer", port, kv_port) + ["--prefill-nodes", ",".join(prefill_nodes)]
         front.append(Process(name, command, port, ports, gpus[num_prefill + j]))
     router = None
