@@ -87,65 +87,66 @@ def offset(flag: str, n: int) -> str:
     return f"{flag} + {n}" if n else flag
 
 
-def plan_layout(args: argparse.Namespace, host_gpus: list[str]) -> Layout:
+def plan_layout(args: argparse.Namespace, gpus_on_host: list[str]) -> Layout:
     """Who runs what. HTTP ports from --port up: the router's (when there are several front nodes),
     then the decode or colocated nodes', then the prefill nodes' (1P1D: decode --port, prefill --port + 1);
     prefill nodes' gRPC ports from --grpc-port up; pipe ports from --kv-port up, the prefill nodes'
-    then the decode nodes'. On CUDA each node takes -tp GPUs of its own from `host_gpus` (as
+    then the decode nodes'. On CUDA each node takes -tp GPUs of its own from `gpus_on_host` (as
     CUDA_VISIBLE_DEVICES names them; from the K-th with --device cuda:K), prefill nodes first;
     ValueError if there are too few. On the CPU (or with no GPU and no --device) they share it."""
     num_prefill, num_front = node_counts(args)
-    colocated = num_prefill == 0
-    with_router = num_front > 1
-    gpus = node_gpus(args, host_gpus, num_prefill + num_front)
-    http = iter(range(args.port, args.port + 1 + num_front + num_prefill))
-    router_port = next(http) if with_router else None
-    front_ports = [next(http) for _ in range(num_front)]
-    prefill_ports = [next(http) for _ in range(num_prefill)]
+    gpus = node_gpus(args, gpus_on_host, num_prefill + num_front)
+    first_front = args.port + 1 if num_front > 1 else args.port  # the router's is --port
     prefill_nodes = [f"{LOCALHOST}:{args.grpc_port + i}" for i in range(num_prefill)]
-    prefill = []
-    for i, port in enumerate(prefill_ports):
-        name = numbered("prefill node", i, num_prefill)
-        # A prefill node listens on its pipe port too, for prefix blocks it pulls from other prefill nodes.
-        kv_port, grpc_port = args.kv_port + i, args.grpc_port + i
-        ports = {port: f"the {name}'s HTTP port, {offset('--port', port - args.port)}",
-                 grpc_port: f"the {name}'s gRPC port, {offset('--grpc-port', i)}",
-                 kv_port: f"the {name}'s pipe port, {offset('--kv-port', i)}"}
-        command = serve_command(args, "producer", port, kv_port) + ["--grpc-port", str(grpc_port)]
-        prefill.append(Process(name, command, port, ports, gpus[i]))
-    front = []
-    for j, port in enumerate(front_ports):
-        name = numbered("colocated node" if colocated else "decode node", j, num_front)
-        ports = {port: f"the {name}'s HTTP port, {offset('--port', port - args.port)}"}
-        if colocated:
-            command = serve_command(args, "both", port, None)
-        else:
-            kv_port = args.kv_port + num_prefill + j
-            ports[kv_port] = f"the {name}'s pipe port, {offset('--kv-port', num_prefill + j)}"
-            command = serve_command(args, "consumer", port, kv_port) + ["--prefill-nodes", ",".join(prefill_nodes)]
-        front.append(Process(name, command, port, ports, gpus[num_prefill + j]))
+    prefill = [prefill_process(args, i, num_prefill, first_front + num_front + i, gpus[i]) for i in range(num_prefill)]
+    front = [front_process(args, j, num_front, first_front + j, prefill_nodes, gpus[num_prefill + j])
+             for j in range(num_front)]
     router = None
-    if with_router:
-        router = Process("router", router_command(args, router_port, [node.port for node in front]), router_port,
-                         {router_port: "the router's HTTP port, --port"})
+    if num_front > 1:
+        router = Process("router", router_command(args, args.port, [node.port for node in front]), args.port,
+                         {args.port: "the router's HTTP port, --port"})
     layout = Layout(prefill, front, router)
     check_distinct_ports(layout)
     return layout
 
 
-def node_gpus(args: argparse.Namespace, host_gpus: list[str], num_nodes: int) -> list[dict[str, str]]:
+def prefill_process(args: argparse.Namespace, i: int, count: int, port: int, env: dict[str, str]) -> Process:
+    name = numbered("prefill node", i, count)
+    # A prefill node listens on its pipe port too, for prefix blocks it pulls from other prefill nodes.
+    kv_port, grpc_port = args.kv_port + i, args.grpc_port + i
+    ports = {port: f"the {name}'s HTTP port, {offset('--port', port - args.port)}",
+             grpc_port: f"the {name}'s gRPC port, {offset('--grpc-port', i)}",
+             kv_port: f"the {name}'s pipe port, {offset('--kv-port', i)}"}
+    command = serve_command(args, "producer", port, kv_port) + ["--grpc-port", str(grpc_port)]
+    return Process(name, command, port, ports, env)
+
+
+def front_process(args: argparse.Namespace, j: int, count: int, port: int, prefill_nodes: list[str],
+                  env: dict[str, str]) -> Process:
+    """The j-th decode node (over every prefill node), or colocated node when there are no prefill nodes."""
+    name = numbered("decode node" if prefill_nodes else "colocated node", j, count)
+    ports = {port: f"the {name}'s HTTP port, {offset('--port', port - args.port)}"}
+    if not prefill_nodes:
+        return Process(name, serve_command(args, "both", port, None), port, ports, env)
+    kv_port = args.kv_port + len(prefill_nodes) + j  # after the prefill nodes'
+    ports[kv_port] = f"the {name}'s pipe port, {offset('--kv-port', len(prefill_nodes) + j)}"
+    command = serve_command(args, "consumer", port, kv_port) + ["--prefill-nodes", ",".join(prefill_nodes)]
+    return Process(name, command, port, ports, env)
+
+
+def node_gpus(args: argparse.Namespace, gpus_on_host: list[str], num_nodes: int) -> list[dict[str, str]]:
     """Each node's CUDA_VISIBLE_DEVICES, in the order nodes are laid out (prefill nodes first); {} for
     each on the CPU."""
-    device = args.device or ("cuda" if host_gpus else "cpu")
+    device = args.device or ("cuda" if gpus_on_host else "cpu")
     if not device.startswith("cuda"):
         return [{} for _ in range(num_nodes)]
     first = int(device.partition(":")[2] or 0)
     tp = args.tensor_parallel_size
     needed = first + num_nodes * tp
-    if needed > len(host_gpus):
+    if needed > len(gpus_on_host):
         raise ValueError(f"{num_nodes} node(s) of {tp} GPU(s) each from GPU {first} on need {needed} GPUs; this "
-                         f"host has {len(host_gpus)}: start fewer nodes, or lower -tp (on the CPU: --device cpu)")
-    return [{"CUDA_VISIBLE_DEVICES": ",".join(host_gpus[first + n * tp:first + (n + 1) * tp])}
+                         f"host has {len(gpus_on_host)}: start fewer nodes, or lower -tp (on the CPU: --device cpu)")
+    return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus_on_host[first + n * tp:first + (n + 1) * tp])}
             for n in range(num_nodes)]
 
 
@@ -314,7 +315,8 @@ def describe(layout: Layout) -> str:
         kind = "decode" if layout.prefill else "colocated"
         parts.append(f"router over {kind} nodes " + ", ".join(node.url for node in layout.front))
     if layout.prefill:
-        parts.append("prefill nodes " + ", ".join(node.url for node in layout.prefill))
+        nodes = "prefill nodes" if len(layout.prefill) > 1 else "prefill node"
+        parts.append(f"{nodes} " + ", ".join(node.url for node in layout.prefill))
     return "; ".join(parts) or "one colocated node"
 
 
