@@ -51,8 +51,10 @@ def test_up_2p2d_answers_through_the_router_and_leaves_no_process(model_dir):
     """`disagg up --num-prefill 2 --num-decode 2 --once`: four nodes and the router on ports counted up
     from the flags, each decode node over both prefill nodes; the sample's answer comes through the
     router, and once it is printed every process of the group is gone."""
-    port, kv_port = free_port_run(5), free_port_run(4)  # HTTP: router, 2 decode, 2 prefill; pipes: 2 + 2
-    proc = start_up(port, free_port_pair(), kv_port, "--num-prefill", "2", "--num-decode", "2", "--once")
+    # One run of free ports for all (runs taken one by one may overlap): HTTP for the router, 2 decode and
+    # 2 prefill nodes, then 4 pipe ports, then 2 gRPC ports.
+    port = free_port_run(11)
+    proc = start_up(port, port + 9, port + 5, "--num-prefill", "2", "--num-decode", "2", "--once")
     try:
         output = proc.communicate(timeout=150)[0]
         deadline = time.monotonic() + 10
