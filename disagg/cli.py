@@ -548,19 +548,30 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     add_engine_args(srv)
     add_serve_args(srv)
     add_vllm_flags(srv)
-    upp = sub.add_parser("up", help="start 1 prefill + 1 decode node on localhost and send a sample request",
-                         formatter_class=HelpFormatter)
+    upp = sub.add_parser("up", help="start prefill and decode nodes (1 + 1 by default) on localhost and send a "
+                                    "sample request", formatter_class=HelpFormatter)
     upp.add_argument("model", nargs="?", default=None,
                      help="model directory, .gguf file or Hub id (default: the embedded SmolLM2-135M-Instruct)")
-    upp.add_argument("--port", type=int, default=8000, help="decode node's HTTP port (the prefill node takes port+1)")
-    upp.add_argument("--grpc-port", type=int, default=50051, help="prefill node's gRPC port")
-    upp.add_argument("--kv-port", type=int, default=14579, help="prefill node's pipe port (decode takes kv-port+1)")
+    upp.add_argument("--num-prefill", type=int, default=None, metavar="X", help="prefill nodes (default: 1)")
+    upp.add_argument("--num-decode", type=int, default=None, metavar="Y",
+                     help="decode nodes (default: 1); with more than one, `disagg router` in front of them")
+    upp.add_argument("--colocated", type=int, default=None, metavar="N",
+                     help="N colocated nodes (--kv-role both) instead of prefill and decode nodes; with more than "
+                          "one, `disagg router` in front of them")
+    upp.add_argument("--port", type=int, default=8000,
+                     help="the front door's HTTP port: the router's, or the one decode (colocated) node's; the "
+                          "decode or colocated nodes take the ports after it, then the prefill nodes")
+    upp.add_argument("--grpc-port", type=int, default=50051, help="prefill nodes' gRPC ports, from this one up")
+    upp.add_argument("--kv-port", type=int, default=14579,
+                     help="pipe ports, from this one up: the prefill nodes' first, then the decode nodes'")
     upp.add_argument("--kv-connector", default="tcp", help="pipe: tcp, torch_dist, ucx or nixl")
-    upp.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    upp.add_argument("--device", default=None,
+                     help="cpu (all nodes share it) or cuda[:K] (each node its own GPUs, from the K-th on); "
+                          "default: cuda if present")
     upp.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="N",
-                     help="ranks of each node; with --device cuda[:K] the prefill node takes GPUs K..K+N-1, "
-                          "the decode node the N after")
-    upp.add_argument("--once", action="store_true", help="stop both nodes after the sample request")
+                     help="ranks of each node; on CUDA each node takes N GPUs (CUDA_VISIBLE_DEVICES), the prefill "
+                          "nodes first")
+    upp.add_argument("--once", action="store_true", help="stop every node after the sample request")
     upp.add_argument("--log-level", default="WARNING", help="the nodes' log level: DEBUG, INFO, WARNING or ERROR")
     gen = sub.add_parser("generate", help="offline generation with the engine, printed with timings",
                          formatter_class=HelpFormatter)

@@ -1,7 +1,10 @@
-"""`disagg up`: one prefill node and one decode node on localhost, then a sample request.
+"""`disagg up`: prefill and decode nodes (or colocated nodes) on localhost, then a sample request.
 
-What the quick start runs. The two nodes are ordinary `disagg serve` processes; this only
-starts them with matching ports, waits until both answer, and shows a streamed answer.
+What the quick start runs (1 prefill + 1 decode node by default), and how a layout `disagg plan`
+recommends is tried on one host (`--num-prefill X --num-decode Y`, `--colocated N`). The nodes are
+ordinary `disagg serve` processes and the router an ordinary `disagg router`: `plan_layout` computes
+who runs what (roles, ports, GPUs, flags), with no side effects; `up` checks the ports, starts the
+processes, waits until each answers, and shows a streamed answer.
 """
 
 import argparse
@@ -14,34 +17,192 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
 SAMPLE = "In one sentence, what does a prefill node do in disaggregated LLM serving?"
+LOCALHOST = "127.0.0.1"
 
 
-def serve_command(args: argparse.Namespace, role: str, port: int, kv_port: int) -> list[str]:
-    command = [sys.executable, "-m", "disagg.cli", "serve"] + ([args.model] if args.model else [])
-    kv = {"kv_connector": args.kv_connector, "kv_port": kv_port}
-    if role == "consumer":  # the quick start shows a handoff: under "auto" its short sample would stay here
-        kv["kv_connector_extra_config"] = {"remote_prefill": "always"}
-    command += ["--kv-role", role, "--port", str(port), "--log-level", args.log_level,
-                "--kv-transfer-config", json.dumps(kv)]
-    if role == "producer":
-        command += ["--grpc-port", str(args.grpc_port)]
-    else:
-        command += ["--prefill-nodes", f"127.0.0.1:{args.grpc_port}"]
+@dataclass(frozen=True)
+class Process:
+    """One process `disagg up` starts: a node or the router."""
+    name: str  # "prefill node", "decode node 2", "router": what an error about it says
+    command: list[str]
+    port: int  # its HTTP port (health, and the OpenAI API on a decode or colocated node and the router)
+    ports: dict[int, str]  # every port it listens on, and the flag it comes from
+    env: dict[str, str] = field(default_factory=dict)  # beside the launcher's environment (CUDA_VISIBLE_DEVICES)
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOCALHOST}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The processes of one `disagg up`: prefill nodes, the nodes that serve the API (decode or
+    colocated), and the router in front of those when there are several."""
+    prefill: list[Process]
+    front: list[Process]
+    router: Process | None
+
+    @property
+    def processes(self) -> list[Process]:
+        return self.prefill + self.front + ([self.router] if self.router else [])
+
+    @property
+    def url(self) -> str:
+        """Where clients (and the sample request) go."""
+        return (self.router or self.front[0]).url
+
+    def bound_ports(self) -> dict[int, str]:
+        return {port: what for process in self.processes for port, what in process.ports.items()}
+
+
+def node_counts(args: argparse.Namespace) -> tuple[int, int]:
+    """(prefill nodes, decode or colocated nodes) from --num-prefill/--num-decode or --colocated
+    (0 prefill nodes: colocated); ValueError for a combination that makes no layout."""
+    if args.colocated is not None:
+        if args.num_prefill is not None or args.num_decode is not None:
+            raise ValueError("--colocated N starts N colocated nodes and no prefill or decode node: give it "
+                             "without --num-prefill and --num-decode")
+        if args.colocated < 1:
+            raise ValueError(f"--colocated must be at least 1, got {args.colocated}")
+        return 0, args.colocated
+    num_prefill = 1 if args.num_prefill is None else args.num_prefill
+    num_decode = 1 if args.num_decode is None else args.num_decode
+    if num_prefill < 1 or num_decode < 1:
+        raise ValueError(f"--num-prefill and --num-decode must be at least 1, got {num_prefill} and {num_decode} "
+                         "(for nodes that prefill and decode both, --colocated N)")
+    return num_prefill, num_decode
+
+
+def numbered(role: str, index: int, count: int) -> str:
+    return f"{role} {index + 1}" if count > 1 else role
+
+
+def offset(flag: str, n: int) -> str:
+    return f"{flag} + {n}" if n else flag
+
+
+def plan_layout(args: argparse.Namespace, gpus_on_host: list[str]) -> Layout:
+    """Who runs what. HTTP ports from --port up: the router's (when there are several front nodes),
+    then the decode or colocated nodes', then the prefill nodes' (1P1D: decode --port, prefill --port + 1);
+    prefill nodes' gRPC ports from --grpc-port up; pipe ports from --kv-port up, the prefill nodes'
+    then the decode nodes'. On CUDA each node takes -tp GPUs of its own from `gpus_on_host` (as
+    CUDA_VISIBLE_DEVICES names them; from the K-th with --device cuda:K), prefill nodes first;
+    ValueError if there are too few. On the CPU (or with no GPU and no --device) they share it."""
+    num_prefill, num_front = node_counts(args)
+    gpus = node_gpus(args, gpus_on_host, num_prefill + num_front)
+    first_front = args.port + 1 if num_front > 1 else args.port  # the router's is --port
+    prefill_nodes = [f"{LOCALHOST}:{args.grpc_port + i}" for i in range(num_prefill)]
+    prefill = [prefill_process(args, i, num_prefill, first_front + num_front + i, gpus[i]) for i in range(num_prefill)]
+    front = [front_process(args, j, num_front, first_front + j, prefill_nodes, gpus[num_prefill + j])
+             for j in range(num_front)]
+    router = None
+    if num_front > 1:
+        router = Process("router", router_command(args, args.port, [node.port for node in front]), args.port,
+                         {args.port: "the router's HTTP port, --port"})
+    layout = Layout(prefill, front, router)
+    check_distinct_ports(layout)
+    return layout
+
+
+def prefill_process(args: argparse.Namespace, i: int, count: int, port: int, env: dict[str, str]) -> Process:
+    name = numbered("prefill node", i, count)
+    # A prefill node listens on its pipe port too, for prefix blocks it pulls from other prefill nodes.
+    kv_port, grpc_port = args.kv_port + i, args.grpc_port + i
+    ports = {port: f"the {name}'s HTTP port, {offset('--port', port - args.port)}",
+             grpc_port: f"the {name}'s gRPC port, {offset('--grpc-port', i)}",
+             kv_port: f"the {name}'s pipe port, {offset('--kv-port', i)}"}
+    command = serve_command(args, "producer", port, kv_port) + ["--grpc-port", str(grpc_port)]
+    return Process(name, command, port, ports, env)
+
+
+def front_process(args: argparse.Namespace, j: int, count: int, port: int, prefill_nodes: list[str],
+                  env: dict[str, str]) -> Process:
+    """The j-th decode node (over every prefill node), or colocated node when there are no prefill nodes."""
+    name = numbered("decode node" if prefill_nodes else "colocated node", j, count)
+    ports = {port: f"the {name}'s HTTP port, {offset('--port', port - args.port)}"}
+    if not prefill_nodes:
+        return Process(name, serve_command(args, "both", port, None), port, ports, env)
+    kv_port = args.kv_port + len(prefill_nodes) + j  # after the prefill nodes'
+    ports[kv_port] = f"the {name}'s pipe port, {offset('--kv-port', len(prefill_nodes) + j)}"
+    command = serve_command(args, "consumer", port, kv_port) + ["--prefill-nodes", ",".join(prefill_nodes)]
+    return Process(name, command, port, ports, env)
+
+
+def node_gpus(args: argparse.Namespace, gpus_on_host: list[str], num_nodes: int) -> list[dict[str, str]]:
+    """Each node's CUDA_VISIBLE_DEVICES, in the order nodes are laid out (prefill nodes first); {} for
+    each on the CPU."""
+    device = args.device or ("cuda" if gpus_on_host else "cpu")
+    if not device.startswith("cuda"):
+        return [{} for _ in range(num_nodes)]
+    first = int(device.partition(":")[2] or 0)
     tp = args.tensor_parallel_size
-    if tp > 1:
-        command += ["--tensor-parallel-size", str(tp)]
-    device = args.device
-    if device and device.startswith("cuda") and tp > 1:
-        # Each node's ranks take the GPUs from its --device on: the prefill node's first, the decode node's after.
-        first = int(device.partition(":")[2] or 0) + (tp if role == "consumer" else 0)
-        device = f"cuda:{first}"
-    if device:
-        command += ["--device", device]
+    needed = first + num_nodes * tp
+    if needed > len(gpus_on_host):
+        raise ValueError(f"{num_nodes} node(s) of {tp} GPU(s) each from GPU {first} on need {needed} GPUs; this "
+                         f"host has {len(gpus_on_host)}: start fewer nodes, or lower -tp (on the CPU: --device cpu)")
+    return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus_on_host[first + n * tp:first + (n + 1) * tp])}
+            for n in range(num_nodes)]
+
+
+def check_distinct_ports(layout: Layout) -> None:
+    """ValueError if two processes would listen on one port (base flags too close together), or on
+    no port at all."""
+    seen: dict[int, str] = {}
+    for process in layout.processes:
+        for port, what in process.ports.items():
+            if not 0 < port < 65536:
+                raise ValueError(f"{what} would be {port}, not a port number: lower the base flag")
+            if port in seen:
+                raise ValueError(f"{seen[port]} and {what} would both be port {port}: set --port, --grpc-port "
+                                 "and --kv-port further apart")
+            seen[port] = what
+
+
+def serve_command(args: argparse.Namespace, role: str, port: int, kv_port: int | None) -> list[str]:
+    """`disagg serve` for a node of `role` (producer, consumer or both): what every node shares. The
+    node sees only its own GPUs (CUDA_VISIBLE_DEVICES), so its device is plain `cuda`."""
+    command = [sys.executable, "-m", "disagg.cli", "serve"] + ([args.model] if args.model else [])
+    command += ["--kv-role", role, "--port", str(port), "--log-level", args.log_level]
+    if role != "both":
+        kv = {"kv_connector": args.kv_connector, "kv_port": kv_port}
+        if role == "consumer":  # the quick start shows a handoff: under "auto" its short sample would stay here
+            kv["kv_connector_extra_config"] = {"remote_prefill": "always"}
+        command += ["--kv-transfer-config", json.dumps(kv)]
+    if args.tensor_parallel_size > 1:
+        command += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    if args.device:
+        command += ["--device", "cuda" if args.device.startswith("cuda") else args.device]
     return command
+
+
+def router_command(args: argparse.Namespace, port: int, front_ports: list[int]) -> list[str]:
+    command = [sys.executable, "-m", "disagg.cli", "router", "--host", LOCALHOST, "--port", str(port),
+               "--decode-nodes", ",".join(f"{LOCALHOST}:{p}" for p in front_ports), "--log-level", args.log_level]
+    if args.model is None:
+        return command  # cache_aware routing with the embedded model's tokenizer, the router's default
+    if (Path(args.model) / "tokenizer.json").is_file():
+        return command + ["--tokenizer", args.model]
+    # A .gguf file or a Hub id is no tokenizer directory the router could hash prompts with.
+    return command + ["--routing", "least_loaded"]
+
+
+def host_gpus(device: str | None) -> list[str]:
+    """The GPUs this host offers the nodes, as CUDA_VISIBLE_DEVICES names them (the launcher's own
+    CUDA_VISIBLE_DEVICES, if set, narrows them); none for --device cpu, or with no CUDA."""
+    if device is not None and not device.startswith("cuda"):
+        return []
+    import torch  # only to count GPUs: not on the CPU path
+
+    count = torch.cuda.device_count()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = [name.strip() for name in visible.split(",")] if visible is not None else [str(i) for i in range(count)]
+    return names[:count]
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300.0,
@@ -90,23 +251,23 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
-def wait_for_stop(stop: threading.Event, nodes: dict[str, subprocess.Popen]) -> None:
-    """Until `stop` is set; RuntimeError if a node exits first (the caller then stops the other)."""
+def interrupt_on_sigterm() -> None:
+    """SIGTERM while the processes start raises KeyboardInterrupt, as Ctrl-C does, so that `up` stops
+    what it started (Python's default would end it at once, leaving them running)."""
+    def interrupt(*_) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def wait_for_stop(stop: threading.Event, processes: dict[str, subprocess.Popen]) -> None:
+    """Until `stop` is set; RuntimeError if a process exits first (the caller then stops the rest)."""
     while not stop.wait(0.2):
-        exited = [(name, proc) for name, proc in nodes.items() if proc.poll() is not None]
+        exited = [(name, proc) for name, proc in processes.items() if proc.poll() is not None]
         if exited and not stop.wait(1.0):  # not Ctrl-C, which the terminal sends the nodes too
             name, proc = exited[0]
-            raise RuntimeError(f"the {name} node exited with code {proc.returncode}; stopped the other "
+            raise RuntimeError(f"the {name} exited with code {proc.returncode}; stopped the rest "
                                "(its output is above)")
-
-
-def bound_ports(args: argparse.Namespace) -> dict[int, str]:
-    """The ports the two nodes listen on, and the flag that sets each (the prefill node listens on its
-    pipe port for the prefix blocks it pulls from other prefill nodes: prefill_node/pull.py)."""
-    return {args.port: "the decode node's HTTP port, --port", args.port + 1: "the prefill node's HTTP port, --port + 1",
-            args.grpc_port: "the prefill node's gRPC port, --grpc-port",
-            args.kv_port: "the prefill node's pipe port, --kv-port",
-            args.kv_port + 1: "the decode node's pipe port, --kv-port + 1"}
 
 
 def check_ports_free(ports: dict[int, str]) -> None:
@@ -124,32 +285,72 @@ def check_ports_free(ports: dict[int, str]) -> None:
                                    "start this one on other ports (--port, --grpc-port, --kv-port)") from None
 
 
-def up(args: argparse.Namespace) -> None:
-    check_ports_free(bound_ports(args))
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    prefill_port, decode_port = args.port + 1, args.port
-    prefill = subprocess.Popen(serve_command(args, "producer", prefill_port, args.kv_port), env=env)
-    decode = subprocess.Popen(serve_command(args, "consumer", decode_port, args.kv_port + 1), env=env)
-    url = f"http://127.0.0.1:{decode_port}"
+def start(layout: Layout, env: dict[str, str]) -> dict[str, subprocess.Popen]:
+    """The nodes, all at once so that their loads overlap (a decode node retries a prefill node
+    still loading); the router comes later, in front of nodes that serve."""
+    return {node.name: subprocess.Popen(node.command, env=env | node.env) for node in layout.prefill + layout.front}
+
+
+def wait_until_serving(layout: Layout, started: dict[str, subprocess.Popen], env: dict[str, str]) -> None:
+    """Until every node answers (a decode node once it holds each of its prefill nodes healthy), then
+    the router, if any, until it holds every decode node healthy; RuntimeError if one exits first."""
     try:
+        for node in layout.prefill + layout.front:
+            wait_healthy(node.url, started[node.name],
+                         until=lambda health: all(health.get("prefill_nodes", {}).values()))
+        if layout.router:
+            started[layout.router.name] = router = subprocess.Popen(layout.router.command, env=env)
+            wait_healthy(layout.router.url, router, timeout=60,
+                         until=lambda health: all(n["healthy"] for n in health["decode_nodes"].values()))
+    except RuntimeError as e:
+        raise RuntimeError(f"{e}; its output is above") from None
+
+
+def describe(layout: Layout) -> str:
+    """What runs behind the front door, for the line that says it serves."""
+    if layout.router is None and len(layout.prefill) == 1:
+        return f"prefill node {layout.prefill[0].url}"  # 1P1D, the quick start
+    parts = []
+    if layout.router:
+        kind = "decode" if layout.prefill else "colocated"
+        parts.append(f"router over {kind} nodes " + ", ".join(node.url for node in layout.front))
+    if layout.prefill:
+        nodes = "prefill nodes" if len(layout.prefill) > 1 else "prefill node"
+        parts.append(f"{nodes} " + ", ".join(node.url for node in layout.prefill))
+    return "; ".join(parts) or "one colocated node"
+
+
+def stop_all(started: dict[str, subprocess.Popen], timeout: float = 15.0) -> None:
+    """SIGTERM to each, then SIGKILL to any still running after `timeout` seconds (all together).
+    A second Ctrl-C or SIGTERM meanwhile must not cut this short and leave processes running."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    for proc in reversed(started.values()):  # the router first: no request reaches a stopping node through it
+        proc.terminate()
+    deadline = time.monotonic() + timeout
+    for proc in started.values():
         try:
-            wait_healthy(f"http://127.0.0.1:{prefill_port}", prefill)
-            # Until it has connected to its prefill node too (which may have come up after it).
-            wait_healthy(url, decode, until=lambda health: all(health.get("prefill_nodes", {}).values()))
-        except RuntimeError as e:
-            raise RuntimeError(f"{e}; its output is above") from None
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def up(args: argparse.Namespace) -> None:
+    layout = plan_layout(args, host_gpus(args.device))
+    check_ports_free(layout.bound_ports())
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    interrupt_on_sigterm()
+    started = start(layout, env)
+    try:
+        wait_until_serving(layout, started, env)
+        url = layout.url
         model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         sample_request(url, model)
         if args.once:
             return
         stop = stop_on_signals()  # before the line that invites Ctrl-C
-        print(f"serving {model}: OpenAI API at {url}/v1 (prefill node http://127.0.0.1:{prefill_port}); Ctrl-C stops")
-        wait_for_stop(stop, {"decode": decode, "prefill": prefill})
+        print(f"serving {model}: OpenAI API at {url}/v1 ({describe(layout)}); Ctrl-C stops")
+        wait_for_stop(stop, started)
     finally:
-        for proc in (decode, prefill):
-            proc.terminate()
-        for proc in (decode, prefill):
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_all(started)

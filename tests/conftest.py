@@ -24,7 +24,7 @@ torch.set_num_threads(1)
 SLOW_FIXTURES = {"model_dir", "pair_1p1d"}  # the real model; a 1P1D pair of node processes
 # Modules that hold three node processes or more at once.
 MANY_NODE_MODULES = {"test_serving", "test_cache_aware_routing", "test_router", "test_tensor_parallel",
-                     "test_prefill_pick", "test_prefill_route", "test_kv_plane_hardening"}
+                     "test_prefill_pick", "test_prefill_route", "test_kv_plane_hardening", "test_quickstart"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups

@@ -35,24 +35,34 @@ def free_port() -> int:
 
 def free_port_pair() -> int:
     """A port p with p + 1 free too (`disagg up` gives the prefill node port + 1)."""
+    return free_port_run(2)
+
+
+def free_port_run(count: int) -> int:
+    """A port p with p + 1 ... p + count - 1 free too (`disagg up` counts its nodes' ports up from its flags)."""
     while True:
         p = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p + 1))
-                return p
-            except OSError:
-                continue
+        if all(port_free(p + i) for i in range(1, count)):
+            return p
 
 
-def start_up(port: int, grpc_port: int, kv_port: int) -> subprocess.Popen:
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def start_up(port: int, grpc_port: int, kv_port: int, *extra: str) -> subprocess.Popen:
     """`disagg up` on the CPU in a process group of its own, as a terminal starts it (Ctrl-C signals the
-    group: up and both nodes); its output on stdout, text. Its nodes' KV cache is every test node's,
+    group: up and its nodes); its output on stdout, text. Its nodes' KV cache is every test node's,
     through the environment default that `disagg serve` reads (the CPU default, 512 MiB, in each of the
-    two was the suite's memory peak, beside test_serving's nodes)."""
+    two was the suite's memory peak, beside test_serving's nodes). extra: more flags of `disagg up`."""
     return subprocess.Popen(
         [sys.executable, "-m", "disagg.cli", "up", "--port", str(port), "--grpc-port", str(grpc_port),
-         "--kv-port", str(kv_port), "--device", "cpu"],
+         "--kv-port", str(kv_port), "--device", "cpu", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
              "DISAGG_KV_CACHE_MEMORY": str(KV_CACHE_BYTES)})

@@ -197,25 +197,3 @@ def test_generate_answers():
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     output = result.stdout + result.stderr
     assert result.returncode == 0 and re.search(r"1 completions, \d+ tokens", result.stdout), output
-
-
-def test_up_gives_each_node_its_ranks_and_its_own_gpus():
-    """`disagg up -tp 2 --device cuda` starts both nodes with two ranks, the prefill node's on GPUs 0-1
-    and the decode node's on GPUs 2-3; on the CPU both share it."""
-    from disagg.launch import serve_command
-
-    def command(*argv: str) -> dict[str, list[str]]:
-        args = cli.build_parser()[0].parse_args(["up", *argv])
-        return {role: serve_command(args, role, 8000, 14579) for role in ("producer", "consumer")}
-
-    def flag(cmd: list[str], name: str) -> str | None:
-        return cmd[cmd.index(name) + 1] if name in cmd else None
-
-    gpus = command("-tp", "2", "--device", "cuda")
-    assert [flag(gpus[r], "--tensor-parallel-size") for r in gpus] == ["2", "2"]
-    assert [flag(gpus[r], "--device") for r in gpus] == ["cuda:0", "cuda:2"]
-    cpu = command("-tp", "2", "--device", "cpu")
-    assert [flag(cpu[r], "--device") for r in cpu] == ["cpu", "cpu"]
-    one = command("--device", "cuda:1")
-    assert [flag(one[r], "--device") for r in one] == ["cuda:1", "cuda:1"]
-    assert all("--tensor-parallel-size" not in cmd for cmd in one.values())

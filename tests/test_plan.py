@@ -64,6 +64,40 @@ def test_workload_from_a_bench_result_or_json_lines(tmp_path: Path):
         load_workload(str(trace))
 
 
+def test_plan_ends_with_the_disagg_up_line_that_runs_its_recommendation(tmp_path: Path, capsys):
+    """`disagg plan` on a synthetic profile: the ranked table, `recommended:`, then `run it:` with the
+    recommended layout's flags of `disagg up` (MODEL: the profile does not say which); --json has its words."""
+    from disagg import cli
+
+    profile = tmp_path / "profile.json"
+    profile.write_text(synthetic_profile(25.0).to_json())
+    plan_json = tmp_path / "plan.json"
+    cli.main(["plan", "--profile", str(profile), "--gpus", "2", "--input-len", "4096", "--output-len", "32",
+              "--ttft-slo-ms", "1000", "--tpot-slo-ms", "20", "--num-requests", "40", "--seeds", "1",
+              "--json", str(plan_json)])
+    lines = capsys.readouterr().out.splitlines()
+    plan = json.loads(plan_json.read_text())
+    best = plan["layouts"][0]
+    assert lines[-2].startswith(f"recommended: {plan['recommended']}")
+    flags = (["--num-prefill", str(best["prefill_nodes"]), "--num-decode", str(best["decode_nodes"])]
+             if best["prefill_nodes"] else ["--colocated", str(best["decode_nodes"])])
+    assert plan["up_command"] == ["disagg", "up", "MODEL", *flags]
+    assert lines[-1] == "run it: " + " ".join(plan["up_command"])
+
+
+def test_the_up_command_names_the_profiled_model_its_device_and_its_pipe():
+    from disagg.plan import up_command
+
+    profile = synthetic_profile(25.0)
+    assert up_command(profile, Layout(0, 4)) == ["disagg", "up", "MODEL", "--colocated", "4"]
+    profile.model_source, profile.device, profile.link.connector = "", "cpu", "tcp"
+    assert up_command(profile, Layout(1, 3)) == ["disagg", "up", "--num-prefill", "1", "--num-decode", "3",
+                                                 "--device", "cpu"]
+    profile.model_source, profile.device, profile.link.connector = "/models/llama 8b", "NVIDIA H200", "nixl"
+    assert up_command(profile, Layout(2, 2)) == ["disagg", "up", "/models/llama 8b", "--num-prefill", "2",
+                                                 "--num-decode", "2", "--kv-connector", "nixl"]
+
+
 # The slow test's workload: prefill-heavy, a few requests (benchmarks/plan_cpu_check.py measures
 # the prediction against bench serve; timing on a shared machine is no test).
 INPUT_LEN, OUTPUT_LEN, NUM_REQUESTS = 64, 4, 20
@@ -106,7 +140,9 @@ def predict(tmp_path: Path, serving: bool = True) -> tuple[dict[str, float], lis
         assert [row["goodput"] for row in layouts] == sorted((row["goodput"] for row in layouts), reverse=True)
         for name in names:
             assert name in out
-        assert out.splitlines()[-1].startswith(f"recommended: {names[0]}"), out
+        assert out.splitlines()[-2].startswith(f"recommended: {names[0]}"), out
+        # The embedded model, `disagg up`'s default, on the CPU where it was profiled.
+        assert out.splitlines()[-1].startswith("run it: disagg up --") and out.endswith("--device cpu\n"), out
         predicted |= {row["layout"]: row["goodput"] for row in layouts}
     return predicted, [f"ttft:{ttft_ms:.1f}", f"tpot:{tpot_ms:.1f}"]
 

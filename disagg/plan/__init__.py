@@ -11,14 +11,16 @@ This module stays light (argparse only): `disagg.cli` imports it to build the pa
 import argparse
 import json
 import math
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from disagg.config import PIPE_NAMES
 from disagg.help_format import HelpFormatter
 
 if TYPE_CHECKING:  # the parser is built without numpy
     from disagg.plan.profile import Profile
-    from disagg.plan.simulate import Prediction, Settings
+    from disagg.plan.simulate import Layout, Prediction, Settings
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -150,7 +152,7 @@ def run_plan(args: argparse.Namespace) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "profile": args.profile, "gpus": args.gpus, "slo_ms": {"ttft": args.ttft_slo_ms, "tpot": args.tpot_slo_ms},
-            "recommended": predictions[0].layout.name,
+            "recommended": predictions[0].layout.name, "up_command": up_command(profile, predictions[0].layout),
             "layouts": [{"layout": p.layout.name, "prefill_nodes": p.layout.prefill, "decode_nodes": p.layout.decode,
                          "goodput": p.goodput, "goodput_per_gpu": p.per_gpu,
                          "attainment": {str(rate): a for rate, a in p.attainment.items()}} for p in predictions]},
@@ -184,4 +186,24 @@ def format_plan(profile: "Profile", lengths: list[tuple[int, int]], settings: "S
         gain = f"{best.goodput / colocated.goodput:.2f}x" if colocated.goodput else "colocated meets the SLO at no rate"
         lines.append(f"recommended: {best.layout.name} ({best.layout.prefill} prefill, {best.layout.decode} decode "
                      f"nodes; predicted goodput {best.goodput:.3f} req/s, {gain} {colocated.layout.name})")
+    lines.append("run it: " + shlex.join(up_command(profile, best.layout)))
     return "\n".join(lines)
+
+
+def up_command(profile: "Profile", layout: "Layout") -> list[str]:
+    """`disagg up` for `layout` on one host, as argv words: the profiled model (MODEL where the profile
+    does not say which), on the CPU if it was profiled there, over the pipe whose link it timed."""
+    command = ["disagg", "up"]
+    if profile.model_source is None:
+        command.append("MODEL")
+    elif profile.model_source:  # "": the embedded model, `disagg up`'s default
+        command.append(profile.model_source)
+    if layout.prefill:
+        command += ["--num-prefill", str(layout.prefill), "--num-decode", str(layout.decode)]
+        if profile.link.connector in PIPE_NAMES and profile.link.connector != "tcp":
+            command += ["--kv-connector", profile.link.connector]
+    else:
+        command += ["--colocated", str(layout.decode)]
+    if not profile.on_gpu:
+        command += ["--device", "cpu"]
+    return command

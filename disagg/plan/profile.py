@@ -74,6 +74,9 @@ class Profile:
     link: Link
     serving: Serving = field(default_factory=Serving)
     async_scheduling: bool = False  # steps timed as nodes serving with --async-scheduling take them
+    # MODEL as `disagg up` takes it (a Hub id, a directory or .gguf file made absolute; "" the embedded
+    # model); None in a profile written before it was recorded.
+    model_source: str | None = None
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
 
     @property
@@ -341,8 +344,17 @@ def profile(args: argparse.Namespace) -> Profile:
               "beyond the engine's", flush=True)
     return Profile(model=model_name, device=device, dtype=str(dtype).removeprefix("torch."),
                    kv_bytes_per_token=kv_bytes_per_token, threads=torch.get_num_threads(),
-                   async_scheduling=args.async_scheduling,
+                   async_scheduling=args.async_scheduling, model_source=model_source(args.model),
                    prefill=prefill, decode=decode, link=link, serving=serving)
+
+
+def model_source(model: str | None) -> str:
+    """MODEL as given to `plan profile`, for the plan's `disagg up` line: a local path made absolute
+    (the plan may be made elsewhere), a Hub id as it is, "" for the embedded model."""
+    if model is None:
+        return ""
+    path = Path(model).expanduser()
+    return str(path.resolve()) if path.exists() else model
 
 
 def main(args: argparse.Namespace) -> None:
