@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 
@@ -182,14 +181,10 @@ def serve_command(args: argparse.Namespace, role: str, port: int, kv_port: int |
 
 
 def router_command(args: argparse.Namespace, port: int, front_ports: list[int]) -> list[str]:
-    command = [sys.executable, "-m", "disagg.cli", "router", "--host", LOCALHOST, "--port", str(port),
-               "--decode-nodes", ",".join(f"{LOCALHOST}:{p}" for p in front_ports), "--log-level", args.log_level]
-    if args.model is None:
-        return command  # cache_aware routing with the embedded model's tokenizer, the router's default
-    if (Path(args.model) / "tokenizer.json").is_file():
-        return command + ["--tokenizer", args.model]
-    # A .gguf file or a Hub id is no tokenizer directory the router could hash prompts with.
-    return command + ["--routing", "least_loaded"]
+    """cache_aware routing: the router starts once the nodes serve, and hashes prompts with the tokenizer
+    of the model directory they name in /v1/models (a .gguf file or Hub id: the one they converted or fetched)."""
+    return [sys.executable, "-m", "disagg.cli", "router", "--host", LOCALHOST, "--port", str(port),
+            "--decode-nodes", ",".join(f"{LOCALHOST}:{p}" for p in front_ports), "--log-level", args.log_level]
 
 
 def host_gpus(device: str | None) -> list[str]:

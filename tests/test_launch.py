@@ -49,7 +49,7 @@ def test_2p2d_puts_the_router_in_front_and_every_decode_node_lists_every_prefill
     ports = [port for process in plan.processes for port in process.ports]
     assert len(ports) == len(set(ports)) == 11  # 5 HTTP, 2 gRPC, 4 pipe
     assert set(plan.bound_ports()) == set(ports)
-    assert "--routing" not in plan.router.command  # cache_aware with the embedded model's tokenizer
+    assert "--routing" not in plan.router.command  # cache_aware, with the tokenizer the nodes name
 
 
 def test_colocated_nodes_take_no_pipe_and_one_of_them_needs_no_router():
@@ -102,10 +102,3 @@ def test_ports_that_would_collide_are_refused():
         layout("--num-prefill", "3", "--num-decode", "3", "--grpc-port", "8002")
     with pytest.raises(ValueError, match="not a port number"):
         layout("--num-decode", "2", "--kv-port", "65535")
-
-
-def test_the_router_routes_a_model_it_cannot_tokenize_by_load(tmp_path):
-    (tmp_path / "tokenizer.json").write_text("{}")
-    assert flag(layout(str(tmp_path), "--num-decode", "2").router, "--tokenizer") == str(tmp_path)
-    gguf = layout(str(tmp_path / "model.gguf"), "--num-decode", "2").router
-    assert flag(gguf, "--routing") == "least_loaded" and "--tokenizer" not in gguf.command
