@@ -174,3 +174,33 @@ def test_serve_shared_prefix_reports_the_prefix_cache_hit_rate(node, tmp_path: P
     assert (cache["hits"], cache["queries"]) == (2 * 64, 2 * (72 + 80))
     assert cache["hit_rate"] == pytest.approx(128 / 304) and cache["without_counters"] == []
     assert "prefix cache hit rate 0.421 (128/304 prompt tokens)" in done.stdout
+
+
+def test_arrivals_take_vllms_flags_and_keep_their_mean_rate():
+    """vLLM's bench flags parse into ours; gaps keep the mean rate at every burstiness, and a lower
+    burstiness bunches them (more spread); an infinite rate sends everything at once."""
+    import argparse
+    import random
+    import statistics
+
+    from disagg.bench import add_serve_args
+    from disagg.bench.serve import arrival_offsets
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args(["--request-rate", "4", "--num-prompts", "7", "--random-input-len", "64",
+                              "--random-output-len", "8", "--burstiness", "0.5"])
+    assert (args.qps, args.num_requests, args.input_len, args.output_len, args.burstiness) == ("4", 7, 64, 8, 0.5)
+    spread = {}
+    for burstiness in (0.25, 1.0, 4.0):
+        offsets = arrival_offsets(4001, 4.0, burstiness, random.Random(0))
+        gaps = [b - a for a, b in zip(offsets, offsets[1:])]
+        assert offsets[0] == 0 and min(gaps) >= 0
+        assert 0.23 < statistics.mean(gaps) < 0.27, (burstiness, statistics.mean(gaps))  # 1 / 4 req/s
+        spread[burstiness] = statistics.stdev(gaps) / statistics.mean(gaps)
+    assert spread[0.25] > 1.5 > spread[1.0] > 0.8 > 0.6 > spread[4.0]  # gamma: cv = 1 / sqrt(shape)
+    assert arrival_offsets(3, float("inf"), 1.0, random.Random(0)) == [0.0, 0.0, 0.0]
+    from disagg.bench.serve import run_benchmark
+
+    with pytest.raises(ValueError, match="--burstiness must be > 0"):  # refused before anything is sent
+        run_benchmark(parser.parse_args(["--burstiness", "0", "--base-url", "http://127.0.0.1:9"]))

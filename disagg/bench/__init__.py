@@ -29,12 +29,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
                         help="the API the requests go to: /v1/completions or /v1/chat/completions")
     parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    parser.add_argument("--qps", default="inf", help="mean request rate of the Poisson arrivals; inf = all at once")
+    parser.add_argument("--qps", "--request-rate", default="inf",
+                        help="mean request rate of the arrivals (Poisson unless --burstiness); inf = all at once")
+    parser.add_argument("--burstiness", type=float, default=1.0,
+                        help="the shape of the gamma distribution the gaps between arrivals are drawn from, at the "
+                             "same mean rate: 1 is Poisson, below 1 burstier, above 1 more even (vLLM's)")
     parser.add_argument("--qps-sweep", default=None, help="comma-separated rates, one run each (e.g. 0.5,1,2,inf)")
-    parser.add_argument("--num-requests", type=int, default=32, help="requests per rate")
+    parser.add_argument("--num-requests", "--num-prompts", type=int, default=32, help="requests per rate")
     parser.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
-    parser.add_argument("--input-len", type=int, default=128, help="prompt length in tokens (mean for uniform)")
-    parser.add_argument("--output-len", type=int, default=32, help="output tokens (mean for uniform)")
+    parser.add_argument("--input-len", "--random-input-len", type=int, default=128,
+                        help="prompt length in tokens (mean for uniform)")
+    parser.add_argument("--output-len", "--random-output-len", type=int, default=32,
+                        help="output tokens (mean for uniform)")
     parser.add_argument("--len-dist", choices=["fixed", "uniform", "lognormal"], default="fixed",
                         help="uniform: lengths drawn from [len*(1-range), len*(1+range)]; lognormal: median len, "
                              "sigma range, capped at 4*len (chat-shaped traffic: many short, a long tail)")

@@ -326,6 +326,18 @@ def summarize(results: list[RequestResult], duration: float, slo: SLO) -> dict:
     return summary
 
 
+def arrival_offsets(n: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
+    """Seconds from the run's start at which each of n requests is sent: the first at once, then gaps
+    of mean 1/rate, exponential (Poisson arrivals) at burstiness 1, else gamma of that shape (vLLM's
+    --burstiness); all at once for an infinite rate."""
+    offsets, at = [], 0.0
+    for i in range(n):
+        if i > 0 and math.isfinite(rate):
+            at += rng.expovariate(rate) if burstiness == 1 else rng.gammavariate(burstiness, 1 / (rate * burstiness))
+        offsets.append(at)
+    return offsets
+
+
 async def run_rate(args: argparse.Namespace, rate: float, conversations: list[list[RequestSpec]], model: str,
                    slo: SLO, rng: random.Random) -> tuple[dict, list[RequestResult]]:
     url = f"{args.base_url.rstrip('/')}/v1/{'chat/completions' if args.endpoint == 'chat' else 'completions'}"
@@ -356,9 +368,9 @@ async def run_rate(args: argparse.Namespace, rate: float, conversations: list[li
             return [await one(spec) for spec in turns]  # each turn once the answer before it is in
 
         tasks = []
-        for i, turns in enumerate(conversations):
-            if i > 0 and math.isfinite(rate):
-                await asyncio.sleep(rng.expovariate(rate))
+        for turns, at in zip(conversations, arrival_offsets(len(conversations), rate, args.burstiness, rng)):
+            # Until its time from the start: sleeping each gap in turn would add every wake-up's lateness.
+            await asyncio.sleep(max(0.0, run_start + at - time.perf_counter()))
             tasks.append(asyncio.create_task(converse(turns)))
         results = [result for turns in await asyncio.gather(*tasks) for result in turns]
         duration = time.perf_counter() - run_start
@@ -383,6 +395,8 @@ def served_model(base_url: str, api_key: str | None) -> str:
 def run_benchmark(args: argparse.Namespace) -> dict:
     """Every rate of --qps / --qps-sweep in turn; the JSON that --save-json writes."""
     rates = parse_rates(args.qps, args.qps_sweep)
+    if args.burstiness <= 0:
+        raise ValueError(f"--burstiness must be > 0, got {args.burstiness}")
     slo = SLO.parse(args.goodput)
     model = args.model or served_model(args.base_url, args.api_key)
     config = {k: v for k, v in vars(args).items() if k not in ("func",) and not callable(v)}
