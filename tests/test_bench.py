@@ -34,11 +34,15 @@ def test_serve_sweep_json_and_plot(node, tmp_path: Path):
     out_json, out_png = tmp_path / "run.json", tmp_path / "run.png"
     done = bench("serve", "--base-url", node.url, "--qps-sweep", "4,inf", "--num-requests", "3",
                  "--input-len", "8", "--output-len", "4", "--goodput", "ttft:60000", "tpot:60000",
-                 "--label", "colocated", "--save-json", str(out_json), "--plot", str(out_png), "--no-progress")
+                 "--label", "colocated", "--save-json", str(out_json), "--plot", str(out_png), "--no-progress",
+                 "--exact-rate")
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(out_json.read_text())
     assert result["label"] == "colocated" and result["model"]
     assert [run["qps"] for run in result["runs"]] == [4.0, "inf"]
+    assert [run["arrival_rate"] for run in result["runs"]] == [pytest.approx(4.0), None]  # --exact-rate
+    starts = sorted(r["start"] for r in result["runs"][0]["requests"])
+    assert 0.45 <= starts[-1] - starts[0] <= 0.8  # sent on schedule: 2 gaps of 1/4 s (late only on a loaded host)
     for run in result["runs"]:
         assert run["completed"] == 3 and run["failed"] == 0, run.get("errors")
         for key in ("request_throughput", "output_throughput", "goodput", "duration_s",
@@ -200,6 +204,10 @@ def test_arrivals_take_vllms_flags_and_keep_their_mean_rate():
         spread[burstiness] = statistics.stdev(gaps) / statistics.mean(gaps)
     assert spread[0.25] > 1.5 > spread[1.0] > 0.8 > 0.6 > spread[4.0]  # gamma: cv = 1 / sqrt(shape)
     assert arrival_offsets(3, float("inf"), 1.0, random.Random(0)) == [0.0, 0.0, 0.0]
+    # --exact-rate: the same arrivals scaled to span (n - 1) / rate, whatever the draw.
+    drawn, exact = (arrival_offsets(41, 4.0, 1.0, random.Random(7), exact) for exact in (False, True))
+    assert exact[-1] == pytest.approx(10.0) and drawn[-1] != pytest.approx(10.0)
+    assert [b / exact[-1] for b in exact] == pytest.approx([a / drawn[-1] for a in drawn])
     from disagg.bench.serve import run_benchmark
 
     with pytest.raises(ValueError, match="--burstiness must be > 0"):  # refused before anything is sent

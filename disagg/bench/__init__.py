@@ -34,6 +34,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--burstiness", type=float, default=1.0,
                         help="the shape of the gamma distribution the gaps between arrivals are drawn from, at the "
                              "same mean rate: 1 is Poisson, below 1 burstier, above 1 more even (vLLM's)")
+    parser.add_argument("--exact-rate", action="store_true",
+                        help="scale each run's gaps so that its arrivals span exactly (requests - 1) / rate seconds: "
+                             "as bursty, at the rate asked for (a short run's realized rate otherwise varies by "
+                             "about 1/sqrt(requests))")
     parser.add_argument("--qps-sweep", default=None, help="comma-separated rates, one run each (e.g. 0.5,1,2,inf)")
     parser.add_argument("--num-requests", "--num-prompts", type=int, default=32, help="requests per rate")
     parser.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")

@@ -26,6 +26,7 @@ the run's prompt tokens, summed over those servers. A router exports none: name 
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import random
@@ -326,16 +327,19 @@ def summarize(results: list[RequestResult], duration: float, slo: SLO) -> dict:
     return summary
 
 
-def arrival_offsets(n: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
+def arrival_offsets(n: int, rate: float, burstiness: float, rng: random.Random, exact: bool = False) -> list[float]:
     """Seconds from the run's start at which each of n requests is sent: the first at once, then gaps
     of mean 1/rate, exponential (Poisson arrivals) at burstiness 1, else gamma of that shape (vLLM's
-    --burstiness); all at once for an infinite rate."""
-    offsets, at = [], 0.0
-    for i in range(n):
-        if i > 0 and math.isfinite(rate):
-            at += rng.expovariate(rate) if burstiness == 1 else rng.gammavariate(burstiness, 1 / (rate * burstiness))
-        offsets.append(at)
-    return offsets
+    --burstiness); all at once for an infinite rate. exact: the gaps scaled to span (n - 1) / rate, so
+    that the run's rate is the one asked for (the same arrivals, conditioned on that span: a short run
+    no longer lands 15% off its rate by chance)."""
+    gaps = [0.0] * max(n - 1, 0)
+    if math.isfinite(rate):
+        gaps = [rng.expovariate(rate) if burstiness == 1 else rng.gammavariate(burstiness, 1 / (rate * burstiness))
+                for _ in gaps]
+        if exact and gaps and sum(gaps) > 0:
+            gaps = [g * (len(gaps) / rate) / sum(gaps) for g in gaps]
+    return list(itertools.accumulate(gaps, initial=0.0))[:n]
 
 
 async def run_rate(args: argparse.Namespace, rate: float, conversations: list[list[RequestSpec]], model: str,
@@ -368,7 +372,8 @@ async def run_rate(args: argparse.Namespace, rate: float, conversations: list[li
             return [await one(spec) for spec in turns]  # each turn once the answer before it is in
 
         tasks = []
-        for turns, at in zip(conversations, arrival_offsets(len(conversations), rate, args.burstiness, rng)):
+        offsets = arrival_offsets(len(conversations), rate, args.burstiness, rng, args.exact_rate)
+        for turns, at in zip(conversations, offsets):
             # Until its time from the start: sleeping each gap in turn would add every wake-up's lateness.
             await asyncio.sleep(max(0.0, run_start + at - time.perf_counter()))
             tasks.append(asyncio.create_task(converse(turns)))
@@ -376,7 +381,8 @@ async def run_rate(args: argparse.Namespace, rate: float, conversations: list[li
         duration = time.perf_counter() - run_start
     if progress is not None:
         progress.close()
-    summary = {"qps": rate if math.isfinite(rate) else "inf", **summarize(results, duration, slo)}
+    summary = {"qps": rate if math.isfinite(rate) else "inf", **summarize(results, duration, slo),
+               "arrival_rate": (len(offsets) - 1) / offsets[-1] if len(offsets) > 1 and offsets[-1] > 0 else None}
     return summary, results
 
 
