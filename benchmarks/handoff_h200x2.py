@@ -301,31 +301,34 @@ def handoff_means(before: dict, after: dict) -> dict[str, float]:
 
 
 def summarize_goodput(result: dict) -> dict:
-    """Per workload: each system's goodput rate (the highest rate with >= 90% of its requests within
-    the SLO) and 1P1D's over the colocated pair's."""
+    """Per workload: each system's goodput rate (the highest rate its arrivals kept, `arrival_rate`, with
+    >= 90% of its requests within the SLO) and 1P1D's over the colocated pair's."""
     out = {"goodput": result, "goodput_rate": {}, "goodput_ratio": {}}
     for workload, w in result.items():
-        best = {name: max([float(rate) for rate, r in by_rate.items() if r["goodput_fraction"] >= ATTAINMENT],
-                          default=0.0) for name, by_rate in w["runs"].items()}
+        best = {name: max([r.get("arrival_rate", float(rate)) for rate, r in by_rate.items()
+                           if r["goodput_fraction"] >= ATTAINMENT], default=0.0) for name, by_rate in w["runs"].items()}
         out["goodput_rate"][workload] = best
         out["goodput_ratio"][workload] = best["disagg_1p1d"] / best["colocated_x2"] if best["colocated_x2"] else None
     return out
 
 
 def pool_goodput(paths: list[str]) -> dict:
-    """Goodput phases of the same systems run on one machine at several rates, some repeated: each
-    rate's requests within the SLO (each run's own) counted over every run that had that rate, and
-    the goodput rates and ratio from those pooled fractions, as summarize_goodput takes them."""
+    """Goodput phases of the same systems on one machine, some rates repeated: each run a point at the
+    rate its arrivals kept (`arrival_rate`; the nominal rate where a run has none), the requests within
+    the SLO (each run's own) counted over every run at that rate, and the goodput rates and ratio from
+    those fractions, as summarize_goodput takes them. The systems of one run see the same arrivals."""
     pooled: dict = {}
     for path in paths:
         for workload, w in json.loads(Path(path).read_text())["goodput"].items():
             for name, by_rate in w["runs"].items():
                 for rate, r in by_rate.items():
+                    key = f"{r.get('arrival_rate', float(rate)):.2f}"
                     cell = pooled.setdefault(workload, {}).setdefault(name, {}).setdefault(
-                        rate, {"within": 0, "requests": 0, "runs": 0})
+                        key, {"within": 0, "requests": 0, "runs": 0, "nominal": []})
                     cell["within"] += round(r["goodput_fraction"] * r["num_requests"])
                     cell["requests"] += r["num_requests"]
                     cell["runs"] += 1
+                    cell["nominal"].append(rate)
     runs = {workload: {"runs": {name: {rate: {"goodput_fraction": c["within"] / c["requests"]} | c
                                        for rate, c in sorted(by_rate.items(), key=lambda kv: float(kv[0]))}
                                 for name, by_rate in systems.items()}}

@@ -141,8 +141,9 @@ def goodput_phase(args: argparse.Namespace, model: Path) -> dict:
 
 
 def goodput_rate(runs: dict, slo: dict, scale: float) -> float:
-    """The highest rate whose requests meet `scale` x the SLO >= 90% of the time (0 if none does)."""
-    return max([float(rate) for rate, r in runs.items()
+    """The highest rate (its arrivals', `arrival_rate`) whose requests meet `scale` x the SLO >= 90% of
+    the time (0 if none does)."""
+    return max([r.get("arrival_rate", float(rate)) for rate, r in runs.items()
                 if attainment(r["per_request"], scale * slo["ttft_ms"], scale * slo["tpot_ms"]) >= ATTAINMENT],
                default=0.0)
 
@@ -157,7 +158,8 @@ def summarize(result: dict) -> dict:
             rates = {name: goodput_rate(runs, w["slo"], scale) for name, runs in w["runs"].items()}
             out["goodput_rate"].setdefault(workload, {})[slo_name] = rates
             out["goodput_censored"].setdefault(workload, {})[slo_name] = sorted(
-                name for name, rate in rates.items() if rate and rate == max(float(r) for r in w["runs"][name]))
+                name for name, rate in rates.items()
+                if rate and rate == max(r.get("arrival_rate", float(k)) for k, r in w["runs"][name].items()))
             out["goodput_per_gpu"].setdefault(workload, {})[slo_name] = {n: r / GPUS for n, r in rates.items()}
             xpyd = [r for name, r in rates.items() if name != "colocated_x4"]
             colocated = rates.get("colocated_x4")
