@@ -24,6 +24,7 @@ from disagg.vllm_flags import add_vllm_flags, check_vllm_flags, normalize_argv
 
 logger = logging.getLogger(__name__)
 
+MAX_NUM_SEQS = 64  # --max-num-seqs' default
 BATCHED_TOKENS = 2048  # --max-num-batched-tokens' default: prompt chunks short enough to keep decodes moving
 PREFILL_NODE_BATCHED_TOKENS = 8192  # a prefill node's on a GPU, where no decode batch waits (see serve)
 SAMPLE_PROMPTS = [
@@ -43,7 +44,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="float32 (float), bfloat16, float16 (half), or auto: bfloat16 on CUDA, float32 on the CPU")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens")
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch")
+    parser.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS, help="sequences per batch")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help=f"tokens per step (longer prompts are chunked); default {BATCHED_TOKENS}, and "
                              f"{PREFILL_NODE_BATCHED_TOKENS} on a prefill node on a GPU")
@@ -571,6 +572,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     upp.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="N",
                      help="ranks of each node; on CUDA each node takes N GPUs (CUDA_VISIBLE_DEVICES), the prefill "
                           "nodes first")
+    upp.add_argument("--async-scheduling", action="store_true", help="every node steps ahead (as serve's)")
+    upp.add_argument("--max-num-seqs", type=int, default=None, help="every node's (default: serve's)")
+    upp.add_argument("--max-num-batched-tokens", type=int, default=None,
+                     help="the decode and colocated nodes' (default: serve's)")
+    upp.add_argument("--prefill-max-num-batched-tokens", type=int, default=None,
+                     help="the prefill nodes' --max-num-batched-tokens (default: serve's for a prefill node)")
     upp.add_argument("--once", action="store_true", help="stop every node after the sample request")
     upp.add_argument("--log-level", default="WARNING", help="the nodes' log level: DEBUG, INFO, WARNING or ERROR")
     gen = sub.add_parser("generate", help="offline generation with the engine, printed with timings",

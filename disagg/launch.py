@@ -9,6 +9,7 @@ processes, waits until each answers, and shows a streamed answer.
 
 import argparse
 import json
+import logging
 import os
 import signal
 import socket
@@ -20,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
+
+logger = logging.getLogger(__name__)
 
 SAMPLE = "In one sentence, what does a prefill node do in disaggregated LLM serving?"
 LOCALHOST = "127.0.0.1"
@@ -139,9 +142,18 @@ def node_gpus(args: argparse.Namespace, gpus_on_host: list[str], num_nodes: int)
     device = args.device or ("cuda" if gpus_on_host else "cpu")
     if not device.startswith("cuda"):
         return [{} for _ in range(num_nodes)]
-    first = int(device.partition(":")[2] or 0)
-    tp = args.tensor_parallel_size
-    needed = first + num_nodes * tp
+    index = device.partition(":")[2] or "0"
+    if not index.isdigit():
+        raise ValueError(f"--device {device}: a GPU is cuda or cuda:N")
+    first, tp = int(index), args.tensor_parallel_size
+    if first >= len(gpus_on_host):
+        raise ValueError(f"--device {device}: this host has {len(gpus_on_host)} GPU(s)")
+    needed, available = first + num_nodes * tp, gpus_on_host[first:]
+    if needed > len(gpus_on_host) and tp == 1:
+        # Fewer GPUs than nodes (the quick start on one GPU): the nodes take them in turn and share, each
+        # node's KV cache a share of what the others leave free, as serve's --kv-cache-memory sizes it.
+        logger.warning("%d nodes on %d GPU(s): some share one", num_nodes, len(available))
+        return [{"CUDA_VISIBLE_DEVICES": available[n % len(available)]} for n in range(num_nodes)]
     if needed > len(gpus_on_host):
         raise ValueError(f"{num_nodes} node(s) of {tp} GPU(s) each from GPU {first} on need {needed} GPUs; this "
                          f"host has {len(gpus_on_host)}: start fewer nodes, or lower -tp (on the CPU: --device cpu)")
@@ -175,6 +187,12 @@ def serve_command(args: argparse.Namespace, role: str, port: int, kv_port: int |
         command += ["--kv-transfer-config", json.dumps(kv)]
     if args.tensor_parallel_size > 1:
         command += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    batched_tokens = args.prefill_max_num_batched_tokens if role == "producer" else args.max_num_batched_tokens
+    for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--max-num-batched-tokens", batched_tokens)):
+        if value is not None:
+            command += [flag, str(value)]
+    if args.async_scheduling:
+        command.append("--async-scheduling")
     if args.device:
         command += ["--device", "cuda" if args.device.startswith("cuda") else args.device]
     return command
@@ -280,22 +298,20 @@ def check_ports_free(ports: dict[int, str]) -> None:
                                    "start this one on other ports (--port, --grpc-port, --kv-port)") from None
 
 
-def start(layout: Layout, env: dict[str, str]) -> dict[str, subprocess.Popen]:
-    """The nodes, all at once so that their loads overlap (a decode node retries a prefill node
-    still loading); the router comes later, in front of nodes that serve."""
-    return {node.name: subprocess.Popen(node.command, env=env | node.env) for node in layout.prefill + layout.front}
-
-
-def wait_until_serving(layout: Layout, started: dict[str, subprocess.Popen], env: dict[str, str]) -> None:
-    """Until every node answers (a decode node once it holds each of its prefill nodes healthy), then
-    the router, if any, until it holds every decode node healthy; RuntimeError if one exits first."""
+def start_serving(layout: Layout, started: dict[str, subprocess.Popen], env: dict[str, str]) -> None:
+    """The nodes, all at once so that their loads overlap (a decode node retries a prefill node still
+    loading), each in `started` as soon as it runs (the caller stops them, whatever is raised); then,
+    once every node answers (a decode node once it holds each of its prefill nodes healthy), the router,
+    if any, until it holds every decode node healthy; RuntimeError if one exits first."""
+    for node in layout.prefill + layout.front:
+        started[node.name] = subprocess.Popen(node.command, env=env | node.env)
     try:
         for node in layout.prefill + layout.front:
             wait_healthy(node.url, started[node.name],
                          until=lambda health: all(health.get("prefill_nodes", {}).values()))
         if layout.router:
-            started[layout.router.name] = router = subprocess.Popen(layout.router.command, env=env)
-            wait_healthy(layout.router.url, router, timeout=60,
+            started[layout.router.name] = subprocess.Popen(layout.router.command, env=env)
+            wait_healthy(layout.router.url, started[layout.router.name], timeout=60,
                          until=lambda health: all(n["healthy"] for n in health["decode_nodes"].values()))
     except RuntimeError as e:
         raise RuntimeError(f"{e}; its output is above") from None
@@ -336,9 +352,9 @@ def up(args: argparse.Namespace) -> None:
     check_ports_free(layout.bound_ports())
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     interrupt_on_sigterm()
-    started = start(layout, env)
+    started: dict[str, subprocess.Popen] = {}
     try:
-        wait_until_serving(layout, started, env)
+        start_serving(layout, started, env)
         url = layout.url
         model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         sample_request(url, model)

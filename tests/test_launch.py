@@ -35,6 +35,18 @@ def test_default_is_the_quick_starts_1p1d_on_its_ports():
     assert sorted(plan.bound_ports()) == [8000, 8001, 14579, 14580, 50051]
 
 
+def test_batching_and_async_scheduling_reach_the_nodes_that_take_them():
+    """As a plan's `run it:` line gives them: --max-num-seqs and --async-scheduling to every node,
+    --max-num-batched-tokens to the decode nodes, --prefill-max-num-batched-tokens to the prefill nodes'."""
+    plan = layout("--num-prefill", "2", "--num-decode", "2", "--async-scheduling", "--max-num-seqs", "32",
+                  "--max-num-batched-tokens", "1024", "--prefill-max-num-batched-tokens", "8192")
+    nodes = plan.prefill + plan.front
+    assert all(flag(node, "--max-num-seqs") == "32" and "--async-scheduling" in node.command for node in nodes)
+    assert [flag(node, "--max-num-batched-tokens") for node in nodes] == ["8192", "8192", "1024", "1024"]
+    assert not any(name in node.command for node in layout().processes
+                   for name in ("--max-num-seqs", "--max-num-batched-tokens", "--async-scheduling"))  # serve's own
+
+
 def test_2p2d_puts_the_router_in_front_and_every_decode_node_lists_every_prefill_node():
     plan = layout("--num-prefill", "2", "--num-decode", "2")
     assert plan.router is not None and plan.url == "http://127.0.0.1:8000"
@@ -81,9 +93,20 @@ def test_on_the_cpu_the_nodes_share_it():
     assert all(node.env == {} and "--device" not in node.command for node in layout("--colocated", "4").front)
 
 
+def test_fewer_gpus_than_nodes_are_shared_in_turn():
+    """The quick start on a one-GPU host: both nodes on it; 2P2D on two GPUs: each takes one in turn."""
+    assert [node.env for node in layout(gpus=["0"]).processes] == [{"CUDA_VISIBLE_DEVICES": "0"}] * 2
+    plan = layout("--num-prefill", "2", "--num-decode", "2", gpus=["0", "1"])
+    assert [node.env["CUDA_VISIBLE_DEVICES"] for node in plan.prefill + plan.front] == ["0", "1", "0", "1"]
+    assert [node.env["CUDA_VISIBLE_DEVICES"] for node in layout("--device", "cuda:1", gpus=["0", "1"]).processes] \
+        == ["1", "1"]
+
+
 def test_too_few_gpus_or_a_combination_that_makes_no_layout_is_refused():
-    with pytest.raises(ValueError, match="need 4 GPUs; this host has 2"):
-        layout("--num-prefill", "2", "--num-decode", "2", gpus=["0", "1"])
+    with pytest.raises(ValueError, match="need 4 GPUs; this host has 2"):  # ranks are never shared
+        layout("-tp", "2", gpus=["0", "1"])
+    with pytest.raises(ValueError, match="cuda or cuda:N"):
+        layout("--device", "cuda:x", gpus=["0"])
     with pytest.raises(ValueError, match="need 6 GPUs; this host has 4"):
         layout("--colocated", "3", "-tp", "2", gpus=FOUR_GPUS)
     with pytest.raises(ValueError, match="this host has 0"):

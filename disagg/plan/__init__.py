@@ -152,7 +152,8 @@ def run_plan(args: argparse.Namespace) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "profile": args.profile, "gpus": args.gpus, "slo_ms": {"ttft": args.ttft_slo_ms, "tpot": args.tpot_slo_ms},
-            "recommended": predictions[0].layout.name, "up_command": up_command(profile, predictions[0].layout),
+            "recommended": predictions[0].layout.name,
+            "up_command": up_command(profile, predictions[0].layout, settings),
             "layouts": [{"layout": p.layout.name, "prefill_nodes": p.layout.prefill, "decode_nodes": p.layout.decode,
                          "goodput": p.goodput, "goodput_per_gpu": p.per_gpu,
                          "attainment": {str(rate): a for rate, a in p.attainment.items()}} for p in predictions]},
@@ -186,13 +187,16 @@ def format_plan(profile: "Profile", lengths: list[tuple[int, int]], settings: "S
         gain = f"{best.goodput / colocated.goodput:.2f}x" if colocated.goodput else "colocated meets the SLO at no rate"
         lines.append(f"recommended: {best.layout.name} ({best.layout.prefill} prefill, {best.layout.decode} decode "
                      f"nodes; predicted goodput {best.goodput:.3f} req/s, {gain} {colocated.layout.name})")
-    lines.append("run it: " + shlex.join(up_command(profile, best.layout)))
+    lines.append("run it: " + shlex.join(up_command(profile, best.layout, settings)))
     return "\n".join(lines)
 
 
-def up_command(profile: "Profile", layout: "Layout") -> list[str]:
+def up_command(profile: "Profile", layout: "Layout", settings: "Settings") -> list[str]:
     """`disagg up` for `layout` on one host, as argv words: the profiled model (MODEL where the profile
-    does not say which), on the CPU if it was profiled there, over the pipe whose link it timed."""
+    does not say which), on the CPU if it was profiled there, over the pipe whose link it timed, with
+    async scheduling if it was profiled so, and the batching the plan simulated where it is not serve's."""
+    from disagg.cli import BATCHED_TOKENS, MAX_NUM_SEQS, PREFILL_NODE_BATCHED_TOKENS
+
     command = ["disagg", "up"]
     if profile.model_source is None:
         command.append("MODEL")
@@ -206,4 +210,12 @@ def up_command(profile: "Profile", layout: "Layout") -> list[str]:
         command += ["--colocated", str(layout.decode)]
     if not profile.on_gpu:
         command += ["--device", "cpu"]
+    if profile.async_scheduling:
+        command.append("--async-scheduling")
+    serves = {"--max-num-seqs": (settings.max_num_seqs, MAX_NUM_SEQS),
+              "--max-num-batched-tokens": (settings.batched_tokens, BATCHED_TOKENS)}
+    if layout.prefill:
+        serves["--prefill-max-num-batched-tokens"] = (
+            settings.prefill_batched_tokens, PREFILL_NODE_BATCHED_TOKENS if profile.on_gpu else BATCHED_TOKENS)
+    command += [word for flag, (value, default) in serves.items() if value != default for word in (flag, str(value))]
     return command
