@@ -85,17 +85,23 @@ def test_plan_ends_with_the_disagg_up_line_that_runs_its_recommendation(tmp_path
     assert lines[-1] == "run it: " + " ".join(plan["up_command"])
 
 
-def test_the_up_command_names_the_profiled_model_its_device_and_its_pipe():
+def test_the_up_command_names_the_profiled_model_its_device_its_pipe_and_the_batching_simulated():
     from disagg.plan import up_command
 
-    profile = synthetic_profile(25.0)
-    assert up_command(profile, Layout(0, 4)) == ["disagg", "up", "MODEL", "--colocated", "4"]
+    profile, gpu = synthetic_profile(25.0), Settings(ttft_s=1.0, tpot_s=0.02, prefill_batched_tokens=8192)
+    assert up_command(profile, Layout(0, 4), gpu) == ["disagg", "up", "MODEL", "--colocated", "4"]
     profile.model_source, profile.device, profile.link.connector = "", "cpu", "tcp"
-    assert up_command(profile, Layout(1, 3)) == ["disagg", "up", "--num-prefill", "1", "--num-decode", "3",
-                                                 "--device", "cpu"]
+    cpu = Settings(ttft_s=1.0, tpot_s=0.02)  # serve's batching on the CPU: nothing to say
+    assert up_command(profile, Layout(1, 3), cpu) == ["disagg", "up", "--num-prefill", "1", "--num-decode", "3",
+                                                      "--device", "cpu"]
     profile.model_source, profile.device, profile.link.connector = "/models/llama 8b", "NVIDIA H200", "nixl"
-    assert up_command(profile, Layout(2, 2)) == ["disagg", "up", "/models/llama 8b", "--num-prefill", "2",
-                                                 "--num-decode", "2", "--kv-connector", "nixl"]
+    profile.async_scheduling = True
+    tuned = Settings(ttft_s=1.0, tpot_s=0.02, max_num_seqs=32, batched_tokens=4096, prefill_batched_tokens=16384)
+    assert up_command(profile, Layout(2, 2), tuned) == [
+        "disagg", "up", "/models/llama 8b", "--num-prefill", "2", "--num-decode", "2", "--kv-connector", "nixl",
+        "--async-scheduling", "--max-num-seqs", "32", "--max-num-batched-tokens", "4096",
+        "--prefill-max-num-batched-tokens", "16384"]
+    assert up_command(profile, Layout(0, 4), tuned)[-4:] == ["--max-num-seqs", "32", "--max-num-batched-tokens", "4096"]
 
 
 # The slow test's workload: prefill-heavy, a few requests (benchmarks/plan_cpu_check.py measures
@@ -165,11 +171,13 @@ def test_decode_is_timed_with_the_whole_batch_running(tiny_llama_dir, async_sche
     from disagg.engine.engine import LLMEngine
     from disagg.plan.profile import REPEATS, decode_tokens, time_decode
 
-    batch, context, budget = 8, 96, 96  # one prompt a step: 8 steps to start them all
+    # The budget fits one whole prompt a step, and less once sequences run (each takes a token of it):
+    # 63 steps to start them all, the first decoding in each.
+    batch, context, budget = 32, 96, 96
     engine = LLMEngine(EngineConfig(
         model=str(tiny_llama_dir()), device="cpu", dtype="float32", enable_prefix_caching=False,
         max_num_seqs=batch, max_num_batched_tokens=budget,
-        max_model_len=context + decode_tokens(batch, context, budget), kv_cache_memory=64 << 20,
+        max_model_len=context + decode_tokens(batch, context, budget), kv_cache_memory=128 << 20,
         async_scheduling=async_scheduling))
     running = []
     step = engine.step

@@ -21,6 +21,10 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch  # imported when profiling: reading a profile needs no torch
 
 logger = logging.getLogger(__name__)
 
@@ -138,8 +142,9 @@ def time_prefill(engine, tokens: list[int], rng: random.Random) -> list[PrefillS
 
 def decode_tokens(batch: int, context: int, budget: int) -> int:
     """A decode timing's max_tokens: more than the steps that start its prompts (each running sequence
-    decodes in every one of them), the warm-up and the timed steps, so that none finishes before it is timed."""
-    return batch * -(-context // budget) + REPEATS + 8
+    decodes in every one of them, taking a token of the budget: the k-th prompt gets budget - k a step),
+    the warm-up and the timed steps, so that none finishes before it is timed."""
+    return sum(-(-context // max(budget - k, 1)) for k in range(batch)) + REPEATS + 8
 
 
 def time_decode(engine, batches: list[int], contexts: list[int], rng: random.Random) -> list[DecodeSample]:
@@ -174,13 +179,14 @@ def time_decode(engine, batches: list[int], contexts: list[int], rng: random.Ran
     return samples
 
 
-def link_devices() -> tuple[str, str]:
+def link_devices(engine_device: "torch.device") -> tuple[str, str]:
     """Sender and receiver devices: two GPUs if present (KV between GPUs), else the CPU. The receiver
-    is this process, whose engine ran on the first GPU."""
+    is this process, on its engine's GPU; the sender the next GPU."""
     import torch
 
-    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
-        return "cuda:1", "cuda:0"
+    if engine_device.type == "cuda" and torch.cuda.device_count() >= 2:
+        index = engine_device.index or 0
+        return f"cuda:{(index + 1) % torch.cuda.device_count()}", f"cuda:{index}"
     return "cpu", "cpu"
 
 
@@ -202,15 +208,15 @@ def send_kv(connector: str, address: tuple[str, int], sizes: list[int], device: 
     link.close()
 
 
-def time_link(connector: str, kv_bytes_per_token: int, device_type: str) -> Link:
+def time_link(connector: str, kv_bytes_per_token: int, engine_device: "torch.device") -> Link:
     """The pipe between two processes: a short and a long prompt's KV, sent and acknowledged."""
     import torch
 
     from disagg import pipes
     from disagg.pipes import PipeConfig
 
-    sizes = [n * kv_bytes_per_token for n in LINK_TOKENS["cuda" if device_type == "cuda" else "cpu"]]
-    send_device, recv_device = link_devices()
+    sizes = [n * kv_bytes_per_token for n in LINK_TOKENS["cuda" if engine_device.type == "cuda" else "cpu"]]
+    send_device, recv_device = link_devices(engine_device)
     if recv_device.startswith("cuda"):
         torch.cuda.set_device(recv_device)  # NCCL places this rank on the current device
     server = pipes.listen(connector, PipeConfig(kv_port=0, timeout=120))
@@ -330,7 +336,7 @@ def profile(args: argparse.Namespace) -> Profile:
     if args.link_gbps:
         link = Link(args.kv_connector, args.link_latency_ms / 1e3, args.link_gbps * 1e9)
     else:
-        link = time_link(args.kv_connector, kv_bytes_per_token, engine.device.type)
+        link = time_link(args.kv_connector, kv_bytes_per_token, engine.device)
     print(f"link {link.connector}: {1e3 * link.latency_s:.2f} ms + {link.bytes_per_s / 1e9:.2f} GB/s", flush=True)
     device = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu"
     model_dir, model_name = str(engine.model_dir), engine.model_dir.name
