@@ -42,7 +42,7 @@ def test_serve_sweep_json_and_plot(node, tmp_path: Path):
     assert [run["qps"] for run in result["runs"]] == [4.0, "inf"]
     assert [run["arrival_rate"] for run in result["runs"]] == [pytest.approx(4.0), None]  # --exact-rate
     starts = sorted(r["start"] for r in result["runs"][0]["requests"])
-    assert 0.45 <= starts[-1] - starts[0] <= 0.8  # sent on schedule: 2 gaps of 1/4 s (late only on a loaded host)
+    assert 0.45 <= starts[-1] - starts[0] <= 1.5  # 2 gaps of 1/4 s: never early; late only on a loaded host
     for run in result["runs"]:
         assert run["completed"] == 3 and run["failed"] == 0, run.get("errors")
         for key in ("request_throughput", "output_throughput", "goodput", "duration_s",

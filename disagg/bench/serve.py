@@ -337,8 +337,9 @@ def arrival_offsets(n: int, rate: float, burstiness: float, rng: random.Random, 
     if math.isfinite(rate):
         gaps = [rng.expovariate(rate) if burstiness == 1 else rng.gammavariate(burstiness, 1 / (rate * burstiness))
                 for _ in gaps]
-        if exact and gaps and sum(gaps) > 0:
-            gaps = [g * (len(gaps) / rate) / sum(gaps) for g in gaps]
+        total = sum(gaps)
+        if exact and total > 0:
+            gaps = [g * (len(gaps) / rate) / total for g in gaps]
     return list(itertools.accumulate(gaps, initial=0.0))[:n]
 
 
@@ -354,6 +355,7 @@ async def run_rate(args: argparse.Namespace, rate: float, conversations: list[li
 
         progress = tqdm(total=sum(map(len, conversations)), desc=f"qps {rate}", unit="req", leave=False)
 
+    offsets = arrival_offsets(len(conversations), rate, args.burstiness, rng, args.exact_rate)
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=args.timeout) as client:
         run_start = time.perf_counter()
 
@@ -372,7 +374,6 @@ async def run_rate(args: argparse.Namespace, rate: float, conversations: list[li
             return [await one(spec) for spec in turns]  # each turn once the answer before it is in
 
         tasks = []
-        offsets = arrival_offsets(len(conversations), rate, args.burstiness, rng, args.exact_rate)
         for turns, at in zip(conversations, offsets):
             # Until its time from the start: sleeping each gap in turn would add every wake-up's lateness.
             await asyncio.sleep(max(0.0, run_start + at - time.perf_counter()))
