@@ -326,6 +326,9 @@ def test_without_tokenizer_the_router_hashes_with_the_model_the_first_healthy_no
     assert choose_tokenizer_dir(answers, {"b:2", "c:3"}, asked=asked) == (served, True)  # a unhealthy, b refuses
     assert asked == [("b:2", "Bearer k"), ("c:3", "Bearer k")]
     assert choose_tokenizer_dir(answers, {"c:3"}, given="/given") == (Path("/given"), True)
+    # A node started with its own --tokenizer names it beside its model's root: that is the one it encodes with.
+    answers["c:3"] = httpx.Response(200, json={"data": [{"id": "m", "root": "/nowhere", "tokenizer": str(served)}]})
+    assert choose_tokenizer_dir(answers, {"c:3"}) == (served, True)
     with caplog.at_level("WARNING", logger="disagg.router.server"):
         assert choose_tokenizer_dir(answers, set()) == (embedded, False)  # nodes may start after the router
         answers["b:2"] = httpx.Response(200, json={"data": [{"id": "m"}]})  # a server that names no root
@@ -396,7 +399,7 @@ def test_the_router_learns_the_served_models_tokenizer_from_a_node(tmp_path, tin
     router = None
     try:
         models = httpx.get(f"{node.url}/v1/models", headers={"authorization": "Bearer k3y"}, timeout=10).json()
-        assert models["data"][0]["root"] == str(served)
+        assert models["data"][0]["root"] == models["data"][0]["tokenizer"] == str(served)
         router = start_router(tmp_path, [f"127.0.0.1:{node.port}"], ["--api-key", "k3y"])
         assert (f"hashes prompts with the tokenizer in {served}, the model decode node 127.0.0.1:{node.port} serves"
                 in router.log()), router.log()

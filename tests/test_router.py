@@ -231,7 +231,7 @@ def test_router_health_and_models(cluster: Cluster):
     # The node names the directory it serves. The router (no --tokenizer) hashes with it: learned from a
     # node, or, started with the nodes and so most likely before they were up, the embedded model's, the same.
     root = models["data"][0]["root"]
-    assert root == str(resolve_model(None))
+    assert root == models["data"][0]["tokenizer"] == str(resolve_model(None))
     assert f"hashes prompts with the tokenizer in {root}," in cluster.router.log()
 
 

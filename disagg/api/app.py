@@ -1054,9 +1054,9 @@ def build_app(node: DecodeNode, options: HTTPOptions, served_model_name: str,
     app.add_api_route("/detokenize", serving.detokenize, methods=["POST"], openapi_extra=body_schema("/detokenize"))
 
     def model_card() -> ModelCard:
-        # root absolute: `disagg router` without --tokenizer reads the served model's tokenizer from it.
+        # Absolute: `disagg router` without --tokenizer hashes prompts with the tokenizer found there.
         return ModelCard(id=served_model_name, root=str(node.engine.model_dir.absolute()),
-                         max_model_len=node.max_model_len)
+                         tokenizer=str(node.tokenizer.json_path.parent.absolute()), max_model_len=node.max_model_len)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -787,7 +787,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "disagg"
-    root: str  # vLLM's: the model the node loaded; here its local directory (the router reads its tokenizer)
+    root: str  # vLLM's: the model the node loaded; here its local directory
+    tokenizer: str  # the directory of the tokenizer it loaded (--tokenizer, else root): a cache-aware router's
     max_model_len: int
 
 

@@ -27,14 +27,15 @@ class PromptTokens:
     def token_ids(self, path: str, body: object) -> list[int] | None:
         """The prompt's ids for a POST to `path` with JSON `body`, or None when it is no single prompt
         (or there is no tokenizer yet)."""
-        if not isinstance(body, dict) or self.tokenizer is None:
+        tokenizer = self.tokenizer  # once: use() may swap it from another thread meanwhile
+        if not isinstance(body, dict) or tokenizer is None:
             return None
         if path == "/v1/completions":
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1:
                 prompt = prompt[0]
             if isinstance(prompt, str):
-                return self.tokenizer.encode(prompt)
+                return tokenizer.encode(prompt)
             if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
                 return prompt
             return None
@@ -42,12 +43,12 @@ class PromptTokens:
             messages = body.get("messages")
             if not isinstance(messages, list):
                 return None
-            text = self.tokenizer.apply_chat_template(
+            text = tokenizer.apply_chat_template(
                 [template_message(m) for m in messages if isinstance(m, dict)],
                 body.get("add_generation_prompt", True),
                 continue_final_message=body.get("continue_final_message", False),
                 template_kwargs=body.get("chat_template_kwargs"))
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return tokenizer.encode(text, add_special_tokens=False)
         return None
 
 

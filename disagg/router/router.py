@@ -24,7 +24,6 @@ picks by its `--routing` policy:
 """
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -197,8 +196,7 @@ class Router:
     async def close(self) -> None:
         for task in self.tasks:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await asyncio.gather(*self.tasks, return_exceptions=True)  # one that failed must not stop the rest
         self.tasks = []
         await self.client.aclose()
         await self.events_client.aclose()

@@ -435,8 +435,8 @@ def embedded_tokenizer_dir() -> Path:
 
 
 async def served_model_root(router: Router, node: DecodeNode) -> str:
-    """The `root` of the first model the node's GET /v1/models lists: the directory it loaded. A
-    ValueError says why there is none."""
+    """The directory of the tokenizer the node loaded, from the first model its GET /v1/models lists:
+    `tokenizer` (ours), else `root` (vLLM's: the model's directory). A ValueError says why there is none."""
     try:
         response = await router.client.get(f"{node.url}/v1/models", headers=router.auth_headers)
     except httpx.HTTPError as e:
@@ -444,7 +444,8 @@ async def served_model_root(router: Router, node: DecodeNode) -> str:
     if response.status_code != 200:
         raise ValueError(f"GET /v1/models answered {response.status_code}")
     try:
-        root = response.json()["data"][0]["root"]
+        card = response.json()["data"][0]
+        root = card.get("tokenizer") or card["root"]
     except (ValueError, LookupError, TypeError) as e:
         raise ValueError(f"GET /v1/models names no model root ({describe(e)})") from None
     if not isinstance(root, str):
@@ -499,18 +500,24 @@ async def routing_tokenizer_dir(router: Router, given: str | None) -> tuple[Path
 
 async def learn_tokenizer(router: Router, prompts: PromptTokens) -> None:
     """Until a healthy decode node says which model it serves: then its tokenizer replaces the one
-    cache_aware routing started with. One on another host leaves it, with an error in the log."""
+    cache_aware routing started with. One on another host, or a tokenizer that does not load, leaves
+    it, with an error in the log; each new reason why no node can say yet is logged once."""
+    said = set()
     while True:
         await asyncio.sleep(router.health_interval)
         try:
-            directory, _ = await served_tokenizer_dir(router)
-        except ValueError as e:
-            logger.error("%s; until then it hashes with %s", e, prompts.directory or "no tokenizer (by load)")
+            directory, reasons = await served_tokenizer_dir(router)
+            if directory is not None:
+                if directory != prompts.directory:
+                    await asyncio.to_thread(prompts.use, directory)  # loading a tokenizer takes a while
+                return
+        except Exception as e:  # noqa: BLE001 - any failure here must leave routing as it is, and say why
+            logger.error("%s; cache_aware routing goes on hashing with %s", describe(e),
+                         prompts.directory or "no tokenizer (every prompt routed by load)")
             return
-        if directory is not None:
-            if directory != prompts.directory:
-                await asyncio.to_thread(prompts.use, directory)  # loading a tokenizer takes a while
-            return
+        for reason in set(reasons) - said:
+            logger.warning("cache_aware routing still waits for the served model's tokenizer: %s", reason)
+        said |= set(reasons)
 
 
 def main(args: argparse.Namespace) -> None:
