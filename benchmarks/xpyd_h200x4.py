@@ -143,7 +143,7 @@ def goodput_phase(args: argparse.Namespace, model: Path) -> dict:
 def goodput_rate(runs: dict, slo: dict, scale: float) -> float:
     """The highest rate (its arrivals', `arrival_rate`) whose requests meet `scale` x the SLO >= 90% of
     the time (0 if none does)."""
-    return max([r.get("arrival_rate", float(rate)) for rate, r in runs.items()
+    return max([(r.get("arrival_rate") or float(rate)) for rate, r in runs.items()
                 if attainment(r["per_request"], scale * slo["ttft_ms"], scale * slo["tpot_ms"]) >= ATTAINMENT],
                default=0.0)
 
@@ -159,7 +159,7 @@ def summarize(result: dict) -> dict:
             out["goodput_rate"].setdefault(workload, {})[slo_name] = rates
             out["goodput_censored"].setdefault(workload, {})[slo_name] = sorted(
                 name for name, rate in rates.items()
-                if rate and rate == max(r.get("arrival_rate", float(k)) for k, r in w["runs"][name].items()))
+                if rate and rate == max((r.get("arrival_rate") or float(k)) for k, r in w["runs"][name].items()))
             out["goodput_per_gpu"].setdefault(workload, {})[slo_name] = {n: r / GPUS for n, r in rates.items()}
             xpyd = [r for name, r in rates.items() if name != "colocated_x4"]
             colocated = rates.get("colocated_x4")
@@ -279,6 +279,8 @@ def main() -> int:
         args.max_model_len, args.num_requests, args.rates_4k, args.rates_chat = 1024, 4, "2", "2"
     elif args.phase is None:
         ap.error("give --phase goodput or plan (or --dry-run, or --merge)")
+    if args.profile and (args.dry_run or args.phase != "plan"):
+        ap.error("--profile is the plan phase's: give it with --phase plan")
     args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     args.vocab = SHAPES[args.shape]["vocab_size"]
     args.kv_buffer_device = "cuda"

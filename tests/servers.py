@@ -2,6 +2,7 @@
 
 import json
 import os
+import random
 import re
 import resource
 import signal
@@ -39,10 +40,11 @@ def free_port_pair() -> int:
 
 
 def free_port_run(count: int) -> int:
-    """A port p with p + 1 ... p + count - 1 free too (`disagg up` counts its nodes' ports up from its flags)."""
+    """A port p with p + 1 ... p + count - 1 free too (`disagg up` counts its nodes' ports up from its flags):
+    below the kernel's ephemeral range (32768 and up), where no outgoing connection takes one meanwhile."""
     while True:
-        p = free_port()
-        if all(port_free(p + i) for i in range(1, count)):
+        p = random.randrange(20000, 30000 - count)
+        if all(port_free(p + i) for i in range(count)):
             return p
 
 
