@@ -440,6 +440,16 @@ class StandInNode:
         self.server.server_close()
 
 
+def send_json(handler: http.server.BaseHTTPRequestHandler, body: dict) -> None:
+    """A stand-in node's 200 answer."""
+    data = json.dumps(body).encode()
+    handler.send_response(200)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 class HungDecodeNode(StandInNode):
     """Answers /health until a completion request arrives; then hangs on everything, having sent
     the stream's first chunk: a decode node frozen mid-request (stopped, or its GPU wedged)."""
@@ -541,12 +551,7 @@ class KeepAliveClosingNode(StandInNode):
                 self.served = 0
 
             def answer(self, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                send_json(self, body)
 
             def do_GET(self):
                 self.answer({"status": "ok"})
@@ -608,14 +613,8 @@ class ElsewhereNode(StandInNode):
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):
-                body = ({"object": "list", "data": [{"id": MODEL, "root": root}]} if self.path == "/v1/models"
-                        else {"status": "ok"})
-                data = json.dumps(body).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                send_json(self, {"object": "list", "data": [{"id": MODEL, "root": root}]} if self.path == "/v1/models"
+                          else {"status": "ok"})
 
             def log_message(self, *args):
                 pass
