@@ -389,15 +389,13 @@ class LLMEngine:
     def _read_back(self, prev: _InFlight) -> list[RequestOutput]:
         """The tokens of the step in flight, in place of its sequences' placeholders; their outputs."""
         live = [(row, seq) for row, seq in enumerate(prev.seqs) if self._live(seq)]
+        for _, seq in live:
+            drop_placeholder(seq)
         try:
             tokens = prev.read()
         except Exception as e:  # the device failed: nothing of this step can be trusted
             logger.exception("reading back a step's tokens failed; failing its %d requests", len(live))
-            for _, seq in live:
-                drop_placeholder(seq)
             return [self._fail(seq, f"the model forward failed: {type(e).__name__}: {e}") for _, seq in live]
-        for _, seq in live:
-            drop_placeholder(seq)
         return [self._take(seq, (tokens[row], None)) for row, seq in live]
 
     def _live(self, seq: Sequence) -> bool:
