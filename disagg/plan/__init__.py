@@ -139,7 +139,7 @@ def run_plan(args: argparse.Namespace) -> None:
     from disagg.plan.simulate import Planner, Settings, layouts
 
     profile = Profile.load(args.profile)
-    prefill_budget = args.prefill_max_num_batched_tokens or (8192 if profile.on_gpu else 2048)
+    prefill_budget = args.prefill_max_num_batched_tokens or serve_prefill_budget(profile.on_gpu)
     settings = Settings(args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3, args.max_num_seqs,
                         args.max_num_batched_tokens, prefill_budget, args.num_requests, args.seeds)
     planner = Planner(profile, lengths, settings)
@@ -195,7 +195,7 @@ def up_command(profile: "Profile", layout: "Layout", settings: "Settings") -> li
     """`disagg up` for `layout` on one host, as argv words: the profiled model (MODEL where the profile
     does not say which), on the CPU if it was profiled there, over the pipe whose link it timed, with
     async scheduling if it was profiled so, and the batching the plan simulated where it is not serve's."""
-    from disagg.cli import BATCHED_TOKENS, MAX_NUM_SEQS, PREFILL_NODE_BATCHED_TOKENS
+    from disagg.cli import BATCHED_TOKENS, MAX_NUM_SEQS
 
     command = ["disagg", "up"]
     if profile.model_source is None:
@@ -215,7 +215,14 @@ def up_command(profile: "Profile", layout: "Layout", settings: "Settings") -> li
     serves = {"--max-num-seqs": (settings.max_num_seqs, MAX_NUM_SEQS),
               "--max-num-batched-tokens": (settings.batched_tokens, BATCHED_TOKENS)}
     if layout.prefill:
-        serves["--prefill-max-num-batched-tokens"] = (
-            settings.prefill_batched_tokens, PREFILL_NODE_BATCHED_TOKENS if profile.on_gpu else BATCHED_TOKENS)
+        serves["--prefill-max-num-batched-tokens"] = (settings.prefill_batched_tokens,
+                                                      serve_prefill_budget(profile.on_gpu))
     command += [word for flag, (value, default) in serves.items() if value != default for word in (flag, str(value))]
     return command
+
+
+def serve_prefill_budget(on_gpu: bool) -> int:
+    """A prefill node's --max-num-batched-tokens when it is given none, as `disagg serve` sets it."""
+    from disagg.cli import BATCHED_TOKENS, PREFILL_NODE_BATCHED_TOKENS  # the parser imports this module
+
+    return PREFILL_NODE_BATCHED_TOKENS if on_gpu else BATCHED_TOKENS
