@@ -29,8 +29,9 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--tokenizer", default=None,
                         help="cache_aware: the served model's Hugging Face directory (tokenizer.json, "
                              "tokenizer_config.json), to hash the prompt's blocks as the nodes do; default: the "
-                             "directory the first healthy decode node serves (its /v1/models root), which must be "
-                             "on this machine; the embedded model's, with a warning, if no node answers at start")
+                             "tokenizer directory the first healthy decode node loaded (its /v1/models tokenizer, "
+                             "else root), which must be on this machine; if no node answers at start, the embedded "
+                             "model's (or none: routing by load) with a warning, until one does")
     parser.add_argument("--load-weight", type=float, default=8.0,
                         help="cache_aware: how many prompt blocks held one request in flight on a node is worth")
     parser.add_argument("--cache-threshold", type=float, default=0.3,

@@ -434,7 +434,7 @@ def embedded_tokenizer_dir() -> Path:
     return resolve_model(None)
 
 
-async def served_model_root(router: Router, node: DecodeNode) -> str:
+async def served_tokenizer_root(router: Router, node: DecodeNode) -> str:
     """The directory of the tokenizer the node loaded, from the first model its GET /v1/models lists:
     `tokenizer` (ours), else `root` (vLLM's: the model's directory). A ValueError says why there is none."""
     try:
@@ -460,7 +460,7 @@ async def served_tokenizer_dir(router: Router) -> tuple[Path | None, list[str]]:
     reasons = []
     for node in (n for n in router.nodes if n.healthy):
         try:
-            root = await served_model_root(router, node)
+            root = await served_tokenizer_root(router, node)
         except ValueError as e:
             reasons.append(f"{node.address}: {e}")
             continue
