@@ -300,12 +300,17 @@ def handoff_means(before: dict, after: dict) -> dict[str, float]:
             for name in after}
 
 
+def kept_rate(rate: str, run: dict) -> float:
+    """The rate a run's arrivals kept (`arrival_rate`), or the nominal `rate` where it has none."""
+    return run.get("arrival_rate") or float(rate)
+
+
 def summarize_goodput(result: dict) -> dict:
     """Per workload: each system's goodput rate (the highest rate its arrivals kept, `arrival_rate`, with
     >= 90% of its requests within the SLO) and 1P1D's over the colocated pair's."""
     out = {"goodput": result, "goodput_rate": {}, "goodput_ratio": {}}
     for workload, w in result.items():
-        best = {name: max([(r.get("arrival_rate") or float(rate)) for rate, r in by_rate.items()
+        best = {name: max([kept_rate(rate, r) for rate, r in by_rate.items()
                            if r["goodput_fraction"] >= ATTAINMENT], default=0.0) for name, by_rate in w["runs"].items()}
         out["goodput_rate"][workload] = best
         out["goodput_ratio"][workload] = best["disagg_1p1d"] / best["colocated_x2"] if best["colocated_x2"] else None
@@ -322,7 +327,7 @@ def pool_goodput(paths: list[str]) -> dict:
         for workload, w in json.loads(Path(path).read_text())["goodput"].items():
             for name, by_rate in w["runs"].items():
                 for rate, r in by_rate.items():
-                    key = f"{(r.get('arrival_rate') or float(rate)):.2f}"
+                    key = f"{kept_rate(rate, r):.2f}"
                     cell = pooled.setdefault(workload, {}).setdefault(name, {}).setdefault(
                         key, {"within": 0, "requests": 0, "runs": 0, "nominal": []})
                     cell["within"] += round(r["goodput_fraction"] * r["num_requests"])

@@ -43,6 +43,7 @@ from handoff_h200x2 import (
     TTFT_SLO,
     WORKLOADS,
     attainment,
+    kept_rate,
     merge_json,
     node_kwargs,
     serve_once,
@@ -143,7 +144,7 @@ def goodput_phase(args: argparse.Namespace, model: Path) -> dict:
 def goodput_rate(runs: dict, slo: dict, scale: float) -> float:
     """The highest rate (its arrivals', `arrival_rate`) whose requests meet `scale` x the SLO >= 90% of
     the time (0 if none does)."""
-    return max([(r.get("arrival_rate") or float(rate)) for rate, r in runs.items()
+    return max([kept_rate(rate, r) for rate, r in runs.items()
                 if attainment(r["per_request"], scale * slo["ttft_ms"], scale * slo["tpot_ms"]) >= ATTAINMENT],
                default=0.0)
 
@@ -159,7 +160,7 @@ def summarize(result: dict) -> dict:
             out["goodput_rate"].setdefault(workload, {})[slo_name] = rates
             out["goodput_censored"].setdefault(workload, {})[slo_name] = sorted(
                 name for name, rate in rates.items()
-                if rate and rate == max((r.get("arrival_rate") or float(k)) for k, r in w["runs"][name].items()))
+                if rate and rate == max(kept_rate(k, r) for k, r in w["runs"][name].items()))
             out["goodput_per_gpu"].setdefault(workload, {})[slo_name] = {n: r / GPUS for n, r in rates.items()}
             xpyd = [r for name, r in rates.items() if name != "colocated_x4"]
             colocated = rates.get("colocated_x4")
