@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from servers import wait_for
 
 from disagg.config import KVTransferConfig
-from disagg.control_plane import COMPATIBILITY_FIELDS, KVRank, NodeInfo, PrefillCall
+from disagg.control_plane import COMPATIBILITY_FIELDS, KVRank, NodeInfo, NodeLoad, PrefillCall
 from disagg.decode_node.prefill_client import (
     PrefillAuthError,
     PrefillClient,
@@ -509,6 +509,24 @@ def test_binding_a_port_in_use_names_the_port(node: PrefillNode):
 
 
 # --- pool --------------------------------------------------------------------------------------
+
+def test_a_prefill_node_that_has_computed_nothing_yet_is_weighed_at_its_measured_peers_speed():
+    """Else the node that measured its speed first (on a warm-up prompt, say) wins every pick against
+    the cautious default and its peer never gets a prompt: on four GPUs, 2P2D ran as 1P2D."""
+    async def scenario() -> None:
+        pool = PrefillPool(["a:1", "b:2"], None, NodeInfo("m", "float32", 2, 2, 16, 16, "tcp", "127.0.0.1", 1))
+        a, b = pool.clients
+        for client in (a, b):
+            client.mark_healthy()
+        prompt = list(range(4096))
+        a.load = NodeLoad(prefill_tokens_per_s=40_000.0, step_base_seconds=0.01)
+        assert pool.pick(prompt) is b  # as fast as a as far as anyone knows, and idle
+        b.load = NodeLoad(queued_prefill_tokens=8192, prefill_tokens_per_s=20_000.0, step_base_seconds=0.01)
+        assert pool.pick(prompt) is a  # measured: slower, and busy
+        await pool.close()
+
+    asyncio.run(scenario())
+
 
 @pytest.mark.timeout(60)
 def test_pool_picks_the_node_with_fewest_prefills_in_flight(node: PrefillNode, consumer: LookupBufferConsumer):
