@@ -163,6 +163,9 @@ class FakePool:
             raise PrefillNodeUnavailable("no healthy prefill node: prefill-0:50051: connection refused")
         return self.clients[0]
 
+    def tokens_per_s(self) -> float:
+        return self.clients[0].load.prefill_tokens_per_s
+
     def pull_hint(self, picked: FakeClient, prompt_token_ids: list[int]) -> tuple[str, int]:
         self.log.append(("pull_hint", picked))
         return self.hint

@@ -103,10 +103,11 @@ class DecodeNode:
             hashes: dict[int, list[int]] = {}  # the prompt's block hashes, computed once
             with contextlib.suppress(PrefillNodeUnavailable):  # then _fetch_kv tells why, if it goes out
                 client = self.pool.pick(prompt_token_ids, hashes)
-            if policy_route == "auto" and client is not None and client.load.prefill_tokens_per_s:
+            per_s = self.pool.tokens_per_s()
+            if policy_route == "auto" and client is not None and per_s:
                 # Where the node could not measure a step's base, ours stands in: the same model's step.
-                node_seconds = client.expected_seconds(prompt_token_ids, hashes, self.costs.local.base_seconds())
-                node_per_token = 1.0 / client.load.prefill_tokens_per_s
+                node_seconds = client.expected_seconds(prompt_token_ids, hashes, self.costs.local.base_seconds(), per_s)
+                node_per_token = 1.0 / per_s
         num_decoding = self.engine.stats.num_running
         route = Route(False, "policy")
 

@@ -44,7 +44,7 @@ WATCH_SILENCE_S = 5.0  # no state for this long (the node reports every 0.5 s): 
 # this long; a measured one for STEP_SLACK times what it should take.
 UNMEASURED_STEP_S = 60.0
 STEP_SLACK = 4.0
-# A node's throughput before it has measured one, where no node of its pool has either.
+# A node's prompt throughput before it or a peer has measured one.
 UNMEASURED_TOKENS_PER_S = 1000.0
 
 
@@ -192,18 +192,19 @@ class PrefillClient:
             await asyncio.sleep(WATCH_RETRY_S)
 
     def expected_seconds(self, prompt_token_ids: list[int], block_hashes: dict[int, list[int]],
-                         unmeasured_base: float = 0.0, unmeasured_per_s: float = UNMEASURED_TOKENS_PER_S) -> float:
+                         unmeasured_base: float = 0.0, tokens_per_s: float = 0.0) -> float:
         """How long the node would take to compute the prompt: its queue, then a step for what its
         prefix cache does not hold, at its measured costs. `block_hashes`: the prompt's, by block size,
         filled as needed; `unmeasured_base`: a step's base where the node could not measure its own
-        (it saw chunks of one size only); `unmeasured_per_s`: its throughput until it has measured one."""
+        (it saw chunks of one size only); `tokens_per_s`: the throughput to weigh it at
+        (PrefillPool.tokens_per_s), else its own, else a cautious default."""
         size = self.view.block_size
         cached = 0
         if size:
             if size not in block_hashes:
                 block_hashes[size] = prompt_block_hashes(prompt_token_ids, size)
             cached = self.view.matched_blocks(block_hashes[size]) * size
-        per_s = self.load.prefill_tokens_per_s or unmeasured_per_s
+        per_s = tokens_per_s or self.load.prefill_tokens_per_s or UNMEASURED_TOKENS_PER_S
         tokens = self.load.queued_prefill_tokens + self.sent_tokens + len(prompt_token_ids) - cached
         return (self.load.step_base_seconds or unmeasured_base) + tokens / per_s
 
@@ -305,11 +306,16 @@ class PrefillPool:
             reasons = "; ".join(f"{c.address}: {c.reason}" for c in self.clients)
             raise PrefillNodeUnavailable(f"no healthy prefill node: {reasons}")
         hashes = {} if block_hashes is None else block_hashes
-        # A node that has computed nothing yet is weighed at the fastest measured peer's speed (they serve one
-        # model): at the cautious default it would lose every pick to a measured node and never measure itself.
-        per_s = max((c.load.prefill_tokens_per_s for c in healthy), default=0.0) or UNMEASURED_TOKENS_PER_S
-        return min(healthy, key=lambda c: (c.expected_seconds(prompt_token_ids, hashes, unmeasured_per_s=per_s),
+        per_s = self.tokens_per_s()
+        return min(healthy, key=lambda c: (c.expected_seconds(prompt_token_ids, hashes, tokens_per_s=per_s),
                                            c.outstanding, c.calls))
+
+    def tokens_per_s(self) -> float:
+        """The prompt throughput every healthy node is weighed at: the fastest any of them measured (0 before
+        any did). They serve one model. A node's own figure can be far off, as a fit over warm-up prompts of a
+        few tokens spreads a step's fixed cost over them, and weighed by it the node would never get the
+        prompts that correct it; a node that really is slower builds a longer queue, which its load reports."""
+        return max((c.load.prefill_tokens_per_s for c in self.clients if c.healthy), default=0.0)
 
     def pull_hint(self, picked: PrefillClient, prompt_token_ids: list[int]) -> tuple[str, int]:
         """Where the picked node may pull the prompt's prefix from (a Prefill call's pull_from,
