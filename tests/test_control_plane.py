@@ -510,21 +510,22 @@ def test_binding_a_port_in_use_names_the_port(node: PrefillNode):
 
 # --- pool --------------------------------------------------------------------------------------
 
-def test_prefill_nodes_are_weighed_at_the_fastest_speed_one_of_them_measured():
-    """Weighed at its own figure, a node that has measured nothing (the cautious default) or only warm-up
-    prompts of a few tokens (a step's fixed cost spread over them) loses every pick to a node measured on
-    real prompts, and never gets one to correct it: on four GPUs, 2P2D ran as 1P2D that way."""
+def test_prefill_nodes_are_picked_by_pending_tokens_not_by_their_own_measured_speed():
+    """Weighed at its own figures, a node that has measured nothing (a cautious default) or only warm-up
+    prompts of a few tokens (a step's fixed cost spread over them, or a base fitted between two tiny
+    sizes) loses every pick to a node measured on real prompts, and never gets one to correct it: on
+    four GPUs, 2P2D ran as 1P2D that way."""
     async def scenario() -> None:
         pool = PrefillPool(["a:1", "b:2"], None, NodeInfo("m", "float32", 2, 2, 16, 16, "tcp", "127.0.0.1", 1))
         a, b = pool.clients
         for client in (a, b):
             client.mark_healthy()
         prompt = list(range(4096))
-        a.load = NodeLoad(prefill_tokens_per_s=40_000.0, step_base_seconds=0.01)
-        assert pool.pick(prompt) is b  # nothing measured: as fast as a, as far as anyone knows, and idle
-        b.load = NodeLoad(prefill_tokens_per_s=1_600.0)  # 64-token warm-ups of 40 ms
+        a.load, a.calls = NodeLoad(prefill_tokens_per_s=40_000.0, step_base_seconds=0.01), 1
+        assert pool.pick(prompt) is b  # nothing measured, and fewer calls made
+        b.load = NodeLoad(prefill_tokens_per_s=1_600.0, step_base_seconds=0.08)  # fitted on 16- and 64-token warm-ups
         assert pool.pick(prompt) is b
-        assert pool.tokens_per_s() == 40_000.0
+        assert pool.tokens_per_s() == 40_000.0  # a remote prefill is estimated at the fastest measured
         b.load = NodeLoad(queued_prefill_tokens=8192, prefill_tokens_per_s=1_600.0)
         assert pool.pick(prompt) is a  # b is busy
         a.mark_unhealthy("test")

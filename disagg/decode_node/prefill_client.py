@@ -9,10 +9,12 @@ marks nodes that stop answering and takes them back, after a new handshake, when
 
 Each client also watches its node (the Watch stream): the block hashes its prefix cache holds
 (engine/kv_view.py's view, the router's too) and its load (queued prompt tokens, measured
-throughput). `PrefillPool.pick` weighs the healthy nodes by both, in seconds: how long the node
-would take to answer a prompt, its queue's wait and the part of the prompt its cache does not hold,
-at its measured speed. A watch that breaks empties the view and is retried; a node that stops
-answering drops out of the pick when its health checks fail, as before.
+throughput). `PrefillPool.pick` weighs the healthy nodes by both, in prompt tokens: its queue and the
+part of the prompt its cache does not hold. Not by each node's measured speed: they serve one model,
+and a node's own figure can be far off (a fit over warm-up prompts of a few tokens spreads a step's
+fixed cost over them), and weighed by it the node would never get the prompts that correct it; a
+node that really is slower builds a longer queue. A watch that breaks empties the view and is
+retried; a node that stops answering drops out of the pick when its health checks fail, as before.
 """
 
 import asyncio
@@ -191,21 +193,26 @@ class PrefillClient:
                 stream.cancel()
             await asyncio.sleep(WATCH_RETRY_S)
 
-    def expected_seconds(self, prompt_token_ids: list[int], block_hashes: dict[int, list[int]],
-                         unmeasured_base: float = 0.0, tokens_per_s: float = 0.0) -> float:
-        """How long the node would take to compute the prompt: its queue, then a step for what its
-        prefix cache does not hold, at its measured costs. `block_hashes`: the prompt's, by block size,
-        filled as needed; `unmeasured_base`: a step's base where the node could not measure its own
-        (it saw chunks of one size only); `tokens_per_s`: the throughput to weigh it at
-        (PrefillPool.tokens_per_s), else its own, else a cautious default."""
+    def pending_tokens(self, prompt_token_ids: list[int], block_hashes: dict[int, list[int]]) -> int:
+        """The prompt tokens the node would compute before this prompt's first token: its queue, then what
+        its prefix cache does not hold of the prompt. `block_hashes`: the prompt's, by block size, filled
+        as needed."""
         size = self.view.block_size
         cached = 0
         if size:
             if size not in block_hashes:
                 block_hashes[size] = prompt_block_hashes(prompt_token_ids, size)
             cached = self.view.matched_blocks(block_hashes[size]) * size
+        return self.load.queued_prefill_tokens + self.sent_tokens + len(prompt_token_ids) - cached
+
+    def expected_seconds(self, prompt_token_ids: list[int], block_hashes: dict[int, list[int]],
+                         unmeasured_base: float = 0.0, tokens_per_s: float = 0.0) -> float:
+        """How long the node would take to compute the prompt (its pending tokens) at `tokens_per_s`
+        (PrefillPool.tokens_per_s), else its own measured throughput, else a cautious default, after a
+        step's base: its own, or `unmeasured_base` where it could not measure one (it saw chunks of one
+        size only)."""
         per_s = tokens_per_s or self.load.prefill_tokens_per_s or UNMEASURED_TOKENS_PER_S
-        tokens = self.load.queued_prefill_tokens + self.sent_tokens + len(prompt_token_ids) - cached
+        tokens = self.pending_tokens(prompt_token_ids, block_hashes)
         return (self.load.step_base_seconds or unmeasured_base) + tokens / per_s
 
     async def abort(self, request_id: str, kv_dest: tuple[str, int]) -> bool:
@@ -298,23 +305,20 @@ class PrefillPool:
         self.watch_tasks = [asyncio.create_task(c.watch(), name=f"prefill-watch-{c.address}") for c in self.clients]
 
     def pick(self, prompt_token_ids: list[int], block_hashes: dict[int, list[int]] | None = None) -> PrefillClient:
-        """The healthy node expected to answer this prompt first (PrefillClient.expected_seconds); ties
-        go to the one with fewer calls in flight, then fewer calls made, so light traffic alternates.
-        `block_hashes`: the prompt's by block size, filled as needed, for the caller to reuse."""
+        """The healthy node with the fewest prompt tokens to compute before this prompt's first token
+        (PrefillClient.pending_tokens); ties go to the one with fewer calls in flight, then fewer calls
+        made, so light traffic alternates. `block_hashes`: the prompt's by block size, filled as needed,
+        for the caller to reuse."""
         healthy = [c for c in self.clients if c.healthy]
         if not healthy:
             reasons = "; ".join(f"{c.address}: {c.reason}" for c in self.clients)
             raise PrefillNodeUnavailable(f"no healthy prefill node: {reasons}")
         hashes = {} if block_hashes is None else block_hashes
-        per_s = self.tokens_per_s()
-        return min(healthy, key=lambda c: (c.expected_seconds(prompt_token_ids, hashes, tokens_per_s=per_s),
-                                           c.outstanding, c.calls))
+        return min(healthy, key=lambda c: (c.pending_tokens(prompt_token_ids, hashes), c.outstanding, c.calls))
 
     def tokens_per_s(self) -> float:
-        """The prompt throughput every healthy node is weighed at: the fastest any of them measured (0 before
-        any did). They serve one model. A node's own figure can be far off, as a fit over warm-up prompts of a
-        few tokens spreads a step's fixed cost over them, and weighed by it the node would never get the
-        prompts that correct it; a node that really is slower builds a longer queue, which its load reports."""
+        """The pool's prompt throughput, to estimate a remote prefill by: the fastest any healthy node measured
+        (0 before any did), since a node's own figure can be far off (see the module's docstring)."""
         return max((c.load.prefill_tokens_per_s for c in self.clients if c.healthy), default=0.0)
 
     def pull_hint(self, picked: PrefillClient, prompt_token_ids: list[int]) -> tuple[str, int]:
