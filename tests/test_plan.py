@@ -12,7 +12,7 @@ import pytest
 
 from disagg.plan import load_workload
 from disagg.plan.profile import DecodeSample, Link, PrefillSample, Profile, Serving
-from disagg.plan.simulate import Layout, Planner, Settings
+from disagg.plan.simulate import Layout, Node, Planner, Request, Settings, pick_prefill
 
 
 def synthetic_profile(link_gbps: float) -> Profile:
@@ -38,6 +38,17 @@ def test_simulated_layouts_follow_the_workload_and_the_link():
     # A link too slow for a prompt's KV (512 MiB at 0.1 GB/s: 5 s) loses every disaggregated layout.
     slow = Planner(synthetic_profile(0.1), [(4096, 32)], settings)
     assert slow.goodput(Layout(3, 1)) == 0.0 and slow.goodput(Layout(0, 4)) > 0
+
+
+def test_a_prompt_goes_to_the_prefill_node_with_the_fewest_prompt_tokens_to_compute():
+    """As a decode node's pool picks (by pending prompt tokens), not by requests in flight."""
+    long, short = Node("prefill", 2048), Node("prefill", 2048)
+    long.waiting.append(Request(0.0, 4000, 8))
+    short.waiting.extend([Request(0.0, 100, 8), Request(0.0, 100, 8)])  # more requests, fewer tokens
+    long.in_flight, short.in_flight = 1, 2
+    assert pick_prefill([long, short]) is short
+    short.running.append(Request(0.0, 4000, 8, computed=100))  # 3,900 more to compute there
+    assert pick_prefill([long, short]) is long
 
 
 def test_what_serving_adds_counts_against_the_slo():

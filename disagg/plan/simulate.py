@@ -179,7 +179,7 @@ class Simulation:
         front.in_flight += 1
         r.front = front
         if self.prefill:
-            node = pick(self.prefill)
+            node = pick_prefill(self.prefill)
             node.in_flight += 1
         else:
             node = front
@@ -262,10 +262,22 @@ class Simulation:
 
 
 def pick(nodes: list[Node]) -> Node:
-    """The router's and the decode node's least_loaded: fewest in flight, then fewest given so far."""
+    """The router's least_loaded: fewest in flight, then fewest given so far."""
     node = min(nodes, key=lambda n: (n.in_flight, n.routed))
     node.routed += 1
     return node
+
+
+def pick_prefill(nodes: list[Node]) -> Node:
+    """A decode node's PrefillPool.pick (no prefix is shared here): the fewest prompt tokens still to
+    compute, then fewest in flight, then fewest given so far."""
+    node = min(nodes, key=lambda n: (pending_tokens(n), n.in_flight, n.routed))
+    node.routed += 1
+    return node
+
+
+def pending_tokens(node: Node) -> int:
+    return sum(r.input_len - r.computed for r in (*node.running, *node.waiting) if r.computed < r.input_len)
 
 
 def requests(lengths: list[tuple[int, int]], n: int, rate: float, seed: int) -> list[Request]:
