@@ -6,14 +6,16 @@
     python benchmarks/xpyd_h200x4.py --merge 4k.json chat.json plan.json --json benchmarks/results/xpyd_h200x4.json
     python benchmarks/xpyd_h200x4.py --tokenizer-dir DIR --dry-run --json /tmp/xpyd.json   # all of it on the CPU
 
-The random-weight 8B shape of gpu_e2e.py, bfloat16, TP = 1 per node, one node per GPU, KV over
---connector (torch_dist by default), every layout behind `disagg router` (least loaded), each decode
-node listing every prefill node (it takes the least busy). The workloads, the SLO and the request
+The random-weight 8B shape of gpu_e2e.py, bfloat16, one node per GPU at TP = 1, except `tp2p2d`'s
+prefill node, which runs at TP = 2 on GPUs 0 and 1 (the issue's "prefill TP = 2 + 2 decode nodes"; its
+decode nodes take each layer's KV heads from both prefill ranks); KV over --connector (torch_dist by
+default), every layout behind `disagg router`, each decode node listing every prefill node (it takes the
+one with the fewest prompt tokens to compute). The workloads, the SLO and the request
 helpers are handoff_h200x2.py's (imported, not copied).
 
 - goodput (one call per workload): 4 colocated nodes first, whose one-at-a-time TTFT and TPOT set
   the tight SLO (TTFT <= 4x, TPOT <= 1.25x the unloaded colocated values) and, at LOOSE_SCALE times
-  both, the loose one; then 1P3D, 2P2D and 3P1D, each started alone on the 4 GPUs, at each of
+  both, the loose one; then 1P3D, 2P2D, 3P1D and tp2p2d, each started alone on the 4 GPUs, at each of
   --rates-WORKLOAD. A layout's goodput is the highest rate at which >= 90% of the requests meet the
   SLO; `goodput_per_gpu` is that over 4, `best_vs_colocated` the best xPyD layout's over colocated
   x4's, at both SLOs. Every run keeps its attainment at SLO_SCALES multiples of the SLO, its ITL p99
@@ -53,7 +55,8 @@ from handoff_h200x2 import (
 from disagg.bench.serve import sample_len
 
 GPUS = 4
-LAYOUTS = {"colocated_x4": (0, 4), "1p3d": (1, 3), "2p2d": (2, 2), "3p1d": (3, 1)}  # (prefill, decode) nodes
+# (prefill nodes, decode nodes, the prefill nodes' TP): each layout fills the 4 GPUs
+LAYOUTS = {"colocated_x4": (0, 4, 1), "1p3d": (1, 3, 1), "2p2d": (2, 2, 1), "3p1d": (3, 1, 1), "tp2p2d": (1, 2, 2)}
 PLAN_NAMES = {"colocated x4": "colocated_x4", "1P3D": "1p3d", "2P2D": "2p2d", "3P1D": "3p1d"}  # `disagg plan`'s
 LOOSE_SCALE = 2.0  # the loose SLO: both limits of the tight one, doubled
 PROFILE_KV = "48GiB"  # the profile's decode grid reaches 64 sequences of 4,096 tokens: 32 GiB at the 8B shape
@@ -62,30 +65,32 @@ DRY_WORKLOADS = {"4k": dict(input_len=256, output_len=16, len_dist="fixed", len_
                  "chat": dict(input_len=64, output_len=32, len_dist="lognormal", len_range=0.6)}
 
 
-def node_spec(args: argparse.Namespace, gpu: int) -> NodeSpec:
+def node_spec(args: argparse.Namespace, gpu: int, tp: int = 1) -> NodeSpec:
+    """A node on GPUs gpu .. gpu + tp - 1 (its ranks take them in order)."""
     if args.device == "cpu":
         return NodeSpec(threads=1)
-    return NodeSpec(device="cuda", threads=4, env={"CUDA_VISIBLE_DEVICES": str(gpu)})
+    return NodeSpec(device="cuda", threads=4, env={"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(gpu, gpu + tp)))})
 
 
 @contextmanager
 def layout(args: argparse.Namespace, model: Path, name: str, log_dir: Path):
     """One layout's nodes (prefill nodes on the first GPUs, decode or colocated nodes on the rest) and a
     router in front of the decode nodes; yields (router URL, the front nodes as Systems)."""
-    num_prefill, num_decode = LAYOUTS[name]
+    num_prefill, num_decode, tp = LAYOUTS[name]
+    assert num_prefill * tp + num_decode == GPUS, name
     kwargs = node_kwargs(args, model, "layerwise")
     log_dir.mkdir(parents=True, exist_ok=True)
     started, router = [], None
     try:
         prefill = []
-        for gpu in range(num_prefill):
-            extra = [*kwargs["extra"], *args.prefill_extra]
-            prefill.append(start_node("producer", log_dir, node_spec(args, gpu), **(kwargs | {"extra": extra})))
+        for i in range(num_prefill):
+            extra = [*kwargs["extra"], *args.prefill_extra, *(["--tensor-parallel-size", str(tp)] if tp > 1 else [])]
+            prefill.append(start_node("producer", log_dir, node_spec(args, i * tp, tp), **(kwargs | {"extra": extra})))
         started += prefill
         for node in prefill:
             wait_ready(node)  # decode nodes handshake with them at start
         fronts = []
-        for gpu in range(num_prefill, GPUS):
+        for gpu in range(num_prefill * tp, GPUS):
             extra = list(kwargs["extra"])
             if prefill:
                 extra += ["--prefill-nodes", ",".join(f"127.0.0.1:{p.grpc_port}" for p in prefill)]

@@ -2,7 +2,8 @@
 # One call on four GPUs (nvidia-h200-x4 or nvidia-h100-x4), after benchmarks/device_setup.sh here:
 #   bash benchmarks/xpyd_quad_run.sh PHASE...     carry [".whl", ".device"]
 # PHASE: tests (the 2-GPU engine and pipe tests), 4k or chat (xpyd_h200x4.py's goodput phase for that
-# workload: colocated x4 first, then $LAYOUTS, rates $RATES_4K / $RATES_CHAT, $NUM_REQUESTS a rate),
+# workload: colocated x4 first, then $LAYOUTS (of 1p3d, 2p2d, 3p1d, tp2p2d: one TP=2 prefill node and 2
+# decode nodes), rates $RATES_4K / $RATES_CHAT, $NUM_REQUESTS a rate),
 # plan (`disagg plan` against the goodput JSON files already under $OUT); ASYNC=1: every node with
 # --async-scheduling. Each writes its JSON and log under $OUT; a later call merges them:
 # xpyd_h200x4.py --merge 4k.json chat.json plan.json --json ...
