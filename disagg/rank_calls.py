@@ -25,6 +25,14 @@ class RankGone(RuntimeError):
     """A worker rank's process ended: it cannot answer."""
 
 
+class RankCallFailed(RuntimeError):
+    """A worker answered a call with an error (its reply, for what more it tells)."""
+
+    def __init__(self, message: str, reply: Any):
+        super().__init__(message)
+        self.reply = reply
+
+
 class RankCalls:
     def __init__(self, channels: list, on_reply: Callable[[int, Any], None] = lambda rank, reply: None):
         """channels: rank r's at index r - 1; on_reply(rank, reply) is called on the reader thread with
@@ -42,7 +50,7 @@ class RankCalls:
             threading.Thread(target=self._read, args=(rank, channel), name=f"rank{rank}-replies", daemon=True).start()
 
     async def call(self, rank: int, message: Any) -> Any:
-        """The worker's reply; raises RuntimeError with its error, RankGone if its process ended."""
+        """The worker's reply; raises RankCallFailed with its error, RankGone if its process ended."""
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
         number = next(self.numbers)
@@ -57,7 +65,7 @@ class RankCalls:
             with self.lock:
                 self.calls.pop(number, None)
         if reply.error is not None:
-            raise RuntimeError(f"tensor-parallel rank {rank}: {reply.error}")
+            raise RankCallFailed(f"tensor-parallel rank {rank}: {reply.error}", reply)
         return reply
 
     async def each(self, messages: dict[int, Any]) -> dict[int, Any]:

@@ -14,7 +14,7 @@ import torch
 from disagg.control_plane import HeadsEntry, KVRank, NodeInfo, PrefillCall, plan_entries
 from disagg.decode_node.rank_kv import RankGone, RankReceiver, RankReceivers
 from disagg.engine.sampling_params import SamplingParams
-from disagg.lookup_buffer.errors import LookupDiscarded, ProducerLost
+from disagg.lookup_buffer.errors import BufferFullError, LookupDiscarded, ProducerLost
 from disagg.prefill_node.layer_sender import LayerSender, RankEntry
 from disagg.prefill_node.node import PrefillNode
 from disagg.prefill_node.rank_send import RankSender, RankSenders
@@ -252,3 +252,41 @@ def test_a_worker_rank_opens_puts_and_reports_its_own_entries():
     assert producer.calls == [("open", "r.r1.p1", 3, 20, worker_dest), ("put", "r.r1.p1", 0, 2, (2, 2, 3, 2, 4)),
                               ("open", "s.r1.p1", 3, 20, worker_dest), ("abort", "s.r1.p1")]
     assert senders.put == [2 * 2 * 3 * 2 * 4 * 4]  # its bytes put, reported with each reply
+
+
+def test_a_worker_s_full_buffer_refuses_the_prefill_as_busy_and_leaves_nothing_open():
+    mine, theirs = multiprocessing.Pipe()
+
+    class FullProducer(FakeProducer):
+        def open(self, entry_id, token_ids, layers, tokens, nbytes, dest):
+            raise BufferFullError(f"no room for {entry_id!r} within 5s")
+
+    producer = FullProducer()
+    threading.Thread(target=RankSender(producer, 2, None, theirs, [0]).serve, daemon=True).start()
+    senders = RankSenders([mine], [(0, 1), (1, 3)])
+    entries = [RankEntry("r.r0.p0", KV_DEST, (0, 1), 0), RankEntry("r.r1.p1", ("127.0.0.1", 7101), (1, 3), 1)]
+    with pytest.raises(BufferFullError, match="tensor-parallel rank 1: BufferFullError: no room for 'r.r1.p1'"):
+        asyncio.run(senders.open("r", entries, [10, 20], [1, 2, 3], [(0, 2)], 3))
+    assert producer.calls == []  # nothing was opened, so nothing to abort
+
+
+def test_a_worker_put_that_fails_aborts_its_entries_at_once_and_finish_tells_the_driver():
+    mine, theirs = multiprocessing.Pipe()
+
+    class BrokenProducer(FakeProducer):
+        def put(self, entry_id, first, end, kv, ready):
+            raise ValueError("put of layers [0, 2) for 'r.r1.p1'; layers [0, 1] come next")
+
+    producer = BrokenProducer()
+    rank_sender = RankSender(producer, 2, None, theirs, [0])
+    threading.Thread(target=rank_sender.serve, daemon=True).start()
+    senders = RankSenders([mine], [(0, 1), (1, 3)])
+
+    async def main():
+        await senders.open("r", [RankEntry("r.r1.p1", ("127.0.0.1", 7101), (1, 3), 1)], [20], [1, 2, 3], [(0, 2)], 3)
+        with pytest.raises(ValueError):
+            rank_sender.put("r", 0, 2, torch.zeros(2, 2, 3, 2, 4))
+        assert producer.calls[-1] == ("abort", "r.r1.p1")  # its decode rank hears it now
+        assert await senders.finish("r", [1]) == {1: 0}  # short: the driver fails the request
+
+    asyncio.run(main())

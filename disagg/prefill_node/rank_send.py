@@ -22,10 +22,10 @@ import torch
 
 from disagg import metrics
 from disagg.config import KVTransferConfig
-from disagg.lookup_buffer import LookupBufferProducer
+from disagg.lookup_buffer import BufferFullError, LookupBufferProducer
 from disagg.pipes.base import PipeConfig
 from disagg.prefill_node.layer_sender import LayerSender, RankEntry
-from disagg.rank_calls import Call, RankCalls
+from disagg.rank_calls import Call, RankCallFailed, RankCalls
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ class Reply:
     sent_bytes: int  # KV bytes its producer has sent, in all so far
     error: str | None = None
     tokens_put: int = 0  # Finish
+    full: bool = False  # Open: the rank's buffer stayed full for insert_timeout (BufferFullError)
     aborted: bool = False  # Abort: an entry was still held
 
 
@@ -152,13 +153,13 @@ class RankSender:
     def _open(self, number: int, message: Open) -> None:
         """Opens the entries, waiting (bounded by insert_timeout) for room; on a thread of its own."""
         opened: list[RankEntry] = []
-        error = None
+        error, full = None, False
         try:
             for entry, size in zip(message.entries, message.sizes):
                 self.producer.open(entry.entry_id, message.token_ids, message.layers, message.tokens, size, entry.dest)
                 opened.append(entry)
         except Exception as e:  # noqa: BLE001  why the entries cannot be opened goes to the driver
-            error = f"{type(e).__name__}: {e}"
+            error, full = f"{type(e).__name__}: {e}", isinstance(e, BufferFullError)
         with self.lock:
             self.opening.discard(message.request_id)
             cancelled = message.request_id in self.cancelled
@@ -169,7 +170,7 @@ class RankSender:
         if error is not None or cancelled:
             for entry in opened:
                 self.producer.abort(entry.entry_id, entry.dest)
-        self._reply(number, error=error or ("aborted while opening" if cancelled else None))
+        self._reply(number, error=error or ("aborted while opening" if cancelled else None), full=full)
 
     def _reply(self, number: int, **fields) -> None:
         with self.reply_lock:
@@ -192,7 +193,8 @@ class RankSenders:
 
     async def open(self, request_id: str, entries: list[RankEntry], sizes: list[int], token_ids: list[int],
                    layers: list[tuple[int, int]], tokens: int) -> None:
-        """Each worker opens its entries (those with its rank) of the request; on failure none stays open."""
+        """Each worker opens its entries (those with its rank) of the request; on failure none stays open.
+        Raises BufferFullError where a worker's buffer stayed full, as the driver's own open does."""
         by_rank: dict[int, tuple[list[RankEntry], list[int]]] = {}
         for entry, size in zip(entries, sizes):
             if entry.rank > 0:
@@ -203,8 +205,10 @@ class RankSenders:
             await self.calls.each({rank: Open(request_id, mine, mine_sizes, token_ids, layers, tokens,
                                               self.kv_heads[rank][0])
                                    for rank, (mine, mine_sizes) in by_rank.items()})
-        except BaseException:
+        except BaseException as e:
             await asyncio.shield(self.abort(request_id, list(by_rank)))
+            if isinstance(e, RankCallFailed) and e.reply.full:
+                raise BufferFullError(str(e)) from None
             raise
 
     async def finish(self, request_id: str, ranks: list[int]) -> dict[int, int]:
