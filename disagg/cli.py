@@ -413,6 +413,10 @@ def serve(args: argparse.Namespace) -> None:
         from disagg.decode_node.rank_kv import rank_service_for
 
         rank_service = rank_service_for(kv)
+    elif kv.kv_role == "producer" and args.tensor_parallel_size > 1:  # each rank sends its own KV heads
+        from disagg.prefill_node import rank_send
+
+        rank_service = rank_send.rank_service_for(kv)
     engine = AsyncEngine(LLMEngine(EngineConfig(**engine_kwargs(args) | {
         "model": local_model(args), "grammar_cache_bytes": int(args.grammar_cache_mb * 2**20),
         "rank_service": rank_service})), profiler)

@@ -14,8 +14,9 @@ if TYPE_CHECKING:  # engine/sequence.py imports torch; the router reads NodeInfo
 
 # 2: Prefill streams progress; penalties, logit_bias and min_tokens in SamplingFields. 3: Watch (a decode
 # node follows each prefill node's load and prefix cache); progress tells of a long step in progress.
-# 4: a decode node's ranks each receive their KV heads (kv_ranks).
-PROTOCOL_VERSION = 4
+# 4: a decode node's ranks each receive their KV heads (kv_ranks). 5: a prefill node's ranks each send their
+# own KV heads (NodeInfo.kv_rank_heads; entry ids from plan_entries).
+PROTOCOL_VERSION = 5
 # Fields two nodes must agree on before KV can move between them.
 COMPATIBILITY_FIELDS = ("protocol_version", "model_name", "dtype", "num_layers", "num_kv_heads",
                         "head_dim", "block_size", "kv_connector")
@@ -33,6 +34,9 @@ class NodeInfo:
     kv_ip: str  # this node's own pipe endpoint
     kv_port: int
     protocol_version: int = PROTOCOL_VERSION
+    # Each tensor-parallel rank's KV heads [first, end), rank 0's first (one rank: all of them): a decode
+    # node plans from these which of this node's ranks sends it which heads (plan_entries).
+    kv_rank_heads: list[tuple[int, int]] = field(default_factory=list)
 
     def mismatch(self, other: "NodeInfo") -> str | None:
         """The first compatibility field that differs, described for an error message."""
@@ -54,6 +58,34 @@ def rank_entry_id(request_id: str, rank: int) -> str:
     """The lookup-buffer entry that carries rank `rank`'s KV heads of a request: rank 0's is the
     request's own id, so a decode node without tensor parallelism sees no difference."""
     return request_id if rank == 0 else f"{request_id}.{rank}"
+
+
+@dataclass(frozen=True)
+class HeadsEntry:
+    """One lookup-buffer entry of a request's KV: prefill rank `prefill_rank`'s KV heads [first, end)
+    for decode rank `decode_rank`."""
+    entry_id: str
+    decode_rank: int
+    prefill_rank: int
+    heads: tuple[int, int]
+
+
+def plan_entries(request_id: str, decode_heads: list[tuple[int, int]],
+                 prefill_heads: list[tuple[int, int]]) -> list[HeadsEntry]:
+    """Which prefill rank sends which KV heads to which decode rank (each rank's heads [first, end),
+    rank 0's first): one entry per pair of ranks whose heads overlap. A head that several prefill ranks
+    hold (replicated: fewer KV heads than ranks) is sent once, by the lowest of them. Both nodes compute
+    this, so the decode node knows which entries to expect. With one prefill rank the entry ids are
+    rank_entry_id's, as before prefill ranks sent their own."""
+    entries, covered = [], 0  # heads below `covered` are a lower prefill rank's to send
+    for p, (first, end) in enumerate(prefill_heads):
+        first, covered = max(first, covered), max(covered, end)  # the shard plan's runs go up with the rank
+        for d, (decode_first, decode_end) in enumerate(decode_heads):
+            lo, hi = max(first, decode_first), min(end, decode_end)
+            if lo < hi:
+                entry_id = rank_entry_id(request_id, d) if len(prefill_heads) == 1 else f"{request_id}.r{d}.p{p}"
+                entries.append(HeadsEntry(entry_id, d, p, (lo, hi)))
+    return entries
 
 
 @dataclass

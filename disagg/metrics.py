@@ -33,6 +33,10 @@ KV_BYTES = Counter("disagg_kv_transfer_bytes_total", "KV bytes on the pipes, cou
 KV_RANK_BYTES = Counter("disagg_kv_rank_received_bytes_total", "KV bytes a decode node's tensor-parallel rank "
                         "received on its own pipe endpoint (rank 0's: every entry its consumer took); a worker "
                         "rank's are counted as it reports them, with each lookup's answer", ["rank"])
+KV_RANK_SENT_BYTES = Counter("disagg_kv_rank_sent_bytes_total", "KV bytes a prefill node's tensor-parallel "
+                             "rank put into its own entries to decode nodes, as each layer group is put (every "
+                             "head where one rank sends them all); a worker rank's are counted as it reports "
+                             "them, at the end of each prefill", ["rank"])
 KV_TRANSFER = Histogram("disagg_kv_transfer_seconds", "Prefill call to KV loaded, on the decode node",
                         buckets=LATENCY_BUCKETS)
 # The KV handoff, step by step, so that the split of a disaggregated TTFT comes from /metrics alone.

@@ -364,7 +364,8 @@ def node_info(engine: "AsyncEngine", model_name: str, kv: KVTransferConfig) -> N
     return NodeInfo(model_name=model_name, dtype=str(engine.dtype).removeprefix("torch."),
                     num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads,
                     head_dim=mc.head_dim, block_size=engine.block_size,
-                    kv_connector=kv.kv_connector, kv_ip=kv.kv_ip, kv_port=kv.kv_port)
+                    kv_connector=kv.kv_connector, kv_ip=kv.kv_ip, kv_port=kv.kv_port,
+                    kv_rank_heads=list(engine.kv_heads_by_rank))
 
 
 # What load balancers, probes and scrapers call without a key; every other path needs it when

@@ -155,6 +155,12 @@ def test_the_decode_ranks_cross_the_grpc_boundary_rank_0_first():
         convert.prefill_call_from_proto(wire)
 
 
+def test_a_prefill_node_s_rank_heads_cross_the_grpc_boundary():
+    info = NodeInfo("m", "float32", 2, 3, 4, 16, "tcp", "127.0.0.1", 9, kv_rank_heads=[(0, 1), (1, 3)])
+    wire = pb.NodeInfo.FromString(convert.node_info_to_proto(info).SerializeToString())
+    assert convert.node_info_from_proto(wire) == info
+
+
 # --- prefill through gRPC ----------------------------------------------------------------------
 
 @pytest.mark.timeout(60)

@@ -82,6 +82,7 @@ class FakeEngine:
         self.max_model_len = 64
         self.model_config = SimpleNamespace(num_hidden_layers=2)
         self.kv_bytes_per_token_layer = 1024
+        self.kv_heads_by_rank = [(0, 3)]  # one rank, every KV head
         self.stat_loggers: list = []  # the route's cost measurement subscribes here
         self.stats = SimpleNamespace(num_running=0)
         self.slot = RemoteSlot(cached_tokens=cached_tokens, cache=CACHE, rows=rows, blocks=[], first=None)
@@ -137,7 +138,7 @@ class FakeClient:
         self.healthy = True
         self.load = SimpleNamespace(prefill_tokens_per_s=0.0)  # not measured: the route's fallback rule
         self.address = "prefill-0:50051"
-        self.info = SimpleNamespace(kv_ip=PRODUCER[0], kv_port=PRODUCER[1])
+        self.info = SimpleNamespace(kv_ip=PRODUCER[0], kv_port=PRODUCER[1], num_kv_heads=3, kv_rank_heads=[(0, 3)])
 
     async def prefill(self, call: PrefillCall, idle_timeout: float) -> PrefillResult:
         self.log.append(("prefill", call, idle_timeout))

@@ -112,7 +112,7 @@ def test_layerwise_kv_over_tcp_lands_in_the_decode_engines_blocks(gpu_model_dir,
     transformers' tokens."""
     from disagg.lookup_buffer import LookupBufferConsumer, LookupBufferProducer
     from disagg.pipes import PipeConfig, RowScatter
-    from disagg.prefill_node.node import LayerSender, RankEntry
+    from disagg.prefill_node.layer_sender import LayerSender, RankEntry
 
     kwargs = dict(device="cuda", dtype="float32", kv_cache_memory=2**30)
     prefill, decode = LLM(str(gpu_model_dir), **kwargs).engine, LLM(str(gpu_model_dir), **kwargs).engine

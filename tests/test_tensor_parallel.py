@@ -204,9 +204,9 @@ def token_ids(response: httpx.Response) -> list[list[int]]:
 
 def test_handoff_between_nodes_of_different_tp_sizes_and_a_killed_rank(tmp_path: Path, hf_model, hf_tokenizer):
     # Prefill TP=2 -> decode TP=1, then prefill TP=1 -> decode TP=2, over tcp: every prompt crosses
-    # ("always"), layer by layer. The prefill ranks' heads are gathered by its rank 0; each decode rank
-    # receives its own heads on its own endpoint. One pair at a time: three processes each, so that the
-    # suite's memory stays low.
+    # ("always"), layer by layer. Each prefill rank sends its own heads (no gather), the decode node
+    # takes an entry from each into those heads of its blocks; each decode rank receives its own heads
+    # on its own endpoint. One pair at a time: three processes each, so that the suite's memory stays low.
     kv_extra = {"prefill_policy": "fail", "remote_prefill": "always"}
     args, tp2 = ["--max-model-len", "512", "--max-num-batched-tokens", "64"], ["--tensor-parallel-size", "2"]
     prefill2 = start_node("producer", tmp_path, extra_args=args + tp2, wait=False)
@@ -219,6 +219,11 @@ def test_handoff_between_nodes_of_different_tp_sizes_and_a_killed_rank(tmp_path:
         wait_all_ready(*nodes)  # started together: their loads overlap
         assert token_ids(complete(decode1, prompts, 8)) == expected
         assert decode1.labelled("disagg_prefill_route_total", "route").get("remote") == len(prompts)
+        # Each prefill rank sent only its own heads: rank 0 holds 1 of the 3 KV heads, rank 1 the other 2.
+        sent = prefill2.labelled("disagg_kv_rank_sent_bytes_total", "rank")
+        received = decode1.labelled("disagg_kv_transfer_bytes_total", "direction")["received"]
+        assert 0 <= received - (sent["0"] + sent["1"]) < 1024, (sent, received)  # and each chunk's small header
+        assert sent["1"] == 2 * sent["0"], sent
 
         # A rank killed: its node exits (non-zero) within 10 s, and its peer fails the request by its policy.
         pid = int(re.search(r"ranks 1 \(pid (\d+)\)", prefill2.log()).group(1))
@@ -255,12 +260,12 @@ def test_handoff_between_nodes_of_different_tp_sizes_and_a_killed_rank(tmp_path:
 
 
 def test_handoff_tp2_to_tp2_and_a_decode_rank_killed_mid_request(tmp_path: Path, hf_model, hf_tokenizer):
-    # Both nodes at TP=2: each decode rank gets its heads from the prefill node's rank 0 on its own
-    # endpoint. The decode node's cache holds 10 blocks, and the three prompts need 1 + 5 + 7: one waits
-    # for blocks, so its KV comes with every head to rank 0, which hands each worker its heads when
-    # the blocks are there. Then a decode worker rank killed while a request is in flight: the decode
-    # node exits (non-zero) within seconds, the client's request ends rather than hangs, and the
-    # prefill node serves on.
+    # Both nodes at TP=2: each decode rank gets its heads from the prefill rank that holds them, on its
+    # own endpoint. The decode node's cache holds 10 blocks, and the three prompts need 1 + 5 + 7: one
+    # waits for blocks, so its KV comes with every head (gathered by the prefill node's rank 0) to rank 0,
+    # which hands each worker its heads when the blocks are there. Then a decode worker rank killed while
+    # a request is in flight: the decode node exits (non-zero) within seconds, the client's request ends
+    # rather than hangs, and the prefill node serves on.
     kv_extra = {"prefill_policy": "fail", "remote_prefill": "always"}
     args = ["--max-model-len", "512", "--max-num-batched-tokens", "64", "--tensor-parallel-size", "2"]
     block_bytes = 30 * 2 * 16 * 2 * 64 * 4  # layers, K and V, tokens, rank 1's 2 KV heads, head dim, float32
@@ -274,6 +279,10 @@ def test_handoff_tp2_to_tp2_and_a_decode_rank_killed_mid_request(tmp_path: Path,
         assert token_ids(complete(decode, prompts, 8)) == expected
         by_rank = decode.labelled("disagg_kv_rank_received_bytes_total", "rank")
         assert by_rank["1"] < 1.9 * by_rank["0"], by_rank  # a prompt's every head came to rank 0
+        # The prefill worker rank sent its 2 heads of the prompts that found their blocks straight to the
+        # decode worker rank; rank 0 sent its head of those and every head of the one that waited.
+        sent = prefill.labelled("disagg_kv_rank_sent_bytes_total", "rank")
+        assert sent["1"] > 0 and all(0 <= by_rank[r] - sent[r] < 1024 for r in "01"), (sent, by_rank)  # + headers
 
         ended = threading.Event()
 

@@ -28,7 +28,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from disagg import metrics
-from disagg.control_plane import PrefillCall
+from disagg.control_plane import HeadsEntry, KVRank, PrefillCall, plan_entries
 from disagg.decode_node.prefill_client import PrefillClient, PrefillNodeUnavailable, PrefillPool
 from disagg.decode_node.rank_kv import RankReceivers
 from disagg.decode_node.route import Route, RouteCosts
@@ -74,6 +74,7 @@ class DecodeNode:
         engine.stat_loggers.append(self.costs.local.record)
         self.node_id = f"d{uuid.uuid4().hex[:8]}"  # names this node's requests on every node
         self.kv_received_at: dict[str, float] = {}  # request id -> when its remote KV was in hand
+        self.entries: dict[str, list[HeadsEntry]] = {}  # request id -> its KV's entries, while it is fetched
 
     @property
     def disaggregated(self) -> bool:
@@ -176,17 +177,29 @@ class DecodeNode:
             client = picked or self.pool.pick(prompt_token_ids)  # none was healthy: this says why
             # Our prefix cache's hits are held for this request: only the rest of its KV need come.
             skip = slot.cached_tokens
-            # Blocks reserved already: the KV is received straight into them (else into a buffer first), and
-            # under tensor parallelism each rank receives its own heads into its own cache's rows.
-            by_rank = self.ranks is not None and slot.rows is not None
+            # Blocks reserved already: the KV is received straight into them (else into a buffer first, every
+            # head as one entry), and under tensor parallelism on either node each decode rank receives its
+            # own heads into its own cache's rows, an entry from each prefill rank that holds some of them.
+            heads = self.engine.kv_heads_by_rank
+            prefill_heads = client.info.kv_rank_heads or [(0, client.info.num_kv_heads)]
+            by_rank = slot.rows is not None and (self.ranks is not None or len(prefill_heads) > 1)
+            kv_ranks = [KVRank(self.kv_advertise, heads[0])] if self.ranks is None else \
+                self.ranks.kv_ranks(self.kv_advertise)
+            entries = plan_entries(request_id, [r.heads for r in kv_ranks], prefill_heads) if by_rank else \
+                [HeadsEntry(request_id, 0, 0, heads[0])]
+            self.entries[request_id] = entries
             if slot.rows is not None:
-                self.consumer.expect(request_id, [RowScatter(slot.cache, slot.rows)])
-            if by_rank:
-                await self.ranks.expect(request_id, slot.blocks, skip, skip + len(slot.rows))
+                for entry in entries:
+                    if entry.decode_rank == 0:
+                        within = None if entry.heads == heads[0] else \
+                            (entry.heads[0] - heads[0][0], entry.heads[1] - heads[0][0])
+                        self.consumer.expect(entry.entry_id, [RowScatter(slot.cache, slot.rows, within)])
+            if by_rank and self.ranks is not None:
+                await self.ranks.expect(entries, slot.blocks, skip, skip + len(slot.rows))
             # Leading blocks another prefill node holds and the picked one lacks: it may pull them (pull.py).
             pull_from, pull_blocks = self.pool.pull_hint(client, prompt_token_ids)
             call = PrefillCall(request_id, prompt_token_ids, params, self.kv_advertise, skip, pull_from, pull_blocks,
-                               self.ranks.kv_ranks(self.kv_advertise) if by_rank else [])
+                               kv_ranks if by_rank else [])
             result = await client.prefill(call, idle_timeout=self.prefill_timeout)
             answered = time.perf_counter()
             metrics.REMOTE_PREFILL_CALL.observe(answered - start)
@@ -194,7 +207,7 @@ class DecodeNode:
             # The reply means the KV is queued, not sent: if the node dies now, stop waiting at once.
             watch = asyncio.create_task(self._discard_when_unhealthy(client, request_id))
             try:
-                entry = await self._select(request_id, prompt_token_ids, source, by_rank)
+                entry = await self._select(entries, prompt_token_ids, source)
             finally:
                 watch.cancel()
             received = time.perf_counter()
@@ -229,16 +242,18 @@ class DecodeNode:
                 logger.warning("%s; recomputing it here", reason)
                 with contextlib.suppress(KeyError):  # it may have been aborted meanwhile
                     await self.engine.prefill_locally(request_id)
+        finally:
+            self.entries.pop(request_id, None)
 
-    async def _select(self, request_id: str, prompt_token_ids: list[int], source: tuple[str, int],
-                      by_rank: bool) -> KVEntry:
-        """Our consumer's entry of the request, once it (and, by_rank, every worker rank's) has arrived;
-        the first failure ends the wait."""
-        own = asyncio.ensure_future(self.consumer.drop_select_async(request_id, prompt_token_ids,
-                                                                    self.lookup_timeout, source))
-        if not by_rank:
+    async def _select(self, entries: list[HeadsEntry], prompt_token_ids: list[int],
+                      source: tuple[str, int]) -> KVEntry:
+        """Our consumer's entry of the request (the first of ours), once every entry (ours and every worker
+        rank's) has arrived; the first failure ends the wait."""
+        own = asyncio.ensure_future(self._select_own([e.entry_id for e in entries if e.decode_rank == 0],
+                                                     prompt_token_ids, source))
+        if all(entry.decode_rank == 0 for entry in entries):
             return await own
-        others = asyncio.ensure_future(self.ranks.drop_select(request_id, prompt_token_ids, self.lookup_timeout,
+        others = asyncio.ensure_future(self.ranks.drop_select(entries, prompt_token_ids, self.lookup_timeout,
                                                               source))
         try:
             await asyncio.gather(own, others)
@@ -247,6 +262,18 @@ class DecodeNode:
             others.cancel()
             await asyncio.gather(own, others, return_exceptions=True)
         return own.result()
+
+    async def _select_own(self, entry_ids: list[str], prompt_token_ids: list[int],
+                          source: tuple[str, int]) -> KVEntry:
+        """The first of our consumer's entries, once all have arrived (within lookup_timeout together);
+        several (from several prefill ranks) must each have landed in the blocks."""
+        deadline, taken = time.monotonic() + self.lookup_timeout, []
+        for entry_id in entry_ids:
+            timeout = max(0.0, deadline - time.monotonic()) if taken else self.lookup_timeout
+            taken.append(await self.consumer.drop_select_async(entry_id, prompt_token_ids, timeout, source))
+        if len(taken) > 1 and not all(entry.in_place for entry in taken):
+            raise RuntimeError(f"KV of {entry_ids[0]} from a prefill rank did not land in its blocks")
+        return taken[0]
 
     async def _let_go(self, request_id: str, client: PrefillClient | None) -> None:
         """Stop receiving the request's KV (blocks a peer may still write kept aside) and stop its
@@ -264,9 +291,12 @@ class DecodeNode:
         """consumer.discard, in a thread: it may wait while it cuts off a receive into the request's
         blocks (for a nixl pipe, until the peer's writes in flight end). Blocks a peer may still write
         into are never given back."""
-        await asyncio.to_thread(self.consumer.discard, request_id)
-        ranks_may_be_written = self.ranks is not None and await self.ranks.discard(request_id)
-        if self.consumer.peer_may_write(request_id) or ranks_may_be_written:
+        entries = self.entries.get(request_id) or [HeadsEntry(request_id, 0, 0, self.engine.kv_heads_by_rank[0])]
+        ours = [entry.entry_id for entry in entries if entry.decode_rank == 0]
+        for entry_id in ours:
+            await asyncio.to_thread(self.consumer.discard, entry_id)
+        ranks_may_be_written = self.ranks is not None and await self.ranks.discard(entries)
+        if any(self.consumer.peer_may_write(entry_id) for entry_id in ours) or ranks_may_be_written:
             with contextlib.suppress(KeyError):  # the engine ended the request already (it stopped)
                 await self.engine.keep_remote_blocks_aside(request_id)
 

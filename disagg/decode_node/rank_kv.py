@@ -8,7 +8,7 @@ rank's KV heads only (`rank_entry_id`), and each receives it straight into the r
 in its own KV cache: no rank's KV passes through another process.
 
 The driver (rank 0, where the decode node runs) tells each worker what to expect, waits for its
-entry and discards it over the channel the engine gave it (`RankReceivers`); a worker's receiver
+entries and discards them over the channel the engine gave it (`RankReceivers`, by `RankCalls`); a worker's receiver
 answers on its own threads, beside the rank's steps. A rank whose process dies fails every call
 waiting on it at once.
 """
@@ -16,18 +16,19 @@ waiting on it at once.
 import asyncio
 import contextlib
 import functools
-import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from disagg import metrics
 from disagg.config import KVTransferConfig
-from disagg.control_plane import KVRank, rank_entry_id
+from disagg.control_plane import HeadsEntry, KVRank
 from disagg.lookup_buffer import LookupBufferConsumer
 from disagg.pipes.base import PipeConfig
 from disagg.pipes.row_scatter import RowScatter
+from disagg.rank_calls import Call, RankCalls, RankGone
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +37,11 @@ ADDRESS_TIMEOUT_S = 30.0  # a worker sends its endpoint as soon as its KV cache 
 
 @dataclass
 class Expect:
-    """Receive the entry into the rows of tokens [start, end) of these blocks (KVCache.rows)."""
-    entry_id: str
+    """Receive each entry into the rows of tokens [start, end) of these blocks (KVCache.rows), within
+    its KV heads of the rank's cache (`heads[i]`, [first, end) counted from the rank's first; None: all
+    of them)."""
+    entry_ids: list[str]
+    heads: list[tuple[int, int] | None]
     blocks: list[int]
     start: int
     end: int
@@ -45,8 +49,9 @@ class Expect:
 
 @dataclass
 class Select:
-    """Wait (bounded) for the entry, verified against the prompt's tokens, as drop_select does."""
-    entry_id: str
+    """Wait (bounded, all of them together) for the entries, each verified against the prompt's tokens,
+    as drop_select does."""
+    entry_ids: list[str]
     token_ids: list[int]
     timeout: float
     source: tuple[str, int] | None
@@ -54,13 +59,7 @@ class Select:
 
 @dataclass
 class Discard:
-    entry_id: str
-
-
-@dataclass
-class Call:
-    number: int
-    message: Expect | Select | Discard
+    entry_ids: list[str]
 
 
 @dataclass
@@ -68,12 +67,8 @@ class Reply:
     number: int
     received_bytes: int  # KV bytes the rank's consumer has received in all, so far
     error: str | None = None  # why the call failed: the entry will not be in the blocks
-    in_place: bool = True  # Select: the entry landed in the blocks
+    in_place: bool = True  # Select: the entries landed in the blocks
     peer_may_write: bool = False  # Discard: a peer may still write into the blocks
-
-
-class RankGone(RuntimeError):
-    """A worker rank's process ended: its KV cannot arrive."""
 
 
 def rank_service_for(kv: KVTransferConfig) -> Callable:
@@ -124,17 +119,24 @@ class RankReceiver:
                 threading.Thread(target=self._select, args=(call.number, message), daemon=True).start()
             elif isinstance(message, Expect):
                 rows = self.kv_cache.rows(message.blocks, message.start, message.end)
-                self.consumer.expect(message.entry_id, [RowScatter(self.kv_cache.kv, rows)])
+                for entry_id, heads in zip(message.entry_ids, message.heads):
+                    self.consumer.expect(entry_id, [RowScatter(self.kv_cache.kv, rows, heads)])
                 self._reply(Reply(call.number, self.received[0]))
             else:
-                self.consumer.discard(message.entry_id)
-                self._reply(Reply(call.number, self.received[0],
-                                  peer_may_write=self.consumer.peer_may_write(message.entry_id)))
+                for entry_id in message.entry_ids:
+                    self.consumer.discard(entry_id)
+                self._reply(Reply(call.number, self.received[0], peer_may_write=any(
+                    self.consumer.peer_may_write(entry_id) for entry_id in message.entry_ids)))
 
     def _select(self, number: int, select: Select) -> None:
+        deadline = time.monotonic() + select.timeout
         try:
-            entry = self.consumer.drop_select(select.entry_id, select.token_ids, select.timeout, select.source)
-            reply = Reply(number, self.received[0], in_place=entry.in_place)
+            in_place = True
+            for entry_id in select.entry_ids:
+                timeout = max(0.0, deadline - time.monotonic())
+                entry = self.consumer.drop_select(entry_id, select.token_ids, timeout, select.source)
+                in_place = in_place and entry.in_place
+            reply = Reply(number, self.received[0], in_place=in_place)
         except Exception as e:  # noqa: BLE001  any reason the KV will not be there goes to the driver
             reply = Reply(number, self.received[0], error=f"{type(e).__name__}: {e}")
         self._reply(reply)
@@ -150,99 +152,57 @@ class RankReceivers:
 
     def __init__(self, channels: list, kv_heads: list[tuple[int, int]], kv_ip: str):
         """channels: rank r's at index r - 1; kv_heads: every rank's [first, end), rank 0's first."""
-        self.channels = channels
         self.kv_heads = kv_heads
         self.endpoints: list[tuple[str, int]] = []
         for rank, channel in enumerate(channels, 1):
             if not channel.poll(ADDRESS_TIMEOUT_S):
                 raise RankGone(f"tensor-parallel rank {rank} sent no KV endpoint within {ADDRESS_TIMEOUT_S}s")
             self.endpoints.append((kv_ip, channel.recv()[1]))
-        self.numbers = itertools.count()
-        self.calls: dict[int, tuple[int, asyncio.AbstractEventLoop, asyncio.Future]] = {}  # number -> rank, waiter
         self.received = [0] * len(channels)  # bytes each worker reported, counted into the metrics
-        self.gone: dict[int, str] = {}  # rank -> why its calls fail
-        self.lock = threading.Lock()
-        self.readers = [threading.Thread(target=self._read, args=(rank, channel), name=f"kv-rank{rank}-replies",
-                                         daemon=True) for rank, channel in enumerate(channels, 1)]
-        for reader in self.readers:
-            reader.start()
+        self.calls = RankCalls(channels, self._count)
+        self.calls.start()
 
     def kv_ranks(self, kv_dest: tuple[str, int]) -> list[KVRank]:
         """Every rank's endpoint and heads, for a Prefill call; rank 0's endpoint is kv_dest."""
         return [KVRank(dest, heads) for dest, heads in zip([kv_dest, *self.endpoints], self.kv_heads)]
 
-    async def expect(self, request_id: str, blocks: list[int], start: int, end: int) -> None:
-        """Each worker receives its entry of the request into the rows of tokens [start, end) of these blocks."""
-        await self._all(lambda r: Expect(rank_entry_id(request_id, r), blocks, start, end))
+    async def expect(self, entries: list[HeadsEntry], blocks: list[int], start: int, end: int) -> None:
+        """Each worker receives its entries of the request (plan_entries') into the rows of tokens
+        [start, end) of these blocks, each within its heads."""
+        def expect(rank: int, mine: list[HeadsEntry]) -> Expect:
+            return Expect([e.entry_id for e in mine], [self._within(rank, e.heads) for e in mine], blocks, start, end)
+        await self.calls.each({rank: expect(rank, mine) for rank, mine in self._by_rank(entries).items()})
 
-    async def drop_select(self, request_id: str, token_ids: list[int], timeout: float,
+    async def drop_select(self, entries: list[HeadsEntry], token_ids: list[int], timeout: float,
                           source: tuple[str, int] | None) -> None:
-        """Returns once every worker's entry is in its blocks; raises why one's is not (the first)."""
-        replies = await self._all(lambda r: Select(rank_entry_id(request_id, r), token_ids, timeout, source))
-        if not all(reply.in_place for reply in replies):
-            raise RuntimeError(f"a rank's KV of {request_id} did not land in its blocks")
+        """Returns once every worker's entries are in its blocks; raises why one's are not (the first)."""
+        replies = await self.calls.each({rank: Select([e.entry_id for e in mine], token_ids, timeout, source)
+                                         for rank, mine in self._by_rank(entries).items()})
+        if not all(reply.in_place for reply in replies.values()):
+            raise RuntimeError(f"a rank's KV of {entries[0].entry_id} did not land in its blocks")
 
-    async def discard(self, request_id: str) -> bool:
-        """Each worker drops the request's entry and lets go of its blocks; True if a peer may still write
-        into them (PeerMayWrite on a rank). A rank that is gone writes nothing."""
-        replies = await asyncio.gather(*(self._call(r, Discard(rank_entry_id(request_id, r)))
-                                         for r in range(1, len(self.channels) + 1)), return_exceptions=True)
+    async def discard(self, entries: list[HeadsEntry]) -> bool:
+        """Each worker drops its entries of the request and lets go of its blocks; True if a peer may still
+        write into them (PeerMayWrite on a rank). A rank that is gone writes nothing."""
+        replies = await asyncio.gather(*(self.calls.call(rank, Discard([e.entry_id for e in mine]))
+                                         for rank, mine in self._by_rank(entries).items()), return_exceptions=True)
         return any(isinstance(reply, Reply) and reply.peer_may_write for reply in replies)
 
-    async def _all(self, message) -> list[Reply]:
-        """The same call to every worker; the first failure cancels the waits for the others (the caller
-        discards the request, which ends them on the workers)."""
-        tasks = [asyncio.ensure_future(self._call(r, message(r))) for r in range(1, len(self.channels) + 1)]
-        try:
-            return await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:
-                task.cancel()
+    def _within(self, rank: int, heads: tuple[int, int]) -> tuple[int, int] | None:
+        """Heads [first, end) of the model as the rank's cache counts them; None: all it holds."""
+        first, end = self.kv_heads[rank]
+        return None if heads == (first, end) else (heads[0] - first, heads[1] - first)
 
-    async def _call(self, rank: int, message) -> Reply:
-        loop = asyncio.get_running_loop()
-        waiter = loop.create_future()
-        number = next(self.numbers)
-        with self.lock:
-            if rank in self.gone:
-                raise RankGone(self.gone[rank])
-            self.calls[number] = (rank, loop, waiter)
-        try:
-            self.channels[rank - 1].send(Call(number, message))
-            reply: Reply = await waiter
-        finally:
-            with self.lock:
-                self.calls.pop(number, None)
-        if reply.error is not None:
-            raise RuntimeError(f"tensor-parallel rank {rank}: {reply.error}")
-        return reply
+    @staticmethod
+    def _by_rank(entries: list[HeadsEntry]) -> dict[int, list[HeadsEntry]]:
+        """The workers' entries (decode rank 1 on), by rank."""
+        by_rank: dict[int, list[HeadsEntry]] = {}
+        for entry in entries:
+            if entry.decode_rank > 0:
+                by_rank.setdefault(entry.decode_rank, []).append(entry)
+        return by_rank
 
-    def _read(self, rank: int, channel) -> None:
-        while True:
-            try:
-                reply: Reply = channel.recv()
-            except (EOFError, OSError):
-                break
-            delta, self.received[rank - 1] = reply.received_bytes - self.received[rank - 1], reply.received_bytes
-            metrics.KV_RANK_BYTES.labels(str(rank)).inc(delta)
-            metrics.KV_BYTES.labels("received").inc(delta)
-            with self.lock:
-                call = self.calls.get(reply.number)
-            if call is not None:
-                call[1].call_soon_threadsafe(_resolve, call[2], reply)
-        reason = f"tensor-parallel rank {rank}'s process ended: its KV cannot arrive"
-        with self.lock:
-            self.gone[rank] = reason
-            waiting = [(loop, waiter) for r, loop, waiter in self.calls.values() if r == rank]
-        for loop, waiter in waiting:
-            loop.call_soon_threadsafe(_fail, waiter, RankGone(reason))
-
-
-def _resolve(waiter: asyncio.Future, reply: Reply) -> None:
-    if not waiter.done():
-        waiter.set_result(reply)
-
-
-def _fail(waiter: asyncio.Future, error: Exception) -> None:
-    if not waiter.done():
-        waiter.set_exception(error)
+    def _count(self, rank: int, reply: Reply) -> None:
+        delta, self.received[rank - 1] = reply.received_bytes - self.received[rank - 1], reply.received_bytes
+        metrics.KV_RANK_BYTES.labels(str(rank)).inc(delta)
+        metrics.KV_BYTES.labels("received").inc(delta)

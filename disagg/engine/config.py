@@ -38,7 +38,8 @@ class EngineConfig:
     chat_template: str | None = None  # a jinja template or a file holding one; None: the tokenizer's
     grammar_cache_bytes: int = 256 * 2**20  # compiled grammars kept (structured_output.GrammarCompiler)
     # What the node above runs in each tensor-parallel worker's process beside its steps (a decode node's
-    # KV receiver for that rank's heads): called there once the rank's KV cache is built, as
-    # rank_service(rank, kv_cache, channel), `channel` a duplex multiprocessing connection whose other end
-    # the driver holds (LLMEngine.rank_channels). A picklable callable; None: nothing runs.
+    # KV receiver for that rank's heads, a prefill node's sender of them): called there once the rank's KV
+    # cache is built, as rank_service(rank, kv_cache, channel), `channel` a duplex multiprocessing connection
+    # whose other end the driver holds (LLMEngine.rank_channels). It may return an ExportPut (tp_workers.py):
+    # what gets that rank's own KV heads of an export (KVExport.own_heads). A picklable callable; None: nothing runs.
     rank_service: Callable | None = None

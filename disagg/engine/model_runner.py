@@ -145,9 +145,11 @@ class ModelRunner:
                 first = first_of.get(end)
                 if first is None:
                     continue
-                # Every KV head goes, whatever this node's TP: a collective, so run by every rank even for
-                # an export that failed in this step (the ranks decided on the same exports before it).
-                kv = self.model.gather_kv_heads(self.kv_cache.kv[first:end, :, rows])
+                kv = self.kv_cache.kv[first:end, :, rows]  # this rank's KV heads
+                if not seq.kv_export.own_heads:
+                    # Every KV head to the driver's put: a collective, so run by every rank even for an
+                    # export that failed in this step (the ranks decided on the same exports before it).
+                    kv = self.model.gather_kv_heads(kv)
                 if seq.kv_export.failed:
                     continue
                 try:

@@ -46,6 +46,10 @@ class KVExport:
     at_end: bool = False  # all of it in the step that completes the prompt, not chunk by chunk
     sent: int = 0  # prompt tokens handed out so far (a preempted prompt computed again skips them)
     failed: bool = False  # a put raised (its receiver broke): nothing more is handed out
+    # Under tensor parallelism each rank's put gets its own KV heads only (no gather): the driver's the
+    # node's put, a worker's what the node's rank_service returned there (EngineConfig.rank_service).
+    # Else the driver's put gets every head, gathered from the ranks.
+    own_heads: bool = False
 
 
 class Sequence:

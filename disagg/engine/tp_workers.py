@@ -15,6 +15,7 @@ A worker exits when the driver's pipe closes, so none outlives its driver.
 
 import atexit
 import dataclasses
+import functools
 import logging
 import multiprocessing.connection
 import os
@@ -34,6 +35,10 @@ from disagg.engine.scheduler import ScheduledSeq
 from disagg.engine.sequence import KVExport, Sequence
 
 logger = logging.getLogger(__name__)
+
+# What a rank_service returns in a worker's process, if anything: put(request_id, first, end, kv) gets that
+# rank's KV heads of layers [first, end) of an export with own_heads, as KVExport.put does on the driver.
+ExportPut = Callable[[str, int, int, torch.Tensor], None]
 
 
 class RankDied(RuntimeError):
@@ -203,8 +208,9 @@ def worker_main(config: EngineConfig, model_dir: Path, dtype: torch.dtype, devic
         torch.cuda.set_device(device)
     tp = TPGroup.join(rank, config.tensor_parallel_size, device, port=port)
     runner = build_rank_runner(config, model_dir, load_config(model_dir), device, dtype, tp)
+    export_put = None  # what gets this rank's KV heads of an export with own_heads, by request id
     if channel is not None:
-        config.rank_service(rank, runner.kv_cache, channel)
+        export_put = config.rank_service(rank, runner.kv_cache, channel)
     seqs: dict[str, Sequence] = {}
     ahead: torch.Tensor | None = None  # the tokens the last run_ahead chose: the next one's placeholders
     while True:
@@ -219,7 +225,7 @@ def worker_main(config: EngineConfig, model_dir: Path, dtype: torch.dtype, devic
             tp.recv(part, 0)
             kv_cache.scatter(load.block_ids, part, load.start)
             continue
-        seqs = {step.request_id: mirror(step, seqs.get(step.request_id)) for step in message.batch}
+        seqs = {step.request_id: mirror(step, seqs.get(step.request_id), export_put) for step in message.batch}
         batch = [ScheduledSeq(seqs[step.request_id], step.num_new_tokens) for step in message.batch]
         if message.method == "run_ahead":
             _, ahead = runner.run_ahead(batch, ahead if message.placeholders else None)
@@ -227,9 +233,10 @@ def worker_main(config: EngineConfig, model_dir: Path, dtype: torch.dtype, devic
             getattr(runner, message.method)(batch)
 
 
-def mirror(step: StepSeq, seq: Sequence | None) -> Sequence:
+def mirror(step: StepSeq, seq: Sequence | None, export_put: ExportPut | None = None) -> Sequence:
     """The driver's sequence as this step reads it: its block table (the same list while it only grows,
-    so a device block table sends only new entries) and the tokens the step computes."""
+    so a device block table sends only new entries), the tokens the step computes and its export, whose
+    put is `export_put` for this request where each rank hands out its own KV heads."""
     if seq is None:
         seq = Sequence(step.request_id, [0] * step.num_prompt_tokens,
                        SamplingParams(prompt_logprobs=step.prompt_logprobs))
@@ -238,7 +245,11 @@ def mirror(step: StepSeq, seq: Sequence | None) -> Sequence:
     start = step.num_computed_tokens
     seq.token_ids[start:start + len(step.tokens)] = step.tokens
     seq.num_computed_tokens = start
-    seq.kv_export = None if step.export is None else dataclasses.replace(step.export, put=_drop)
+    seq.kv_export = None
+    if step.export is not None:
+        own = step.export.own_heads and export_put is not None
+        seq.kv_export = dataclasses.replace(step.export, put=functools.partial(export_put, step.request_id)
+                                            if own else _drop)
     old = seq.block_table
     if step.block_table[:len(old)] == old:
         old.extend(step.block_table[len(old):])
@@ -248,4 +259,4 @@ def mirror(step: StepSeq, seq: Sequence | None) -> Sequence:
 
 
 def _drop(first: int, end: int, kv: torch.Tensor) -> None:
-    """A worker's export: the driver hands out the KV, gathered from every rank."""
+    """A worker's export whose KV the driver hands out, gathered from every rank."""

@@ -5,7 +5,8 @@ cache's blocks ([layers, 2, cache rows, kv_heads, head_dim]) for one request's t
 indexed copy a message, whatever the number of blocks, where a list of views costs a tensor per
 run of blocks per layer (thousands for a long prompt, made in Python beside a busy engine).
 Transports that must write bytes where they land (a socket read, a one-sided remote write) ask
-for those views instead (`views`).
+for those views instead (`views`). With `heads`, the message holds only those heads (dim 3) of each
+row: a tensor-parallel prefill rank's share of a decode rank's heads.
 """
 
 import math
@@ -18,12 +19,15 @@ import torch
 class RowScatter:
     tensor: torch.Tensor  # contiguous from dim 2 on (a slice of dim 0 or 1 of a contiguous tensor is)
     rows: torch.Tensor  # int64, 1-D, on the CPU (pinned if `tensor` is on a GPU, so that copies need no sync)
+    heads: tuple[int, int] | None = None  # [first, end) of dim 3 the message fills; None: all of it
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The shape of the message tensor it takes."""
-        a, b, _, *rest = self.tensor.shape
-        return (a, b, len(self.rows), *rest)
+        a, b, _, heads, *rest = self.tensor.shape
+        if self.heads is not None:
+            heads = self.heads[1] - self.heads[0]
+        return (a, b, len(self.rows), heads, *rest)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -35,25 +39,31 @@ class RowScatter:
 
     def share(self, first: int, end: int, start: int, stop: int) -> "RowScatter":
         """Where [first:end, :, start:stop] of the message tensor goes."""
-        return RowScatter(self.tensor[first:end], self.rows[start:stop])
+        return RowScatter(self.tensor[first:end], self.rows[start:stop], self.heads)
 
     def fill(self, received: torch.Tensor, non_blocking: bool = False) -> None:
         """Scatter a received message tensor into its rows, on the current stream."""
         rows = self.rows.to(self.tensor.device, non_blocking=True)
         received = received.to(self.tensor.device, non_blocking=non_blocking).view(self.shape)
-        self.tensor.index_copy_(2, rows, received)
+        target = self.tensor if self.heads is None else self.tensor[:, :, :, self.heads[0]:self.heads[1]]
+        target.index_copy_(2, rows, received)
 
     def views(self) -> list[torch.Tensor]:
         """Flat views of the rows, in the message tensor's byte order (per [a, b] index, its rows in
-        order; consecutive rows merged into one view)."""
+        order; consecutive rows merged into one view unless only some heads of each are filled)."""
+        a, b, *_ = self.tensor.shape
+        width = math.prod(self.tensor.shape[3:])  # elements of one row
+        flat = self.tensor.view(a, b, -1)
+        if self.heads is not None:  # a view per row: its heads' elements are a stretch of it
+            per_head = math.prod(self.tensor.shape[4:])
+            lo, hi = self.heads[0] * per_head, self.heads[1] * per_head
+            rows = self.rows.tolist()
+            return [flat[i, j, row * width + lo:row * width + hi] for i in range(a) for j in range(b) for row in rows]
         runs: list[list[int]] = []  # [first row, rows] of each stretch of consecutive rows
         for row in self.rows.tolist():
             if runs and runs[-1][0] + runs[-1][1] == row:
                 runs[-1][1] += 1
             else:
                 runs.append([row, 1])
-        a, b, *_ = self.tensor.shape
-        width = math.prod(self.tensor.shape[3:])  # elements of one row
-        flat = self.tensor.view(a, b, -1)
         return [flat[i, j, row * width:(row + count) * width] for i in range(a) for j in range(b)
                 for row, count in runs]

@@ -1,7 +1,9 @@
 """PrefillNode: computes prompts and pushes their KV to the decode node that asked.
 
 A Prefill call opens the prompt's entry in the LookupBuffer producer (reserving its room),
-addressed to the caller's pipe endpoint, and runs the prompt through the engine for exactly
+addressed to the caller's pipe endpoint (or one per decode rank, and under tensor parallelism here
+one per prefill rank that holds some of that rank's heads, opened in that rank's own producer:
+rank_send.py), and runs the prompt through the engine for exactly
 one token (prefix-cache hits skip what is cached). During each step that computes a chunk of
 the prompt, each layer group's KV goes to the producer as soon as those layers have run, so it
 crosses the pipe while later layers and chunks compute (docs/ARCHITECTURE.md, "Layer-wise
@@ -17,12 +19,14 @@ from collections import OrderedDict
 import torch
 
 from disagg import metrics
-from disagg.control_plane import NodeInfo, NodeLoad, PrefillCall, PrefillProgress, PrefillResult, rank_entry_id
+from disagg.control_plane import NodeInfo, NodeLoad, PrefillCall, PrefillProgress, PrefillResult, plan_entries
 from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.sequence import KVExport
 from disagg.engine.step_cost import StepCost
 from disagg.lookup_buffer import LookupBufferProducer, token_digest
+from disagg.prefill_node.layer_sender import LayerSender, RankEntry
 from disagg.prefill_node.pull import PrefixPuller
+from disagg.prefill_node.rank_send import RankSenders
 
 logger = logging.getLogger(__name__)
 
@@ -39,57 +43,6 @@ LAYER_PARTS = 8
 MAX_RANK_ENTRIES = 4096  # requests whose entries to a decode node's ranks are remembered, for their Abort
 
 
-@dataclasses.dataclass(frozen=True)
-class RankEntry:
-    """One producer entry of a request's KV: to one decode rank, with its KV heads [first, end) (None:
-    every head, to a decode node that takes them all on one endpoint)."""
-    entry_id: str
-    dest: tuple[str, int]
-    heads: tuple[int, int] | None
-
-
-class LayerSender:
-    """A KVExport's put for one request: each layer group's KV into the producer's open entries (one
-    per decode rank, each with that rank's heads), copied to pinned host memory on a stream of its
-    own unless the buffer is on the GPU. Runs on the engine thread and never waits for the GPU."""
-
-    def __init__(self, producer: LookupBufferProducer, entries: list[RankEntry], num_layers: int,
-                 copy_stream: torch.cuda.Stream | None):
-        self.producer = producer
-        self.entries = entries
-        self.num_layers = num_layers
-        self.copy_stream = copy_stream  # None: the KV stays where the engine computed it
-        self.tokens_put = 0  # of every layer, to every entry
-
-    def put(self, first: int, end: int, kv: torch.Tensor) -> None:
-        ready = None
-        if kv.is_cuda:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(kv.device))  # after the gather of these layers
-        sent = True
-        for entry in self.entries:
-            part, part_ready = kv, ready
-            if entry.heads is not None:  # a rank's heads, copied below: the pipe sends contiguous tensors
-                part = kv[:, :, :, entry.heads[0]:entry.heads[1]]
-            if kv.is_cuda and self.copy_stream is not None:
-                host = torch.empty(part.shape, dtype=kv.dtype, pin_memory=True)
-                with torch.cuda.stream(self.copy_stream):
-                    self.copy_stream.wait_event(ready)
-                    host.copy_(part, non_blocking=True)
-                    kv.record_stream(self.copy_stream)  # its memory is not reused before the copy ends
-                    part_ready = torch.cuda.Event()
-                    part_ready.record()
-                part = host
-            elif entry.heads is not None:
-                part = part.contiguous()
-                if kv.is_cuda:
-                    part_ready = torch.cuda.Event()
-                    part_ready.record(torch.cuda.current_stream(kv.device))
-            sent = self.producer.put(entry.entry_id, first, end, part, part_ready) and sent  # False: aborted
-        if sent and end == self.num_layers:
-            self.tokens_put += kv.shape[2]
-
-
 @dataclasses.dataclass
 class Registration:
     """A decode node's pipe endpoint, as its Info handshake registered it."""
@@ -99,10 +52,16 @@ class Registration:
 
 class PrefillNode:
     def __init__(self, engine: AsyncEngine, producer: LookupBufferProducer, info: NodeInfo,
-                 kv_buffer_device: str = "cpu", layerwise: bool = True, layerwise_min_tokens: int = 0):
+                 kv_buffer_device: str = "cpu", layerwise: bool = True, layerwise_min_tokens: int = 0,
+                 ranks: RankSenders | None = None):
+        """ranks: under tensor parallelism, the worker ranks' own senders: each rank sends the decode
+        ranks its own KV heads."""
         self.engine = engine
         self.producer = producer
         self.info = info
+        self.ranks = ranks
+        # Each of our ranks' KV heads: which rank sends which heads to a decode node's ranks (plan_entries).
+        self.kv_rank_heads = info.kv_rank_heads or [(0, info.num_kv_heads)]
         self.kv_buffer_device = kv_buffer_device
         self.layerwise = layerwise  # else a prompt's KV goes as one message once all layers have run
         self.layerwise_min_tokens = layerwise_min_tokens  # a prompt with fewer tokens to send goes whole
@@ -127,7 +86,7 @@ class PrefillNode:
         params = dataclasses.replace(call.params, max_tokens=1, min_tokens=min(call.params.min_tokens, 1), stop=[])
         if params.structured is not None:  # compiled here, off the engine thread, which then finds it cached
             await self.engine.compile_grammar(params.structured)
-        export, sender, nbytes = await self._open_entries(call)
+        export, sender, workers, nbytes = await self._open_entries(call)
         opened = time.perf_counter()
         metrics.KV_BUFFER_INSERT.observe(opened - start)
         final = None
@@ -136,12 +95,20 @@ class PrefillNode:
         try:
             async for out in self.engine.generate(call.request_id, call.prompt_token_ids, params, kv_export=export):
                 final = out
-            if sender.tokens_put != len(call.prompt_token_ids) - call.skip_tokens:
+            tokens = len(call.prompt_token_ids) - call.skip_tokens
+            if sender.tokens_put != tokens:
                 raise RuntimeError(
                     f"prefill of {call.request_id} ended without its KV ({final and final.finish_reason})")
+            if workers:
+                for rank, put in (await self.ranks.finish(call.request_id, workers)).items():
+                    if put != tokens:
+                        raise RuntimeError(f"prefill of {call.request_id} ended without tensor-parallel rank "
+                                           f"{rank}'s KV ({put} of {tokens} tokens put)")
         except BaseException:
             for entry in sender.entries:  # on the wire already, the decode node is told it is cancelled
                 self.producer.abort(entry.entry_id)
+            if workers:
+                await asyncio.shield(self.ranks.abort(call.request_id, workers))
             raise
         finally:
             self.callers.pop(call.request_id, None)
@@ -162,34 +129,39 @@ class PrefillNode:
         )
 
     def rank_entries_of(self, call: PrefillCall) -> list[RankEntry]:
-        """Where the call's KV goes: one entry of every head to kv_dest, or one per decode rank with its
-        heads. Raises ValueError for heads outside the model's."""
+        """Where the call's KV goes: one entry of every head to kv_dest (sent by rank 0, gathered from
+        every rank), or one per decode rank and prefill rank of ours whose heads overlap, with those
+        heads, sent by that rank. Raises ValueError for heads outside the model's."""
         if not call.kv_ranks:
             return [RankEntry(call.request_id, call.kv_dest, None)]
         heads = self.info.num_kv_heads
         for rank in call.kv_ranks:
             if not 0 <= rank.heads[0] < rank.heads[1] <= heads:
                 raise ValueError(f"decode rank heads {list(rank.heads)} are not a run of this model's {heads} KV heads")
-        return [RankEntry(rank_entry_id(call.request_id, r), rank.dest, rank.heads)
-                for r, rank in enumerate(call.kv_ranks)]
+        return [RankEntry(e.entry_id, call.kv_ranks[e.decode_rank].dest, e.heads, e.prefill_rank)
+                for e in plan_entries(call.request_id, [rank.heads for rank in call.kv_ranks], self.kv_rank_heads)]
 
-    async def _open_entries(self, call: PrefillCall) -> tuple[KVExport, LayerSender, int]:
-        """The producer's entries for the prompt's KV from call.skip_tokens on (the decode node holds
-        the rest), their room reserved before the prefill runs, and the export that fills them."""
+    async def _open_entries(self, call: PrefillCall) -> tuple[KVExport, LayerSender, list[int], int]:
+        """The producers' entries for the prompt's KV from call.skip_tokens on (the decode node holds
+        the rest), their room reserved before the prefill runs (ours, and each worker rank's in its
+        own), the export that fills them, our sender, the worker ranks that send some and the bytes."""
         engine = self.engine
         num_layers = engine.model_config.num_hidden_layers
         per_head = engine.kv_bytes_per_token_layer // self.info.num_kv_heads
         tokens = len(call.prompt_token_ids) - call.skip_tokens
         layerwise = self.layerwise and tokens >= self.layerwise_min_tokens
         layers = layer_groups(num_layers) if layerwise else [(0, num_layers)]
-        entries, opened, nbytes = self.rank_entries_of(call), [], 0
+        entries, opened = self.rank_entries_of(call), []
+        sizes = [num_layers * per_head * (end - first) * tokens
+                 for first, end in (entry.heads or (0, self.info.num_kv_heads) for entry in entries)]
+        workers = sorted({entry.rank for entry in entries if entry.rank > 0})
         try:
-            for entry in entries:
-                first, end = entry.heads or (0, self.info.num_kv_heads)
-                size = num_layers * per_head * (end - first) * tokens
-                await self._open_entry(entry, call.prompt_token_ids, layers, tokens, size)
-                opened.append(entry)
-                nbytes += size
+            for entry, size in zip(entries, sizes):
+                if entry.rank == 0:
+                    await self._open_entry(entry, call.prompt_token_ids, layers, tokens, size)
+                    opened.append(entry)
+            if workers:
+                await self.ranks.open(call.request_id, entries, sizes, call.prompt_token_ids, layers, tokens)
         except BaseException:
             for entry in opened:
                 self.producer.abort(entry.entry_id)
@@ -201,8 +173,12 @@ class PrefillNode:
         if engine.device.type == "cuda" and self.kv_buffer_device == "cpu" and self.copy_stream is None:
             self.copy_stream = torch.cuda.Stream(engine.device)
         copy_stream = self.copy_stream if self.kv_buffer_device == "cpu" else None
-        sender = LayerSender(self.producer, entries, num_layers, copy_stream)
-        return KVExport(call.skip_tokens, layers, sender.put, at_end=not layerwise), sender, nbytes
+        # Where our ranks send their own heads, rank 0's put gets only its own (no gather); else every head.
+        own_heads = bool(call.kv_ranks) and len(self.kv_rank_heads) > 1
+        sender = LayerSender(self.producer, opened, num_layers, copy_stream,
+                             self.kv_rank_heads[0][0] if own_heads else 0, metrics.KV_RANK_SENT_BYTES.labels("0").inc)
+        export = KVExport(call.skip_tokens, layers, sender.put, at_end=not layerwise, own_heads=own_heads)
+        return export, sender, workers, sum(sizes)
 
     async def _open_entry(self, entry: RankEntry, token_ids: list[int], layers: list[tuple[int, int]], tokens: int,
                           nbytes: int) -> None:
@@ -299,8 +275,10 @@ class PrefillNode:
         if entries[0].dest != caller:
             return in_engine
         self.rank_entries.pop(request_id, None)
-        in_buffer = [self.producer.abort(entry.entry_id, entry.dest) for entry in entries]
-        return in_engine or any(in_buffer)
+        in_buffer = [self.producer.abort(entry.entry_id, entry.dest) for entry in entries if entry.rank == 0]
+        workers = sorted({entry.rank for entry in entries if entry.rank > 0})
+        in_workers = bool(workers) and await self.ranks.abort(request_id, workers)
+        return in_engine or any(in_buffer) or in_workers
 
 
 def layer_groups(num_layers: int) -> list[tuple[int, int]]:

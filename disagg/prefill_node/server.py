@@ -14,6 +14,7 @@ from disagg.lookup_buffer import LookupBufferConsumer, LookupBufferProducer
 from disagg.pipes.errors import PipeError
 from disagg.prefill_node.node import PrefillNode
 from disagg.prefill_node.pull import PrefixPuller
+from disagg.prefill_node.rank_send import RankSenders
 from disagg.prefill_node.service import start_grpc_server
 from disagg.serving import add_error_handlers, add_profiler_routes, node_info, openai_error_response, serve_http
 
@@ -48,8 +49,10 @@ async def run_prefill_node(engine: AsyncEngine, model_name: str, kv: KVTransferC
     producer = LookupBufferProducer(kv.kv_connector, kv.pipe_config(), int(kv.kv_buffer_size),
                                     kv.extra("buffer_ttl"), kv.extra("insert_timeout"),
                                     on_sent=metrics.kv_sent)
+    # Each worker rank's own sender (rank_service, started with the engine): each rank sends its own KV heads.
+    ranks = RankSenders(engine.rank_channels, engine.kv_heads_by_rank) if engine.rank_channels else None
     node = PrefillNode(engine, producer, node_info(engine, model_name, kv), kv.kv_buffer_device,
-                       kv.extra("layerwise"), kv.layerwise_min_tokens(engine.device.type))
+                       kv.extra("layerwise"), kv.layerwise_min_tokens(engine.device.type), ranks)
     if kv.extra("prefix_pull") and engine.engine.prefix_blocks is not None:
         # Pulled prefix blocks arrive on this node's own pipe endpoint (its producer only connects out).
         try:

@@ -22,14 +22,17 @@ from disagg.proto import disagg_pb2 as pb
 
 
 def node_info_to_proto(info: NodeInfo) -> pb.NodeInfo:
-    return pb.NodeInfo(**asdict(info))
+    fields = asdict(info)
+    fields["kv_rank_heads"] = [pb.HeadRange(first_head=first, end_head=end) for first, end in info.kv_rank_heads]
+    return pb.NodeInfo(**fields)
 
 
 def node_info_from_proto(msg: pb.NodeInfo) -> NodeInfo:
     return NodeInfo(model_name=msg.model_name, dtype=msg.dtype, num_layers=msg.num_layers,
                     num_kv_heads=msg.num_kv_heads, head_dim=msg.head_dim, block_size=msg.block_size,
                     kv_connector=msg.kv_connector, kv_ip=msg.kv_ip, kv_port=msg.kv_port,
-                    protocol_version=msg.protocol_version)
+                    protocol_version=msg.protocol_version,
+                    kv_rank_heads=[(h.first_head, h.end_head) for h in msg.kv_rank_heads])
 
 
 def prefill_call_to_proto(call: PrefillCall) -> pb.PrefillRequest:

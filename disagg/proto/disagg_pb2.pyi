@@ -17,7 +17,7 @@ class InfoRequest(_message.Message):
     def __init__(self, kv_host: _Optional[str] = ..., kv_port: _Optional[int] = ..., kv_rank_ports: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("model_name", "dtype", "num_layers", "num_kv_heads", "head_dim", "block_size", "kv_connector", "kv_ip", "kv_port", "protocol_version")
+    __slots__ = ("model_name", "dtype", "num_layers", "num_kv_heads", "head_dim", "block_size", "kv_connector", "kv_ip", "kv_port", "protocol_version", "kv_rank_heads")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class NodeInfo(_message.Message):
     KV_IP_FIELD_NUMBER: _ClassVar[int]
     KV_PORT_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    KV_RANK_HEADS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     dtype: str
     num_layers: int
@@ -38,7 +39,16 @@ class NodeInfo(_message.Message):
     kv_ip: str
     kv_port: int
     protocol_version: int
-    def __init__(self, model_name: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_connector: _Optional[str] = ..., kv_ip: _Optional[str] = ..., kv_port: _Optional[int] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    kv_rank_heads: _containers.RepeatedCompositeFieldContainer[HeadRange]
+    def __init__(self, model_name: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_connector: _Optional[str] = ..., kv_ip: _Optional[str] = ..., kv_port: _Optional[int] = ..., protocol_version: _Optional[int] = ..., kv_rank_heads: _Optional[_Iterable[_Union[HeadRange, _Mapping]]] = ...) -> None: ...
+
+class HeadRange(_message.Message):
+    __slots__ = ("first_head", "end_head")
+    FIRST_HEAD_FIELD_NUMBER: _ClassVar[int]
+    END_HEAD_FIELD_NUMBER: _ClassVar[int]
+    first_head: int
+    end_head: int
+    def __init__(self, first_head: _Optional[int] = ..., end_head: _Optional[int] = ...) -> None: ...
 
 class SamplingFields(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "ignore_eos", "structured")
