@@ -193,7 +193,8 @@ def workload_sweep(args: argparse.Namespace, workload: str, rates: list[str], ur
                 if middle and (args.pyspy or profile) else []
             window = TraceWindow(sampled) if profile else None
             before, engines_before = handoff_sums(disagg), engine_sums(decoders[name])
-            r = runs[name][rate] = serve_once(urls[name], args, workload, rate, args.num_requests, 7 + i, goodput)
+            r = runs[name][rate] = serve_once(urls[name], args, workload, rate, args.num_requests, args.seed + i,
+                                              goodput)
             r["engine"] = engine_means(engines_before, engine_sums(decoders[name]))
             stop_profiles(samplers)
             if window is not None:
@@ -407,6 +408,8 @@ def main() -> int:
     ap.add_argument("--rates-4k", default="2,3,4,5,6")
     ap.add_argument("--rates-chat", default="4,8,12,16")
     ap.add_argument("--num-requests", type=int, default=48)
+    ap.add_argument("--seed", type=int, default=7, help="the arrivals of the sweep's i-th rate are drawn with "
+                    "seed + i (the same for every system); another seed, other arrival sequences to pool")
     ap.add_argument("--prefill-max-num-batched-tokens", type=int,
                     help="the prefill node's chunk size alone (goodput; it has no decode batch to keep moving)")
     ap.add_argument("--pyspy", action="store_true",

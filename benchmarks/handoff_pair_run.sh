@@ -4,7 +4,8 @@
 # PHASE: tests (the 2-GPU handoff tests), ttft (layer-wise, then whole, or $MODES; $LENS), goodput
 # (layer-wise; $WORKLOADS, rates $RATES_4K / $RATES_CHAT; PROFILE=1 runs py-spy on the pair's nodes and takes
 # torch.profiler traces, PYSPY=1 py-spy alone on a decoding node of each system; CONNECTOR: the KV pipe, torch_dist
-# unless set; ASYNC=1: every node with --async-scheduling (ttft and goodput); PREFILL_CHUNK sets the prefill
+# unless set; ASYNC=1: every node with --async-scheduling (ttft and goodput); SEED: the arrivals' seed (7 + the
+# rate's place in the sweep unless set); PREFILL_CHUNK sets the prefill
 # node's max-num-batched-tokens), pipes (torch_dist beside nixl: 16 MiB, 256 MiB, a layer list),
 # cache (issue 26: cache_aware against least_loaded routing, 2P2D over tcp, shared 4k prefixes; rates
 # $RATES_CACHE, $REPEATS_CACHE runs of each, REMOTE_PREFILL=auto|always for the decode nodes, DECODE_KV their
@@ -26,7 +27,7 @@ for phase in "$@"; do
         python3 benchmarks/handoff_h200x2.py "${common[@]}" --phase goodput --workloads "${WORKLOADS:-4k,chat}" \
             --rates-4k "${RATES_4K:-2,3,4,5,6}" --rates-chat "${RATES_CHAT:-4,8,12,16}" ${PROFILE:+--profile} ${PYSPY:+--pyspy} \
             ${PREFILL_CHUNK:+--prefill-max-num-batched-tokens $PREFILL_CHUNK} \
-            --num-requests "${NUM_REQUESTS:-48}" --kv-modes layerwise --json "$out/goodput.json" 2>&1 \
+            --num-requests "${NUM_REQUESTS:-48}" ${SEED:+--seed $SEED} --kv-modes layerwise --json "$out/goodput.json" 2>&1 \
             | tee "$out/goodput.log" | tail -40
         cp /tmp/handoff_h200x2/logs-goodput/pyspy-* /tmp/handoff_h200x2/logs-goodput/traces/* "$out/" 2>/dev/null || true ;;
     cache)

@@ -134,7 +134,7 @@ def goodput_phase(args: argparse.Namespace, model: Path) -> dict:
                 goodput = [f"ttft:{slo['ttft_ms']:.0f}", f"tpot:{slo['tpot_ms']:.2f}"]
                 runs = w["runs"][name] = {}
                 for i, rate in enumerate(rates):
-                    r = runs[rate] = serve_once(url, args, workload, rate, args.num_requests, 7 + i, goodput)
+                    r = runs[rate] = serve_once(url, args, workload, rate, args.num_requests, args.seed + i, goodput)
                     r["attainment_by_slo_scale"] = {
                         str(k): attainment(r["per_request"], k * slo["ttft_ms"], k * slo["tpot_ms"])
                         for k in SLO_SCALES}
@@ -268,6 +268,8 @@ def main() -> int:
     ap.add_argument("--rates-4k", default="2,3,4.5,6")
     ap.add_argument("--rates-chat", default="1,2,3,4.5")
     ap.add_argument("--num-requests", type=int, default=48)
+    ap.add_argument("--seed", type=int, default=7, help="the arrivals of the sweep's i-th rate are drawn with "
+                    "seed + i (the same for every system); another seed, other arrival sequences to pool")
     ap.add_argument("--kv-cache-memory", default="24GiB")
     ap.add_argument("--async-scheduling", action="store_true", help="every node steps ahead (--async-scheduling)")
     ap.add_argument("--max-model-len", type=int, default=8192)

@@ -5,11 +5,12 @@
 # workload: colocated x4 first, then $LAYOUTS (of 1p3d, 2p2d, 3p1d, tp2p2d: one TP=2 prefill node and 2
 # decode nodes), rates $RATES_4K / $RATES_CHAT, $NUM_REQUESTS a rate),
 # plan (`disagg plan` against the goodput JSON files already under $OUT); ASYNC=1: every node with
-# --async-scheduling. Each writes its JSON and log under $OUT; a later call merges them:
+# --async-scheduling; SEED: the arrivals' seed (as handoff_pair_run.sh's). Each writes its JSON and log under
+# $OUT; a later call merges them:
 # xpyd_h200x4.py --merge 4k.json chat.json plan.json --json ...
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-common=(--tokenizer-dir .device/tok --connector "${CONNECTOR:-torch_dist}" --num-requests "${NUM_REQUESTS:-40}"
+common=(--tokenizer-dir .device/tok --connector "${CONNECTOR:-torch_dist}" --num-requests "${NUM_REQUESTS:-40}" ${SEED:+--seed $SEED}
         ${ASYNC:+--async-scheduling})
 for phase in "$@"; do
     case $phase in
