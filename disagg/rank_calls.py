@@ -4,7 +4,8 @@ The engine gives the driver one channel per worker (EngineConfig.rank_service); 
 each end speaks over it in numbered calls: the driver sends `Call(number, message)` and awaits the
 reply with that number, which a reader thread per channel hands to the caller's event loop. A worker
 answers a call with an object whose `number` is the call's and whose `error` says why it failed (None:
-it did not). A rank whose process dies fails every call waiting on it at once.
+it did not). A rank whose process dies fails every call waiting on it at once; one that is alive but
+does not answer fails the call at its timeout.
 """
 
 import asyncio
@@ -13,6 +14,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+# The bound on a call a worker answers at once (no wait of its own for room or a peer's KV): only a worker
+# that is stuck takes longer.
+QUICK_CALL_S = 10.0
 
 
 @dataclass
@@ -23,6 +28,10 @@ class Call:
 
 class RankGone(RuntimeError):
     """A worker rank's process ended: it cannot answer."""
+
+
+class RankNoAnswer(RuntimeError):
+    """A worker rank did not answer a call in time (its process may still run)."""
 
 
 class RankCallFailed(RuntimeError):
@@ -49,8 +58,9 @@ class RankCalls:
         for rank, channel in enumerate(self.channels, 1):
             threading.Thread(target=self._read, args=(rank, channel), name=f"rank{rank}-replies", daemon=True).start()
 
-    async def call(self, rank: int, message: Any) -> Any:
-        """The worker's reply; raises RankCallFailed with its error, RankGone if its process ended."""
+    async def call(self, rank: int, message: Any, timeout: float) -> Any:
+        """The worker's reply; raises RankCallFailed with its error, RankGone if its process ended,
+        RankNoAnswer if no reply came within `timeout` seconds."""
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
         number = next(self.numbers)
@@ -60,7 +70,10 @@ class RankCalls:
             self.calls[number] = (rank, loop, waiter)
         try:
             self.channels[rank - 1].send(Call(number, message))
-            reply = await waiter
+            reply = await asyncio.wait_for(waiter, timeout)
+        except TimeoutError:
+            raise RankNoAnswer(f"tensor-parallel rank {rank} did not answer {type(message).__name__} "
+                               f"within {timeout:g}s") from None
         finally:
             with self.lock:
                 self.calls.pop(number, None)
@@ -68,10 +81,10 @@ class RankCalls:
             raise RankCallFailed(f"tensor-parallel rank {rank}: {reply.error}", reply)
         return reply
 
-    async def each(self, messages: dict[int, Any]) -> dict[int, Any]:
-        """A call to each of these ranks at once; the first failure cancels the waits for the others
-        (the caller then undoes the request, which ends them on the workers)."""
-        tasks = {rank: asyncio.ensure_future(self.call(rank, message)) for rank, message in messages.items()}
+    async def each(self, messages: dict[int, Any], timeout: float) -> dict[int, Any]:
+        """A call to each of these ranks at once, each bounded by `timeout`; the first failure cancels the
+        waits for the others (the caller then undoes the request, which ends them on the workers)."""
+        tasks = {rank: asyncio.ensure_future(self.call(rank, message, timeout)) for rank, message in messages.items()}
         try:
             await asyncio.gather(*tasks.values())
             return {rank: task.result() for rank, task in tasks.items()}

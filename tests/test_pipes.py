@@ -286,6 +286,32 @@ def test_nixl_receive_cut_off_while_the_peer_may_still_write_is_said_so(cut_off_
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
+def test_tcp_fills_some_heads_of_each_row_and_touches_nothing_else():
+    """A tensor-parallel prefill rank's share of a decode rank's heads (RowScatter.heads): each row's
+    heads 1-2 of 4 take the message, in order; the other heads and rows keep what they held."""
+    listener = pipes.listen("tcp", PipeConfig(kv_port=0, timeout=20))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        accepted = pool.submit(listener.accept, 30)
+        sender = pipes.connect("tcp", PipeConfig(timeout=20), *listener.address)
+        receiver = accepted.result()
+        try:
+            cache = torch.full((2, 2, 16, 4, 8), -3.0)  # [layers, 2, rows, kv heads, head dim]
+            before = cache.clone()
+            rows = torch.tensor([3, 4, 5, 12, 0])  # a run of three, then single rows
+            message = torch.randn(2, 2, 5, 2, 8)
+            sent = pool.submit(sender.send, [message])
+            receiver.recv([RowScatter(cache, rows, (1, 3))])
+            sent.result(timeout=20)
+            assert torch.equal(cache[:, :, rows, 1:3], message)
+            before[:, :, rows, 1:3] = message
+            assert torch.equal(cache, before)  # nothing else was written
+        finally:
+            sender.close()
+            receiver.close()
+            listener.close()
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.skipif(NIXL_MISSING is not None, reason=f"nixl: {NIXL_MISSING}")
 def test_nixl_memory_registered_once_takes_no_metadata_per_message():
     """Messages into a registered KV cache (a RowScatter's rows) and a registered buffer (a view in it)

@@ -17,7 +17,8 @@ from disagg.engine.sampling_params import SamplingParams
 from disagg.lookup_buffer.errors import BufferFullError, LookupDiscarded, ProducerLost
 from disagg.prefill_node.layer_sender import LayerSender, RankEntry
 from disagg.prefill_node.node import PrefillNode
-from disagg.prefill_node.rank_send import RankSender, RankSenders
+from disagg.prefill_node.rank_send import Abort, Finish, RankSender, RankSenders
+from disagg.rank_calls import RankCallFailed, RankCalls, RankNoAnswer
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -234,7 +235,7 @@ def test_a_worker_rank_opens_puts_and_reports_its_own_entries():
     producer = FakeProducer()
     rank_sender = RankSender(producer, 2, None, theirs, [0])
     threading.Thread(target=rank_sender.serve, daemon=True).start()
-    senders = RankSenders([mine], [(0, 1), (1, 3)])
+    senders = RankSenders([mine], [(0, 1), (1, 3)], 1.0)
 
     def entries(request_id: str) -> list[RankEntry]:
         return [RankEntry(f"{request_id}.r0.p0", KV_DEST, (0, 1), 0),
@@ -263,7 +264,7 @@ def test_a_worker_s_full_buffer_refuses_the_prefill_as_busy_and_leaves_nothing_o
 
     producer = FullProducer()
     threading.Thread(target=RankSender(producer, 2, None, theirs, [0]).serve, daemon=True).start()
-    senders = RankSenders([mine], [(0, 1), (1, 3)])
+    senders = RankSenders([mine], [(0, 1), (1, 3)], 1.0)
     entries = [RankEntry("r.r0.p0", KV_DEST, (0, 1), 0), RankEntry("r.r1.p1", ("127.0.0.1", 7101), (1, 3), 1)]
     with pytest.raises(BufferFullError, match="tensor-parallel rank 1: BufferFullError: no room for 'r.r1.p1'"):
         asyncio.run(senders.open("r", entries, [10, 20], [1, 2, 3], [(0, 2)], 3))
@@ -280,7 +281,7 @@ def test_a_worker_put_that_fails_aborts_its_entries_at_once_and_finish_tells_the
     producer = BrokenProducer()
     rank_sender = RankSender(producer, 2, None, theirs, [0])
     threading.Thread(target=rank_sender.serve, daemon=True).start()
-    senders = RankSenders([mine], [(0, 1), (1, 3)])
+    senders = RankSenders([mine], [(0, 1), (1, 3)], 1.0)
 
     async def main():
         await senders.open("r", [RankEntry("r.r1.p1", ("127.0.0.1", 7101), (1, 3), 1)], [20], [1, 2, 3], [(0, 2)], 3)
@@ -288,5 +289,37 @@ def test_a_worker_put_that_fails_aborts_its_entries_at_once_and_finish_tells_the
             rank_sender.put("r", 0, 2, torch.zeros(2, 2, 3, 2, 4))
         assert producer.calls[-1] == ("abort", "r.r1.p1")  # its decode rank hears it now
         assert await senders.finish("r", [1]) == {1: 0}  # short: the driver fails the request
+
+    asyncio.run(main())
+
+
+def test_a_worker_that_does_not_answer_fails_the_call_at_its_timeout():
+    mine, _theirs = multiprocessing.Pipe()  # nobody serves the other end
+    calls = RankCalls([mine])
+    calls.start()
+
+    async def main():
+        with pytest.raises(RankNoAnswer, match="rank 1 did not answer Finish within 0.2s"):
+            await calls.call(1, Finish("r"), 0.2)
+        assert calls.calls == {}  # its wait is gone too
+
+    asyncio.run(main())
+
+
+def test_a_call_that_raises_on_the_worker_is_answered_with_why_and_the_next_calls_still_are():
+    mine, theirs = multiprocessing.Pipe()
+
+    class AbortRaises(FakeProducer):
+        def abort(self, entry_id, dest=None):
+            raise OSError("the pipe layer broke")
+
+    threading.Thread(target=RankSender(AbortRaises(), 2, None, theirs, [0]).serve, daemon=True).start()
+    senders = RankSenders([mine], [(0, 1), (1, 3)], 1.0)
+
+    async def main():
+        await senders.open("r", [RankEntry("r.r1.p1", ("127.0.0.1", 7101), (1, 3), 1)], [20], [1, 2, 3], [(0, 2)], 3)
+        with pytest.raises(RankCallFailed, match="rank 1: OSError: the pipe layer broke"):
+            await senders.calls.call(1, Abort("r"), 5.0)
+        assert await senders.finish("r", [1]) == {1: 0}  # still served
 
     asyncio.run(main())

@@ -28,7 +28,7 @@ from disagg.control_plane import HeadsEntry, KVRank
 from disagg.lookup_buffer import LookupBufferConsumer
 from disagg.pipes.base import PipeConfig
 from disagg.pipes.row_scatter import RowScatter
-from disagg.rank_calls import Call, RankCalls, RankGone
+from disagg.rank_calls import QUICK_CALL_S, Call, RankCalls, RankGone
 
 logger = logging.getLogger(__name__)
 
@@ -114,19 +114,26 @@ class RankReceiver:
             except (EOFError, OSError):  # the driver is gone; the rank's step loop ends too
                 self.consumer.close()
                 return
-            message = call.message
-            if isinstance(message, Select):
-                threading.Thread(target=self._select, args=(call.number, message), daemon=True).start()
-            elif isinstance(message, Expect):
-                rows = self.kv_cache.rows(message.blocks, message.start, message.end)
-                for entry_id, heads in zip(message.entry_ids, message.heads):
-                    self.consumer.expect(entry_id, [RowScatter(self.kv_cache.kv, rows, heads)])
-                self._reply(Reply(call.number, self.received[0]))
-            else:
-                for entry_id in message.entry_ids:
-                    self.consumer.discard(entry_id)
-                self._reply(Reply(call.number, self.received[0], peer_may_write=any(
-                    self.consumer.peer_may_write(entry_id) for entry_id in message.entry_ids)))
+            try:
+                self._handle(call)
+            except Exception as e:  # the driver hears why, and the next calls are still answered
+                logger.exception("tensor-parallel KV receiver: call %r failed", call.message)
+                self._reply(Reply(call.number, self.received[0], error=f"{type(e).__name__}: {e}"))
+
+    def _handle(self, call: Call) -> None:
+        message = call.message
+        if isinstance(message, Select):
+            threading.Thread(target=self._select, args=(call.number, message), daemon=True).start()
+        elif isinstance(message, Expect):
+            rows = self.kv_cache.rows(message.blocks, message.start, message.end)
+            for entry_id, heads in zip(message.entry_ids, message.heads):
+                self.consumer.expect(entry_id, [RowScatter(self.kv_cache.kv, rows, heads)])
+            self._reply(Reply(call.number, self.received[0]))
+        else:
+            for entry_id in message.entry_ids:
+                self.consumer.discard(entry_id)
+            self._reply(Reply(call.number, self.received[0], peer_may_write=any(
+                self.consumer.peer_may_write(entry_id) for entry_id in message.entry_ids)))
 
     def _select(self, number: int, select: Select) -> None:
         deadline = time.monotonic() + select.timeout
@@ -171,20 +178,21 @@ class RankReceivers:
         [start, end) of these blocks, each within its heads."""
         def expect(rank: int, mine: list[HeadsEntry]) -> Expect:
             return Expect([e.entry_id for e in mine], [self._within(rank, e.heads) for e in mine], blocks, start, end)
-        await self.calls.each({rank: expect(rank, mine) for rank, mine in self._by_rank(entries).items()})
+        await self.calls.each({rank: expect(rank, mine) for rank, mine in self._by_rank(entries).items()},
+                              QUICK_CALL_S)
 
     async def drop_select(self, entries: list[HeadsEntry], token_ids: list[int], timeout: float,
                           source: tuple[str, int] | None) -> None:
         """Returns once every worker's entries are in its blocks; raises why one's are not (the first)."""
         replies = await self.calls.each({rank: Select([e.entry_id for e in mine], token_ids, timeout, source)
-                                         for rank, mine in self._by_rank(entries).items()})
+                                         for rank, mine in self._by_rank(entries).items()}, timeout + QUICK_CALL_S)
         if not all(reply.in_place for reply in replies.values()):
             raise RuntimeError(f"a rank's KV of {entries[0].entry_id} did not land in its blocks")
 
     async def discard(self, entries: list[HeadsEntry]) -> bool:
         """Each worker drops its entries of the request and lets go of its blocks; True if a peer may still
         write into them (PeerMayWrite on a rank). A rank that is gone writes nothing."""
-        replies = await asyncio.gather(*(self.calls.call(rank, Discard([e.entry_id for e in mine]))
+        replies = await asyncio.gather(*(self.calls.call(rank, Discard([e.entry_id for e in mine]), QUICK_CALL_S)
                                          for rank, mine in self._by_rank(entries).items()), return_exceptions=True)
         return any(isinstance(reply, Reply) and reply.peer_may_write for reply in replies)
 

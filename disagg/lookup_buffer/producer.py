@@ -93,9 +93,10 @@ class LookupBufferProducer:
 
     def __init__(
         self, pipe_name: str, config: PipeConfig, kv_buffer_size: int, ttl: float, insert_timeout: float,
-        idle_sender_s: float = IDLE_SENDER_S, on_sent: Callable[[int, float], None] | None = None,
+        idle_sender_s: float | None = IDLE_SENDER_S, on_sent: Callable[[int, float], None] | None = None,
     ) -> None:
-        """on_sent(nbytes, seconds) is called on a sender thread for every KV message it has sent,
+        """idle_sender_s: how long a destination's connection stays with nothing to send (None: until
+        close). on_sent(nbytes, seconds) is called on a sender thread for every KV message it has sent,
         with the seconds the send took (for a GPU part: until the transport was done with it)."""
         if kv_buffer_size <= 0:
             raise ValueError(f"kv_buffer_size must be positive, got {kv_buffer_size}")

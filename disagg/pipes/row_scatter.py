@@ -6,7 +6,8 @@ indexed copy a message, whatever the number of blocks, where a list of views cos
 run of blocks per layer (thousands for a long prompt, made in Python beside a busy engine).
 Transports that must write bytes where they land (a socket read, a one-sided remote write) ask
 for those views instead (`views`). With `heads`, the message holds only those heads (dim 3) of each
-row: a tensor-parallel prefill rank's share of a decode rank's heads.
+row: a tensor-parallel prefill rank's share of a decode rank's heads; then the views are one a row,
+so the tcp pipe receives such a message into one buffer and fills the rows from it instead.
 """
 
 import math

@@ -25,7 +25,7 @@ from disagg.config import KVTransferConfig
 from disagg.lookup_buffer import BufferFullError, LookupBufferProducer
 from disagg.pipes.base import PipeConfig
 from disagg.prefill_node.layer_sender import LayerSender, RankEntry
-from disagg.rank_calls import Call, RankCallFailed, RankCalls
+from disagg.rank_calls import QUICK_CALL_S, Call, RankCallFailed, RankCalls
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,11 @@ def serve_rank(pipe_name: str, config: PipeConfig, kv_buffer_size: int, ttl: flo
     def count(nbytes: int, seconds: float) -> None:
         sent[0] += nbytes
 
-    producer = LookupBufferProducer(pipe_name, config, kv_buffer_size, ttl, insert_timeout, on_sent=count)
+    # Named as the driver's producer is (the decode node knows one name per prefill node), this one keeps its
+    # connections: a routine close of an idle one would read, at the decode node, as that name's loss and
+    # fail the lookups of the driver's entries in flight.
+    producer = LookupBufferProducer(pipe_name, config, kv_buffer_size, ttl, insert_timeout, idle_sender_s=None,
+                                    on_sent=count)
     copy_stream = None
     if kv_cache.kv.is_cuda and kv_buffer_device == "cpu":
         copy_stream = torch.cuda.Stream(kv_cache.kv.device)
@@ -133,22 +137,35 @@ class RankSender:
             except (EOFError, OSError):  # the driver is gone; the rank's step loop ends too
                 self.producer.close()
                 return
-            message = call.message
-            if isinstance(message, Open):
-                with self.lock:
-                    self.opening.add(message.request_id)
+            try:
+                self._handle(call)
+            except Exception as e:  # the driver hears why, and the next calls are still answered
+                logger.exception("tensor-parallel KV sender: call %r failed", call.message)
+                self._reply(call.number, error=f"{type(e).__name__}: {e}")
+
+    def _handle(self, call: Call) -> None:
+        message = call.message
+        if isinstance(message, Open):
+            with self.lock:
+                self.opening.add(message.request_id)
+            try:
                 threading.Thread(target=self._open, args=(call.number, message), daemon=True).start()
-            elif isinstance(message, Finish):
+            except BaseException:
                 with self.lock:
-                    sender = self.senders.pop(message.request_id, None)
-                self._reply(call.number, tokens_put=sender.tokens_put if sender else 0)
-            else:
-                with self.lock:
-                    sender = self.senders.pop(message.request_id, None)
-                    if message.request_id in self.opening:
-                        self.cancelled.add(message.request_id)
-                aborted = [self.producer.abort(e.entry_id, e.dest) for e in sender.entries] if sender else []
-                self._reply(call.number, aborted=any(aborted))
+                    self.opening.discard(message.request_id)
+                raise
+        elif isinstance(message, Finish):
+            with self.lock:
+                sender = self.senders.pop(message.request_id, None)
+            self._reply(call.number, tokens_put=sender.tokens_put if sender else 0)
+        else:
+            with self.lock:
+                sender = self.senders.pop(message.request_id, None)
+                opening = message.request_id in self.opening
+                if opening:  # aborted by _open once they are open
+                    self.cancelled.add(message.request_id)
+            aborted = [self.producer.abort(e.entry_id, e.dest) for e in sender.entries] if sender else []
+            self._reply(call.number, aborted=any(aborted) or opening)
 
     def _open(self, number: int, message: Open) -> None:
         """Opens the entries, waiting (bounded by insert_timeout) for room; on a thread of its own."""
@@ -183,9 +200,11 @@ class RankSender:
 class RankSenders:
     """The driver's side: each worker rank's sender, by the channel the engine opened to it."""
 
-    def __init__(self, channels: list, kv_heads: list[tuple[int, int]]):
-        """channels: rank r's at index r - 1; kv_heads: every rank's [first, end), rank 0's first."""
+    def __init__(self, channels: list, kv_heads: list[tuple[int, int]], insert_timeout: float):
+        """channels: rank r's at index r - 1; kv_heads: every rank's [first, end), rank 0's first;
+        insert_timeout: how long a worker waits for room for one entry (its producer's)."""
         self.kv_heads = kv_heads
+        self.insert_timeout = insert_timeout
         self.put = [0] * len(channels)  # bytes each worker reported, counted into the metrics
         self.sent = [0] * len(channels)
         self.calls = RankCalls(channels, self._count)
@@ -201,10 +220,12 @@ class RankSenders:
                 mine = by_rank.setdefault(entry.rank, ([], []))
                 mine[0].append(entry)
                 mine[1].append(size)
+        most = max((len(mine) for mine, _ in by_rank.values()), default=0)
         try:
             await self.calls.each({rank: Open(request_id, mine, mine_sizes, token_ids, layers, tokens,
                                               self.kv_heads[rank][0])
-                                   for rank, (mine, mine_sizes) in by_rank.items()})
+                                   for rank, (mine, mine_sizes) in by_rank.items()},
+                                  most * self.insert_timeout + QUICK_CALL_S)
         except BaseException as e:
             await asyncio.shield(self.abort(request_id, list(by_rank)))
             if isinstance(e, RankCallFailed) and e.reply.full:
@@ -213,12 +234,12 @@ class RankSenders:
 
     async def finish(self, request_id: str, ranks: list[int]) -> dict[int, int]:
         """Each of these workers' tokens of the request put into every entry of its own, by rank."""
-        replies = await self.calls.each({rank: Finish(request_id) for rank in ranks})
+        replies = await self.calls.each({rank: Finish(request_id) for rank in ranks}, QUICK_CALL_S)
         return {rank: reply.tokens_put for rank, reply in replies.items()}
 
     async def abort(self, request_id: str, ranks: list[int]) -> bool:
         """These workers abort the request's entries; True if one still held one. A rank gone holds none."""
-        replies = await asyncio.gather(*(self.calls.call(rank, Abort(request_id)) for rank in ranks),
+        replies = await asyncio.gather(*(self.calls.call(rank, Abort(request_id), QUICK_CALL_S) for rank in ranks),
                                        return_exceptions=True)
         return any(isinstance(reply, Reply) and reply.aborted for reply in replies)
 

@@ -50,7 +50,8 @@ async def run_prefill_node(engine: AsyncEngine, model_name: str, kv: KVTransferC
                                     kv.extra("buffer_ttl"), kv.extra("insert_timeout"),
                                     on_sent=metrics.kv_sent)
     # Each worker rank's own sender (rank_service, started with the engine): each rank sends its own KV heads.
-    ranks = RankSenders(engine.rank_channels, engine.kv_heads_by_rank) if engine.rank_channels else None
+    ranks = RankSenders(engine.rank_channels, engine.kv_heads_by_rank, kv.extra("insert_timeout")) \
+        if engine.rank_channels else None
     node = PrefillNode(engine, producer, node_info(engine, model_name, kv), kv.kv_buffer_device,
                        kv.extra("layerwise"), kv.layerwise_min_tokens(engine.device.type), ranks)
     if kv.extra("prefix_pull") and engine.engine.prefix_blocks is not None:
