@@ -10,11 +10,13 @@ does not answer fails the call at its timeout.
 
 import asyncio
 import itertools
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+logger = logging.getLogger(__name__)
 # The bound on a call a worker answers at once (no wait of its own for room or a peer's KV): only a worker
 # that is stuck takes longer.
 QUICK_CALL_S = 10.0
@@ -119,3 +121,21 @@ def _resolve(waiter: asyncio.Future, reply: Any) -> None:
 def _fail(waiter: asyncio.Future, error: Exception) -> None:
     if not waiter.done():
         waiter.set_exception(error)
+
+
+def answer_calls(channel, handle: Callable[[Call], None], failed: Callable[[Call, Exception], None],
+                 closed: Callable[[], None]) -> None:
+    """A worker's end of the channel, until the driver is gone (then `closed()`): each call to `handle`,
+    which replies (at once, or from a thread of its own); a call whose handling raises to `failed`, to
+    answer with why, and the next calls are still answered."""
+    while True:
+        try:
+            call: Call = channel.recv()
+        except (EOFError, OSError):  # the driver is gone; the rank's step loop ends too
+            closed()
+            return
+        try:
+            handle(call)
+        except Exception as e:
+            logger.exception("tensor-parallel rank: call %r failed", call.message)
+            failed(call, e)

@@ -28,7 +28,7 @@ from disagg.control_plane import HeadsEntry, KVRank
 from disagg.lookup_buffer import LookupBufferConsumer
 from disagg.pipes.base import PipeConfig
 from disagg.pipes.row_scatter import RowScatter
-from disagg.rank_calls import QUICK_CALL_S, Call, RankCalls, RankGone
+from disagg.rank_calls import QUICK_CALL_S, Call, RankCalls, RankGone, answer_calls
 
 logger = logging.getLogger(__name__)
 
@@ -108,17 +108,10 @@ class RankReceiver:
         self.lock = threading.Lock()  # one reply at a time on the channel
 
     def serve(self) -> None:
-        while True:
-            try:
-                call: Call = self.channel.recv()
-            except (EOFError, OSError):  # the driver is gone; the rank's step loop ends too
-                self.consumer.close()
-                return
-            try:
-                self._handle(call)
-            except Exception as e:  # the driver hears why, and the next calls are still answered
-                logger.exception("tensor-parallel KV receiver: call %r failed", call.message)
-                self._reply(Reply(call.number, self.received[0], error=f"{type(e).__name__}: {e}"))
+        answer_calls(self.channel, self._handle, self._failed, self.consumer.close)
+
+    def _failed(self, call: Call, e: Exception) -> None:
+        self._reply(Reply(call.number, self.received[0], error=f"{type(e).__name__}: {e}"))
 
     def _handle(self, call: Call) -> None:
         message = call.message

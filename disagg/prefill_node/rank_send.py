@@ -25,7 +25,7 @@ from disagg.config import KVTransferConfig
 from disagg.lookup_buffer import BufferFullError, LookupBufferProducer
 from disagg.pipes.base import PipeConfig
 from disagg.prefill_node.layer_sender import LayerSender, RankEntry
-from disagg.rank_calls import QUICK_CALL_S, Call, RankCallFailed, RankCalls
+from disagg.rank_calls import QUICK_CALL_S, Call, RankCallFailed, RankCalls, answer_calls
 
 logger = logging.getLogger(__name__)
 
@@ -131,17 +131,10 @@ class RankSender:
         self.put_bytes += nbytes
 
     def serve(self) -> None:
-        while True:
-            try:
-                call: Call = self.channel.recv()
-            except (EOFError, OSError):  # the driver is gone; the rank's step loop ends too
-                self.producer.close()
-                return
-            try:
-                self._handle(call)
-            except Exception as e:  # the driver hears why, and the next calls are still answered
-                logger.exception("tensor-parallel KV sender: call %r failed", call.message)
-                self._reply(call.number, error=f"{type(e).__name__}: {e}")
+        answer_calls(self.channel, self._handle, self._failed, self.producer.close)
+
+    def _failed(self, call: Call, e: Exception) -> None:
+        self._reply(call.number, error=f"{type(e).__name__}: {e}")
 
     def _handle(self, call: Call) -> None:
         message = call.message
