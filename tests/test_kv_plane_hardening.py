@@ -21,7 +21,7 @@ from servers import start_node, wait_all_ready
 
 from disagg import LLM, SamplingParams, cli
 from disagg.config import KVTransferConfig
-from disagg.control_plane import PrefillCall
+from disagg.control_plane import NodeInfo, PrefillCall
 from disagg.engine.loader import DEFAULT_MODEL_NAME
 from disagg.engine.sampling_params import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS_ENTRIES
 from disagg.engine.sequence import Sequence
@@ -88,7 +88,8 @@ def test_disagg_serve_check_config_refuses_an_empty_token_on_every_interface():
 
 def test_registrations_are_bounded_per_address_and_a_live_one_is_never_dropped(monkeypatch):
     # Registrations need no engine beyond the list its cost measurement subscribes to, nor a producer.
-    node = PrefillNode(engine=SimpleNamespace(stat_loggers=[]), producer=None, info=None)
+    info = NodeInfo("m", "float32", 2, 2, 16, 16, "tcp", "127.0.0.1", 14500)
+    node = PrefillNode(engine=SimpleNamespace(stat_loggers=[]), producer=None, info=info)
     decode = ("127.0.0.1", 14580)
     assert node.register(decode, "127.0.0.1")
     # A flood from one address (the decode node's own, on one host) fills that address's 16 and stops there.
