@@ -286,13 +286,16 @@ def test_nixl_receive_cut_off_while_the_peer_may_still_write_is_said_so(cut_off_
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-def test_tcp_fills_some_heads_of_each_row_and_touches_nothing_else():
-    """A tensor-parallel prefill rank's share of a decode rank's heads (RowScatter.heads): each row's
-    heads 1-2 of 4 take the message, in order; the other heads and rows keep what they held."""
-    listener = pipes.listen("tcp", PipeConfig(kv_port=0, timeout=20))
+@pytest.mark.parametrize("pipe", ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(
+    NIXL_MISSING is not None, reason=f"nixl: {NIXL_MISSING}"))])
+def test_some_heads_of_each_row_take_the_message_and_nothing_else_is_touched(pipe: str):
+    """A tensor-parallel prefill rank's share of a decode rank's heads (RowScatter.heads), through one
+    buffer: each row's heads 1-2 of 4 take the message, in order; the other heads and rows keep what
+    they held."""
+    listener = pipes.listen(pipe, PipeConfig(kv_port=0, timeout=20))
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         accepted = pool.submit(listener.accept, 30)
-        sender = pipes.connect("tcp", PipeConfig(timeout=20), *listener.address)
+        sender = pipes.connect(pipe, PipeConfig(timeout=20), *listener.address)
         receiver = accepted.result()
         try:
             cache = torch.full((2, 2, 16, 4, 8), -3.0)  # [layers, 2, rows, kv heads, head dim]

@@ -7,7 +7,7 @@ run of blocks per layer (thousands for a long prompt, made in Python beside a bu
 Transports that must write bytes where they land (a socket read, a one-sided remote write) ask
 for those views instead (`views`). With `heads`, the message holds only those heads (dim 3) of each
 row: a tensor-parallel prefill rank's share of a decode rank's heads; then the views are one a row,
-so the tcp pipe receives such a message into one buffer and fills the rows from it instead.
+so the tcp and nixl pipes receive such a message into one buffer and fill the rows from it instead.
 """
 
 import math
