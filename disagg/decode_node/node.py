@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator
 from disagg import metrics
 from disagg.control_plane import HeadsEntry, KVRank, PrefillCall, plan_entries
 from disagg.decode_node.prefill_client import PrefillClient, PrefillNodeUnavailable, PrefillPool
-from disagg.decode_node.rank_kv import RankReceivers
+from disagg.decode_node.rank_kv import RankReceivers, within_rank
 from disagg.decode_node.route import Route, RouteCosts
 from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.output import RequestOutput
@@ -191,9 +191,8 @@ class DecodeNode:
             if slot.rows is not None:
                 for entry in entries:
                     if entry.decode_rank == 0:
-                        within = None if entry.heads == heads[0] else \
-                            (entry.heads[0] - heads[0][0], entry.heads[1] - heads[0][0])
-                        self.consumer.expect(entry.entry_id, [RowScatter(slot.cache, slot.rows, within)])
+                        self.consumer.expect(entry.entry_id,
+                                             [RowScatter(slot.cache, slot.rows, within_rank(entry.heads, heads[0]))])
             if by_rank and self.ranks is not None:
                 await self.ranks.expect(entries, slot.blocks, skip, skip + len(slot.rows))
             # Leading blocks another prefill node holds and the picked one lacks: it may pull them (pull.py).

@@ -71,6 +71,13 @@ class Reply:
     peer_may_write: bool = False  # Discard: a peer may still write into the blocks
 
 
+def within_rank(heads: tuple[int, int], rank_heads: tuple[int, int]) -> tuple[int, int] | None:
+    """KV heads [first, end) of the model as the cache of a rank holding `rank_heads` counts them (a
+    RowScatter's `heads`); None: all it holds."""
+    first, end = rank_heads
+    return None if heads == (first, end) else (heads[0] - first, heads[1] - first)
+
+
 def rank_service_for(kv: KVTransferConfig) -> Callable:
     """The engine's rank_service for a decode node with these pipe settings (picklable: it goes to each
     worker's process)."""
@@ -170,7 +177,8 @@ class RankReceivers:
         """Each worker receives its entries of the request (plan_entries') into the rows of tokens
         [start, end) of these blocks, each within its heads."""
         def expect(rank: int, mine: list[HeadsEntry]) -> Expect:
-            return Expect([e.entry_id for e in mine], [self._within(rank, e.heads) for e in mine], blocks, start, end)
+            return Expect([e.entry_id for e in mine], [within_rank(e.heads, self.kv_heads[rank]) for e in mine],
+                          blocks, start, end)
         await self.calls.each({rank: expect(rank, mine) for rank, mine in self._by_rank(entries).items()},
                               QUICK_CALL_S)
 
@@ -188,11 +196,6 @@ class RankReceivers:
         replies = await asyncio.gather(*(self.calls.call(rank, Discard([e.entry_id for e in mine]), QUICK_CALL_S)
                                          for rank, mine in self._by_rank(entries).items()), return_exceptions=True)
         return any(isinstance(reply, Reply) and reply.peer_may_write for reply in replies)
-
-    def _within(self, rank: int, heads: tuple[int, int]) -> tuple[int, int] | None:
-        """Heads [first, end) of the model as the rank's cache counts them; None: all it holds."""
-        first, end = self.kv_heads[rank]
-        return None if heads == (first, end) else (heads[0] - first, heads[1] - first)
 
     @staticmethod
     def _by_rank(entries: list[HeadsEntry]) -> dict[int, list[HeadsEntry]]:
