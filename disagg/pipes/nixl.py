@@ -296,8 +296,8 @@ class NixlPipe(KVPipe):
         if out is None:
             return [target[0] for target in targets]
         for dest, target in zip(out, targets):
-            # Else written where it lands.
-            if (isinstance(dest, torch.Tensor) and target[0] is not dest) or _staged(dest):
+            staged = isinstance(dest, RowScatter) and not dest.whole_rows
+            if staged or (isinstance(dest, torch.Tensor) and target[0] is not dest):  # else written where it lands
                 fill(dest, target[0])
         return out
 
@@ -408,19 +408,13 @@ class NixlPipe(KVPipe):
         sockets.shut(self._sock)
 
 
-def _staged(dest: Destination | None) -> bool:
-    """Rows of which only some heads take the message (RowScatter.heads): a region a row would be
-    thousands of descriptors a part, so the peer writes into one buffer and the rows are filled from it."""
-    return isinstance(dest, RowScatter) and dest.heads is not None
-
-
 def _target(meta: wire.TensorMeta, dest: Destination | None) -> list[torch.Tensor]:
     """The contiguous tensors that receive one tensor's bytes, in order."""
     if isinstance(dest, list):
         return dest  # check_out made sure they are contiguous
-    if isinstance(dest, RowScatter) and not _staged(dest):
+    if isinstance(dest, RowScatter) and dest.whole_rows:
         return dest.views()
-    if isinstance(dest, RowScatter):
+    if isinstance(dest, RowScatter):  # some heads of each row: the peer writes into one buffer, then filled
         return [torch.empty(meta.shape, dtype=meta.dtype, device=dest.tensor.device)]
     if dest is not None and dest.is_contiguous():
         return [dest]

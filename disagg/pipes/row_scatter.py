@@ -6,8 +6,9 @@ indexed copy a message, whatever the number of blocks, where a list of views cos
 run of blocks per layer (thousands for a long prompt, made in Python beside a busy engine).
 Transports that must write bytes where they land (a socket read, a one-sided remote write) ask
 for those views instead (`views`). With `heads`, the message holds only those heads (dim 3) of each
-row: a tensor-parallel prefill rank's share of a decode rank's heads; then the views are one a row,
-so the tcp and nixl pipes receive such a message into one buffer and fill the rows from it instead.
+row: a tensor-parallel prefill rank's share of a decode rank's heads. Its bytes are then no runs of
+the tensor's (a view would be a row: thousands a part), so every transport receives such a message
+into one buffer and `fill`s the rows from it (`whole_rows` says which).
 """
 
 import math
@@ -42,6 +43,11 @@ class RowScatter:
         """Where [first:end, :, start:stop] of the message tensor goes."""
         return RowScatter(self.tensor[first:end], self.rows[start:stop], self.heads)
 
+    @property
+    def whole_rows(self) -> bool:
+        """The message fills whole rows, so `views` can take its bytes where they land."""
+        return self.heads is None
+
     def fill(self, received: torch.Tensor, non_blocking: bool = False) -> None:
         """Scatter a received message tensor into its rows, on the current stream."""
         rows = self.rows.to(self.tensor.device, non_blocking=True)
@@ -51,15 +57,12 @@ class RowScatter:
 
     def views(self) -> list[torch.Tensor]:
         """Flat views of the rows, in the message tensor's byte order (per [a, b] index, its rows in
-        order; consecutive rows merged into one view unless only some heads of each are filled)."""
+        order; consecutive rows merged into one view). Whole rows only (`whole_rows`)."""
+        if not self.whole_rows:
+            raise ValueError("a message of some heads of each row is received into a buffer and filled, not viewed")
         a, b, *_ = self.tensor.shape
         width = math.prod(self.tensor.shape[3:])  # elements of one row
         flat = self.tensor.view(a, b, -1)
-        if self.heads is not None:  # a view per row: its heads' elements are a stretch of it
-            per_head = math.prod(self.tensor.shape[4:])
-            lo, hi = self.heads[0] * per_head, self.heads[1] * per_head
-            rows = self.rows.tolist()
-            return [flat[i, j, row * width + lo:row * width + hi] for i in range(a) for j in range(b) for row in rows]
         runs: list[list[int]] = []  # [first row, rows] of each stretch of consecutive rows
         for row in self.rows.tolist():
             if runs and runs[-1][0] + runs[-1][1] == row:

@@ -75,13 +75,11 @@ class TcpPipe(KVPipe):
         with socket_errors("receiving tensor data", self._config.timeout):
             for i, meta in enumerate(metas):
                 dest = out[i] if out is not None else None
-                if isinstance(dest, RowScatter) and dest.heads is not None:
-                    # Some heads of each row: a view a row (thousands a part) would cost more in Python
-                    # than the copy through one buffer.
-                    dest.fill(self._recv_tensor(meta, None))
+                if isinstance(dest, list) or (isinstance(dest, RowScatter) and dest.whole_rows):
+                    self._recv_views(dest if isinstance(dest, list) else dest.views())  # bytes where they land
                     received.append(dest)
-                elif isinstance(dest, list | RowScatter):  # bytes straight where they land
-                    self._recv_views(dest if isinstance(dest, list) else dest.views())
+                elif isinstance(dest, RowScatter):  # some heads of each row: through one buffer
+                    dest.fill(self._recv_tensor(meta, None))
                     received.append(dest)
                 else:
                     received.append(self._recv_tensor(meta, dest))
