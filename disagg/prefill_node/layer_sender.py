@@ -23,6 +23,11 @@ class RankEntry:
     rank: int = 0
 
 
+def worker_ranks(entries: list[RankEntry]) -> list[int]:
+    """The worker ranks (1 on) that send some of these entries, in order."""
+    return sorted({entry.rank for entry in entries if entry.rank > 0})
+
+
 class LayerSender:
     """A KVExport's put for one request on one rank: each layer group's KV into the producer's open
     entries, copied to pinned host memory on a stream of its own unless the buffer is on the GPU. Runs
@@ -45,7 +50,7 @@ class LayerSender:
         ready = None
         if kv.is_cuda:
             ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(kv.device))  # after the gather of these layers
+            ready.record(torch.cuda.current_stream(kv.device))  # after these layers' KV (gathered or a rank's own)
         sent = True
         for entry in self.entries:
             part, part_ready = kv, ready

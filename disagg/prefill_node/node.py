@@ -24,7 +24,7 @@ from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.sequence import KVExport
 from disagg.engine.step_cost import StepCost
 from disagg.lookup_buffer import LookupBufferProducer, token_digest
-from disagg.prefill_node.layer_sender import LayerSender, RankEntry
+from disagg.prefill_node.layer_sender import LayerSender, RankEntry, worker_ranks
 from disagg.prefill_node.pull import PrefixPuller
 from disagg.prefill_node.rank_send import RankSenders
 
@@ -154,7 +154,7 @@ class PrefillNode:
         entries, opened = self.rank_entries_of(call), []
         sizes = [num_layers * per_head * (end - first) * tokens
                  for first, end in (entry.heads or (0, self.info.num_kv_heads) for entry in entries)]
-        workers = sorted({entry.rank for entry in entries if entry.rank > 0})
+        workers = worker_ranks(entries)
         try:
             for entry, size in zip(entries, sizes):
                 if entry.rank == 0:
@@ -276,7 +276,7 @@ class PrefillNode:
             return in_engine
         self.rank_entries.pop(request_id, None)
         in_buffer = [self.producer.abort(entry.entry_id, entry.dest) for entry in entries if entry.rank == 0]
-        workers = sorted({entry.rank for entry in entries if entry.rank > 0})
+        workers = worker_ranks(entries)
         in_workers = bool(workers) and await self.ranks.abort(request_id, workers)
         return in_engine or any(in_buffer) or in_workers
 
