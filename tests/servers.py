@@ -133,9 +133,11 @@ def metric_sum(samples: list[Sample], name: str, **labels: str) -> float:
 
 def start_node(role: str, tmp_dir: Path, *, model: str | None = None, connector: str = "tcp",
                prefill_nodes: list[str] | None = None, kv_extra: dict | None = None,
-               extra_args: list[str] = (), wait: bool = True, max_open_files: int | None = None) -> Node:
+               extra_args: list[str] = (), wait: bool = True, max_open_files: int | None = None,
+               kv_config: dict | None = None, env: dict | None = None) -> Node:
     """Start `disagg serve` for role producer, consumer or both, and wait until /health answers.
-    max_open_files: the process's RLIMIT_NOFILE (soft and hard), to run it out of descriptors."""
+    max_open_files: the process's RLIMIT_NOFILE (soft and hard), to run it out of descriptors;
+    kv_config: more --kv-transfer-config fields (kv_buffer_device); env: more environment (the GPUs it sees)."""
     port = free_port()
     args = [sys.executable, "-m", "disagg.cli", "serve"] + ([model] if model else [])
     args += ["--kv-role", role, "--port", str(port), "--device", "cpu", "--log-level", "INFO"]
@@ -143,7 +145,7 @@ def start_node(role: str, tmp_dir: Path, *, model: str | None = None, connector:
     if role != "both":
         kv_port = free_port()
         config = {"kv_connector": connector, "kv_ip": "127.0.0.1", "kv_port": kv_port,
-                  "kv_connector_extra_config": kv_extra or {}}
+                  "kv_connector_extra_config": kv_extra or {}, **(kv_config or {})}
         args += ["--kv-transfer-config", json.dumps(config)]
     if role == "producer":
         grpc_port = free_port()
@@ -155,7 +157,7 @@ def start_node(role: str, tmp_dir: Path, *, model: str | None = None, connector:
         args += ["--kv-cache-memory", str(KV_CACHE_BYTES)]
     log_path = tmp_dir / f"{role}-{port}.log"
     # One thread each: the suite shares two cores between several node processes.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     def limit_open_files() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (max_open_files, max_open_files))
 

@@ -8,6 +8,7 @@ with its tokenizer, from DISAGG_TEST_TOKENIZER_DIR.
 import os
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -205,3 +206,69 @@ def test_tensor_parallel_2_greedy_equals_transformers(gpu_model_dir, prompts, re
         assert [o.token_ids for o in again] == reference[6:]
     finally:
         llm.engine.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs two GPUs")
+def test_handoff_between_nodes_of_different_tp_sizes_on_two_gpus(tmp_path, gpu_model_dir, prompts, reference):
+    """Prefill TP=2 (GPUs 0 and 1) -> decode TP=1 (GPU 1), then prefill TP=1 (GPU 0) -> decode TP=2,
+    KV from GPU memory: each prefill rank sends its own heads (no gather), each decode rank receives
+    its own heads on its own endpoint, and the answers are transformers' float32 tokens. On two GPUs
+    some prefill rank shares its GPU with some decode rank: NCCL (torch_dist) refuses such a pair, with
+    a reason that names the way out, and nixl carries it."""
+    from servers import start_node, wait_all_ready
+
+    chosen = [2, 6, 8, 9]  # 15, 64, 700 and 1000 tokens
+    body = {"prompt": [prompts[i] for i in chosen], "max_tokens": MAX_TOKENS, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True}
+    kv_extra = {"prefill_policy": "fail", "remote_prefill": "always"}
+    args = ["--device", "cuda", "--dtype", "float32", "--kv-cache-memory", str(2**30), "--max-model-len", "2048"]
+    tp2 = ["--tensor-parallel-size", "2"]
+    nodes = []
+
+    def pair(connector: str, prefill_tp: int, decode_tp: int):
+        gpus = {1: "0", 2: "0,1"}
+        common = dict(model=str(gpu_model_dir), connector=connector, kv_config={"kv_buffer_device": "cuda"},
+                      wait=False)
+        prefill = start_node("producer", tmp_path, extra_args=args + (tp2 if prefill_tp == 2 else []),
+                             env={"CUDA_VISIBLE_DEVICES": gpus[prefill_tp]}, **common)
+        decode = start_node("consumer", tmp_path, prefill_nodes=[prefill.grpc_address], kv_extra=kv_extra,
+                            extra_args=args + (tp2 if decode_tp == 2 else []),
+                            env={"CUDA_VISIBLE_DEVICES": "1" if decode_tp == 1 else "0,1"}, **common)
+        nodes.extend([prefill, decode])
+        wait_all_ready(prefill, decode)
+        return prefill, decode
+
+    def complete(decode) -> httpx.Response:
+        body["model"] = httpx.get(f"{decode.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        return httpx.post(f"{decode.url}/v1/completions", json=body, timeout=120)
+
+    def answers(decode) -> list[list[int]]:
+        response = complete(decode)
+        assert response.status_code == 200, response.text
+        return [c["token_ids"] for c in sorted(response.json()["choices"], key=lambda c: c["index"])]
+
+    try:
+        prefill, decode = pair("torch_dist", 2, 1)
+        response = complete(decode)
+        assert response.status_code == 503 and "same GPU" in response.text, response.text
+        assert "nixl or tcp" in response.text
+        for node in nodes:
+            node.kill()
+
+        prefill, decode = pair("nixl", 2, 1)
+        assert answers(decode) == [reference[i] for i in chosen]
+        assert decode.labelled("disagg_prefill_route_total", "route").get("remote") == len(chosen)
+        sent = prefill.labelled("disagg_kv_rank_sent_bytes_total", "rank")
+        assert sent["1"] == 2 * sent["0"] > 0, sent  # rank 0 holds 1 of the 3 KV heads, rank 1 the other 2
+        received = decode.labelled("disagg_kv_transfer_bytes_total", "direction")["received"]
+        assert received >= sent["0"] + sent["1"], (sent, received)
+        prefill.kill()
+        decode.kill()
+
+        prefill, decode = pair("nixl", 1, 2)
+        assert answers(decode) == [reference[i] for i in chosen]
+        by_rank = decode.labelled("disagg_kv_rank_received_bytes_total", "rank")
+        assert 0.33 < by_rank["0"] / (by_rank["0"] + by_rank["1"]) < 0.34, by_rank
+    finally:
+        for node in nodes:
+            node.kill()

@@ -338,6 +338,10 @@ class TorchDistPipe(KVPipe):
                 for work in works:
                     work.wait()
         except RuntimeError as e:
+            if "Duplicate GPU" in str(e):  # NCCL pairs no two processes on one GPU; its own words name no way out
+                raise PipeError("torch_dist cannot carry KV between two processes on the same GPU (NCCL refuses "
+                                "such a pair): use the nixl or tcp connector where a prefill and a decode "
+                                "process share a GPU") from None
             if "timeout" in str(e).lower() or "timed out" in str(e).lower():
                 raise PipeTimeout(f"torch.distributed {op} made no progress for {self._config.timeout}s: {e}") from None
             raise PipeClosed(f"torch.distributed {op} failed, the peer is gone: {e}") from None
