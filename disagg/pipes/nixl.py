@@ -9,12 +9,17 @@ the control socket right after the handshake. A message:
                 regions (address, bytes, device) per tensor. A destination inside memory the
                 receiver registered once (`register`: a KV cache; a RowScatter's runs of rows, a view)
                 needs no blob: that memory's metadata went with the first message after it was
-                registered, once. Any other destination (new tensors, other `out` memory) is
-                registered for this message alone and its partial metadata is this message's blob.
+                registered, once. Any other destination (new tensors, other `out` memory, some heads
+                of each row) gets a place in the pipe's staging memory, which is registered once
+                too: a buffer per device and power-of-two size, kept for the connection's life (at
+                most about twice its largest message), its metadata with the first message that uses it.
     sender   -> one NIXL WRITE per tensor from its registered tensor into those regions, each
                 with the notification "<message number>:<tensor>"
-    receiver -> waits for all of the message's notifications, then deregisters the memory it
-                registered for this message (never the memory registered once).
+    receiver -> waits for all of the message's notifications, then copies what landed in staging to
+                its destinations.
+Nothing the receiver hands out is ever registered for one message and freed: the allocator would
+hand the same addresses out again, and the peer's agent, which still holds them under the old keys,
+refuses to load them anew (NIXL_ERR_NOT_ALLOWED).
 
 A peer writes only into regions the receiver handed out for the message being received, and a
 message is received only once notifications naming it have come for each of its tensors. Memory
@@ -71,9 +76,8 @@ log = logging.getLogger(__name__)
 METADATA_LEN = struct.Struct("!I")
 MAX_METADATA_BYTES = 1 << 20  # an agent's metadata is a few KiB
 BLOBS = struct.Struct("!I")  # metadata blobs that answer a header: as long as wire.MAGIC, to tell a goodbye
-# A blob per memory registered once since the last message, and one per device of the message's own.
-MAX_BLOBS = 64
-MESSAGE_BLOBS = 4  # room kept for a message's own: its destinations lie on at most this many devices
+MAX_BLOBS = 64  # a blob per memory registered once since the last message (staging included)
+STAGING_ALIGN = 256  # bytes: each view's place in staging starts at a multiple of this
 TENSOR_REGIONS = struct.Struct("!IB")  # regions of one tensor, is VRAM
 REGION = struct.Struct("!QQQ")  # address, bytes, device id
 MAX_REGIONS = 1 << 20  # per tensor: a KV cache's views are layers x 2 x runs of blocks
@@ -120,6 +124,8 @@ class NixlPipe(KVPipe):
         self._cut_off = False  # a send ended mid-message: no goodbye may follow its header
         # Memory registered once; added and dropped under _writes_done, never while a receive uses it.
         self._registered: list[_Registration] = []
+        # (device, bytes) -> staging memory (registered once) for what lands outside the above (_staged)
+        self._staging: dict[tuple[torch.device, int], torch.Tensor] = {}
 
     def register(self, tensor: torch.Tensor) -> None:
         """Receive into `tensor` (a KV cache), or send from it, from now on with no registration and
@@ -131,21 +137,24 @@ class NixlPipe(KVPipe):
             return
         with self._recv_lock:
             self._check_usable()
-            with self._writes_done:
-                if any(reg.holds(tensor) for reg in self._registered):
-                    return
-                if sum(not reg.announced for reg in self._registered) >= MAX_BLOBS - MESSAGE_BLOBS:
-                    raise ValueError(f"at most {MAX_BLOBS - MESSAGE_BLOBS} tensors may be registered between two "
-                                     "messages")
-            descs = self._agent.register_memory(tensor)
-            start = tensor.data_ptr()
-            registration = _Registration(tensor, descs, tensor.get_device(), start, start + tensor.nbytes)
-            with self._writes_done:
-                if not self._closed:
-                    self._registered.append(registration)
-                    return
-            self._agent.deregister_memory(descs)
-            raise PipeClosed("the pipe was closed locally")
+            self._register_once(tensor)
+
+    def _register_once(self, tensor: torch.Tensor) -> None:
+        """Under the receive lock."""
+        with self._writes_done:
+            if any(reg.holds(tensor) for reg in self._registered):
+                return
+            if sum(not reg.announced for reg in self._registered) >= MAX_BLOBS:
+                raise ValueError(f"at most {MAX_BLOBS} tensors may be registered between two messages")
+        descs = self._agent.register_memory(tensor)
+        start = tensor.data_ptr()
+        registration = _Registration(tensor, descs, tensor.get_device(), start, start + tensor.nbytes)
+        with self._writes_done:
+            if not self._closed:
+                self._registered.append(registration)
+                return
+        self._agent.deregister_memory(descs)
+        raise PipeClosed("the pipe was closed locally")
 
     def _send(self, header: bytes, tensors: list[torch.Tensor] | None) -> None:
         self._send_control(header)
@@ -197,13 +206,11 @@ class NixlPipe(KVPipe):
                 self._agent.deregister_memory(descs)
 
     def _register_per_device(self, tensors: list[torch.Tensor]) -> list:
-        """Register tensors for one message: a descriptor list per device, as NIXL registers a list of
-        tensors only if they share one (a message may carry CPU and GPU tensors, or two GPUs')."""
+        """Register the sources of one message (local memory: the peer loads no metadata of it): a
+        descriptor list per device, as NIXL registers a list of tensors only if they share one."""
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for tensor in tensors:
             by_device.setdefault(tensor.device, []).append(tensor)
-        if len(by_device) > MESSAGE_BLOBS:
-            raise ValueError(f"a message's tensors lie on {len(by_device)} devices; at most {MESSAGE_BLOBS}")
         registered = []
         try:
             for group in by_device.values():
@@ -292,7 +299,9 @@ class NixlPipe(KVPipe):
         written = [[v for v in target if v.numel()] for target in targets]
         written = [views for views in written if views]  # the tensors the sender writes, in order
         if written:
-            self._receive_writes(number, written, into_callers=out is not None)
+            landed = self._receive_writes(number, written, into_callers=out is not None)
+            for view, staged in landed:
+                view.copy_(staged)
         if out is None:
             return [target[0] for target in targets]
         for dest, target in zip(out, targets):
@@ -301,18 +310,21 @@ class NixlPipe(KVPipe):
                 fill(dest, target[0])
         return out
 
-    def _receive_writes(self, number: int, written: list[list[torch.Tensor]], into_callers: bool) -> None:
-        """Hand the peer the regions message `number` goes to (registering those outside memory
-        registered once, for this message) and wait for every write's notification."""
+    def _receive_writes(self, number: int, written: list[list[torch.Tensor]],
+                        into_callers: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Hand the peer the regions message `number` goes to and wait for every write's notification.
+        Views outside memory registered once land in this pipe's staging memory instead: returns
+        (view, where it landed) for each, to be copied once the message is in."""
         expected = {f"{number}:{i}".encode() for i in range(len(written))}
-        regions = b"".join(_regions(views) for views in written)
-        with self._writes_in_flight():  # close() waits for it: the registrations below stay ours
-            own = [v for views in written for v in views if not any(reg.holds(v) for reg in self._registered)]
-            registered = self._register_per_device(own)
+        with self._writes_in_flight():  # close() waits for it
+            with self._writes_done:
+                own = [v for views in written for v in views if not any(reg.holds(v) for reg in self._registered)]
+            landed = self._staged(own)
+            staged = {id(view): where for view, where in landed}
+            regions = b"".join(_regions([staged.get(id(v), v) for v in views]) for views in written)
             try:
                 new = [reg for reg in self._registered if not reg.announced]
-                blobs = [self._agent.get_partial_agent_metadata(descs, False)
-                         for descs in [reg.descs for reg in new] + registered]
+                blobs = [self._agent.get_partial_agent_metadata(reg.descs, False) for reg in new]
                 answer = [BLOBS.pack(len(blobs)), *(METADATA_LEN.pack(len(blob)) + blob for blob in blobs), regions]
                 self._send_control(b"".join(answer))
                 for reg in new:
@@ -320,21 +332,43 @@ class NixlPipe(KVPipe):
                 self._await_notifs(expected)
             except BaseException as e:
                 if self._drain_notifs(expected):
-                    for descs in registered:
-                        self._agent.deregister_memory(descs)
                     raise
-                # Never deregistered, never freed: ours, and the memory registered once.
-                _quarantined.append((registered, own, self._registered))
+                # Never deregistered, never freed: the memory registered once, staging included.
+                _quarantined.append(self._registered)
                 with self._writes_done:
-                    self._registered = []
+                    self._registered, self._staging = [], {}
                 nbytes = sum(v.nbytes for views in written for v in views)
-                if into_callers:
+                if into_callers and len(own) < sum(map(len, written)):
                     raise PeerMayWrite(f"{e}; the peer may still write into the {nbytes} bytes of the receive's "
                                        "destinations: they must not be reused") from None
                 log.warning("a cut-off NIXL receive keeps %d bytes aside: the peer may still write there", nbytes)
                 raise
-            for descs in registered:
-                self._agent.deregister_memory(descs)
+        return landed
+
+    def _staged(self, views: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A place in staging memory for each view, (view, place). Staging is registered once, a buffer
+        per device and power-of-two size, kept for the connection's life: memory registered per message
+        and freed after would come back at the same addresses, which the peer's agent already holds
+        under the old registration's keys, and NIXL refuses such a load (NIXL_ERR_NOT_ALLOWED)."""
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for view in views:
+            by_device.setdefault(view.device, []).append(view)
+        landed = []
+        for device, group in by_device.items():
+            offsets, total = [], 0
+            for view in group:
+                offsets.append(total)
+                total += -(-view.nbytes // STAGING_ALIGN) * STAGING_ALIGN
+            size = 1 << (total - 1).bit_length()
+            buffer = self._staging.get((device, size))
+            if buffer is None:
+                buffer = torch.empty(size, dtype=torch.uint8, device=device)
+                self._register_once(buffer)
+                self._staging[(device, size)] = buffer
+            for view, offset in zip(group, offsets):
+                place = buffer[offset:offset + view.nbytes].view(view.dtype).view(view.shape)
+                landed.append((view, place))
+        return landed
 
     def _await_notifs(self, expected: set[bytes]) -> None:
         deadline, pause = time.monotonic() + self._config.timeout, FIRST_POLL_S
