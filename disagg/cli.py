@@ -63,6 +63,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="shard the model over N ranks (Megatron-style): this process and N-1 worker processes "
                              "it spawns, on GPUs DEVICE..DEVICE+N-1 (NCCL), or all on the CPU (gloo); prefill "
                              "and decode nodes may differ in it")
+    parser.add_argument("--disable-custom-all-reduce", action="store_true",
+                        help="tensor parallelism on CUDA: every all-reduce through NCCL (by default those of up to "
+                             "1 MiB, a decode step's, are one-shot over symmetric memory)")
     parser.add_argument("--attention-backend", choices=["sdpa", "triton"], default=None,
                         help="default: triton on CUDA, sdpa on the CPU")
     parser.add_argument("--kv-offloading-size", type=float, default=0.0,
@@ -115,7 +118,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
                 enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
                 tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
-                async_scheduling=args.async_scheduling, attention_backend=args.attention_backend,
+                disable_custom_all_reduce=args.disable_custom_all_reduce, async_scheduling=args.async_scheduling,
+                attention_backend=args.attention_backend,
                 kv_offloading_size=args.kv_offloading_size, kv_offloading_backend=args.kv_offloading_backend,
                 kv_offloading_mode=args.kv_offloading_mode, kv_disk_path=args.kv_disk_path,
                 kv_disk_size=args.kv_disk_size, tokenizer=args.tokenizer, chat_template=args.chat_template)

@@ -27,7 +27,8 @@ VLLM_FLAGS = (
     "--enforce-eager", "--async-scheduling", "--max-seq-len-to-capture", "--kv-offloading-size",
     "--kv-offloading-backend",
     # parallelism
-    "--tensor-parallel-size", "--pipeline-parallel-size", "--data-parallel-size", "--distributed-executor-backend",
+    "--tensor-parallel-size", "--disable-custom-all-reduce", "--pipeline-parallel-size", "--data-parallel-size",
+    "--distributed-executor-backend",
     # disaggregation
     "--kv-transfer-config", "--kv-connector", "--kv-connector-extra-config",
     # the server

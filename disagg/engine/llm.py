@@ -21,7 +21,8 @@ class LLM:
                  attention_backend: str | None = None, kv_offloading_size: float = 0.0,
                  kv_offloading_backend: str | None = "native", kv_offloading_mode: str = "eager",
                  kv_disk_path: str | None = None, kv_disk_size: float | None = None,
-                 tokenizer: str | None = None, chat_template: str | None = None, async_scheduling: bool = False):
+                 tokenizer: str | None = None, chat_template: str | None = None, async_scheduling: bool = False,
+                 disable_custom_all_reduce: bool = False):
         self.engine = LLMEngine(EngineConfig(
             model=model, device=device, dtype=dtype, block_size=block_size, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -30,7 +31,8 @@ class LLM:
             enforce_eager=enforce_eager, attention_backend=attention_backend,
             kv_offloading_size=kv_offloading_size, kv_offloading_backend=kv_offloading_backend,
             kv_offloading_mode=kv_offloading_mode, kv_disk_path=kv_disk_path, kv_disk_size=kv_disk_size,
-            tokenizer=tokenizer, chat_template=chat_template, async_scheduling=async_scheduling))
+            tokenizer=tokenizer, chat_template=chat_template, async_scheduling=async_scheduling,
+            disable_custom_all_reduce=disable_custom_all_reduce))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

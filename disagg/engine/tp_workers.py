@@ -131,7 +131,7 @@ class TPWorkers:
             pipes.append(send)
         workers = cls(processes, pipes)
         workers.channels = channels
-        workers.tp = TPGroup.join(0, size, device, store=store)
+        workers.tp = TPGroup.join(0, size, device, store=store, one_shot=not config.disable_custom_all_reduce)
         logger.info("tensor parallelism %d: rank 0 here (pid %d) on %s, ranks %s", size, os.getpid(),
                     device, ", ".join(f"{r} (pid {p.pid}) on {rank_device(device, r)}"
                                       for r, p in enumerate(processes, 1)))
@@ -176,6 +176,8 @@ class TPWorkers:
             if process.is_alive():
                 process.kill()
                 process.join()
+        if self.tp is not None:
+            self.tp.close()
 
     def _watch(self) -> None:
         sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self.processes, 1)}
@@ -206,7 +208,8 @@ def worker_main(config: EngineConfig, model_dir: Path, dtype: torch.dtype, devic
     device = rank_device(device, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    tp = TPGroup.join(rank, config.tensor_parallel_size, device, port=port)
+    tp = TPGroup.join(rank, config.tensor_parallel_size, device, port=port,
+                      one_shot=not config.disable_custom_all_reduce)
     runner = build_rank_runner(config, model_dir, load_config(model_dir), device, dtype, tp)
     export_put = None  # what gets this rank's KV heads of an export with own_heads, by request id
     if channel is not None:
