@@ -8,7 +8,9 @@ export PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCC
 out=${OUT:-/tmp/out}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 
-gpu_tests() {  # the 2-GPU engine and pipe tests, first in any call that measures
-    python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py tests/test_pipes.py -k gpu 2>&1 \
-        | tee "$out/tests.log" | tail -5
+gpu_tests() {  # the 2-GPU engine and pipe tests, first in any call that measures; nixl's in a process of their own
+    python3 -m pytest -q -p no:cacheprovider --durations=8 tests/test_gpu_engine.py tests/test_pipes.py -k gpu 2>&1 \
+        | tee "$out/tests.log" | tail -14
+    DISAGG_TEST_NIXL=1 python3 -m pytest -q -p no:cacheprovider tests/test_pipes.py -k "gpu and nixl" 2>&1 \
+        | tee "$out/tests_nixl.log" | tail -5
 }

@@ -25,6 +25,7 @@ the KV buffer on the GPU. Each phase fits one 10-minute call of the GPU machine.
 """
 
 import argparse
+import dataclasses
 import json
 import signal
 import subprocess
@@ -76,10 +77,14 @@ def specs(args: argparse.Namespace) -> tuple[NodeSpec, NodeSpec]:
 def ttft_phase(args: argparse.Namespace, model: Path) -> dict:
     gpu0, gpu1 = specs(args)
     lens = [int(n) for n in args.lens.split(",")]
+    prefill, prefill_extra = gpu0, []
+    if args.prefill_tp > 1:  # the prefill node on both GPUs; each rank sends its own KV heads
+        prefill = dataclasses.replace(gpu0, env={"CUDA_VISIBLE_DEVICES": "0,1"})
+        prefill_extra = ["--tensor-parallel-size", str(args.prefill_tp)]
     out = {}
     for mode in args.kv_modes.split(","):
         log_dir = Path(args.work) / f"logs-ttft-{mode}"
-        with systems(log_dir, gpu0, gpu0, gpu1, **node_kwargs(args, model, mode)) as sys_by_name:
+        with systems(log_dir, gpu0, prefill, gpu1, prefill_extra, **node_kwargs(args, model, mode)) as sys_by_name:
             measure(sys_by_name, [64, 512], 1, args.vocab, seed=999)  # warm-up: kernels for both paths
             rows = measure(sys_by_name, lens, args.repeats, args.vocab)
             save_metrics(sys_by_name, log_dir)
@@ -93,6 +98,8 @@ def ttft_phase(args: argparse.Namespace, model: Path) -> dict:
         print(f"[{mode}] " + "; ".join(f"{n}: ratio {r['ttft_ratio']:.3f}, exposed {r['exposed_ms']:+.1f} ms"
                                        for n, r in out[mode].items()), flush=True)
     first = next(iter(out.values()))
+    if args.prefill_tp > 1:
+        return {f"ttft_prefill_tp{args.prefill_tp}": out}
     return {"ttft": out, "ttft_ratio": {str(n): r["ttft_ratio"] for n, r in first.items()},
             "exposed_handoff_ms_8k": {mode: rows[8192]["exposed_ms"] for mode, rows in out.items() if 8192 in rows},
             "ttft_fixed_ms_512": first[512]["timeline_ms"]["colocated_fixed"] if 512 in first else None}
@@ -403,6 +410,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--kv-modes", default="whole,layerwise", help="whole and/or layerwise, comma-separated")
     ap.add_argument("--gpus", type=int, default=2, choices=[1, 2])
+    ap.add_argument("--prefill-tp", type=int, default=1, choices=[1, 2],
+                    help="ttft: the 1P1D prefill node's TP (2: on both GPUs, beside the decode node, so the KV "
+                         "pipe must be nixl or tcp: NCCL pairs no two processes on one GPU)")
     ap.add_argument("--kv-buffer-device", default="cuda", help="cpu with --gpus 1 --connector tcp")
     ap.add_argument("--workloads", default="4k,chat", help=f"of {', '.join(WORKLOADS)}")
     ap.add_argument("--rates-4k", default="2,3,4,5,6")
