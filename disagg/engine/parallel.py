@@ -10,7 +10,9 @@ On CUDA, an all-reduce of up to ONE_SHOT_MAX_BYTES (a decode step's hidden state
 symmetric-memory one-shot all-reduce: each rank copies its part into a buffer every rank can read
 over NVLink and sums all of them itself, in one kernel; measured in CUDA graphs on two H200s
 (benchmarks/allreduce_h200x2.py), 7.5-9.5 µs against NCCL's 21-25 µs from 8 to 256 KiB. Larger ones,
-and GPUs where symmetric memory cannot be set up, go through NCCL.
+and GPUs where symmetric memory cannot be set up, go through NCCL. Unlike NCCL's, a one-shot kernel
+waiting for a dead rank is not ended by an abort: a serving node exits on its watchdog's word
+(AsyncEngine), but an offline LLM's step in flight then never ends.
 """
 
 import datetime
@@ -79,8 +81,9 @@ class TPGroup:
         """The sum over ranks, in place (row-parallel products' partial sums)."""
         if self.size == 1:
             return x
-        if self.one_shot is not None and x.nbytes <= ONE_SHOT_MAX_BYTES and x.is_contiguous():
-            buffer, name = self.one_shot
+        one_shot = self.one_shot  # read once: close() may drop it from another thread
+        if one_shot is not None and x.nbytes <= ONE_SHOT_MAX_BYTES and x.is_contiguous():
+            buffer, name = one_shot
             part = buffer[:x.nbytes].view(x.dtype)
             part.copy_(x.view(-1))
             torch.ops.symm_mem.one_shot_all_reduce_out(part, "sum", name, x.view(-1))

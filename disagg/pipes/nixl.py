@@ -77,6 +77,7 @@ METADATA_LEN = struct.Struct("!I")
 MAX_METADATA_BYTES = 1 << 20  # an agent's metadata is a few KiB
 BLOBS = struct.Struct("!I")  # metadata blobs that answer a header: as long as wire.MAGIC, to tell a goodbye
 MAX_BLOBS = 64  # a blob per memory registered once since the last message (staging included)
+STAGING_BLOBS = 4  # of those, kept for a message's staging: its destinations lie on at most this many devices
 STAGING_ALIGN = 256  # bytes: each view's place in staging starts at a multiple of this
 TENSOR_REGIONS = struct.Struct("!IB")  # regions of one tensor, is VRAM
 REGION = struct.Struct("!QQQ")  # address, bytes, device id
@@ -137,15 +138,15 @@ class NixlPipe(KVPipe):
             return
         with self._recv_lock:
             self._check_usable()
-            self._register_once(tensor)
+            self._register_once(tensor, MAX_BLOBS - STAGING_BLOBS)
 
-    def _register_once(self, tensor: torch.Tensor) -> None:
-        """Under the receive lock."""
+    def _register_once(self, tensor: torch.Tensor, most: int = MAX_BLOBS) -> None:
+        """Under the receive lock; `most`: registrations not yet announced to the peer, this one included."""
         with self._writes_done:
             if any(reg.holds(tensor) for reg in self._registered):
                 return
-            if sum(not reg.announced for reg in self._registered) >= MAX_BLOBS:
-                raise ValueError(f"at most {MAX_BLOBS} tensors may be registered between two messages")
+            if sum(not reg.announced for reg in self._registered) >= most:
+                raise ValueError(f"at most {most} tensors may be registered between two messages")
         descs = self._agent.register_memory(tensor)
         start = tensor.data_ptr()
         registration = _Registration(tensor, descs, tensor.get_device(), start, start + tensor.nbytes)
@@ -299,9 +300,7 @@ class NixlPipe(KVPipe):
         written = [[v for v in target if v.numel()] for target in targets]
         written = [views for views in written if views]  # the tensors the sender writes, in order
         if written:
-            landed = self._receive_writes(number, written, into_callers=out is not None)
-            for view, staged in landed:
-                view.copy_(staged)
+            _copy_out(self._receive_writes(number, written, into_callers=out is not None))
         if out is None:
             return [target[0] for target in targets]
         for dest, target in zip(out, targets):
@@ -440,6 +439,18 @@ class NixlPipe(KVPipe):
         # Under the send lock, so that a send cut off meanwhile is seen: no goodbye after its header.
         self._say_goodbye(lambda: None if self._cut_off else sockets.send_close(self._sock))
         sockets.shut(self._sock)
+
+
+def _copy_out(landed: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each view's bytes out of staging; done when it returns (as tcp's receive), since the next
+    message may land in the same staging memory."""
+    for view, staged in landed:
+        view.copy_(staged)
+    for device in {view.device for view, _ in landed if view.is_cuda}:
+        with torch.cuda.device(device):  # the copies went on this device's current stream
+            done = torch.cuda.Event()
+            done.record()
+            done.synchronize()
 
 
 def _target(meta: wire.TensorMeta, dest: Destination | None) -> list[torch.Tensor]:
