@@ -12,7 +12,7 @@ import pytest
 
 from disagg.plan import load_workload
 from disagg.plan.profile import DecodeSample, Link, PrefillSample, Profile, Serving
-from disagg.plan.simulate import Layout, Node, Planner, Request, Settings, pick_prefill
+from disagg.plan.simulate import Layout, Node, Planner, Request, Settings, StepTimes, pick_prefill
 
 
 def synthetic_profile(link_gbps: float) -> Profile:
@@ -59,6 +59,13 @@ def test_what_serving_adds_counts_against_the_slo():
     assert Planner(profile, [(1024, 16)], settings).goodput(Layout(0, 1)) == 0.0
     profile.serving = Serving(step_extra_s=0.015)  # a decode step of 25 ms: the TPOT SLO is never met
     assert Planner(profile, [(1024, 16)], settings).goodput(Layout(0, 1)) == 0.0
+    # What each further decoding sequence adds (its streamed token): nothing for a request alone, so
+    # requests one at a time still meet the SLO, but fewer fit within it together.
+    profile.serving = Serving()
+    alone = Planner(profile, [(1024, 16)], settings).goodput(Layout(0, 1))
+    profile.serving = Serving(step_extra_per_seq_s=0.002)
+    assert StepTimes.fit(profile).seconds(0, 1, 1024) == StepTimes.fit(synthetic_profile(25.0)).seconds(0, 1, 1024)
+    assert 0 < Planner(profile, [(1024, 16)], settings).goodput(Layout(0, 1)) < alone
 
 
 def test_workload_from_a_bench_result_or_json_lines(tmp_path: Path):

@@ -8,8 +8,9 @@ times include what a served step pays beside the forward (scheduling, sampling):
   --async-scheduling, the interval between steps that go ahead, as such a node's decode steps do);
 - link: one request's KV sent over the configured pipe and acknowledged, for a short and a long
   prompt, giving a fixed cost per transfer and a bandwidth (in a second process, as between nodes);
-- serving: a colocated `disagg serve` of the model, one request at a time: what its TTFT and TPOT
-  take beyond the offline steps (HTTP, streaming, the engine thread's hand-offs; `--no-serving` skips it).
+- serving: a colocated `disagg serve` of the model, one request at a time, then SERVING_BATCH at once:
+  what its TTFT and TPOT take beyond the offline steps (HTTP, the engine thread's hand-offs, and each
+  streamed token: the event loop's work beside the engine thread; `--no-serving` skips it).
 Prompts are random token ids, the prefix cache off: nothing is reused between timings."""
 
 import argparse
@@ -64,6 +65,10 @@ class Serving:
     the HTTP, the streaming, the engine thread's hand-offs. Zero when not measured."""
     ttft_extra_s: float = 0.0  # served TTFT less the offline prefill step of the same prompt
     step_extra_s: float = 0.0  # served TPOT less the offline decode step at batch 1
+    # What each further sequence decoding adds to a served step (its token streamed): the served TPOT
+    # of SERVING_BATCH requests at once less the offline step of that batch, beyond step_extra_s, per
+    # sequence past the first.
+    step_extra_per_seq_s: float = 0.0
 
 
 @dataclass
@@ -247,19 +252,19 @@ def time_link(connector: str, kv_bytes_per_token: int, engine_device: "torch.dev
 
 
 SERVING_PROMPT, SERVING_OUTPUT, SERVING_REQUESTS = 64, 8, 4
+SERVING_BATCH, SERVING_BATCH_OUTPUT = 8, 32  # requests decoding together, and their tokens: decode steps dominate
 
 
 def time_serving(args: argparse.Namespace, model: str, vocab: int, prefill: list[PrefillSample],
                  decode: list[DecodeSample]) -> Serving:
-    """A colocated `disagg serve` of the same model on the same device, one request at a time: its
-    TTFT and TPOT against the offline steps they are made of."""
+    """A colocated `disagg serve` of the same model on the same device: one request at a time, then
+    the decode grid's batch nearest SERVING_BATCH at once; their TTFT and TPOT against the offline
+    steps they are made of."""
     import os
     import socket
     import subprocess
     import sys
 
-    from disagg.bench import add_serve_args
-    from disagg.bench.serve import run_benchmark
     from disagg.launch import wait_healthy
 
     with socket.socket() as s:
@@ -273,32 +278,49 @@ def time_serving(args: argparse.Namespace, model: str, vocab: int, prefill: list
             argv += [flag, str(value)]
     if args.async_scheduling:
         argv.append("--async-scheduling")
+    batch = min({d.batch for d in decode}, key=lambda b: abs(b - SERVING_BATCH))
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=os.environ)
     try:
         try:
             wait_healthy(f"http://127.0.0.1:{port}", proc, 600)
         except RuntimeError as e:
             raise RuntimeError(f"the served node for --serving did not start: {e}") from None
-        parser = argparse.ArgumentParser()
-        add_serve_args(parser)
-        bench = parser.parse_args(["--base-url", f"http://127.0.0.1:{port}", "--no-progress", "--qps", "inf",
-                                   "--max-concurrency", "1", "--num-requests", str(SERVING_REQUESTS + 1),
-                                   "--input-len", str(SERVING_PROMPT), "--output-len", str(SERVING_OUTPUT),
-                                   "--prompt-kind", "token-ids", "--vocab-size", str(vocab)])
-        run = run_benchmark(bench)["runs"][0]
+        alone = served(port, vocab, 1, SERVING_REQUESTS + 1, SERVING_OUTPUT)[1:]  # the first: warm-up
+        together = served(port, vocab, batch, batch, SERVING_BATCH_OUTPUT) if batch > 1 else []
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-    requests = [r for r in run["requests"][1:] if r["ok"]]  # the first: warm-up
-    if not requests:
-        raise RuntimeError(f"the served node answered no request: {run.get('errors')}")
-    ttft = statistics.median(r["ttft"] for r in requests)
-    tpot = statistics.median(r["tpot"] for r in requests)
+    if not alone or (batch > 1 and not together):
+        raise RuntimeError("the served node answered no request")
+    ttft = statistics.median(r["ttft"] for r in alone)
+    tpot = statistics.median(r["tpot"] for r in alone)
     xs = sorted(prefill, key=lambda s: s.tokens)
     offline_ttft = min(xs, key=lambda s: abs(s.tokens - SERVING_PROMPT)).seconds
-    offline_tpot = min((s for s in decode if s.batch == min(d.batch for d in decode)),
-                       key=lambda s: abs(s.context - SERVING_PROMPT)).seconds
-    return Serving(max(ttft - offline_ttft, 0.0), max(tpot - offline_tpot, 0.0))
+
+    def offline_step(b: int) -> float:
+        return min((s for s in decode if s.batch == b), key=lambda s: abs(s.context - SERVING_PROMPT)).seconds
+
+    step_extra = max(tpot - offline_step(min(d.batch for d in decode)), 0.0)
+    per_seq = 0.0
+    if together:
+        tpot_batch = statistics.median(r["tpot"] for r in together)
+        per_seq = max(tpot_batch - offline_step(batch) - step_extra, 0.0) / (batch - 1)
+    return Serving(max(ttft - offline_ttft, 0.0), step_extra, per_seq)
+
+
+def served(port: int, vocab: int, concurrency: int, num_requests: int, output_len: int) -> list[dict]:
+    """`disagg bench serve` against the node: `num_requests` at once, `concurrency` at a time, prompts
+    of their own (the seed: no prefix-cache hits on an earlier call's); the requests that were answered."""
+    from disagg.bench import add_serve_args
+    from disagg.bench.serve import run_benchmark
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    bench = parser.parse_args(["--base-url", f"http://127.0.0.1:{port}", "--no-progress", "--qps", "inf",
+                               "--max-concurrency", str(concurrency), "--num-requests", str(num_requests),
+                               "--input-len", str(SERVING_PROMPT), "--output-len", str(output_len),
+                               "--prompt-kind", "token-ids", "--vocab-size", str(vocab), "--seed", str(concurrency)])
+    return [r for r in run_benchmark(bench)["runs"][0]["requests"] if r["ok"]]
 
 
 def profile(args: argparse.Namespace) -> Profile:
@@ -347,7 +369,8 @@ def profile(args: argparse.Namespace) -> Profile:
             torch.cuda.empty_cache()
         serving = time_serving(args, model_dir, mc.vocab_size, prefill, decode)
         print(f"serving: TTFT +{1e3 * serving.ttft_extra_s:.1f} ms, each step +{1e3 * serving.step_extra_s:.2f} ms "
-              "beyond the engine's", flush=True)
+              f"and +{1e3 * serving.step_extra_per_seq_s:.3f} ms a sequence past the first, beyond the engine's",
+              flush=True)
     return Profile(model=model_name, device=device, dtype=str(dtype).removeprefix("torch."),
                    kv_bytes_per_token=kv_bytes_per_token, threads=torch.get_num_threads(),
                    async_scheduling=args.async_scheduling, model_source=model_source(args.model),

@@ -3,11 +3,12 @@
 Requests arrive as a Poisson process; each node is an engine that runs one step at a time, as the
 scheduler builds it (running sequences first, a decode one token and a prompt its next chunk, then
 waiting prompts, under the token budget and the sequence cap); a step takes what the profile's
-fitted `StepTimes` says, with what serving adds to a step and to the first token (measured on a
-served node at batch 1, `Profile.serving`). A colocated node computes a prompt and decodes its
-answer. In xPyD the router hands each request to the decode node with the fewest requests in flight, that node to the
-prefill node with the fewest prefills in flight (the pool picks by expected time, which this is
-for alike nodes), every prompt however short (`remote_prefill` "always"); the prompt's KV then crosses the link (one
+fitted `StepTimes` says, with what serving adds to a step (a fixed part and a part per decoding
+sequence, whose token is streamed) and to the first token (measured on a served node,
+`Profile.serving`). A colocated node computes a prompt and decodes its answer. In xPyD the router
+hands each request to the decode node with the fewest requests in flight, that node to the prefill
+node with the fewest prompt tokens to compute (as the decode node's pool picks), every prompt however
+short (`remote_prefill` "always"); the prompt's KV then crosses the link (one
 transfer at a time per prefill node: a fixed cost and bytes ÷ bandwidth, nothing hidden behind
 compute), and its first token reaches the client when the KV is in; the decode node's next step
 loads the KV and the one after decodes (as the engine does), to the end. Not modelled: the KV
@@ -46,6 +47,7 @@ class StepTimes:
     d_seq: float
     d_ctx: float
     serving_step: float = 0.0  # what a served node adds to each step (Profile.serving)
+    serving_per_seq: float = 0.0  # and to it for each decoding sequence past the first
 
     @classmethod
     def fit(cls, profile: Profile) -> "StepTimes":
@@ -54,7 +56,8 @@ class StepTimes:
         samples = sorted(profile.prefill, key=lambda s: s.tokens)
         d = nonnegative_fit([[1.0, s.batch, s.batch * s.context] for s in profile.decode],
                             [s.seconds for s in profile.decode])
-        return cls([s.tokens for s in samples], [s.seconds for s in samples], *d, profile.serving.step_extra_s)
+        return cls([s.tokens for s in samples], [s.seconds for s in samples], *d, profile.serving.step_extra_s,
+                   profile.serving.step_extra_per_seq_s)
 
     def prefill(self, tokens: int) -> float:
         xs, ys = self.prefill_tokens, self.prefill_seconds
@@ -64,9 +67,10 @@ class StepTimes:
 
     def seconds(self, prompt_tokens: int, decode_seqs: int, decode_tokens: int) -> float:
         """prompt_tokens: of the step's prompt chunks; decode_tokens: the tokens the decoding sequences hold."""
+        serving = self.serving_step + self.serving_per_seq * max(decode_seqs - 1, 0)
         if prompt_tokens:
-            return self.prefill(prompt_tokens + decode_seqs) + self.d_ctx * decode_tokens + self.serving_step
-        return self.d0 + self.d_seq * decode_seqs + self.d_ctx * decode_tokens + self.serving_step
+            return self.prefill(prompt_tokens + decode_seqs) + self.d_ctx * decode_tokens + serving
+        return self.d0 + self.d_seq * decode_seqs + self.d_ctx * decode_tokens + serving
 
 
 def nonnegative_fit(rows: list[list[float]], y: list[float]) -> list[float]:
