@@ -5,6 +5,8 @@ between nodes of different TP sizes, and a rank's death taking its node down."""
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -191,6 +193,45 @@ def test_replicated_kv_heads_and_an_untied_head_shard_exactly(tiny_llama_dir):
     assert (one - two).abs().max().item() < 1e-5
 
 
+def pid_alive(pid: int) -> bool:
+    """A process that has not exited (a zombie has: only its parent's wait is missing)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+STUCK_WORKER = """
+import multiprocessing, threading, time
+from disagg.engine.tp_workers import exit_with
+
+def stuck() -> None:  # as worker_main starts, then as a worker in a collective that waits for a dead driver
+    threading.Thread(target=exit_with, args=(multiprocessing.parent_process().pid,), daemon=True).start()
+    time.sleep(600)
+
+if __name__ == "__main__":
+    worker = multiprocessing.get_context("spawn").Process(target=stuck, daemon=True)
+    worker.start()
+    print(worker.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_worker_stuck_where_it_never_reads_its_pipe_exits_with_its_killed_driver(tmp_path: Path):
+    script = tmp_path / "driver.py"
+    script.write_text(STUCK_WORKER)
+    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(driver.stdout.readline())
+        time.sleep(1.0)
+        assert pid_alive(worker)  # the driver alive: it waits
+        driver.kill()
+        driver.wait(timeout=10)
+        wait_for(lambda: not pid_alive(worker), 10, "the stuck worker exited after its driver")
+    finally:
+        driver.kill()
+
+
 def complete(node, prompts: list[list[int]], max_tokens: int) -> httpx.Response:
     body = {"model": "SmolLM2-135M-Instruct", "prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0,
             "return_token_ids": True}
@@ -301,6 +342,11 @@ def test_handoff_tp2_to_tp2_and_a_decode_rank_killed_mid_request(tmp_path: Path,
         assert ended.wait(10), "the client's request hangs"
         assert prefill.proc.poll() is None
         assert httpx.get(f"{prefill.url}/health", timeout=5).status_code == 200
+
+        # The prefill node's driver killed outright: its worker rank does not outlive it.
+        worker = int(re.search(r"ranks 1 \(pid (\d+)\)", prefill.log()).group(1))
+        prefill.kill()
+        wait_for(lambda: not pid_alive(worker), 10, "the killed driver's worker rank exited")
     finally:
         prefill.kill()
         decode.kill()

@@ -10,7 +10,9 @@ it holds no request state beyond the last step.
 
 A rank that dies is seen at once: its collectives raise in the other ranks (its connections
 close), and a watchdog thread here names it and calls `on_death` (a serving node exits: AsyncEngine).
-A worker exits when the driver's pipe closes, so none outlives its driver.
+A worker exits when the driver's pipe closes, and, should it be stuck where it never reads the pipe
+(a collective that waits for a driver killed mid-step: on CUDA a kernel that spins on the GPU for
+good), once its parent process is gone (`exit_with`), so none outlives its driver.
 """
 
 import atexit
@@ -21,6 +23,7 @@ import multiprocessing.connection
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +38,8 @@ from disagg.engine.scheduler import ScheduledSeq
 from disagg.engine.sequence import KVExport, Sequence
 
 logger = logging.getLogger(__name__)
+
+PARENT_POLL_S = 0.5  # how often a worker checks that its driver is alive
 
 # What a rank_service returns in a worker's process, if anything: put(request_id, first, end, kv) gets that
 # rank's KV heads of layers [first, end) of an export with own_heads, as KVExport.put does on the driver.
@@ -203,6 +208,8 @@ def worker_main(config: EngineConfig, model_dir: Path, dtype: torch.dtype, devic
     # whose exit ends this one; a worker that died first would take the node down as a failure.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    driver = multiprocessing.parent_process().pid  # as spawned, before any check: it may be gone already
+    threading.Thread(target=exit_with, args=(driver,), name="tp-driver-watch", daemon=True).start()
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s tp-rank{rank} %(name)s: %(message)s")
     torch.set_num_threads(num_threads)
     device = rank_device(device, rank)
@@ -234,6 +241,14 @@ def worker_main(config: EngineConfig, model_dir: Path, dtype: torch.dtype, devic
             _, ahead = runner.run_ahead(batch, ahead if message.placeholders else None)
         else:
             getattr(runner, message.method)(batch)
+
+
+def exit_with(driver: int) -> None:
+    """Exit once the driver process is gone (this process is then another's child), whatever the
+    worker's main thread is waiting for."""
+    while os.getppid() == driver:
+        time.sleep(PARENT_POLL_S)
+    os._exit(1)
 
 
 def mirror(step: StepSeq, seq: Sequence | None, export_put: ExportPut | None = None) -> Sequence:
