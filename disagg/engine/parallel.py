@@ -3,13 +3,14 @@
 The ranks of an engine are one driver (rank 0, the engine's own process) and `size - 1` worker
 processes (tp_workers.py). They meet at a TCPStore the driver hosts on 127.0.0.1 and form their own
 process group (gloo on the CPU, NCCL on CUDA), not torch.distributed's global one, so that an engine
-sets no state in the process it lives in. A group of size 1 runs no collective at all: TP=1 is the
+sets no state in the process it lives in (on CUDA but the name symmetric memory finds its group by,
+released with it). A group of size 1 runs no collective at all: TP=1 is the
 single-device engine, bit for bit.
 
 On CUDA, an all-reduce of up to ONE_SHOT_MAX_BYTES (a decode step's hidden states) is PyTorch's
 symmetric-memory one-shot all-reduce: each rank copies its part into a buffer every rank can read
 over NVLink and sums all of them itself, in one kernel; measured in CUDA graphs on two H200s
-(benchmarks/allreduce_h200x2.py), 7.5-9.5 µs against NCCL's 21-25 µs from 8 to 256 KiB. Larger ones,
+(benchmarks/allreduce_h200x2.py), 7.4-9.4 µs against NCCL's 22-25 µs from 8 to 256 KiB. Larger ones,
 and GPUs where symmetric memory cannot be set up, go through NCCL. Unlike NCCL's, a one-shot kernel
 waiting for a dead rank is not ended by an abort: a serving node exits on its watchdog's word
 (AsyncEngine), but an offline LLM's step in flight then never ends.
