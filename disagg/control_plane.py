@@ -38,6 +38,11 @@ class NodeInfo:
     # node plans from these which of this node's ranks sends it which heads (plan_entries).
     kv_rank_heads: list[tuple[int, int]] = field(default_factory=list)
 
+    @property
+    def heads_by_rank(self) -> list[tuple[int, int]]:
+        """kv_rank_heads, or one rank's, all the heads, where it was left empty."""
+        return self.kv_rank_heads or [(0, self.num_kv_heads)]
+
     def mismatch(self, other: "NodeInfo") -> str | None:
         """The first compatibility field that differs, described for an error message."""
         for name in COMPATIBILITY_FIELDS:

@@ -138,7 +138,7 @@ class FakeClient:
         self.healthy = True
         self.load = SimpleNamespace(prefill_tokens_per_s=0.0)  # not measured: the route's fallback rule
         self.address = "prefill-0:50051"
-        self.info = SimpleNamespace(kv_ip=PRODUCER[0], kv_port=PRODUCER[1], num_kv_heads=3, kv_rank_heads=[(0, 3)])
+        self.info = SimpleNamespace(kv_ip=PRODUCER[0], kv_port=PRODUCER[1], num_kv_heads=3, heads_by_rank=[(0, 3)])
 
     async def prefill(self, call: PrefillCall, idle_timeout: float) -> PrefillResult:
         self.log.append(("prefill", call, idle_timeout))

@@ -181,7 +181,7 @@ class DecodeNode:
             # head as one entry), and under tensor parallelism on either node each decode rank receives its
             # own heads into its own cache's rows, an entry from each prefill rank that holds some of them.
             heads = self.engine.kv_heads_by_rank
-            prefill_heads = client.info.kv_rank_heads or [(0, client.info.num_kv_heads)]
+            prefill_heads = client.info.heads_by_rank
             by_rank = slot.rows is not None and (self.ranks is not None or len(prefill_heads) > 1)
             kv_ranks = [KVRank(self.kv_advertise, heads[0])] if self.ranks is None else \
                 self.ranks.kv_ranks(self.kv_advertise)

@@ -61,7 +61,7 @@ class PrefillNode:
         self.info = info
         self.ranks = ranks
         # Each of our ranks' KV heads: which rank sends which heads to a decode node's ranks (plan_entries).
-        self.kv_rank_heads = info.kv_rank_heads or [(0, info.num_kv_heads)]
+        self.kv_rank_heads = info.heads_by_rank
         self.kv_buffer_device = kv_buffer_device
         self.layerwise = layerwise  # else a prompt's KV goes as one message once all layers have run
         self.layerwise_min_tokens = layerwise_min_tokens  # a prompt with fewer tokens to send goes whole
