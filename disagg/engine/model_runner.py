@@ -74,6 +74,9 @@ class ModelRunner:
         self.kv_cache.scatter(block_ids, kv[:, :, :, first:end], start)
 
     def close(self) -> None:
+        # The decode graphs first: collectives captured in them hold the group's NCCL communicator,
+        # whose abort (TPGroup.close, every rank's) would wait for them.
+        self.graphs = None
         if self.workers is not None:
             self.workers.stop()
 

@@ -8,8 +8,8 @@ released with it). A group of size 1 runs no collective at all: TP=1 is the
 single-device engine, bit for bit.
 
 On CUDA, an all-reduce of up to ONE_SHOT_MAX_BYTES (a decode step's hidden states) is PyTorch's
-symmetric-memory one-shot all-reduce: each rank copies its part into a buffer every rank can read
-over NVLink and sums all of them itself, in one kernel; measured in CUDA graphs on two H200s
+symmetric-memory one-shot all-reduce: in one kernel, each rank copies its part into a buffer every
+rank can read over NVLink and sums all of them itself; measured in CUDA graphs on two H200s
 (benchmarks/allreduce_h200x2.py), 7.4-9.4 µs against NCCL's 22-25 µs from 8 to 256 KiB. Larger ones,
 and GPUs where symmetric memory cannot be set up, go through NCCL. Unlike NCCL's, a one-shot kernel
 waiting for a dead rank is not ended by an abort: a serving node exits on its watchdog's word
@@ -18,6 +18,7 @@ waiting for a dead rank is not ended by an abort: a serving node exits on its wa
 
 import datetime
 import logging
+import threading
 import uuid
 
 import torch
@@ -31,6 +32,9 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 # Workers join right after they start (imports only), before they load their shards.
 RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=2)
 ONE_SHOT_MAX_BYTES = 1 << 20  # 128 tokens of a 4,096-wide bf16 model
+# NCCL's abort waits for every rank's (it frees memory the others may still read): a rank killed
+# before its own never comes, and the abort is then left unfinished after this long.
+ABORT_WAIT_S = 10
 
 
 class TPGroup:
@@ -39,7 +43,9 @@ class TPGroup:
         self.size = size
         self.device = device  # this rank's
         self.pg = pg  # None when size == 1
-        self.one_shot = one_shot  # (symmetric buffer, group name), on CUDA where it could be set up
+        # (symmetric buffer, group name, the group registered under it), on CUDA where it could be set up;
+        # the registry holds the group weakly, so it is kept here
+        self.one_shot = one_shot
 
     @classmethod
     def single(cls, device: torch.device) -> "TPGroup":
@@ -66,13 +72,20 @@ class TPGroup:
         return cls(rank, size, device, pg, one_shot_buffer(store, pg, rank, size, device) if one_shot else None)
 
     def close(self) -> None:
-        """Release the group (once the ranks stopped): its NCCL communicator, and the name symmetric
-        memory found it by, which would otherwise keep both alive for the process's life."""
+        """Release the group: its NCCL communicator, and the name symmetric memory found it by. Every
+        rank calls it at about the same time (the driver right after it closes the workers' pipes, each
+        worker when its pipe ends): NCCL's abort returns once all ranks abort."""
         if self.one_shot is not None:
             torch._C._distributed_c10d._unregister_process_group(self.one_shot[1])
             self.one_shot = None
-        if self.pg is not None and self.device.type == "cuda":
-            self.pg.abort()  # a step still in a collective then fails at once
+        if self.pg is None or self.device.type != "cuda":
+            return
+        abort = threading.Thread(target=self.pg.abort, name="tp-abort", daemon=True)
+        abort.start()
+        abort.join(ABORT_WAIT_S)
+        if abort.is_alive():
+            logger.warning("tensor-parallel rank %d: NCCL's abort did not end in %d s (a rank gone without "
+                           "its own); its communicator is left as it is", self.rank, ABORT_WAIT_S)
 
     def split(self, n: int) -> tuple[int, int]:
         """This rank's [start, end) of n things cut into `size` contiguous parts as even as they go."""
@@ -84,10 +97,9 @@ class TPGroup:
             return x
         one_shot = self.one_shot  # read once: close() may drop it from another thread
         if one_shot is not None and x.nbytes <= ONE_SHOT_MAX_BYTES and x.is_contiguous():
-            buffer, name = one_shot
-            part = buffer[:x.nbytes].view(x.dtype)
-            part.copy_(x.view(-1))
-            torch.ops.symm_mem.one_shot_all_reduce_out(part, "sum", name, x.view(-1))
+            buffer, name, _ = one_shot
+            flat = x.view(-1)  # the kernel copies it into this rank's buffer itself, then sums every rank's
+            torch.ops.symm_mem.one_shot_all_reduce_copy_out(buffer[:x.nbytes].view(x.dtype), flat, "sum", name, flat)
         else:
             self.pg.allreduce([x]).wait()
         return x
@@ -117,17 +129,28 @@ class TPGroup:
         return int(t.item())
 
 
+# PyTorch's symmetric memory numbers its store exchanges per process: a driver's second group would wait for
+# keys its fresh workers write under other numbers (until the rendezvous times out). So the first group
+# of a process gets one-shot all-reduces and any later one (a test's second engine) NCCL's.
+_symmetric_memory_used = False
+
+
 def one_shot_buffer(store: dist.Store, pg, rank: int, size: int, device: torch.device) -> tuple | None:
-    """Every rank's symmetric buffer for one-shot all-reduces, and the name its group is known by;
+    """Every rank's symmetric buffer for one-shot all-reduces, the name its group is known by and that group;
     None (NCCL all-reduces only) where PyTorch or the GPUs cannot set it up. Collective: every rank
     calls it right after forming the group."""
-    if rank == 0:
-        store.set("one_shot_group", f"disagg-tp-{uuid.uuid4().hex}")
+    global _symmetric_memory_used
+    if rank == 0:  # "" when this process set up symmetric memory before: see _symmetric_memory_used
+        store.set("one_shot_group", "" if _symmetric_memory_used else f"disagg-tp-{uuid.uuid4().hex}")
+        _symmetric_memory_used = True
     name = store.get("one_shot_group").decode()
+    if not name:
+        logger.info("rank %d: every all-reduce goes through NCCL (symmetric memory serves one group a process)", rank)
+        return None
     try:
         import torch.distributed._symmetric_memory as symm_mem
 
-        torch.ops.symm_mem.one_shot_all_reduce_out  # noqa: B018  raises where this PyTorch lacks it
+        torch.ops.symm_mem.one_shot_all_reduce_copy_out  # noqa: B018  raises where this PyTorch lacks it
         # Symmetric memory finds its group by a registered name; ours is private (not in the global
         # world), so it is wrapped and registered under a name of its own.
         group = dist.ProcessGroup(store, rank, size)
@@ -145,7 +168,7 @@ def one_shot_buffer(store: dist.Store, pg, rank: int, size: int, device: torch.d
     if all(store.get(f"one_shot_ok/{r}") == b"1" for r in range(size)):
         if rank == 0:
             logger.info("all-reduces of up to %d KiB are one-shot, over symmetric memory", ONE_SHOT_MAX_BYTES >> 10)
-        return buffer, name
+        return buffer, name, group
     logger.warning("rank %d: no one-shot all-reduce over symmetric memory (%s): every all-reduce goes through "
                    "NCCL", rank, why or "another rank could not set it up")
     return None

@@ -175,14 +175,14 @@ class TPWorkers:
             return
         self.stopping = True
         for pipe in self.pipes:
-            pipe.close()  # a worker exits when its pipe ends
+            pipe.close()  # a worker closes its place in the group and exits when its pipe ends
+        if self.tp is not None:
+            self.tp.close()  # while the workers close theirs
         for process in self.processes:
             process.join(timeout=5)
             if process.is_alive():
                 process.kill()
                 process.join()
-        if self.tp is not None:
-            self.tp.close()
 
     def _watch(self) -> None:
         sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self.processes, 1)}
@@ -227,6 +227,8 @@ def worker_main(config: EngineConfig, model_dir: Path, dtype: torch.dtype, devic
         try:
             message: StepMessage = pipe.recv()
         except EOFError:  # the driver stopped (or died)
+            runner.close()  # its decode graphs, before the group they captured collectives of
+            tp.close()  # beside the driver's own close: NCCL's abort needs every rank's
             return
         if message.method == "load_kv":
             load, kv_cache = message.load, runner.kv_cache
