@@ -3,8 +3,10 @@
 NVLink, no multicast), each inside a CUDA graph as the decode steps capture them.
 
 One process a GPU, each forming its group with TPGroup.join, as the engine's ranks do. Sizes: a decode step's hidden
-states at batch 1, 8, 32, 128 and 256 of the 8B shape (4,096 bf16 values a token: 8 KiB to 2 MiB). Per size and
-kind: µs per all-reduce (a graph of 64 replayed 20 times, median of 5), and whether the sum is right.
+states at batch 1, 8, 32, 128 and 256 of the 8B shape (4,096 bf16 values a token: 8 KiB to 2 MiB), and a 4,096-token
+prefill's (32 MiB). Per size and kind: µs per all-reduce (a graph of 64 replayed 20 times, median of 5), and whether
+the sum is right. Above ONE_SHOT_MAX_BYTES also PyTorch's two-shot all-reduce over symmetric memory (`two_shot`:
+a copy into the symmetric buffer, then a reduce-scatter and an all-gather by NVLink loads).
 
     python benchmarks/allreduce_h200x2.py --json out.json
 """
@@ -16,7 +18,7 @@ import statistics
 import torch
 import torch.multiprocessing as mp
 
-from disagg.engine.parallel import TPGroup
+from disagg.engine.parallel import ONE_SHOT_MAX_BYTES, TPGroup
 
 HIDDEN = 4096
 GRAPH_OPS = 64
@@ -61,8 +63,24 @@ def worker(rank: int, size: int, port: int, sizes: list[int], queue) -> None:
 
     kinds = {"nccl": nccl, "engine": tp.all_reduce}  # engine: one-shot up to ONE_SHOT_MAX_BYTES
     result: dict = {"one_shot_set_up": tp.one_shot is not None}
+    large = [numel for numel in sizes if numel * 2 > ONE_SHOT_MAX_BYTES]
+    if large and tp.one_shot is not None:  # PyTorch's two-shot all-reduce, for a prefill's larger messages
+        import torch.distributed._symmetric_memory as symm_mem
+
+        group_name = tp.one_shot[1]
+        buffer = symm_mem.empty(max(large), dtype=torch.bfloat16, device=device)
+        symm_mem.rendezvous(buffer, group_name)
+
+        def two_shot(x: torch.Tensor) -> torch.Tensor:
+            part = buffer[:x.numel()]
+            part.copy_(x)
+            return torch.ops.symm_mem.two_shot_all_reduce_out(part, "sum", group_name, x)
+
+        kinds["two_shot"] = two_shot
     for numel in sizes:
         for name, op in kinds.items():
+            if name == "two_shot" and numel not in large:
+                continue
             key = f"{name}/{numel * 2 // 1024}KiB"
             x = torch.full((numel,), float(rank + 1), dtype=torch.bfloat16, device=device)
             ok = bool((op(x.clone()) == sum(range(1, size + 1))).all())
@@ -74,7 +92,7 @@ def worker(rank: int, size: int, port: int, sizes: list[int], queue) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", default="1,8,32,128,256")
+    ap.add_argument("--tokens", default="1,8,32,128,256,4096")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     sizes = [int(t) * HIDDEN for t in args.tokens.split(",")]

@@ -15,10 +15,11 @@ them, its decode CUDA graphs capturing the all-reduces (--enforce-eager: both en
   time over TP=2's (asked: >= 1.6).
 - bf16 logits of one 512-token prompt at every position (all_logits, through the paged cache), TP=2
   against TP=1: `softmax_max_abs_diff_bf16` (asked: <= 2e-2) and the raw logits' max difference.
-- --profile DIR: the decode steps of batch 1 and 32 at each size once more under torch.profiler (the
-  driver's process: its CPU ops, and every kernel of cuda:0), a gzipped Chrome trace each in DIR, and
-  `decode_profile`: per step, the wall time, the GPU's busy time, and the time in NCCL kernels (which
-  includes their wait for the other rank) against the other kernels.
+- --profile DIR: the decode steps of batch 1 and 32, and one 4,096-token prefill, at each size once more
+  under torch.profiler (the driver's process: its CPU ops, and every kernel of cuda:0), a gzipped Chrome
+  trace each in DIR, and `decode_profile` (its "prefill" key the prefill's): per step, the wall time, the
+  GPU's busy time, and the time in all-reduce kernels (NCCL's include their wait for the other rank)
+  against the other kernels.
 """
 
 import argparse
@@ -78,17 +79,38 @@ def profile_decode(bench: DisaggBench, batch_prompts: list[list[int]], steps: in
             done += 1
         wall = time.perf_counter() - start
     prof.export_chrome_trace(str(trace))
+    return {"steps": done, "step_ms": wall / done * 1e3} | kernel_times(prof, done)
+
+
+def profile_prefill(bench: DisaggBench, prompt: list[int], trace: Path) -> dict:
+    """One prompt's prefill (and its first token) under the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = bench.engine
+    engine.add_request(f"profile-{trace.stem}", prompt, SamplingParams(temperature=0.0, max_tokens=1))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        wall = time.perf_counter() - start
+    prof.export_chrome_trace(str(trace))
+    return {"prefill_ms": wall * 1e3} | kernel_times(prof, 1)
+
+
+def kernel_times(prof, steps: int) -> dict:
+    """Per step: the GPU's busy time (the union of kernel intervals), the time in all-reduce kernels
+    (NCCL's, which includes their wait for the other rank, and one-shot's) and in the other kernels."""
     kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                      if e.device_type == torch.autograd.DeviceType.CUDA)
-    busy, reach = 0.0, 0.0  # the union of kernel intervals, in microseconds
+    busy, reach = 0.0, 0.0  # in microseconds
     for begin, end, _ in kernels:
         busy += max(0.0, end - max(begin, reach))
         reach = max(reach, end)
-    nccl = sum(end - begin for begin, end, name in kernels if "nccl" in name.lower())
-    other = sum(end - begin for begin, end, name in kernels if "nccl" not in name.lower())
-    return {"steps": done, "step_ms": wall / done * 1e3, "gpu_busy_ms": busy / done / 1e3,
-            "nccl_kernel_ms": nccl / done / 1e3, "other_kernel_ms": other / done / 1e3,
-            "kernels_per_step": len(kernels) / done}
+    comm = sum(end - begin for begin, end, name in kernels if "nccl" in name.lower() or "all_reduce" in name)
+    other = sum(end - begin for begin, end, _ in kernels) - comm
+    return {"gpu_busy_ms": busy / steps / 1e3, "all_reduce_kernel_ms": comm / steps / 1e3,
+            "other_kernel_ms": other / steps / 1e3, "kernels_per_step": len(kernels) / steps}
 
 
 def main() -> int:
@@ -165,6 +187,9 @@ def main() -> int:
                 profiles.setdefault(str(tp), {})[str(batch)] = p = profile_decode(
                     benches[tp], prompts(batch, DECODE_CONTEXT), args.decode_steps, trace)
                 print(f"  profile TP={tp} b{batch}: " + ", ".join(f"{k} {v:.3f}" for k, v in p.items()), flush=True)
+            trace = Path(args.profile) / f"tp{tp}-prefill{PREFILL_TOKENS}.pt.trace.json.gz"
+            profiles[str(tp)]["prefill"] = p = profile_prefill(benches[tp], prompts(1, PREFILL_TOKENS)[0], trace)
+            print(f"  profile TP={tp} prefill: " + ", ".join(f"{k} {v:.3f}" for k, v in p.items()), flush=True)
 
     step = {tp: {b: statistics.median(v) for b, v in step_s[tp].items()} for tp in benches}
     prefill = {tp: statistics.median(v) for tp, v in prefill_s.items()}
