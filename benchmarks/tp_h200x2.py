@@ -101,8 +101,9 @@ def profile_prefill(bench: DisaggBench, prompt: list[int], trace: Path) -> dict:
 def kernel_times(prof, steps: int) -> dict:
     """Per step: the GPU's busy time (the union of kernel intervals), the time in all-reduce kernels
     (NCCL's, which includes their wait for the other rank, and one-shot's) and in the other kernels."""
+    # kernels only: each NCCL call also leaves an "nccl:all_reduce" span on the GPU's timeline
     kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                     if e.device_type == torch.autograd.DeviceType.CUDA)
+                     if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation)
     busy, reach = 0.0, 0.0  # in microseconds
     for begin, end, _ in kernels:
         busy += max(0.0, end - max(begin, reach))
