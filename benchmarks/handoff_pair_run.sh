@@ -10,7 +10,7 @@
 # cache (issue 26: cache_aware against least_loaded routing, 2P2D over tcp, shared 4k prefixes; rates
 # $RATES_CACHE, $REPEATS_CACHE runs of each, REMOTE_PREFILL=auto|always for the decode nodes, DECODE_KV their
 # KV cache, 16GiB unless set), tp (issue 27: the all-reduce alone, then TP=2 against TP=1 in the engine; ASYNC=1 for
-# --async-scheduling), ttft_tp2 (a TP=2 prefill node on both GPUs beside a TP=1 decode node, KV over nixl; $LENS).
+# --async-scheduling, PROFILE=1 for its kernel profiles, traces into $OUT/tpprof), ttft_tp2 (a TP=2 prefill node on both GPUs beside a TP=1 decode node, KV over nixl; $LENS).
 # Each writes its JSON and log under $OUT; the last lines are the summary.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
@@ -40,7 +40,7 @@ for phase in "$@"; do
     tp)
         python3 benchmarks/allreduce_h200x2.py --json "$out/allreduce.json" 2>&1 | tee "$out/allreduce.log" | tail -3
         python3 benchmarks/tp_h200x2.py --tokenizer-dir .device/tok --repeats 3 ${ASYNC:+--async-scheduling} \
-            --json "$out/tp.json" 2>&1 | tee "$out/tp.log" | tail -12 ;;
+            ${PROFILE:+--profile "$out/tpprof"} --json "$out/tp.json" 2>&1 | tee "$out/tp.log" | tail -12 ;;
     ttft_tp2)
         # a prefill rank shares GPU 1 with the decode node, which NCCL refuses: nixl (the last --connector wins)
         python3 benchmarks/handoff_h200x2.py "${common[@]}" --connector nixl --phase ttft --prefill-tp 2 \
