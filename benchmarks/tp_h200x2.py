@@ -18,8 +18,8 @@ them, its decode CUDA graphs capturing the all-reduces (--enforce-eager: both en
 - --profile DIR: the decode steps of batch 1 and 32, and one 4,096-token prefill, at each size once more
   under torch.profiler (the driver's process: its CPU ops, and every kernel of cuda:0), a gzipped Chrome
   trace each in DIR, and `decode_profile` (its "prefill" key the prefill's): per step, the wall time, the
-  GPU's busy time, and the time in all-reduce kernels (NCCL's include their wait for the other rank)
-  against the other kernels.
+  GPU's busy time, and the time in collective kernels (`all_reduce_kernel_ms`: the all-reduces and the
+  logits' all-gather, each with its wait for the other rank) against the other kernels.
 """
 
 import argparse
@@ -99,8 +99,8 @@ def profile_prefill(bench: DisaggBench, prompt: list[int], trace: Path) -> dict:
 
 
 def kernel_times(prof, steps: int) -> dict:
-    """Per step: the GPU's busy time (the union of kernel intervals), the time in all-reduce kernels
-    (NCCL's, which includes their wait for the other rank, and one-shot's) and in the other kernels."""
+    """Per step: the GPU's busy time (the union of kernel intervals), the time in collective kernels
+    (NCCL's and the one-shot all-reduce's, with their waits for the other rank) and in the other kernels."""
     # kernels only: each NCCL call also leaves an "nccl:all_reduce" span on the GPU's timeline
     kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                      if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation)

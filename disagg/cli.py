@@ -12,6 +12,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from disagg.api.reasoning import REASONING_PARSERS
 from disagg.api.tool_calls import TOOL_CALL_PARSERS
@@ -655,10 +656,18 @@ def main(argv: list[str] | None = None) -> None:
         else:
             {"generate": generate, "serve": serve}[args.command](args)
     except (ValueError, RuntimeError) as e:
-        parser.exit(2, f"disagg: error: {e}\n")
+        # Python 3.11 wraps a Ctrl-C that lands in a class's __set_name__ (a pydantic model's, as a
+        # module is imported) in a RuntimeError
+        if not isinstance(e.__cause__, KeyboardInterrupt):
+            parser.exit(2, f"disagg: error: {e}\n")
+        interrupted(parser, args.command)
     except KeyboardInterrupt:  # Ctrl-C before a server took over SIGINT (loading the model, say)
-        forget_interrupt()
-        parser.exit(130, f"disagg {args.command}: interrupted\n")  # 128 + SIGINT, as a shell reports it
+        interrupted(parser, args.command)
+
+
+def interrupted(parser: argparse.ArgumentParser, command: str) -> NoReturn:
+    forget_interrupt()
+    parser.exit(130, f"disagg {command}: interrupted\n")  # 128 + SIGINT, as a shell reports it
 
 
 def forget_interrupt() -> None:

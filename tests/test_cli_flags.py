@@ -133,3 +133,20 @@ def test_help_gives_each_default_once(command, capsys):
     assert len(flags) > 5
     for flag in flags:
         assert flag.count("default") <= 1, flag
+
+
+def test_ctrl_c_landing_in_a_class_being_made_is_an_interrupt_not_an_error(monkeypatch, capsys):
+    """A Ctrl-C while a module's pydantic models are made (importing the servers) reaches the CLI, on
+    Python 3.11, as a RuntimeError from __set_name__: it is still the one-line interrupt, status 130."""
+    class Interrupted:
+        def __set_name__(self, owner, name):
+            raise KeyboardInterrupt
+
+    def serve(args):
+        type("Model", (), {"field": Interrupted()})
+
+    monkeypatch.setattr(cli, "serve", serve)
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["serve", "--device", "cpu"])
+    assert exit.value.code == 130
+    assert capsys.readouterr().err == "disagg serve: interrupted\n"

@@ -65,6 +65,32 @@ def test_shard_plan_replicates_kv_heads_fewer_than_ranks():
         shard_plan(config(9, 3), TPGroup(0, 6, CPU))
 
 
+class RecordingGroup:
+    """A process group's all-reduce as TPGroup calls it, recorded."""
+
+    def __init__(self):
+        self.calls = []
+
+    def allreduce(self, tensors):
+        self.calls.append(tensors[0].dtype)
+        return type("Done", (), {"wait": lambda self: None})()
+
+
+def test_all_reduce_takes_one_shot_only_for_the_dtypes_its_kernel_has(monkeypatch):
+    """bfloat16 and float32 parts of up to ONE_SHOT_MAX_BYTES go one-shot; float16 (which PyTorch's
+    kernel lacks) and larger parts go to the process group."""
+    one_shot = []
+    monkeypatch.setattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out",
+                        lambda buffer, x, op, name, out: one_shot.append(x.dtype), raising=False)
+    pg = RecordingGroup()
+    tp = TPGroup(0, 2, torch.device("cpu"), pg, (torch.zeros(1 << 20, dtype=torch.uint8), "g", None))
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        tp.all_reduce(torch.ones(4096, dtype=dtype))
+    tp.all_reduce(torch.ones(1 << 20, dtype=torch.bfloat16))  # 2 MiB
+    assert one_shot == [torch.bfloat16, torch.float32]
+    assert pg.calls == [torch.float16, torch.bfloat16]
+
+
 def test_a_worker_mirrors_the_driver_s_sequences_step_by_step():
     # The driver's sequence through a prompt chunk, a decode, and a preemption that rebuilds its blocks.
     seq = Sequence("r", list(range(10, 30)), SamplingParams(max_tokens=4))

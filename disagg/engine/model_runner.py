@@ -78,7 +78,7 @@ class ModelRunner:
         # whose abort (TPGroup.close, every rank's) would wait for them.
         self.graphs = None
         if self.workers is not None:
-            self.workers.stop()
+            self.workers.stop(release=True)
 
     @torch.inference_mode()
     def _run(self, batch: list[ScheduledSeq], placeholders: torch.Tensor | None = None

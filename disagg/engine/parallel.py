@@ -10,8 +10,9 @@ single-device engine, bit for bit.
 On CUDA, an all-reduce of up to ONE_SHOT_MAX_BYTES (a decode step's hidden states) is PyTorch's
 symmetric-memory one-shot all-reduce: in one kernel, each rank copies its part into a buffer every
 rank can read over NVLink and sums all of them itself; measured in CUDA graphs on two H200s
-(benchmarks/allreduce_h200x2.py), 7.4-9.4 µs against NCCL's 22-25 µs from 8 to 256 KiB. Larger ones,
-and GPUs where symmetric memory cannot be set up, go through NCCL. Unlike NCCL's, a one-shot kernel
+(benchmarks/allreduce_h200x2.py, a copy and then the kernel), 7.4-9.4 µs against NCCL's 22-25 µs
+from 8 to 256 KiB. Larger ones, float16 ones, and GPUs where symmetric memory cannot be set up, go
+through NCCL. Unlike NCCL's, a one-shot kernel
 waiting for a dead rank is not ended by an abort: a serving node exits on its watchdog's word
 (AsyncEngine), but an offline LLM's step in flight then never ends.
 """
@@ -32,8 +33,10 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 # Workers join right after they start (imports only), before they load their shards.
 RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=2)
 ONE_SHOT_MAX_BYTES = 1 << 20  # 128 tokens of a 4,096-wide bf16 model
-# NCCL's abort waits for every rank's (it frees memory the others may still read): a rank killed
-# before its own never comes, and the abort is then left unfinished after this long.
+ONE_SHOT_DTYPES = (torch.bfloat16, torch.float32)  # PyTorch's kernel has no float16
+# NCCL's abort waits for every rank's (it frees memory the others may still read), and for the CUDA
+# graphs that captured its collectives: a rank killed before its own abort never comes, and the
+# abort is then left unfinished after this long.
 ABORT_WAIT_S = 10
 
 
@@ -96,7 +99,8 @@ class TPGroup:
         if self.size == 1:
             return x
         one_shot = self.one_shot  # read once: close() may drop it from another thread
-        if one_shot is not None and x.nbytes <= ONE_SHOT_MAX_BYTES and x.is_contiguous():
+        if (one_shot is not None and x.nbytes <= ONE_SHOT_MAX_BYTES and x.is_contiguous()
+                and x.dtype in ONE_SHOT_DTYPES):
             buffer, name, _ = one_shot
             flat = x.view(-1)  # the kernel copies it into this rank's buffer itself, then sums every rank's
             torch.ops.symm_mem.one_shot_all_reduce_copy_out(buffer[:x.nbytes].view(x.dtype), flat, "sum", name, flat)

@@ -84,7 +84,7 @@ class KVLoad:
 
 @dataclass
 class StepMessage:
-    method: str  # the ModelRunner method: "run", "run_ahead" or "all_logits"; or "load_kv"
+    method: str  # the ModelRunner method: "run", "run_ahead" or "all_logits"; or "load_kv", or "close"
     batch: list[StepSeq]
     load: KVLoad | None = None
     placeholders: bool = False  # run_ahead: input tokens -(i + 1) are row i of the last run_ahead's tokens
@@ -170,14 +170,23 @@ class TPWorkers:
         self.stop()
         self.on_death(self.dead)
 
-    def stop(self) -> None:
+    def stop(self, release: bool = False) -> None:
+        """End the workers. `release` (the engine's close, its decode graphs dropped): first every rank
+        releases its place in the group at once (TPGroup.close); otherwise (a failure, the process's exit)
+        each worker just exits at its pipe's end."""
         if self.stopping:
             return
         self.stopping = True
+        if release and self.dead is None and self.tp is not None:
+            try:
+                for pipe in self.pipes:
+                    pipe.send(StepMessage("close", []))
+            except OSError:  # a worker is gone: nobody would meet this rank's abort
+                pass
+            else:
+                self.tp.close()  # while the workers close theirs
         for pipe in self.pipes:
-            pipe.close()  # a worker closes its place in the group and exits when its pipe ends
-        if self.tp is not None:
-            self.tp.close()  # while the workers close theirs
+            pipe.close()
         for process in self.processes:
             process.join(timeout=5)
             if process.is_alive():
@@ -227,6 +236,8 @@ def worker_main(config: EngineConfig, model_dir: Path, dtype: torch.dtype, devic
         try:
             message: StepMessage = pipe.recv()
         except EOFError:  # the driver stopped (or died)
+            return
+        if message.method == "close":  # the engine's close (TPWorkers.stop)
             runner.close()  # its decode graphs, before the group they captured collectives of
             tp.close()  # beside the driver's own close: NCCL's abort needs every rank's
             return
