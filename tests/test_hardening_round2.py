@@ -197,8 +197,11 @@ def test_echo_logprobs_n4_long_prompt_does_not_stall_a_victim_stream(pair_1p1d):
     response = hostile["response"]
     assert response.status_code == 200, response.text
     choices = response.json()["choices"]
-    assert len(choices) == 4 and all(c["logprobs"]["token_logprobs"] == choices[0]["logprobs"]["token_logprobs"]
-                                     for c in choices)
+    # The prompt is scored once (every choice has its very values); each choice's own token is computed
+    # in its own step, beside others, so its logprob may differ in the last bits.
+    scored = [c["logprobs"]["token_logprobs"] for c in choices]
+    assert len(choices) == 4 and all(s[:len(prompt)] == scored[0][:len(prompt)] for s in scored)
+    assert all(len(s) == len(prompt) + 1 and abs(s[-1] - scored[0][-1]) < 1e-4 for s in scored), [s[-1] for s in scored]
     during = [t for t in times if hostile["start"] < t < hostile["end"]]
     gaps = [b - a for a, b in zip(times, times[1:])]
     duration = hostile["end"] - hostile["start"]
