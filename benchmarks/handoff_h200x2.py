@@ -27,6 +27,7 @@ the KV buffer on the GPU. Each phase fits one 10-minute call of the GPU machine.
 import argparse
 import dataclasses
 import json
+import random
 import signal
 import subprocess
 import sys
@@ -39,7 +40,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e_disagg_vs_colocated import REPO, NodeSpec, System, bench_args, free_port, save_metrics, systems, warm_up
 from gpu_e2e import SHAPES, write_model
-from kv_handoff import measure
+from kv_handoff import measure, ttft_of
 
 from disagg.bench.serve import run_benchmark
 from disagg.launch import wait_healthy
@@ -81,13 +82,19 @@ def ttft_phase(args: argparse.Namespace, model: Path) -> dict:
     if args.prefill_tp > 1:  # the prefill node on both GPUs; each rank sends its own KV heads
         prefill = dataclasses.replace(gpu0, env={"CUDA_VISIBLE_DEVICES": "0,1"})
         prefill_extra = ["--tensor-parallel-size", str(args.prefill_tp)]
-    out = {}
+    out, traces = {}, {}
     for mode in args.kv_modes.split(","):
         log_dir = Path(args.work) / f"logs-ttft-{mode}"
-        with systems(log_dir, gpu0, prefill, gpu1, prefill_extra, **node_kwargs(args, model, mode)) as sys_by_name:
+        kwargs = node_kwargs(args, model, mode)
+        if args.profile:
+            kwargs["extra"] = kwargs["extra"] + ["--profiler-config", json.dumps(
+                {"profiler": "torch", "torch_profiler_dir": str(log_dir / "traces")})]
+        with systems(log_dir, gpu0, prefill, gpu1, prefill_extra, **kwargs) as sys_by_name:
             measure(sys_by_name, [64, 512], 1, args.vocab, seed=999)  # warm-up: kernels for both paths
             rows = measure(sys_by_name, lens, args.repeats, args.vocab)
             save_metrics(sys_by_name, log_dir)
+            if args.profile:  # after the timed requests: the profiler's cost stays out of them
+                traces[mode] = profile_requests(sys_by_name["disagg"], lens, args.vocab)
         out[mode] = {n: {"ttft_colocated_ms": r["ttft_colocated"] * 1e3, "ttft_disagg_ms": r["ttft_disagg"] * 1e3,
                          "prefill_ms": r["prefill"] * 1e3, "exposed_ms": r["overhead"] * 1e3,
                          "ttft_ratio": r["ttft_disagg"] / r["ttft_colocated"], "kv_mib": r["kv_mib"],
@@ -98,11 +105,29 @@ def ttft_phase(args: argparse.Namespace, model: Path) -> dict:
         print(f"[{mode}] " + "; ".join(f"{n}: ratio {r['ttft_ratio']:.3f}, exposed {r['exposed_ms']:+.1f} ms"
                                        for n, r in out[mode].items()), flush=True)
     first = next(iter(out.values()))
+    traced = {"ttft_torch_traces": traces} if traces else {}
     if args.prefill_tp > 1:
-        return {f"ttft_prefill_tp{args.prefill_tp}": out}
-    return {"ttft": out, "ttft_ratio": {str(n): r["ttft_ratio"] for n, r in first.items()},
+        return {f"ttft_prefill_tp{args.prefill_tp}": out} | traced
+    return traced | {"ttft": out, "ttft_ratio": {str(n): r["ttft_ratio"] for n, r in first.items()},
             "exposed_handoff_ms_8k": {mode: rows[8192]["exposed_ms"] for mode, rows in out.items() if 8192 in rows},
             "ttft_fixed_ms_512": first[512]["timeline_ms"]["colocated_fixed"] if 512 in first else None}
+
+
+def profile_requests(system: System, lens: list[int], vocab: int) -> dict[str, str]:
+    """One 1P1D request of each length under both nodes' torch.profiler (/start_profile, /stop_profile):
+    each node's GPU timeline (kernels, copies, NCCL, every stream) beside its threads' ops, for the
+    handoff's own costs (the export, the send, the receive, the first token's way). Trace paths by
+    length and node."""
+    rng, traces = random.Random(7), {}
+    nodes = [system.prefill, system.front]
+    for n in lens:
+        for node in nodes:
+            httpx.post(f"{node.url}/start_profile", timeout=60).raise_for_status()
+        ttft_of(system.front.url, [rng.randrange(1000, vocab) for _ in range(n)])
+        for node in nodes:
+            stopped = httpx.post(f"{node.url}/stop_profile", timeout=600)
+            traces[f"{n}-{node.role}"] = stopped.json().get("trace") or stopped.text
+    return traces
 
 
 def start_router(log_dir: Path, fronts: list[System], model: Path,
@@ -426,8 +451,9 @@ def main() -> int:
                     help="during the middle rate's runs: py-spy alone (no torch.profiler) on each system's first "
                          "decoding node and the 1P1D prefill node")
     ap.add_argument("--profile", action="store_true",
-                    help="during the middle rate's run: py-spy on both 1P1D nodes, and a 2 s torch.profiler trace "
-                         "of the decoding nodes (and the prefill node) of each system")
+                    help="goodput: during the middle rate's run, py-spy on both 1P1D nodes, and a 2 s torch.profiler "
+                         "trace of the decoding nodes (and the prefill node) of each system; ttft: after the timed "
+                         "requests, one 1P1D request of each length under both nodes' torch.profiler")
     ap.add_argument("--kv-cache-memory", default="24GiB")
     ap.add_argument("--async-scheduling", action="store_true", help="every node steps ahead (--async-scheduling)")
     ap.add_argument("--max-model-len", type=int, default=16384 + 64)

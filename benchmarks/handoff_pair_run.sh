@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the H200 pair (nvidia-h200-x2), after benchmarks/device_setup.sh here:
 #   bash benchmarks/handoff_pair_run.sh PHASE...     carry [".whl", ".device"]
-# PHASE: tests (the 2-GPU handoff tests), ttft (layer-wise, then whole, or $MODES; $LENS), goodput
+# PHASE: tests (the 2-GPU handoff tests), ttft (layer-wise, then whole, or $MODES; $LENS; PROFILE=1: then one
+# request of each length under both 1P1D nodes' torch.profiler, traces into $OUT), goodput
 # (layer-wise; $WORKLOADS, rates $RATES_4K / $RATES_CHAT; PROFILE=1 runs py-spy on the pair's nodes and takes
 # torch.profiler traces, PYSPY=1 py-spy alone on a decoding node of each system; CONNECTOR: the KV pipe, torch_dist
 # unless set; ASYNC=1: every node with --async-scheduling (ttft and goodput); SEED: the arrivals' seed (7 + the
@@ -22,7 +23,9 @@ for phase in "$@"; do
     ttft)
         for mode in ${MODES:-layerwise whole}; do
             python3 benchmarks/handoff_h200x2.py "${common[@]}" --phase ttft --lens "${LENS:-512,2048,8192,16384}" \
-                --repeats 5 --kv-modes $mode --json "$out/ttft_$mode.json" 2>&1 | tee "$out/ttft_$mode.log" | tail -8
+                --repeats 5 --kv-modes $mode ${PROFILE:+--profile} --json "$out/ttft_$mode.json" 2>&1 \
+                | tee "$out/ttft_$mode.log" | tail -8
+            cp /tmp/handoff_h200x2/logs-ttft-$mode/traces/* "$out/" 2>/dev/null || true
         done ;;
     goodput)
         python3 benchmarks/handoff_h200x2.py "${common[@]}" --phase goodput --workloads "${WORKLOADS:-4k,chat}" \
