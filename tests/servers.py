@@ -29,9 +29,9 @@ KV_SIZE_FLAGS = ("--kv-cache-memory", "--kv-cache-memory-bytes", "--gpu-memory-u
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port for a node to bind later: not one the kernel hands out itself (port 0), which
+    an outgoing connection may take as its own meanwhile (a node then failed to bind its HTTP port)."""
+    return free_port_run(1)
 
 
 def free_port_pair() -> int:
