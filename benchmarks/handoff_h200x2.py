@@ -26,6 +26,7 @@ the KV buffer on the GPU. Each phase fits one 10-minute call of the GPU machine.
 
 import argparse
 import dataclasses
+import functools
 import json
 import random
 import signal
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -119,14 +121,10 @@ def profile_requests(system: System, lens: list[int], vocab: int) -> dict[str, s
     handoff's own costs (the export, the send, the receive, the first token's way). Trace paths by
     length and node."""
     rng, traces = random.Random(7), {}
-    nodes = [system.prefill, system.front]
     for n in lens:
-        for node in nodes:
-            httpx.post(f"{node.url}/start_profile", timeout=60).raise_for_status()
-        ttft_of(system.front.url, [rng.randrange(1000, vocab) for _ in range(n)])
-        for node in nodes:
-            stopped = httpx.post(f"{node.url}/stop_profile", timeout=600)
-            traces[f"{n}-{node.role}"] = stopped.json().get("trace") or stopped.text
+        prompt = [rng.randrange(1000, vocab) for _ in range(n)]
+        traced = node_traces([system.prefill, system.front], functools.partial(ttft_of, system.front.url, prompt))
+        traces |= {f"{n}-{node}": trace for node, trace in traced.items()}
     return traces
 
 
@@ -276,16 +274,24 @@ class TraceWindow:
 
     def _run(self, delay_s: float, length_s: float) -> None:
         time.sleep(delay_s)
-        for node in self.nodes:
-            httpx.post(f"{node.url}/start_profile", timeout=60).raise_for_status()
-        time.sleep(length_s)
-        for node in self.nodes:
-            stopped = httpx.post(f"{node.url}/stop_profile", timeout=600)
-            self.traces[f"{node.role}-{node.port}"] = stopped.json().get("trace") or stopped.text
+        self.traces = node_traces(self.nodes, lambda: time.sleep(length_s))
 
     def join(self) -> dict[str, str]:
         self.thread.join()
         return self.traces
+
+
+def node_traces(nodes: list, run: Callable[[], object]) -> dict[str, str]:
+    """The nodes' torch.profiler traces (their /start_profile, /stop_profile) around run(): the trace's
+    path by node ("role-port")."""
+    for node in nodes:
+        httpx.post(f"{node.url}/start_profile", timeout=60).raise_for_status()
+    run()
+    traces = {}
+    for node in nodes:
+        stopped = httpx.post(f"{node.url}/stop_profile", timeout=600)
+        traces[f"{node.role}-{node.port}"] = stopped.json().get("trace") or stopped.text
+    return traces
 
 
 def stop_profiles(samplers: list[subprocess.Popen]) -> None:
