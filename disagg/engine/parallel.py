@@ -4,17 +4,17 @@ The ranks of an engine are one driver (rank 0, the engine's own process) and `si
 processes (tp_workers.py). They meet at a TCPStore the driver hosts on 127.0.0.1 and form their own
 process group (gloo on the CPU, NCCL on CUDA), not torch.distributed's global one, so that an engine
 sets no state in the process it lives in (on CUDA but the name symmetric memory finds its group by,
-released with it). A group of size 1 runs no collective at all: TP=1 is the
-single-device engine, bit for bit.
+released with it). A group of size 1 runs no collective at all: TP=1 is the single-device engine,
+bit for bit.
 
 On CUDA, an all-reduce of up to ONE_SHOT_MAX_BYTES (a decode step's hidden states) is PyTorch's
 symmetric-memory one-shot all-reduce: in one kernel, each rank copies its part into a buffer every
 rank can read over NVLink and sums all of them itself; measured in CUDA graphs on two H200s
 (benchmarks/allreduce_h200x2.py, a copy and then the kernel), 7.4-9.4 µs against NCCL's 22-25 µs
 from 8 to 256 KiB. Larger ones, float16 ones, and GPUs where symmetric memory cannot be set up, go
-through NCCL. Unlike NCCL's, a one-shot kernel
-waiting for a dead rank is not ended by an abort: a serving node exits on its watchdog's word
-(AsyncEngine), but an offline LLM's step in flight then never ends.
+through NCCL. Unlike NCCL's, a one-shot kernel waiting for a dead rank is not ended by an abort: a
+serving node exits on its watchdog's word (AsyncEngine), but an offline LLM's step in flight then
+never ends.
 """
 
 import datetime
@@ -76,8 +76,8 @@ class TPGroup:
 
     def close(self) -> None:
         """Release the group: its NCCL communicator, and the name symmetric memory found it by. Every
-        rank calls it at about the same time (the driver right after it closes the workers' pipes, each
-        worker when its pipe ends): NCCL's abort returns once all ranks abort."""
+        rank calls it at about the same time (the driver right after it sends the workers `close`, each
+        worker as it takes that message: TPWorkers.stop): NCCL's abort returns once all ranks abort."""
         if self.one_shot is not None:
             torch._C._distributed_c10d._unregister_process_group(self.one_shot[1])
             self.one_shot = None
