@@ -10,7 +10,8 @@ it holds no request state beyond the last step.
 
 A rank that dies is seen at once: its collectives raise in the other ranks (its connections
 close), and a watchdog thread here names it and calls `on_death` (a serving node exits: AsyncEngine).
-A worker exits when the driver's pipe closes, and, should it be stuck where it never reads the pipe
+A worker exits on the driver's `close` (the engine's close: every rank releases the group) or when
+the driver's pipe closes (a failure, the driver's exit), and, should it be stuck where it never reads the pipe
 (a collective that waits for a driver killed mid-step: on CUDA a kernel that spins on the GPU for
 good), once its parent process is gone (`exit_with`), so none outlives its driver.
 """
