@@ -1,12 +1,14 @@
-"""The all-reduce of a TP=2 decode step, on two GPUs: NCCL against the engine's TPGroup.all_reduce
-(PyTorch's symmetric-memory one-shot all-reduce up to ONE_SHOT_MAX_BYTES: peer-to-peer loads over
-NVLink, no multicast), each inside a CUDA graph as the decode steps capture them.
+"""The all-reduces of a TP=2 engine, on two GPUs: NCCL against the engine's TPGroup.all_reduce (PyTorch's
+symmetric-memory one-shot all-reduce up to ONE_SHOT_MAX_BYTES: peer-to-peer loads over NVLink, no
+multicast) and, for larger parts, the engine's linear_sum (PyTorch's two-shot all-reduce, in place in the
+symmetric buffer the product was written into: `two_shot_in_place`).
 
 One process a GPU, each forming its group with TPGroup.join, as the engine's ranks do. Sizes: a decode step's hidden
 states at batch 1, 8, 32, 128 and 256 of the 8B shape (4,096 bf16 values a token: 8 KiB to 2 MiB), and a 4,096-token
-prefill's (32 MiB). Per size and kind: µs per all-reduce (a graph of 64 replayed 20 times, median of 5), and whether
-the sum is right. Above ONE_SHOT_MAX_BYTES also PyTorch's two-shot all-reduce over symmetric memory (`two_shot`:
-a copy into the symmetric buffer, then a reduce-scatter and an all-gather by NVLink loads).
+prefill's (32 MiB). Per size and kind: µs per all-reduce, in a CUDA graph as the decode steps capture them (a graph
+of 64 replayed 20 times, median of 5) and launched one by one as a prefill's are (`eager_us`), and whether the sum is
+right. Above ONE_SHOT_MAX_BYTES also the alternatives to the in-place two-shot: `two_shot` (a copy into the buffer
+first, as an all-reduce of a tensor of its own needs) and `one_shot_large` (each rank reads every rank's whole part).
 
     python benchmarks/allreduce_h200x2.py --json out.json
 """
@@ -18,7 +20,7 @@ import statistics
 import torch
 import torch.multiprocessing as mp
 
-from disagg.engine.parallel import ONE_SHOT_MAX_BYTES, TPGroup
+from disagg.engine.parallel import ONE_SHOT_MAX_BYTES, TPGroup, symmetric_bytes
 
 HIDDEN = 4096
 GRAPH_OPS = 64
@@ -49,42 +51,70 @@ def time_in_graph(op, x: torch.Tensor) -> float:
     return statistics.median(samples)
 
 
+def time_eager(op, x: torch.Tensor) -> float:
+    """µs per op launched one by one, as a prefill's all-reduces are: GRAPH_OPS ops, median of 5."""
+    for _ in range(3):
+        op(x)
+    samples = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(GRAPH_OPS):
+            op(x)
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) * 1000 / GRAPH_OPS)
+    return statistics.median(samples)
+
+
 def worker(rank: int, size: int, port: int, sizes: list[int], queue) -> None:
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     store = TPGroup.host_store(size) if rank == 0 else None
     if rank == 0:
         queue.put(store.port)
-    tp = TPGroup.join(rank, size, device, store=store, port=None if rank == 0 else port)
+    tp = TPGroup.join(rank, size, device, store=store, port=None if rank == 0 else port,
+                      symmetric_bytes=symmetric_bytes(max(sizes) // HIDDEN, HIDDEN, torch.bfloat16))
 
     def nccl(x: torch.Tensor) -> torch.Tensor:
         tp.pg.allreduce([x]).wait()
         return x
 
     kinds = {"nccl": nccl, "engine": tp.all_reduce}  # engine: one-shot up to ONE_SHOT_MAX_BYTES
-    result: dict = {"one_shot_set_up": tp.one_shot is not None}
+    result: dict = {"symmetric_set_up": tp.symmetric is not None}
     large = [numel for numel in sizes if numel * 2 > ONE_SHOT_MAX_BYTES]
-    if large and tp.one_shot is not None:  # PyTorch's two-shot all-reduce, for a prefill's larger messages
-        import torch.distributed._symmetric_memory as symm_mem
-
-        group_name = tp.one_shot[1]
-        buffer = symm_mem.empty(max(large), dtype=torch.bfloat16, device=device)
-        symm_mem.rendezvous(buffer, group_name)
+    if large and tp.symmetric is not None:  # a prefill's larger parts, in the engine's symmetric buffer
+        raw, group_name, _ = tp.symmetric
+        buffer = raw.view(torch.bfloat16)
 
         def two_shot(x: torch.Tensor) -> torch.Tensor:
             part = buffer[:x.numel()]
             part.copy_(x)
             return torch.ops.symm_mem.two_shot_all_reduce_out(part, "sum", group_name, x)
 
+        def two_shot_in_place(x: torch.Tensor) -> torch.Tensor:  # x already in the symmetric buffer
+            part = buffer[:x.numel()]
+            torch.ops.symm_mem.two_shot_all_reduce_(part, "sum", group_name)
+            return part
+
+        def one_shot_large(x: torch.Tensor) -> torch.Tensor:
+            part = buffer[:x.numel()]
+            return torch.ops.symm_mem.one_shot_all_reduce_out(part, "sum", group_name, x)
+
         kinds["two_shot"] = two_shot
+        kinds["two_shot_in_place"] = two_shot_in_place
+        kinds["one_shot_large"] = one_shot_large
     for numel in sizes:
         for name, op in kinds.items():
-            if name == "two_shot" and numel not in large:
+            if name in ("two_shot", "two_shot_in_place", "one_shot_large") and numel not in large:
                 continue
             key = f"{name}/{numel * 2 // 1024}KiB"
             x = torch.full((numel,), float(rank + 1), dtype=torch.bfloat16, device=device)
+            if name in ("two_shot_in_place", "one_shot_large"):
+                buffer[:numel].copy_(x)
             ok = bool((op(x.clone()) == sum(range(1, size + 1))).all())
-            result[key] = {"us": round(time_in_graph(op, x), 2), "correct": ok}
+            result[key] = {"us": round(time_in_graph(op, x), 2), "eager_us": round(time_eager(op, x), 2), "correct": ok}
             torch.cuda.synchronize()
     if rank == 0:
         queue.put(result)

@@ -65,8 +65,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "it spawns, on GPUs DEVICE..DEVICE+N-1 (NCCL), or all on the CPU (gloo); prefill "
                              "and decode nodes may differ in it")
     parser.add_argument("--disable-custom-all-reduce", action="store_true",
-                        help="tensor parallelism on CUDA: every all-reduce through NCCL (by default those of up to "
-                             "1 MiB, a decode step's, are one-shot over symmetric memory)")
+                        help="tensor parallelism on CUDA: every all-reduce through NCCL (by default they go over "
+                             "symmetric memory: one-shot up to 1 MiB, a decode step's; a prefill's two-shot)")
     parser.add_argument("--attention-backend", choices=["sdpa", "triton"], default=None,
                         help="default: triton on CUDA, sdpa on the CPU")
     parser.add_argument("--kv-offloading-size", type=float, default=0.0,

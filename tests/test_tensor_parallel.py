@@ -23,7 +23,7 @@ from disagg.engine.kv_cache import KVCache
 from disagg.engine.llm import LLM
 from disagg.engine.loader import load_config
 from disagg.engine.models.llama import LlamaConfig, shard_plan
-from disagg.engine.parallel import TPGroup
+from disagg.engine.parallel import ONE_SHOT_MAX_BYTES, TPGroup, symmetric_bytes
 from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.scheduler import ScheduledSeq
 from disagg.engine.sequence import Sequence
@@ -89,6 +89,37 @@ def test_all_reduce_takes_one_shot_only_for_the_dtypes_its_kernel_has(monkeypatc
     tp.all_reduce(torch.ones(1 << 20, dtype=torch.bfloat16))  # 2 MiB
     assert one_shot == [torch.bfloat16, torch.float32]
     assert pg.calls == [torch.float16, torch.bfloat16]
+
+
+def test_a_prefill_s_row_parallel_product_is_summed_in_the_symmetric_buffer(monkeypatch):
+    """A product larger than a one-shot part is written into the symmetric buffer and summed there in
+    place (two-shot: here a stand-in that adds a second rank's equal part); a decode step's goes one-shot,
+    and one larger than the buffer, or float16, through the process group."""
+    two_shot, one_shot = [], []
+
+    def fake_two_shot(x, op, name):  # every rank computed the same product: the sum is twice it
+        two_shot.append((x.shape, name))
+        x.mul_(2)
+        return x
+
+    monkeypatch.setattr(torch.ops.symm_mem, "two_shot_all_reduce_", fake_two_shot, raising=False)
+    monkeypatch.setattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out",
+                        lambda buffer, x, op, name, out: one_shot.append(x.shape), raising=False)
+    pg = RecordingGroup()
+    buffer = torch.zeros(symmetric_bytes(2048, 256, torch.float32), dtype=torch.uint8)
+    assert buffer.nbytes == 2048 * 256 * 4 > ONE_SHOT_MAX_BYTES
+    tp = TPGroup(0, 2, torch.device("cpu"), pg, (buffer, "g", None))
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(32, 256, bias=False).requires_grad_(False)  # as loaded
+    x = torch.randn(2048, 32)
+    out = tp.linear_sum(x, linear)
+    assert out.data_ptr() == buffer.data_ptr() and two_shot == [((2048, 256), "g")]
+    torch.testing.assert_close(out, 2 * linear(x))
+    tp.linear_sum(x[:16], linear)  # 16 KiB: one-shot
+    assert one_shot == [(16 * 256,)]
+    tp.linear_sum(torch.randn(2049, 32), linear)  # one token more than the buffer holds
+    tp.linear_sum(torch.randn(2048, 32, dtype=torch.float16), linear.half())
+    assert pg.calls == [torch.float32, torch.float16] and len(two_shot) == 1
 
 
 def test_a_worker_mirrors_the_driver_s_sequences_step_by_step():

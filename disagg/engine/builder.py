@@ -141,7 +141,7 @@ def build_runner(config: EngineConfig, model_dir: Path, mc: LlamaConfig, device:
     check_tensor_parallel(config, mc, device)
     if config.tensor_parallel_size == 1:
         return build_rank_runner(config, model_dir, mc, device, dtype, TPGroup.single(device))
-    workers, tp = TPWorkers.start(config, model_dir, dtype, device)
+    workers, tp = TPWorkers.start(config, model_dir, mc.hidden_size, dtype, device)
     try:
         runner = build_rank_runner(config, model_dir, mc, device, dtype, tp)
     except BaseException:

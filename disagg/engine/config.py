@@ -24,7 +24,7 @@ class EngineConfig:
     # Ranks the model is sharded over (Megatron-style): this process and N - 1 worker processes, one
     # device each on CUDA (cuda:i .. cuda:i+N-1 from device cuda:i); on the CPU all share it.
     tensor_parallel_size: int = 1
-    # vLLM's: CUDA all-reduces through NCCL only, not the one-shot over symmetric memory (parallel.py).
+    # vLLM's: CUDA all-reduces through NCCL only, none over symmetric memory (parallel.py).
     disable_custom_all_reduce: bool = False
     enforce_eager: bool = False  # CUDA: no decode graphs
     # Greedy decode steps launched before the step in flight is read back (LLMEngine._step_ahead).

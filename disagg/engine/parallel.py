@@ -7,14 +7,18 @@ sets no state in the process it lives in (on CUDA but the name symmetric memory 
 released with it). A group of size 1 runs no collective at all: TP=1 is the single-device engine,
 bit for bit.
 
-On CUDA, an all-reduce of up to ONE_SHOT_MAX_BYTES (a decode step's hidden states) is PyTorch's
-symmetric-memory one-shot all-reduce: in one kernel, each rank copies its part into a buffer every
-rank can read over NVLink and sums all of them itself; measured in CUDA graphs on two H200s
-(benchmarks/allreduce_h200x2.py, a copy and then the kernel), 7.4-9.4 µs against NCCL's 22-25 µs
-from 8 to 256 KiB. Larger ones, float16 ones, and GPUs where symmetric memory cannot be set up, go
-through NCCL. Unlike NCCL's, a one-shot kernel waiting for a dead rank is not ended by an abort: a
-serving node exits on its watchdog's word (AsyncEngine), but an offline LLM's step in flight then
-never ends.
+On CUDA, each rank sets up a buffer of symmetric memory (every rank can read and write every rank's
+over NVLink). An all-reduce of up to ONE_SHOT_MAX_BYTES (a decode step's hidden states) is PyTorch's
+one-shot all-reduce: in one kernel, each rank copies its part into its buffer and sums all of them
+itself; measured in CUDA graphs on two H200s (benchmarks/allreduce_h200x2.py), 6.7-9.3 µs against
+NCCL's 23-25 µs from 8 to 256 KiB. A larger row-parallel product (a prefill's, `linear_sum`) is
+written straight into the buffer and summed there by PyTorch's two-shot all-reduce, in place: 111 µs
+against NCCL's 138 µs for a 4,096-token prefill's 32 MiB, 215 against 250 µs at 64 MiB (the copy
+in that an all-reduce of a tensor of its own would need costs back most of the gain: 147 µs).
+Anything larger than the buffer, float16 parts, and GPUs where symmetric memory cannot be set up, go
+through NCCL. Unlike NCCL's, a symmetric-memory kernel waiting for a dead rank is not ended by an
+abort: a serving node exits on its watchdog's word (AsyncEngine), but an offline LLM's step in flight
+then never ends.
 """
 
 import datetime
@@ -24,6 +28,7 @@ import uuid
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +38,10 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 # Workers join right after they start (imports only), before they load their shards.
 RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=2)
 ONE_SHOT_MAX_BYTES = 1 << 20  # 128 tokens of a 4,096-wide bf16 model
-ONE_SHOT_DTYPES = (torch.bfloat16, torch.float32)  # PyTorch's kernel has no float16
+# The symmetric buffer holds a step's row-parallel product up to this (vLLM's and SGLang's bound for
+# their symmetric-memory all-reduce on Hopper).
+TWO_SHOT_MAX_BYTES = 64 << 20
+SYMMETRIC_DTYPES = (torch.bfloat16, torch.float32)  # PyTorch's kernels have no float16
 # NCCL's abort waits for every rank's (it frees memory the others may still read), and for the CUDA
 # graphs that captured its collectives: a rank killed before its own abort never comes, and the
 # abort is then left unfinished after this long.
@@ -41,14 +49,14 @@ ABORT_WAIT_S = 10
 
 
 class TPGroup:
-    def __init__(self, rank: int, size: int, device: torch.device, pg=None, one_shot: tuple | None = None):
+    def __init__(self, rank: int, size: int, device: torch.device, pg=None, symmetric: tuple | None = None):
         self.rank = rank
         self.size = size
         self.device = device  # this rank's
         self.pg = pg  # None when size == 1
         # (symmetric buffer, group name, the group registered under it), on CUDA where it could be set up;
         # the registry holds the group weakly, so it is kept here
-        self.one_shot = one_shot
+        self.symmetric = symmetric
 
     @classmethod
     def single(cls, device: torch.device) -> "TPGroup":
@@ -62,9 +70,10 @@ class TPGroup:
 
     @classmethod
     def join(cls, rank: int, size: int, device: torch.device, store: dist.TCPStore | None = None,
-             port: int | None = None, one_shot: bool = True) -> "TPGroup":
-        """Form the group: the driver passes its store, a worker the store's port. one_shot: small CUDA
-        all-reduces one-shot over symmetric memory where it can be set up (all ranks pass the same)."""
+             port: int | None = None, symmetric_bytes: int = 0) -> "TPGroup":
+        """Form the group: the driver passes its store, a worker the store's port. symmetric_bytes: on
+        CUDA, the symmetric buffer each rank sets up where it can (0: every all-reduce through NCCL;
+        all ranks pass the same)."""
         if store is None:
             store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
         if device.type != "cuda":
@@ -72,15 +81,16 @@ class TPGroup:
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = COLLECTIVE_TIMEOUT
         pg = dist.ProcessGroupNCCL(store, rank, size, options)
-        return cls(rank, size, device, pg, one_shot_buffer(store, pg, rank, size, device) if one_shot else None)
+        return cls(rank, size, device, pg,
+                   symmetric_buffer(store, pg, rank, size, device, symmetric_bytes) if symmetric_bytes else None)
 
     def close(self) -> None:
         """Release the group: its NCCL communicator, and the name symmetric memory found it by. Every
         rank calls it at about the same time (the driver right after it sends the workers `close`, each
         worker as it takes that message: TPWorkers.stop): NCCL's abort returns once all ranks abort."""
-        if self.one_shot is not None:
-            torch._C._distributed_c10d._unregister_process_group(self.one_shot[1])
-            self.one_shot = None
+        if self.symmetric is not None:
+            torch._C._distributed_c10d._unregister_process_group(self.symmetric[1])
+            self.symmetric = None
         if self.pg is None or self.device.type != "cuda":
             return
         abort = threading.Thread(target=self.pg.abort, name="tp-abort", daemon=True)
@@ -98,15 +108,34 @@ class TPGroup:
         """The sum over ranks, in place (row-parallel products' partial sums)."""
         if self.size == 1:
             return x
-        one_shot = self.one_shot  # read once: close() may drop it from another thread
-        if (one_shot is not None and x.nbytes <= ONE_SHOT_MAX_BYTES and x.is_contiguous()
-                and x.dtype in ONE_SHOT_DTYPES):
-            buffer, name, _ = one_shot
+        symmetric = self.symmetric  # read once: close() may drop it from another thread
+        if (symmetric is not None and x.nbytes <= ONE_SHOT_MAX_BYTES and x.is_contiguous()
+                and x.dtype in SYMMETRIC_DTYPES):
+            buffer, name, _ = symmetric
             flat = x.view(-1)  # the kernel copies it into this rank's buffer itself, then sums every rank's
             torch.ops.symm_mem.one_shot_all_reduce_copy_out(buffer[:x.nbytes].view(x.dtype), flat, "sum", name, flat)
         else:
             self.pg.allreduce([x]).wait()
         return x
+
+    def linear_sum(self, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+        """linear(x) summed over ranks: a row-parallel product (no bias). One larger than a one-shot
+        all-reduce takes is written into this rank's symmetric buffer and summed there, two-shot and in
+        place; the result is then a view of that buffer, valid until the group's next linear_sum (the
+        layer's next norm reads it first)."""
+        if self.size == 1:
+            return linear(x)
+        symmetric = self.symmetric
+        nbytes = x.shape[0] * linear.out_features * x.element_size()
+        if (symmetric is None or nbytes <= ONE_SHOT_MAX_BYTES or nbytes > symmetric[0].nbytes
+                or x.dtype not in SYMMETRIC_DTYPES):
+            return self.all_reduce(linear(x))
+        buffer, name, _ = symmetric
+        out = buffer[:nbytes].view(x.dtype).view(x.shape[0], linear.out_features)
+        torch.mm(x, linear.weight.t(), out=out)
+        # Its last barrier waits for every rank's writes and reads: the next product may overwrite the buffer.
+        torch.ops.symm_mem.two_shot_all_reduce_(out, "sum", name)
+        return out
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's x (all of the same shape), in rank order."""
@@ -133,28 +162,36 @@ class TPGroup:
         return int(t.item())
 
 
+def symmetric_bytes(max_tokens: int, hidden_size: int, dtype: torch.dtype) -> int:
+    """The symmetric buffer for a step of up to max_tokens tokens: its row-parallel product, up to
+    TWO_SHOT_MAX_BYTES, and at least a one-shot all-reduce's part."""
+    return max(ONE_SHOT_MAX_BYTES, min(TWO_SHOT_MAX_BYTES, max_tokens * hidden_size * dtype.itemsize))
+
+
 # PyTorch's symmetric memory numbers its store exchanges per process: a driver's second group would wait for
 # keys its fresh workers write under other numbers (until the rendezvous times out). So the first group
-# of a process gets one-shot all-reduces and any later one (a test's second engine) NCCL's.
+# of a process gets symmetric memory and any later one (a test's second engine) NCCL's all-reduces.
 _symmetric_memory_used = False
 
 
-def one_shot_buffer(store: dist.Store, pg, rank: int, size: int, device: torch.device) -> tuple | None:
-    """Every rank's symmetric buffer for one-shot all-reduces, the name its group is known by and that group;
+def symmetric_buffer(store: dist.Store, pg, rank: int, size: int, device: torch.device,
+                     nbytes: int) -> tuple | None:
+    """Every rank's symmetric buffer of nbytes, the name its group is known by and that group;
     None (NCCL all-reduces only) where PyTorch or the GPUs cannot set it up. Collective: every rank
     calls it right after forming the group."""
     global _symmetric_memory_used
     if rank == 0:  # "" when this process set up symmetric memory before: see _symmetric_memory_used
-        store.set("one_shot_group", "" if _symmetric_memory_used else f"disagg-tp-{uuid.uuid4().hex}")
+        store.set("symmetric_group", "" if _symmetric_memory_used else f"disagg-tp-{uuid.uuid4().hex}")
         _symmetric_memory_used = True
-    name = store.get("one_shot_group").decode()
+    name = store.get("symmetric_group").decode()
     if not name:
         logger.info("rank %d: every all-reduce goes through NCCL (symmetric memory serves one group a process)", rank)
         return None
     try:
         import torch.distributed._symmetric_memory as symm_mem
 
-        torch.ops.symm_mem.one_shot_all_reduce_copy_out  # noqa: B018  raises where this PyTorch lacks it
+        torch.ops.symm_mem.one_shot_all_reduce_copy_out  # noqa: B018  raise where this PyTorch lacks them
+        torch.ops.symm_mem.two_shot_all_reduce_  # noqa: B018
         # Symmetric memory finds its group by a registered name; ours is private (not in the global
         # world), so it is wrapped and registered under a name of its own.
         group = dist.ProcessGroup(store, rank, size)
@@ -162,17 +199,18 @@ def one_shot_buffer(store: dist.Store, pg, rank: int, size: int, device: torch.d
         group._register_backend(device, dist.ProcessGroup.BackendType.NCCL, pg)
         group._set_group_name(name)
         torch._C._distributed_c10d._register_process_group(name, group)
-        buffer = symm_mem.empty(ONE_SHOT_MAX_BYTES, dtype=torch.uint8, device=device)
+        buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(buffer, name)
         why = ""
     except Exception as e:  # noqa: BLE001  any reason: the all-reduces go through NCCL, as they can anywhere
         buffer, why = None, str(e) or type(e).__name__
     # Every rank must take the same path: one-shot only where every rank could set it up.
-    store.set(f"one_shot_ok/{rank}", "0" if why else "1")
-    if all(store.get(f"one_shot_ok/{r}") == b"1" for r in range(size)):
+    store.set(f"symmetric_ok/{rank}", "0" if why else "1")
+    if all(store.get(f"symmetric_ok/{r}") == b"1" for r in range(size)):
         if rank == 0:
-            logger.info("all-reduces of up to %d KiB are one-shot, over symmetric memory", ONE_SHOT_MAX_BYTES >> 10)
+            logger.info("all-reduces over symmetric memory: one-shot up to %d KiB, row-parallel products two-shot "
+                        "up to %d MiB", ONE_SHOT_MAX_BYTES >> 10, nbytes >> 20)
         return buffer, name, group
-    logger.warning("rank %d: no one-shot all-reduce over symmetric memory (%s): every all-reduce goes through "
+    logger.warning("rank %d: no all-reduce over symmetric memory (%s): every all-reduce goes through "
                    "NCCL", rank, why or "another rank could not set it up")
     return None

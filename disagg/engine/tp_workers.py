@@ -33,7 +33,7 @@ import torch
 import torch.multiprocessing as mp
 
 from disagg.engine.config import EngineConfig
-from disagg.engine.parallel import TPGroup
+from disagg.engine.parallel import TPGroup, symmetric_bytes
 from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.scheduler import ScheduledSeq
 from disagg.engine.sequence import KVExport, Sequence
@@ -114,7 +114,7 @@ class TPWorkers:
         atexit.register(self.stop)  # before multiprocessing's own exit handler terminates them
 
     @classmethod
-    def start(cls, config: EngineConfig, model_dir: Path, dtype: torch.dtype,
+    def start(cls, config: EngineConfig, model_dir: Path, hidden_size: int, dtype: torch.dtype,
               device: torch.device) -> tuple["TPWorkers", TPGroup]:
         """Spawn ranks 1..N-1 and form the group with them as rank 0; returns it once all have joined
         (before they load their shards)."""
@@ -137,7 +137,8 @@ class TPWorkers:
             pipes.append(send)
         workers = cls(processes, pipes)
         workers.channels = channels
-        workers.tp = TPGroup.join(0, size, device, store=store, one_shot=not config.disable_custom_all_reduce)
+        workers.tp = TPGroup.join(0, size, device, store=store,
+                                  symmetric_bytes=symmetric_bytes_for(config, hidden_size, dtype))
         logger.info("tensor parallelism %d: rank 0 here (pid %d) on %s, ranks %s", size, os.getpid(),
                     device, ", ".join(f"{r} (pid {p.pid}) on {rank_device(device, r)}"
                                       for r, p in enumerate(processes, 1)))
@@ -208,6 +209,11 @@ class TPWorkers:
         self.on_death(self.dead)
 
 
+def symmetric_bytes_for(config: EngineConfig, hidden_size: int, dtype: torch.dtype) -> int:
+    """Each rank's symmetric buffer (parallel.py): none under vLLM's --disable-custom-all-reduce."""
+    return 0 if config.disable_custom_all_reduce else symmetric_bytes(config.max_num_batched_tokens, hidden_size, dtype)
+
+
 def worker_main(config: EngineConfig, model_dir: Path, dtype: torch.dtype, device: torch.device, rank: int,
                 port: int, pipe, num_threads: int, log_level: int, channel) -> None:
     """A worker rank: join the group, build this rank's runner, then run each step the driver sends."""
@@ -225,9 +231,10 @@ def worker_main(config: EngineConfig, model_dir: Path, dtype: torch.dtype, devic
     device = rank_device(device, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    mc = load_config(model_dir)
     tp = TPGroup.join(rank, config.tensor_parallel_size, device, port=port,
-                      one_shot=not config.disable_custom_all_reduce)
-    runner = build_rank_runner(config, model_dir, load_config(model_dir), device, dtype, tp)
+                      symmetric_bytes=symmetric_bytes_for(config, mc.hidden_size, dtype))
+    runner = build_rank_runner(config, model_dir, mc, device, dtype, tp)
     export_put = None  # what gets this rank's KV heads of an export with own_heads, by request id
     if channel is not None:
         export_put = config.rank_service(rank, runner.kv_cache, channel)

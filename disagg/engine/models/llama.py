@@ -215,7 +215,7 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
         out = attention.forward(self.layer_idx, q, k, v, meta)
-        return self.tp.all_reduce(self.o_proj(out.reshape(T, q_size)))
+        return self.tp.linear_sum(out.reshape(T, q_size), self.o_proj)
 
 
 class MLP(nn.Module):
@@ -236,8 +236,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_ops is None:
-            return self.tp.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
-        return self.tp.all_reduce(self.down_proj(self.fused_ops.silu_mul(self.gate_up_proj(x))))
+            return self.tp.linear_sum(F.silu(self.gate_proj(x)) * self.up_proj(x), self.down_proj)
+        return self.tp.linear_sum(self.fused_ops.silu_mul(self.gate_up_proj(x)), self.down_proj)
 
 
 def fuse_linears(*linears: nn.Linear) -> nn.Linear:
