@@ -94,7 +94,7 @@ def test_all_reduce_takes_one_shot_only_for_the_dtypes_its_kernel_has(monkeypatc
 def test_a_prefill_s_row_parallel_product_is_summed_in_the_symmetric_buffer(monkeypatch):
     """A product larger than a one-shot part is written into the symmetric buffer and summed there in
     place (two-shot: here a stand-in that adds a second rank's equal part); a decode step's goes one-shot,
-    and one larger than the buffer, or float16, through the process group."""
+    and one larger than the buffer, with a bias, or float16, through the process group."""
     two_shot, one_shot = [], []
 
     def fake_two_shot(x, op, name):  # every rank computed the same product: the sum is twice it
@@ -118,8 +118,9 @@ def test_a_prefill_s_row_parallel_product_is_summed_in_the_symmetric_buffer(monk
     tp.linear_sum(x[:16], linear)  # 16 KiB: one-shot
     assert one_shot == [(16 * 256,)]
     tp.linear_sum(torch.randn(2049, 32), linear)  # one token more than the buffer holds
+    tp.linear_sum(x, torch.nn.Linear(32, 256).requires_grad_(False))  # a bias: the product's own tensor
     tp.linear_sum(torch.randn(2048, 32, dtype=torch.float16), linear.half())
-    assert pg.calls == [torch.float32, torch.float16] and len(two_shot) == 1
+    assert pg.calls == [torch.float32, torch.float32, torch.float16] and len(two_shot) == 1
 
 
 def test_a_worker_mirrors_the_driver_s_sequences_step_by_step():

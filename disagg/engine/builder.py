@@ -195,7 +195,7 @@ def build_rank_runner(config: EngineConfig, model_dir: Path, mc: LlamaConfig, de
         from disagg.engine.cuda_graphs import DecodeGraphs  # Triton is needed on CUDA only
 
         if tp.size > 1:
-            logger.info("%sthe decode CUDA graphs capture the NCCL all-reduces and the logits' all-gather "
+            logger.info("%sthe decode CUDA graphs capture the all-reduces and the logits' all-gather "
                         "(--enforce-eager runs them eagerly)", rank)
         graphs = DecodeGraphs(model, attention, config.max_num_seqs)
     return ModelRunner(model, attention, graphs, max_model_len)

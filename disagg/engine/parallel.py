@@ -119,16 +119,16 @@ class TPGroup:
         return x
 
     def linear_sum(self, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
-        """linear(x) summed over ranks: a row-parallel product (no bias). One larger than a one-shot
-        all-reduce takes is written into this rank's symmetric buffer and summed there, two-shot and in
-        place; the result is then a view of that buffer, valid until the group's next linear_sum (the
-        layer's next norm reads it first)."""
+        """linear(x) summed over ranks: a row-parallel product of tokens [T, in]. One larger than a
+        one-shot all-reduce takes is written into this rank's symmetric buffer and summed there, two-shot
+        and in place; the result is then a view of that buffer, valid until the group's next linear_sum
+        or all_reduce, which write there too (the layer's next norm reads it first)."""
         if self.size == 1:
             return linear(x)
         symmetric = self.symmetric
         nbytes = x.shape[0] * linear.out_features * x.element_size()
         if (symmetric is None or nbytes <= ONE_SHOT_MAX_BYTES or nbytes > symmetric[0].nbytes
-                or x.dtype not in SYMMETRIC_DTYPES):
+                or x.dtype not in SYMMETRIC_DTYPES or linear.bias is not None):
             return self.all_reduce(linear(x))
         buffer, name, _ = symmetric
         out = buffer[:nbytes].view(x.dtype).view(x.shape[0], linear.out_features)
