@@ -26,6 +26,20 @@ HIDDEN = 4096
 GRAPH_OPS = 64
 
 
+def median_us(run, ops: int) -> float:
+    """µs per op of run(), which queues `ops` ops: median of 5 timings on the GPU's clock."""
+    samples = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) * 1000 / ops)
+    return statistics.median(samples)
+
+
 def time_in_graph(op, x: torch.Tensor) -> float:
     """µs per op: GRAPH_OPS ops captured in one graph, replayed 20 times, median of 5."""
     stream = torch.cuda.Stream()
@@ -38,34 +52,24 @@ def time_in_graph(op, x: torch.Tensor) -> float:
     with torch.cuda.graph(graph):
         for _ in range(GRAPH_OPS):
             op(x)
-    samples = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+
+    def replay() -> None:
         for _ in range(20):
             graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) * 1000 / (20 * GRAPH_OPS))
-    return statistics.median(samples)
+
+    return median_us(replay, 20 * GRAPH_OPS)
 
 
 def time_eager(op, x: torch.Tensor) -> float:
     """µs per op launched one by one, as a prefill's all-reduces are: GRAPH_OPS ops, median of 5."""
     for _ in range(3):
         op(x)
-    samples = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+
+    def launch() -> None:
         for _ in range(GRAPH_OPS):
             op(x)
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) * 1000 / GRAPH_OPS)
-    return statistics.median(samples)
+
+    return median_us(launch, GRAPH_OPS)
 
 
 def worker(rank: int, size: int, port: int, sizes: list[int], queue) -> None:
