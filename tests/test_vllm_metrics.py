@@ -177,8 +177,14 @@ def test_start_and_stop_profile_trace_each_node_of_a_pair(pair_1p1d):
         assert stopped.status_code == 200, stopped.text
         with gzip.open(stopped.json()["trace"]) as f:
             names = {event.get("name") for event in json.load(f)["traceEvents"]}
-        # The model's forward ran on each node while the profiler ran: its matrix products are in the trace.
+        # The model's forward ran on each node while the profiler ran: its matrix products are in the trace,
+        # within steps named by their batch (the prefill node's computes the prompt, the decode node's decode).
         assert names & {"aten::mm", "aten::addmm", "aten::linear"}, f"{node.role}: {sorted(names)[:40]}"
+        steps = [name for name in names if name and name.startswith("disagg_step ")]
+        if node is prefill:
+            assert any(re.fullmatch(r"disagg_step seqs=1 prompt_tokens=[1-9]\d* context=\d+", s) for s in steps), steps
+        else:
+            assert any(re.fullmatch(r"disagg_step seqs=1 prompt_tokens=0 context=[1-9]\d*", s) for s in steps), steps
 
 
 def test_request_stats_times_and_prompt_sources():
