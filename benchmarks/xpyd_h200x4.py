@@ -114,6 +114,8 @@ def goodput_phase(args: argparse.Namespace, model: Path) -> dict:
     for workload in args.workloads.split(","):
         rates = getattr(args, f"rates_{workload}").split(",")
         w = result[workload] = {"runs": {}}
+        if args.slo_from:  # an earlier call's SLO: this call need not start with colocated_x4
+            w["slo"] = json.loads(Path(args.slo_from).read_text())["goodput"][workload]["slo"]
         for name in args.layouts.split(","):
             with layout(args, model, name, Path(args.work) / f"logs-{workload}-{name}") as (url, fronts):
                 for system in fronts:
@@ -121,8 +123,8 @@ def goodput_phase(args: argparse.Namespace, model: Path) -> dict:
                 serve_once(url, args, workload, rates[len(rates) // 2], 8, 99, [])  # loaded batches of its shape
                 if "slo" not in w:
                     if name != "colocated_x4":
-                        raise ValueError("--layouts must start with colocated_x4: its unloaded TTFT and TPOT set "
-                                         "the SLO")
+                        raise ValueError("--layouts must start with colocated_x4 (its unloaded TTFT and TPOT set "
+                                         "the SLO), or --slo-from name an earlier call's goodput JSON")
                     w["unloaded"] = serve_once(fronts[0].front.url, args, workload, "inf", 6, 100, [],
                                                max_concurrency=1)
                     ttft, tpot = w["unloaded"]["median_ttft_ms"], w["unloaded"]["median_tpot_ms"]
@@ -263,6 +265,8 @@ def main() -> int:
     ap.add_argument("--work", default="/tmp/xpyd_h200x4")
     ap.add_argument("--workloads", default="4k,chat", help=f"of {', '.join(WORKLOADS)}")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="colocated_x4 first (it sets the SLO)")
+    ap.add_argument("--slo-from", help="goodput: the SLO of an earlier call's goodput JSON, for calls that add "
+                                       "layouts or rates without colocated_x4 (merge them with --merge)")
     # Around where four colocated nodes may hold the tight SLO: on the pair, two held it at 1.5 req/s of
     # 4k prompts and none at 4 req/s of chat (BENCHMARKS, "goodput under Poisson load").
     ap.add_argument("--rates-4k", default="2,3,4.5,6")

@@ -4,7 +4,8 @@
 # PHASE: tests (the 2-GPU engine and pipe tests), 4k or chat (xpyd_h200x4.py's goodput phase for that
 # workload: colocated x4 first, then $LAYOUTS (of 1p3d, 2p2d, 3p1d, tp2p2d: one TP=2 prefill node and 2
 # decode nodes), rates $RATES_4K / $RATES_CHAT, $NUM_REQUESTS a rate),
-# plan (`disagg plan` against the goodput JSON files already under $OUT); ASYNC=1: every node with
+# plan (`disagg plan` against the goodput JSON files already under $OUT); SLO_FROM: a goodput JSON of an
+# earlier call whose SLO this one keeps (then $LAYOUTS need not start with colocated_x4); ASYNC=1: every node with
 # --async-scheduling; SEED: the arrivals' seed (as handoff_pair_run.sh's). Each writes its JSON and log under
 # $OUT; a later call merges them:
 # xpyd_h200x4.py --merge 4k.json chat.json plan.json --json ...
@@ -18,7 +19,7 @@ for phase in "$@"; do
     4k|chat)
         python3 benchmarks/xpyd_h200x4.py "${common[@]}" --phase goodput --workloads "$phase" \
             --layouts "${LAYOUTS:-colocated_x4,1p3d,2p2d,3p1d}" \
-            ${RATES_4K:+--rates-4k $RATES_4K} ${RATES_CHAT:+--rates-chat $RATES_CHAT} \
+            ${RATES_4K:+--rates-4k $RATES_4K} ${RATES_CHAT:+--rates-chat $RATES_CHAT} ${SLO_FROM:+--slo-from $SLO_FROM} \
             --json "$out/$phase.json" 2>&1 | tee "$out/$phase.log" | tail -30 ;;
     plan)
         python3 benchmarks/xpyd_h200x4.py --tokenizer-dir .device/tok --phase plan ${ASYNC:+--async-scheduling} \
