@@ -2,7 +2,7 @@
 # One call on the H200 pair (nvidia-h200-x2), after benchmarks/device_setup.sh here:
 #   bash benchmarks/handoff_pair_run.sh PHASE...     carry [".whl", ".device"]
 # PHASE: tests (the 2-GPU handoff tests), ttft (layer-wise, then whole, or $MODES; $LENS; PROFILE=1: then one
-# request of each length under both 1P1D nodes' torch.profiler, traces into $OUT), goodput
+# request of each length under both 1P1D nodes' torch.profiler, traces into $OUT/ttft_MODE_traces.tar), goodput
 # (layer-wise; $WORKLOADS, rates $RATES_4K / $RATES_CHAT; PROFILE=1 runs py-spy on the pair's nodes and takes
 # torch.profiler traces, PYSPY=1 py-spy alone on a decoding node of each system; CONNECTOR: the KV pipe, torch_dist
 # unless set; ASYNC=1: every node with --async-scheduling (ttft and goodput); SEED: the arrivals' seed (7 + the
@@ -11,8 +11,9 @@
 # cache (issue 26: cache_aware against least_loaded routing, 2P2D over tcp, shared 4k prefixes; rates
 # $RATES_CACHE, $REPEATS_CACHE runs of each, REMOTE_PREFILL=auto|always for the decode nodes, DECODE_KV their
 # KV cache, 16GiB unless set), tp (issue 27: the all-reduce alone, then TP=2 against TP=1 in the engine; ASYNC=1 for
-# --async-scheduling, PROFILE=1 for its kernel profiles, traces into $OUT/tpprof), ttft_tp2 (a TP=2 prefill node on both GPUs beside a TP=1 decode node, KV over nixl; $LENS).
-# Each writes its JSON and log under $OUT; the last lines are the summary.
+# --async-scheduling, PROFILE=1 for its kernel profiles, traces into $OUT/tpprof.tar), ttft_tp2 (a TP=2 prefill node on both GPUs beside a TP=1 decode node, KV over nixl; $LENS).
+# Each writes its JSON and log under $OUT, traces and node logs as one tar a phase (a call brings back 8
+# files at most); the last lines are the summary.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 common=(--tokenizer-dir .device/tok --gpus 2 --connector "${CONNECTOR:-torch_dist}" --kv-buffer-device cuda --kv-cache-memory 24GiB
@@ -25,7 +26,7 @@ for phase in "$@"; do
             python3 benchmarks/handoff_h200x2.py "${common[@]}" --phase ttft --lens "${LENS:-512,2048,8192,16384}" \
                 --repeats 5 --kv-modes $mode ${PROFILE:+--profile} --json "$out/ttft_$mode.json" 2>&1 \
                 | tee "$out/ttft_$mode.log" | tail -8
-            cp /tmp/handoff_h200x2/logs-ttft-$mode/traces/* "$out/" 2>/dev/null || true
+            tar cf "$out/ttft_${mode}_traces.tar" -C /tmp/handoff_h200x2/logs-ttft-$mode traces 2>/dev/null || true
         done ;;
     goodput)
         python3 benchmarks/handoff_h200x2.py "${common[@]}" --phase goodput --workloads "${WORKLOADS:-4k,chat}" \
@@ -33,17 +34,20 @@ for phase in "$@"; do
             ${PREFILL_CHUNK:+--prefill-max-num-batched-tokens $PREFILL_CHUNK} \
             --num-requests "${NUM_REQUESTS:-48}" ${SEED:+--seed $SEED} --kv-modes layerwise --json "$out/goodput.json" 2>&1 \
             | tee "$out/goodput.log" | tail -40
-        cp /tmp/handoff_h200x2/logs-goodput/pyspy-* /tmp/handoff_h200x2/logs-goodput/traces/* "$out/" 2>/dev/null || true ;;
+        (cd /tmp/handoff_h200x2/logs-goodput && tar cf "$out/goodput_traces.tar" $(ls -d pyspy-* traces 2>/dev/null)) \
+            2>/dev/null || true ;;
     cache)
         python3 benchmarks/cache_aware_h200x2.py --tokenizer-dir .device/tok --rates "${RATES_CACHE:-2}" \
             --repeats "${REPEATS_CACHE:-2}" --remote-prefill "${REMOTE_PREFILL:-auto}" \
             ${DECODE_KV:+--decode-kv-cache-memory $DECODE_KV} --json "$out/cache_aware.json" 2>&1 \
             | tee "$out/cache.log" | tail -12
-        mkdir -p "$out/cache-logs" && cp /tmp/handoff_h200x2/logs-cache/*.log "$out/cache-logs/" 2>/dev/null || true ;;
+        tar cf "$out/cache-logs.tar" -C /tmp/handoff_h200x2/logs-cache $(cd /tmp/handoff_h200x2/logs-cache && ls *.log) \
+            2>/dev/null || true ;;
     tp)
         python3 benchmarks/allreduce_h200x2.py --json "$out/allreduce.json" 2>&1 | tee "$out/allreduce.log" | tail -3
         python3 benchmarks/tp_h200x2.py --tokenizer-dir .device/tok --repeats 3 ${ASYNC:+--async-scheduling} \
-            ${PROFILE:+--profile "$out/tpprof"} --json "$out/tp.json" 2>&1 | tee "$out/tp.log" | tail -12 ;;
+            ${PROFILE:+--profile /tmp/tpprof} --json "$out/tp.json" 2>&1 | tee "$out/tp.log" | tail -12
+        [ -z "${PROFILE:-}" ] || tar cf "$out/tpprof.tar" -C /tmp tpprof ;;
     ttft_tp2)
         # a prefill rank shares GPU 1 with the decode node, which NCCL refuses: nixl (the last --connector wins)
         python3 benchmarks/handoff_h200x2.py "${common[@]}" --connector nixl --phase ttft --prefill-tp 2 \
