@@ -17,7 +17,6 @@ import torch
 from prompts import CODE, PASSAGE, hf_greedy
 from servers import start_node, wait_all_ready, wait_for
 
-from disagg.engine import tp_workers
 from disagg.engine.builder import build_rank_runner
 from disagg.engine.config import EngineConfig
 from disagg.engine.kv_cache import KVCache
@@ -28,7 +27,7 @@ from disagg.engine.parallel import ONE_SHOT_MAX_BYTES, TPGroup, symmetric_bytes
 from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.scheduler import ScheduledSeq
 from disagg.engine.sequence import Sequence
-from disagg.engine.tp_workers import StepSeq, TPWorkers, mirror
+from disagg.engine.tp_workers import StepSeq, mirror
 
 CPU = torch.device("cpu")
 
@@ -122,36 +121,6 @@ def test_a_prefill_s_row_parallel_product_is_summed_in_the_symmetric_buffer(monk
     tp.linear_sum(x, torch.nn.Linear(32, 256).requires_grad_(False))  # a bias: the product's own tensor
     tp.linear_sum(torch.randn(2048, 32, dtype=torch.float16), linear.half())
     assert pg.calls == [torch.float32, torch.float32, torch.float16] and len(two_shot) == 1
-
-
-class Step:
-    """A stand-in for the CUDA event the driver records after each step: ended or not."""
-
-    def __init__(self, ended: bool):
-        self.ended = ended
-
-    def query(self) -> bool:
-        return self.ended
-
-
-@pytest.mark.parametrize("ended", [False, True], ids=["stuck", "ended"])
-def test_a_step_stuck_behind_a_dead_rank_ends_the_process(monkeypatch, ended):
-    """On CUDA a symmetric-memory kernel waiting for a dead rank never ends, nor does the driver's wait
-    for its step: the watchdog ends the process when the last step has not ended STUCK_STEP_S after the
-    death, and leaves it alone when the step did end (a real worker process that exits; the step a stand-in)."""
-    exits = []
-    monkeypatch.setattr(tp_workers, "STUCK_STEP_S", 0.5)
-    monkeypatch.setattr(tp_workers, "exit_now", exits.append)
-    worker = torch.multiprocessing.get_context("spawn").Process(target=time.sleep, args=(0.5,))
-    worker.start()
-    workers = TPWorkers([worker], [])
-    workers.last_step = Step(ended)
-    workers.watchdog.join(timeout=30)
-    assert not workers.watchdog.is_alive() and workers.dead.startswith("tensor-parallel rank 1")
-    if ended:
-        assert exits == []
-    else:
-        assert len(exits) == 1 and "last step still waits for it on the GPU after 0.5 s" in exits[0]
 
 
 def test_a_worker_mirrors_the_driver_s_sequences_step_by_step():

@@ -21,6 +21,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -38,7 +39,6 @@ from disagg.engine.remote_prefill import FirstToken, RemoteSlot
 from disagg.engine.request_stats import IterationStats, RequestStats
 from disagg.engine.sampling_params import SamplingParams, StructuredOutputSpec
 from disagg.engine.sequence import KVExport, Sequence, TokenLogprob
-from disagg.engine.tp_workers import exit_now
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,9 @@ class AsyncEngine:
         """A tensor-parallel rank is gone: no step can run again, so the node exits (non-zero) at once, and
         its clients, peers and supervisor (disagg up, the router's health checks) see it gone rather
         than a node that answers and cannot compute."""
-        exit_now(f"{reason}: this node exits")
+        logger.critical("%s: this node exits", reason)
+        logging.shutdown()
+        os._exit(1)
 
     def stop(self) -> None:
         self.stopped = True

@@ -59,16 +59,10 @@ class ModelRunner:
             return run(batch)
         self.workers.send(method, batch, placeholders)
         try:
-            result = run(batch)
+            return run(batch)
         except BaseException as e:  # the other ranks may wait in a collective this one left
             self.workers.fail(f"the driver's forward raised {type(e).__name__}: {e}")
             raise
-        device = self.workers.tp.device
-        if device.type == "cuda":  # what the watchdog checks for a step stuck behind a dead rank
-            if self.workers.last_step is None:
-                self.workers.last_step = torch.cuda.Event()
-            self.workers.last_step.record(torch.cuda.current_stream(device))
-        return result
 
     def load_kv(self, block_ids: list[int], kv: torch.Tensor, start: int) -> None:
         """Write KV received from elsewhere, of every KV head ([layers, 2, tokens, kv heads, head dim]), into a

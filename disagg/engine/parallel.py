@@ -17,8 +17,8 @@ against NCCL's 138 µs for a 4,096-token prefill's 32 MiB, 215 against 250 µs a
 in that an all-reduce of a tensor of its own would need costs back most of the gain: 147 µs).
 Anything larger than the buffer, float16 parts, and GPUs where symmetric memory cannot be set up, go
 through NCCL. Unlike NCCL's, a symmetric-memory kernel waiting for a dead rank is not ended by an
-abort: a serving node exits on its watchdog's word (AsyncEngine), and an offline LLM's process once its
-step has waited STUCK_STEP_S for it (tp_workers.py).
+abort: a serving node exits on its watchdog's word (AsyncEngine), but an offline LLM's step in flight
+then never ends.
 """
 
 import datetime

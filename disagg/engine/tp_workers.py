@@ -10,9 +10,6 @@ it holds no request state beyond the last step.
 
 A rank that dies is seen at once: its collectives raise in the other ranks (its connections
 close), and a watchdog thread here names it and calls `on_death` (a serving node exits: AsyncEngine).
-On CUDA a symmetric-memory all-reduce that waits for the dead rank spins on the GPU for good, and so
-does the driver's thread that waits for the step: if the driver's last step has not ended STUCK_STEP_S
-after the death, the watchdog ends the process (an offline LLM's; nothing else could).
 A worker exits on the driver's `close` (the engine's close: every rank releases the group) or when
 the driver's pipe closes (a failure, the driver's exit), and, should it be stuck where it never reads the pipe
 (a collective that waits for a driver killed mid-step: on CUDA a kernel that spins on the GPU for
@@ -101,10 +98,6 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return device
 
 
-# After a rank's death, how long the driver's last step may still take before the process is ended.
-STUCK_STEP_S = 30.0
-
-
 class TPWorkers:
     def __init__(self, processes: list, pipes: list):
         self.processes = processes  # rank i + 1 at index i
@@ -113,7 +106,6 @@ class TPWorkers:
         self.kv_heads: list[tuple[int, int]] = []  # each rank's KV heads, set by the builder
         self.channels: list = []  # rank i + 1's rank_service channel at index i (EngineConfig.rank_service)
         self.dead: str | None = None  # why the group can no longer compute
-        self.last_step = None  # CUDA: an event the driver records after launching each step
         self.stopping = False
         # Called once, on the watchdog thread, when a worker dies while the engine runs.
         self.on_death: Callable[[str], None] = lambda reason: None
@@ -215,21 +207,6 @@ class TPWorkers:
         self.dead = f"tensor-parallel rank {rank} (pid {process.pid}) {how}"
         logger.error("%s: the engine cannot compute without it", self.dead)
         self.on_death(self.dead)
-        step = self.last_step
-        deadline = time.monotonic() + STUCK_STEP_S
-        while step is not None and not step.query() and not self.stopping:
-            if time.monotonic() > deadline:
-                exit_now(f"{self.dead}, and this process's last step still waits for it on the GPU after "
-                         f"{STUCK_STEP_S:g} s (a kernel that nothing can end): the process exits")
-                return
-            time.sleep(0.1)
-
-
-def exit_now(message: str) -> None:
-    """End this process at once (non-zero), the message logged first: no step of the engine can end."""
-    logger.critical(message)
-    logging.shutdown()
-    os._exit(1)
 
 
 def symmetric_bytes_for(config: EngineConfig, hidden_size: int, dtype: torch.dtype) -> int:
