@@ -108,6 +108,7 @@ def test_a_prefill_s_row_parallel_product_is_summed_in_the_symmetric_buffer(monk
     pg = RecordingGroup()
     buffer = torch.zeros(symmetric_bytes(2048, 256, torch.float32), dtype=torch.uint8)
     assert buffer.nbytes == 2048 * 256 * 4 > ONE_SHOT_MAX_BYTES
+    assert symmetric_bytes(2048, 256, torch.float16) == 0  # PyTorch's kernels have no float16: no buffer
     tp = TPGroup(0, 2, torch.device("cpu"), pg, (buffer, "g", None))
     torch.manual_seed(0)
     linear = torch.nn.Linear(32, 256, bias=False).requires_grad_(False)  # as loaded

@@ -299,7 +299,7 @@ class LLMEngine:
         # The masks of the rows to be sampled are computed on their own thread while the forward runs.
         masks = self.sampler.structured.start([item.seq for item in batch if item.samples])
         try:
-            with step_range(batch):
+            with step_range(batch, self.step_prompt_tokens):
                 batch, logits, prompt_logprobs = self.runner.run(batch)
         except Exception as e:  # the step's requests fail; the next step runs as usual
             logger.exception("the model forward failed; failing the %d requests of this step", len(batch))
@@ -372,7 +372,7 @@ class LLMEngine:
         on the device, their copy to the host under way."""
         self.num_steps += 1
         self.step_prompt_tokens = 0
-        with step_range(batch):
+        with step_range(batch, 0):
             batch, tokens = self.runner.run_ahead(batch, None if prev is None else prev.tokens)
         return batch, _InFlight.launched([item.seq for item in batch], tokens)
 
@@ -459,13 +459,12 @@ def add_prompt_logprobs(seq: Sequence, first: int, entries: list[TokenLogprob]) 
         seq.prompt_logprobs.extend(entries[have - first:])
 
 
-def step_range(batch: list[ScheduledSeq]):
+def step_range(batch: list[ScheduledSeq], prompt_tokens: int):
     """While a torch.profiler trace is taken (the nodes' /start_profile), a range around the step's launch
     named by its sequences, the prompt tokens it computes and the tokens its sequences held before it, to
     read a node's timeline by batch; nothing otherwise."""
     if not torch.autograd.profiler._is_profiler_enabled:
         return contextlib.nullcontext()
-    prompt = sum(item.num_new_tokens for item in batch if item.seq.num_computed_tokens < item.seq.num_prompt_tokens)
     held = sum(item.seq.num_computed_tokens for item in batch)
-    name = f"disagg_step seqs={len(batch)} prompt_tokens={prompt} context={held}"
+    name = f"disagg_step seqs={len(batch)} prompt_tokens={prompt_tokens} context={held}"
     return torch.autograd.profiler.record_function(name)

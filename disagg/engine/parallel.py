@@ -164,7 +164,9 @@ class TPGroup:
 
 def symmetric_bytes(max_tokens: int, hidden_size: int, dtype: torch.dtype) -> int:
     """The symmetric buffer for a step of up to max_tokens tokens: its row-parallel product, up to
-    TWO_SHOT_MAX_BYTES, and at least a one-shot all-reduce's part."""
+    TWO_SHOT_MAX_BYTES, and at least a one-shot all-reduce's part; none for a dtype PyTorch's kernels lack."""
+    if dtype not in SYMMETRIC_DTYPES:
+        return 0
     return max(ONE_SHOT_MAX_BYTES, min(TWO_SHOT_MAX_BYTES, max_tokens * hidden_size * dtype.itemsize))
 
 

@@ -33,7 +33,7 @@ import torch
 import torch.multiprocessing as mp
 
 from disagg.engine.config import EngineConfig
-from disagg.engine.parallel import SYMMETRIC_DTYPES, TPGroup, symmetric_bytes
+from disagg.engine.parallel import TPGroup, symmetric_bytes
 from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.scheduler import ScheduledSeq
 from disagg.engine.sequence import KVExport, Sequence
@@ -210,11 +210,8 @@ class TPWorkers:
 
 
 def symmetric_bytes_for(config: EngineConfig, hidden_size: int, dtype: torch.dtype) -> int:
-    """Each rank's symmetric buffer (parallel.py): none under vLLM's --disable-custom-all-reduce, nor for
-    float16, which PyTorch's kernels lack."""
-    if config.disable_custom_all_reduce or dtype not in SYMMETRIC_DTYPES:
-        return 0
-    return symmetric_bytes(config.max_num_batched_tokens, hidden_size, dtype)
+    """Each rank's symmetric buffer (parallel.py): none under vLLM's --disable-custom-all-reduce."""
+    return 0 if config.disable_custom_all_reduce else symmetric_bytes(config.max_num_batched_tokens, hidden_size, dtype)
 
 
 def worker_main(config: EngineConfig, model_dir: Path, dtype: torch.dtype, device: torch.device, rank: int,
