@@ -251,15 +251,17 @@ def time_link(connector: str, kv_bytes_per_token: int, engine_device: "torch.dev
     return Link(connector, latency, (sizes[1] - sizes[0]) / max(seconds[1] - seconds[0], 1e-9))
 
 
-SERVING_PROMPT, SERVING_OUTPUT, SERVING_REQUESTS = 64, 8, 4
-SERVING_BATCH, SERVING_BATCH_OUTPUT = 8, 32  # requests decoding together, and their tokens: decode steps dominate
+SERVING_OUTPUT, SERVING_REQUESTS = 16, 4
+SERVING_BATCH, SERVING_BATCH_OUTPUT = 8, 64  # requests decoding together, and their tokens: decode steps dominate
 
 
 def time_serving(args: argparse.Namespace, model: str, vocab: int, prefill: list[PrefillSample],
                  decode: list[DecodeSample]) -> Serving:
     """A colocated `disagg serve` of the same model on the same device: one request at a time, then
     the decode grid's batch nearest SERVING_BATCH at once; their TTFT and TPOT against the offline
-    steps they are made of."""
+    steps they are made of. Prompts hold the decode grid's shortest context, so that the offline
+    steps they are set against are samples, not interpolations; the served node's step budget takes
+    the batch's prompts in one step, so that no prompt chunk lands among the timed decode steps."""
     import os
     import socket
     import subprocess
@@ -270,23 +272,25 @@ def time_serving(args: argparse.Namespace, model: str, vocab: int, prefill: list
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    prompt = min(d.context for d in decode)
+    batch = min({d.batch for d in decode}, key=lambda b: abs(b - SERVING_BATCH))
     argv = [sys.executable, "-m", "disagg.cli", "serve", model, "--kv-role", "both", "--port", str(port),
-            "--max-model-len", "1024", "--log-level", "WARNING"]
+            "--max-model-len", str(prompt + SERVING_BATCH_OUTPUT + 16),
+            "--max-num-batched-tokens", str(max(batch * prompt, 2048)), "--log-level", "WARNING"]
     flags = (("--device", args.device), ("--dtype", args.dtype), ("--kv-cache-memory", args.kv_cache_memory))
     for flag, value in flags:
         if value is not None:
             argv += [flag, str(value)]
     if args.async_scheduling:
         argv.append("--async-scheduling")
-    batch = min({d.batch for d in decode}, key=lambda b: abs(b - SERVING_BATCH))
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=os.environ)
     try:
         try:
             wait_healthy(f"http://127.0.0.1:{port}", proc, 600)
         except RuntimeError as e:
             raise RuntimeError(f"the served node for --serving did not start: {e}") from None
-        alone = served(port, vocab, 1, SERVING_REQUESTS + 1, SERVING_OUTPUT)[1:]  # the first: warm-up
-        together = served(port, vocab, batch, batch, SERVING_BATCH_OUTPUT) if batch > 1 else []
+        alone = served(port, vocab, prompt, 1, SERVING_REQUESTS + 1, SERVING_OUTPUT)[1:]  # the first: warm-up
+        together = served(port, vocab, prompt, batch, batch, SERVING_BATCH_OUTPUT) if batch > 1 else []
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -294,11 +298,10 @@ def time_serving(args: argparse.Namespace, model: str, vocab: int, prefill: list
         raise RuntimeError("the served node answered no request")
     ttft = statistics.median(r["ttft"] for r in alone)
     tpot = statistics.median(r["tpot"] for r in alone)
-    xs = sorted(prefill, key=lambda s: s.tokens)
-    offline_ttft = min(xs, key=lambda s: abs(s.tokens - SERVING_PROMPT)).seconds
+    offline_ttft = min(prefill, key=lambda s: abs(s.tokens - prompt)).seconds
 
     def offline_step(b: int) -> float:
-        return min((s for s in decode if s.batch == b), key=lambda s: abs(s.context - SERVING_PROMPT)).seconds
+        return next(s for s in decode if s.batch == b and s.context == prompt).seconds
 
     step_extra = max(tpot - offline_step(min(d.batch for d in decode)), 0.0)
     per_seq = 0.0
@@ -308,9 +311,10 @@ def time_serving(args: argparse.Namespace, model: str, vocab: int, prefill: list
     return Serving(max(ttft - offline_ttft, 0.0), step_extra, per_seq)
 
 
-def served(port: int, vocab: int, concurrency: int, num_requests: int, output_len: int) -> list[dict]:
-    """`disagg bench serve` against the node: `num_requests` at once, `concurrency` at a time, prompts
-    of their own (the seed: no prefix-cache hits on an earlier call's); the requests that were answered."""
+def served(port: int, vocab: int, prompt: int, concurrency: int, num_requests: int, output_len: int) -> list[dict]:
+    """`disagg bench serve` against the node: `num_requests` prompts of `prompt` tokens, `concurrency` at
+    a time, prompts of their own (the seed: no prefix-cache hits on an earlier call's); the requests
+    that were answered."""
     from disagg.bench import add_serve_args
     from disagg.bench.serve import run_benchmark
 
@@ -318,7 +322,7 @@ def served(port: int, vocab: int, concurrency: int, num_requests: int, output_le
     add_serve_args(parser)
     bench = parser.parse_args(["--base-url", f"http://127.0.0.1:{port}", "--no-progress", "--qps", "inf",
                                "--max-concurrency", str(concurrency), "--num-requests", str(num_requests),
-                               "--input-len", str(SERVING_PROMPT), "--output-len", str(output_len),
+                               "--input-len", str(prompt), "--output-len", str(output_len),
                                "--prompt-kind", "token-ids", "--vocab-size", str(vocab), "--seed", str(concurrency)])
     return [r for r in run_benchmark(bench)["runs"][0]["requests"] if r["ok"]]
 
