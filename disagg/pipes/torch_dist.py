@@ -13,6 +13,12 @@ A message's header goes over the control socket, followed by one route byte per
 tensor saying how that tensor's bytes travel:
 - NCCL: CUDA tensors, when both sides have CUDA. One tensor is one plain send; several
   go in one coalesced group (the benchmark's layer list).
+- NCCL_WAITING: the same, sent from a stream with work still to do (a layer-wise KV part queued
+  behind the layers that compute it): the receive, queued as the header arrives, then waits on the
+  receiver's GPU, and a waiting NCCL kernel holds its CTAs' SMs. So these go through a second
+  communicator of WAITING_MAX_CTAS CTAs (benchmarks/nccl_beside_decode.py on an H200 pair: GEMMs
+  of an 8B decode step beside a waiting receive 10% slower with NCCL's own 24 CTAs, 5% with 8,
+  0.4% with 4, whose 512 MiB transfer reaches 132 GB/s against 321).
 - INLINE: the CPU tensors of a message that also has CUDA tensors, and on a pair with
   CUDA a message of CPU tensors alone up to INLINE_MAX_BYTES (a lookup-buffer header or
   chunk message), follow the header on the control socket: they need neither a
@@ -45,7 +51,8 @@ from disagg.pipes import sockets, wire
 from disagg.pipes.base import Destination, KVPipe, PipeConfig, fill
 from disagg.pipes.errors import NoMessage, PipeClosed, PipeError, PipeTimeout
 
-INLINE, GLOO, NCCL = 0, 1, 2  # a tensor's route, one byte per tensor after the header
+INLINE, GLOO, NCCL, NCCL_WAITING = 0, 1, 2, 3  # a tensor's route, one byte per tensor after the header
+WAITING_MAX_CTAS = 4  # the NCCL_WAITING communicator's CTAs (see above)
 INLINE_MAX_BYTES = 64 << 10  # a message of CPU tensors alone this small goes on the control socket (GPU pairs)
 # A connector's first byte on a handshaken connection: a new pipe, or the store connection of one.
 PIPE, STORE = b"P", b"S"
@@ -154,20 +161,24 @@ class PairStore(dist.Store):
 
 def _make_groups(
     store: dist.Store, rank: int, local_ip: str, use_nccl: bool, config: PipeConfig
-) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+) -> tuple[dist.ProcessGroup, dict[int, dist.ProcessGroup]]:
+    """gloo, and with CUDA on both sides the NCCL communicators by route (each formed at its first transfer)."""
     timeout = timedelta(seconds=config.timeout)
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
     # Bind gloo to the address the peer already reached us on, not whatever the hostname resolves to.
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_ip)]
     gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, 2, options)
-    nccl = None
+    nccl = {}
     if use_nccl:
-        # A high-priority stream: a transfer's few blocks go ahead of the busy engine's queued compute
-        # (the prefill or decode steps running beside it), not behind it.
-        nccl_options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
-        nccl_options._timeout = timeout
-        nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, 2, nccl_options)
+        for route, prefix, max_ctas in ((NCCL, "nccl", None), (NCCL_WAITING, "nccl-waiting", WAITING_MAX_CTAS)):
+            # A high-priority stream: a transfer's few blocks go ahead of the busy engine's queued compute
+            # (the prefill or decode steps running beside it), not behind it.
+            nccl_options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+            nccl_options._timeout = timeout
+            if max_ctas is not None:
+                nccl_options.config.max_ctas = max_ctas
+            nccl[route] = dist.ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, 2, nccl_options)
     return gloo, nccl
 
 
@@ -250,7 +261,7 @@ class TorchDistPipe(KVPipe):
         config: PipeConfig,
         store: PairStore,
         gloo: dist.ProcessGroup,
-        nccl: dist.ProcessGroup | None,
+        nccl: dict[int, dist.ProcessGroup],
     ):
         super().__init__()
         self._sock = sock
@@ -258,7 +269,7 @@ class TorchDistPipe(KVPipe):
         self._config = config
         self._store = store  # as long as the pipe: NCCL asks it when it connects, at the first transfer
         self._gloo = gloo
-        self._nccl = nccl
+        self._nccl = nccl  # by route; empty without CUDA on both sides
         self._peer = 1 - gloo.rank()
 
     def _send(self, header: bytes, tensors: list[torch.Tensor] | None) -> None:
@@ -268,12 +279,12 @@ class TorchDistPipe(KVPipe):
         # Lean on purpose: at 16 MiB NCCL needs ~60 us a message, and this runs per message.
         cuda = [t for t in tensors if t.is_cuda]
         small = not cuda and sum(t.nbytes for t in tensors) <= INLINE_MAX_BYTES
-        if self._nccl is not None and (cuda or small):
-            routes = bytes(NCCL if t.is_cuda else INLINE for t in tensors)
-            inline = [sockets.byte_view(t.contiguous()) for t in tensors if not t.is_cuda and t.numel()]
+        if self._nccl and (cuda or small):
             device = cuda[0].get_device() if cuda else -1  # the whole message goes through one GPU's communicator
+            backend = NCCL if not cuda or torch.cuda.current_stream(device).query() else NCCL_WAITING
+            routes = bytes(backend if t.is_cuda else INLINE for t in tensors)
+            inline = [sockets.byte_view(t.contiguous()) for t in tensors if not t.is_cuda and t.numel()]
             bulk = [_flat_bytes(t if t.get_device() == device else t.to(device)) for t in cuda if t.numel()]
-            backend = NCCL
         else:
             routes, inline, backend = bytes([GLOO]) * len(tensors), [], GLOO
             bulk = [_flat_bytes(sockets.to_host(t)) for t in tensors if t.numel()]
@@ -289,14 +300,14 @@ class TorchDistPipe(KVPipe):
         metas = wire.message_metas(kind, metas, out)
         if metas is None:
             return None
-        backend = NCCL if NCCL in routes else GLOO
-        if not set(routes) <= {INLINE, backend} or (backend == NCCL and self._nccl is None):
+        backend = next((route for route in (NCCL, NCCL_WAITING) if route in routes), GLOO)
+        if not set(routes) <= {INLINE, backend} or (backend != GLOO and not self._nccl):
             raise wire.ProtocolError(f"peer chose routes {sorted(set(routes))}, which this pipe cannot take")
         # Where each tensor lands, as get_device() numbers it: the current GPU, or -1 for the CPU.
-        gpu = torch.cuda.current_device() if backend == NCCL else -1
+        gpu = torch.cuda.current_device() if backend != GLOO else -1
         targets, bulk = [], []
         for i, (meta, route) in enumerate(zip(metas, routes)):
-            device = gpu if route == NCCL else -1
+            device = gpu if route in (NCCL, NCCL_WAITING) else -1
             dest = out[i] if out is not None else None
             if isinstance(dest, torch.Tensor) and dest.get_device() == device and dest.is_contiguous():
                 target = dest  # else a buffer; views (a KV cache's blocks) are filled from it after the message
@@ -323,16 +334,17 @@ class TorchDistPipe(KVPipe):
         if not buffers:
             return
         op = "send" if send else "recv"
+        nccl = self._nccl.get(backend)
         try:
-            if backend == NCCL and len(buffers) == 1:
+            if nccl is not None and len(buffers) == 1:
                 # A plain p2p op, as raw NCCL does: less CPU per message than a group of one.
-                getattr(self._nccl, op)(buffers, self._peer, 0).wait()
-            elif backend == NCCL:
+                getattr(nccl, op)(buffers, self._peer, 0).wait()
+            elif nccl is not None:
                 # What batch_isend_irecv does for NCCL, on our private group: one grouped call.
-                self._nccl._start_coalescing()
+                nccl._start_coalescing()
                 for tag, buf in enumerate(buffers):
-                    getattr(self._nccl, op)([buf], self._peer, tag)
-                self._nccl._end_coalescing().wait()
+                    getattr(nccl, op)([buf], self._peer, tag)
+                nccl._end_coalescing().wait()
             else:
                 works = [getattr(self._gloo, op)([buf], self._peer, tag) for tag, buf in enumerate(buffers)]
                 for work in works:
@@ -353,8 +365,8 @@ class TorchDistPipe(KVPipe):
         self._closed = True
         sockets.shut(self._sock)
         self._store.close()
-        if self._nccl is not None:
-            self._nccl.abort()  # frees the communicator's GPU buffers now, not at exit
+        for nccl in self._nccl.values():
+            nccl.abort()  # frees the communicator's GPU buffers now, not at exit
 
 
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
