@@ -370,7 +370,7 @@ class LookupBufferProducer:
                 pipe.send(encode_chunk(0) if withdraw else None)
                 outcome = WITHDRAWN if withdraw else CANCELLED
                 break
-            self._send_part(pipe, part, stream)
+            self._send_part(pipe, part, stream, whole=len(pending.entry.layers or ()) == 1)
             i += 1
         if stream:
             # Sent once the transport is done reading its GPU parts: the engine's allocator may reuse
@@ -380,11 +380,14 @@ class LookupBufferProducer:
             stream[0].synchronize()
         return outcome
 
-    def _send_part(self, pipe: KVPipe, part: _Part, stream: list[torch.cuda.Stream]) -> None:
+    def _send_part(self, pipe: KVPipe, part: _Part, stream: list[torch.cuda.Stream], whole: bool) -> None:
+        """whole: the part holds every layer (a prompt's KV sent after its last layer), so nothing computes
+        while it crosses: it goes once its values are there, at a GPU transport's full rate (torch_dist
+        sends a part still being computed through a communicator of few CTAs)."""
         check_tensors(part.tensors)
         on_gpu = part.ready is not None and part.tensors[0].is_cuda
-        if part.ready is not None and not on_gpu:
-            part.ready.synchronize()  # its copy to host memory is done
+        if part.ready is not None and (whole or not on_gpu):
+            part.ready.synchronize()  # its copy to host memory is done, or its layers have run
         start = time.perf_counter()
         if not on_gpu:
             pipe.send(part.tensors)
