@@ -167,7 +167,7 @@ class FakePool:
     def tokens_per_s(self) -> float:
         return self.clients[0].load.prefill_tokens_per_s
 
-    def pull_hint(self, picked: FakeClient, prompt_token_ids: list[int]) -> tuple[str, int]:
+    def pull_hint(self, picked: FakeClient, prompt_token_ids: list[int], block_hashes: dict) -> tuple[str, int]:
         self.log.append(("pull_hint", picked))
         return self.hint
 

@@ -81,10 +81,12 @@ def test_the_hint_names_the_healthy_node_holding_more_of_the_prefix_than_the_pic
         for client, held in ((a, hashes[:1]), (b, hashes[:3]), (c, hashes[1:])):  # c lacks the first block
             client.mark_healthy()
             client.view.snapshot(0, BLOCK, {"device": list(held), "host": hashes})
-        assert pool.pull_hint(a, prompt) == ("b:2", 3)
-        assert pool.pull_hint(b, prompt) == ("", 0)  # none holds more than b
+        computed: dict[int, list[int]] = {}
+        assert pool.pull_hint(a, prompt, computed) == ("b:2", 3)
+        assert computed == {BLOCK: hashes}  # kept for the caller, as pick() keeps them
+        assert pool.pull_hint(b, prompt, computed) == ("", 0)  # none holds more than b
         b.mark_unhealthy("test")
-        assert pool.pull_hint(a, prompt) == ("", 0)  # host blocks do not count: a pull takes device blocks
+        assert pool.pull_hint(a, prompt, {}) == ("", 0)  # host blocks do not count: a pull takes device blocks
         await pool.close()
 
     asyncio.run(run())

@@ -100,8 +100,8 @@ class DecodeNode:
         # Prompt logprobs are not part of the KV handoff: such a request is computed here.
         policy_route = "never" if params.prompt_logprobs is not None else self.remote_prefill
         client, node_seconds, node_per_token = None, None, 0.0
+        hashes: dict[int, list[int]] = {}  # the prompt's block hashes by block size, computed once
         if policy_route != "never":
-            hashes: dict[int, list[int]] = {}  # the prompt's block hashes, computed once
             with contextlib.suppress(PrefillNodeUnavailable):  # then _fetch_kv tells why, if it goes out
                 client = self.pool.pick(prompt_token_ids, hashes)
             per_s = self.pool.tokens_per_s()
@@ -139,7 +139,8 @@ class DecodeNode:
             return
         logger.debug("%s: prompt of %d tokens (%d cached here) goes to a prefill node (remote_prefill %s, %s)",
                      request_id, len(prompt_token_ids), slot.cached_tokens, policy_route, route.basis)
-        fetch = asyncio.create_task(self._fetch_kv(request_id, queue, slot, prompt_token_ids, params, policy, client))
+        fetch = asyncio.create_task(self._fetch_kv(request_id, queue, slot, prompt_token_ids, params, policy, client,
+                                                   hashes))
         # Not aborted by the stream when it closes: by _end, once the fetch (and with it any receive
         # into the request's blocks) has ended.
         outputs = self.engine.stream(request_id, queue, abort_on_exit=False)
@@ -170,11 +171,12 @@ class DecodeNode:
             await self.engine.drop(request_id)
 
     async def _fetch_kv(self, request_id: str, queue: asyncio.Queue, slot: RemoteSlot, prompt_token_ids: list[int],
-                        params: SamplingParams, policy: str, picked: PrefillClient | None) -> None:
+                        params: SamplingParams, policy: str, picked: PrefillClient | None,
+                        block_hashes: dict[int, list[int]]) -> None:
         client: PrefillClient | None = None
         start = time.perf_counter()
         try:
-            client = picked or self.pool.pick(prompt_token_ids)  # none was healthy: this says why
+            client = picked or self.pool.pick(prompt_token_ids, block_hashes)  # none was healthy: this says why
             # Our prefix cache's hits are held for this request: only the rest of its KV need come.
             skip = slot.cached_tokens
             # Blocks reserved already: the KV is received straight into them (else into a buffer first, every
@@ -196,7 +198,7 @@ class DecodeNode:
             if by_rank and self.ranks is not None:
                 await self.ranks.expect(entries, slot.blocks, skip, skip + len(slot.rows))
             # Leading blocks another prefill node holds and the picked one lacks: it may pull them (pull.py).
-            pull_from, pull_blocks = self.pool.pull_hint(client, prompt_token_ids)
+            pull_from, pull_blocks = self.pool.pull_hint(client, prompt_token_ids, block_hashes)
             call = PrefillCall(request_id, prompt_token_ids, params, self.kv_advertise, skip, pull_from, pull_blocks,
                                kv_ranks if by_rank else [])
             result = await client.prefill(call, idle_timeout=self.prefill_timeout)

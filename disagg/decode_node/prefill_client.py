@@ -321,11 +321,16 @@ class PrefillPool:
         (0 before any did), since a node's own figure can be far off (see the module's docstring)."""
         return max((c.load.prefill_tokens_per_s for c in self.clients if c.healthy), default=0.0)
 
-    def pull_hint(self, picked: PrefillClient, prompt_token_ids: list[int]) -> tuple[str, int]:
+    def pull_hint(self, picked: PrefillClient, prompt_token_ids: list[int],
+                  block_hashes: dict[int, list[int]]) -> tuple[str, int]:
         """Where the picked node may pull the prompt's prefix from (a Prefill call's pull_from,
         pull_blocks): the healthy node whose device prefix cache holds the most of the prompt's leading
-        blocks, by its Watch view, if that is more than the picked node holds; ("", 0) when none does."""
-        hashes = prompt_block_hashes(prompt_token_ids, self.expected.block_size)
+        blocks, by its Watch view, if that is more than the picked node holds; ("", 0) when none does.
+        `block_hashes`: the prompt's by block size, as pick() filled them (a 16k prompt's take 1 ms)."""
+        size = self.expected.block_size
+        if size not in block_hashes:
+            block_hashes[size] = prompt_block_hashes(prompt_token_ids, size)
+        hashes = block_hashes[size]
         mine = picked.view.leading_blocks(hashes)
         best, most = None, mine
         for client in self.clients:
