@@ -2,10 +2,12 @@
 
 The engine names each step's launch `disagg_step seqs=B prompt_tokens=P context=C` (engine.step_range).
 Per step: its launch, the GPU work it launched (the kernels and copies whose correlation ids are those of
-the runtime calls made inside its range: first start, last end, busy time) and the interval to the next
-step's launch; then, for the decode-only steps grouped by batch size, the medians of those, the share of
-steps that had an NCCL kernel (a KV transfer) on the GPU beside them, and, given the `disagg plan
-profile` the plan used, its decode step for that batch and context beside the measured interval.
+the runtime calls made inside its range: first start, last end, busy time), the interval to the next
+step's launch and its period on the GPU (its first GPU work to the next step's: what a token waits); then,
+for the decode-only steps grouped by batch size, the medians of those, the share of steps that had an NCCL
+kernel (a KV transfer, or a receive waiting for one) on the GPU beside them and their busy time and period
+apart from the others', and, given the `disagg plan profile` the plan used, its decode step for that
+batch and context beside the measured interval.
 
     python benchmarks/step_timeline.py TRACE.json.gz [--profile PROFILE.json] [--json out.json]
 """
@@ -50,7 +52,9 @@ def steps_of(events: list[dict]) -> list[dict]:
     runtime_ts = [e["ts"] for e in runtime]
     nccl = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel" and "nccl" in e["name"].lower()]
     steps = []
-    for e in sorted((e for e in events if STEP.fullmatch(e["name"])), key=lambda e: e["ts"]):
+    # The range on the launching thread (CUDA traces repeat it on the GPU's timeline as a gpu_user_annotation).
+    ranges = (e for e in events if e.get("cat") != "gpu_user_annotation" and STEP.fullmatch(e["name"]))
+    for e in sorted(ranges, key=lambda e: e["ts"]):
         seqs, prompt, context = map(int, STEP.fullmatch(e["name"]).groups())
         inside = runtime[bisect.bisect_left(runtime_ts, e["ts"]):bisect.bisect_right(runtime_ts, e["ts"] + e["dur"])]
         calls = [r for r in inside if r["tid"] == e["tid"]]
@@ -65,7 +69,16 @@ def steps_of(events: list[dict]) -> list[dict]:
         steps.append(step)
     for step, after in zip(steps, steps[1:]):
         step["interval_us"] = after["launch_us"] - step["launch_us"]
+        if step["gpu_start_us"] is not None and after["gpu_start_us"] is not None:
+            step["period_us"] = after["gpu_start_us"] - step["gpu_start_us"]
     return steps
+
+
+def medians_ms(steps: list[dict]) -> dict:
+    """Busy time and period on the GPU of these steps, medians in ms."""
+    return {"steps": len(steps),
+            "gpu_busy_ms": round(statistics.median(s["gpu_busy_us"] for s in steps) / 1e3, 3),
+            "period_ms": round(statistics.median(s["period_us"] for s in steps) / 1e3, 3)}
 
 
 def by_batch(steps: list[dict], profile_path: str | None) -> dict:
@@ -89,6 +102,10 @@ def by_batch(steps: list[dict], profile_path: str | None) -> dict:
             row["gpu_span_ms"] = round(statistics.median(s["gpu_end_us"] - s["gpu_start_us"] for s in timed) / 1e3, 3)
             row["gpu_busy_ms"] = round(statistics.median(s["gpu_busy_us"] for s in timed) / 1e3, 3)
             row["beside_nccl"] = round(sum(s["beside_nccl"] for s in timed) / len(timed), 3)
+            for key, beside in (("alone", False), ("with_nccl", True)):
+                split = [s for s in timed if s["beside_nccl"] is beside and "period_us" in s]
+                if split:
+                    row[key] = medians_ms(split)
         if cost is not None:
             context = statistics.median(s["context"] for s in group)
             row["profile_step_ms"] = round(1e3 * cost.seconds(0, seqs, int(context)), 3)
@@ -110,7 +127,9 @@ def main() -> int:
     prompts = [s for s in steps if s["prompt_tokens"]]
     print(f"{len(steps)} steps, {len(prompts)} with prompt tokens; decode-only steps by batch (medians):")
     for seqs, row in table.items():
-        extra = "".join(f", {k} {v}" for k, v in row.items() if k not in ("steps", "interval_ms"))
+        extra = "".join(f", {k} {v}" for k, v in row.items() if k not in ("steps", "interval_ms", "alone", "with_nccl"))
+        extra += "".join(f"; {k}: busy {row[k]['gpu_busy_ms']} ms, period {row[k]['period_ms']} ms ({row[k]['steps']})"
+                         for k in ("alone", "with_nccl") if k in row)
         print(f"  {seqs:4d} seqs: {row['steps']:5d} steps, launch to launch {row['interval_ms']} ms{extra}")
     if args.json:
         Path(args.json).write_text(json.dumps({"trace": args.trace, "by_batch": table, "steps": steps}, indent=1))
