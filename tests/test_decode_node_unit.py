@@ -157,9 +157,11 @@ class FakePool:
         self.clients = [client]
         self.available = available
         self.hint = ("", 0)  # where the picked node may pull the prompt's prefix from: nowhere
+        self.block_hashes: list[dict] = []  # the dict each pick and pull_hint was given
 
     def pick(self, prompt_token_ids: list[int], block_hashes: dict | None = None) -> FakeClient:
         self.log.append(("pick",))
+        self.block_hashes.append(block_hashes)
         if not self.available:
             raise PrefillNodeUnavailable("no healthy prefill node: prefill-0:50051: connection refused")
         return self.clients[0]
@@ -169,6 +171,7 @@ class FakePool:
 
     def pull_hint(self, picked: FakeClient, prompt_token_ids: list[int], block_hashes: dict) -> tuple[str, int]:
         self.log.append(("pull_hint", picked))
+        self.block_hashes.append(block_hashes)
         return self.hint
 
 
@@ -326,6 +329,8 @@ def test_the_prefill_call_carries_the_pools_pull_hint_for_the_picked_node():
         assert called(log, "pull_hint") == [("pull_hint", node.pool.clients[0])]
         call = called(log, "prefill")[0][1]
         assert (call.pull_from, call.pull_blocks) == ("prefill-1:50051", 5)
+        picked, hinted = node.pool.block_hashes
+        assert picked is hinted  # the prompt's block hashes, computed once for both
 
     asyncio.run(main())
 

@@ -14,8 +14,10 @@ tensor saying how that tensor's bytes travel:
 - NCCL: CUDA tensors, when both sides have CUDA. One tensor is one plain send; several
   go in one coalesced group (the benchmark's layer list).
 - NCCL_WAITING: the same, sent from a stream with work still to do (a layer-wise KV part queued
-  behind the layers that compute it): the receive, queued as the header arrives, then waits on the
-  receiver's GPU, and a waiting NCCL kernel holds its CTAs' SMs. So these go through a second
+  behind the layers that compute it; also, since a stream cannot tell the two apart, a message
+  queued behind this pipe's previous transfer still in flight): the receive, queued as the header
+  arrives, may then wait on the receiver's GPU, and a waiting NCCL kernel holds its CTAs' SMs. So
+  these go through a second
   communicator of WAITING_MAX_CTAS CTAs (benchmarks/nccl_beside_decode.py on an H200 pair: GEMMs
   of an 8B decode step beside a waiting receive 10% slower with NCCL's own 24 CTAs, 5% with 8,
   0.4% with 4, whose 512 MiB transfer reaches 132 GB/s against 321).

@@ -33,7 +33,7 @@ from disagg.pipes.errors import AuthError, PipeClosed, ProtocolError
 from disagg.pipes.row_scatter import RowScatter
 
 MAGIC = b"DKV1"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 MAX_TENSORS = 1 << 16
 MAX_NDIM = 8
