@@ -422,17 +422,20 @@ def serve(args: argparse.Namespace) -> None:
         from disagg.prefill_node import rank_send
 
         rank_service = rank_send.rank_service_for(kv)
+    # The node's server is imported before the model loads: a Ctrl-C that lands while pydantic builds a
+    # model class's schema surfaces as pydantic's SchemaError, not as a KeyboardInterrupt main() can
+    # tell from a bug, so that import stays out of the long load, where Ctrl-C is most likely.
+    if kv.kv_role == "producer":
+        from disagg.prefill_node.server import run_prefill_node
+    else:
+        from disagg.decode_node.server import run_decode_node
     engine = AsyncEngine(LLMEngine(EngineConfig(**engine_kwargs(args) | {
         "model": local_model(args), "grammar_cache_bytes": int(args.grammar_cache_mb * 2**20),
         "rank_service": rank_service})), profiler)
     metrics.register_vllm_names(name)  # every role serves vLLM's metric names, labelled with the served name
     if kv.kv_role == "producer":
-        from disagg.prefill_node.server import run_prefill_node
-
         asyncio.run(run_prefill_node(engine, name, kv, args.host, args.port, args.grpc_port, http_log_level, limits))
     else:
-        from disagg.decode_node.server import run_decode_node
-
         http = HTTPOptions(args.api_key, args.max_request_body_bytes, args.enable_docs)
         tools = ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
         sampling = sampling_options(args, engine.model_dir)
