@@ -355,6 +355,7 @@ class LookupBufferProducer:
         0 tokens tells the receiver to drop what it got, and the entry goes again, whole, later (a
         prefill in progress must not hold up KV that is ready; docs/ARCHITECTURE.md, "Layer-wise send")."""
         i, outcome = 0, SENT
+        whole = len(pending.entry.layers or ()) == 1  # each part holds every layer
         while pending.num_parts is None or i < pending.num_parts:
             between_chunks = i > 0 and pending.parts[i - 1].ends_chunk
             with self._cond:
@@ -370,7 +371,7 @@ class LookupBufferProducer:
                 pipe.send(encode_chunk(0) if withdraw else None)
                 outcome = WITHDRAWN if withdraw else CANCELLED
                 break
-            self._send_part(pipe, part, stream, whole=len(pending.entry.layers or ()) == 1)
+            self._send_part(pipe, part, stream, whole)
             i += 1
         if stream:
             # Sent once the transport is done reading its GPU parts: the engine's allocator may reuse

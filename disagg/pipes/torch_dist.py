@@ -17,10 +17,9 @@ tensor saying how that tensor's bytes travel:
   behind the layers that compute it; also, since a stream cannot tell the two apart, a message
   queued behind this pipe's previous transfer still in flight): the receive, queued as the header
   arrives, may then wait on the receiver's GPU, and a waiting NCCL kernel holds its CTAs' SMs. So
-  these go through a second
-  communicator of WAITING_MAX_CTAS CTAs (benchmarks/nccl_beside_decode.py on an H200 pair: GEMMs
-  of an 8B decode step beside a waiting receive 10% slower with NCCL's own 24 CTAs, 5% with 8,
-  0.4% with 4, whose 512 MiB transfer reaches 132 GB/s against 321).
+  these go through a second communicator of WAITING_MAX_CTAS CTAs (benchmarks/nccl_beside_decode.py
+  on an H200 pair: GEMMs of an 8B decode step beside a waiting receive 10% slower with NCCL's own
+  24 CTAs, 5% with 8, 0.4% with 4, whose 512 MiB transfer reaches 132 GB/s against 321).
 - INLINE: the CPU tensors of a message that also has CUDA tensors, and on a pair with
   CUDA a message of CPU tensors alone up to INLINE_MAX_BYTES (a lookup-buffer header or
   chunk message), follow the header on the control socket: they need neither a
