@@ -393,13 +393,14 @@ class LookupBufferProducer:
         if not on_gpu:
             pipe.send(part.tensors)
         else:
+            computed = part.ready.query()  # False: its layers are still queued on the engine's stream
             # On a stream of its own that waits for this part alone: on the engine's stream a GPU
             # transport would also wait for the layers queued after it.
             if not stream:
                 stream.append(torch.cuda.Stream(part.tensors[0].device))
             with torch.cuda.stream(stream[0]):
                 stream[0].wait_event(part.ready)
-                pipe.send(part.tensors)
+                pipe.send(part.tensors, computed)
         if self.on_sent is not None:
             self.on_sent(sum(t.nbytes for t in part.tensors), time.perf_counter() - start)
 

@@ -103,8 +103,10 @@ class KVPipe(ABC):
             finally:
                 self._send_lock.release()
 
-    def send(self, tensors: list[torch.Tensor] | None) -> None:
-        """Send a list of tensors (any dtype the wire carries, any shape, device; may be empty) or None."""
+    def send(self, tensors: list[torch.Tensor] | None, computed: bool = True) -> None:
+        """Send a list of tensors (any dtype the wire carries, any shape, device; may be empty) or None.
+        computed=False: CUDA tensors whose values are still being computed on the current stream (a
+        layer-wise KV part behind its layers), so a GPU transport's receive may wait on the peer's GPU."""
         with self._send_lock:
             self._check_usable()
             if tensors is None:
@@ -112,12 +114,12 @@ class KVPipe(ABC):
             else:  # ProtocolError here: nothing was sent, the pipe stays usable
                 header = wire.encode(wire.Kind.TENSORS, [wire.TensorMeta.of(t) for t in tensors])
             try:
-                self._send(header, tensors)
+                self._send(header, tensors, computed)
             except Exception as e:  # noqa: BLE001  any error breaks the pipe: re-raised as its PipeError
                 raise self._fail(e, "sending") from None
 
     @abstractmethod
-    def _send(self, header: bytes, tensors: list[torch.Tensor] | None) -> None:
+    def _send(self, header: bytes, tensors: list[torch.Tensor] | None, computed: bool) -> None:
         """send's transport part, under the send lock: the message's wire header (kind and tensor
         metadata) and its tensors; any error breaks the pipe."""
 

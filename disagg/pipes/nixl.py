@@ -157,7 +157,7 @@ class NixlPipe(KVPipe):
         self._agent.deregister_memory(descs)
         raise PipeClosed("the pipe was closed locally")
 
-    def _send(self, header: bytes, tensors: list[torch.Tensor] | None) -> None:
+    def _send(self, header: bytes, tensors: list[torch.Tensor] | None, computed: bool) -> None:
         self._send_control(header)
         try:
             self._send_tensors(tensors)

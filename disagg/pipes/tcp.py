@@ -62,7 +62,7 @@ class TcpPipe(KVPipe):
         self._stages: list[list] = []  # [pinned buffer, CUDA event] x 2, made by the first CUDA receive
         self._turn = 0
 
-    def _send(self, header: bytes, tensors: list[torch.Tensor] | None) -> None:
+    def _send(self, header: bytes, tensors: list[torch.Tensor] | None, computed: bool) -> None:
         payload = [byte_view(to_host(t)) for t in tensors or []]
         with socket_errors("sending a message", self._config.timeout):
             send_buffers(self._sock, [header, *payload])

@@ -13,13 +13,13 @@ A message's header goes over the control socket, followed by one route byte per
 tensor saying how that tensor's bytes travel:
 - NCCL: CUDA tensors, when both sides have CUDA. One tensor is one plain send; several
   go in one coalesced group (the benchmark's layer list).
-- NCCL_WAITING: the same, sent from a stream with work still to do (a layer-wise KV part queued
-  behind the layers that compute it; also, since a stream cannot tell the two apart, a message
-  queued behind this pipe's previous transfer still in flight): the receive, queued as the header
-  arrives, may then wait on the receiver's GPU, and a waiting NCCL kernel holds its CTAs' SMs. So
-  these go through a second communicator of WAITING_MAX_CTAS CTAs (benchmarks/nccl_beside_decode.py
-  on an H200 pair: GEMMs of an 8B decode step beside a waiting receive 10% slower with NCCL's own
-  24 CTAs, 5% with 8, 0.4% with 4, whose 512 MiB transfer reaches 132 GB/s against 321).
+- NCCL_WAITING: the same, for tensors the sender says are still being computed (send's
+  computed=False: a layer-wise KV part queued behind the layers that compute it): the receive,
+  queued as the header arrives, may then wait on the receiver's GPU, and a waiting NCCL kernel
+  holds its CTAs' SMs. So these go through a second communicator of WAITING_MAX_CTAS CTAs
+  (benchmarks/nccl_beside_decode.py on an H200 pair: GEMMs of an 8B decode step beside a waiting
+  receive 10% slower with NCCL's own 24 CTAs, 5% with 8, 0.4% with 4, whose 512 MiB transfer
+  reaches 132 GB/s against 321).
 - INLINE: the CPU tensors of a message that also has CUDA tensors, and on a pair with
   CUDA a message of CPU tensors alone up to INLINE_MAX_BYTES (a lookup-buffer header or
   chunk message), follow the header on the control socket: they need neither a
@@ -273,7 +273,7 @@ class TorchDistPipe(KVPipe):
         self._nccl = nccl  # by route; empty without CUDA on both sides
         self._peer = 1 - gloo.rank()
 
-    def _send(self, header: bytes, tensors: list[torch.Tensor] | None) -> None:
+    def _send(self, header: bytes, tensors: list[torch.Tensor] | None, computed: bool) -> None:
         if tensors is None:
             self._send_control([header])
             return
@@ -282,7 +282,7 @@ class TorchDistPipe(KVPipe):
         small = not cuda and sum(t.nbytes for t in tensors) <= INLINE_MAX_BYTES
         if self._nccl and (cuda or small):
             device = cuda[0].get_device() if cuda else -1  # the whole message goes through one GPU's communicator
-            backend = NCCL if not cuda or torch.cuda.current_stream(device).query() else NCCL_WAITING
+            backend = NCCL if computed or not cuda else NCCL_WAITING
             routes = bytes(backend if t.is_cuda else INLINE for t in tensors)
             inline = [sockets.byte_view(t.contiguous()) for t in tensors if not t.is_cuda and t.numel()]
             bulk = [_flat_bytes(t if t.get_device() == device else t.to(device)) for t in cuda if t.numel()]

@@ -133,7 +133,7 @@ class UcxPipe(KVPipe):
         # recv(): cancelling it could lose a message that arrives just then.
         self._pending_header: Future | None = None
 
-    def _send(self, header: bytes, tensors: list[torch.Tensor] | None) -> None:
+    def _send(self, header: bytes, tensors: list[torch.Tensor] | None, computed: bool) -> None:
         payload = [_buffer(t.contiguous()) for t in tensors or [] if t.numel()]
         buffers = [
             np.frombuffer(header[: wire.HEADER.size], np.uint8),
