@@ -29,7 +29,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from disagg.engine.layers import triton_kernels
-from disagg.engine.layers.triton_attention import MAX_SPLITS
+from disagg.engine.layers.triton_attention import split_count
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 GROUP = HEADS // KV_HEADS
@@ -112,8 +112,7 @@ def decode_case(batch: int, ctx: int, num_sms: int) -> dict[str, float]:
     q = torch.randn(batch, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     out = torch.empty_like(q)
     positions = ints([ctx - 1] * batch)
-    want = -(-2 * num_sms // (batch * KV_HEADS))  # TritonAttention.num_splits
-    splits = min(MAX_SPLITS, 1 << max(0, want - 1).bit_length())
+    splits = split_count(batch, KV_HEADS, num_sms)
     ours = lambda: triton_kernels.decode_attention(q, out, paged.k_cache, paged.v_cache, paged.table,  # noqa: E731
                                                    paged.rows, positions, BLOCK_SIZE, splits)
     qc = q[:, :, None, :]

@@ -14,7 +14,19 @@ from disagg.engine.layers.attention import StepInputs
 from disagg.engine.scheduler import ScheduledSeq
 
 MAX_SPLITS = 32
+# Decode attention's programs (sequence x KV head x context slice) an SM: fewer leave HBM bandwidth idle,
+# more run in an extra wave (an H200 at 4k context: benchmarks/decode_splits.py).
+PROGRAMS_PER_SM = 4.5
 ALIGN = 4  # int32 elements: 16 bytes
+
+
+def split_count(num_decodes: int, num_kv_heads: int, num_sms: int) -> int:
+    """The most context slices of a decode, in powers of two up to MAX_SPLITS, that keep a step's programs
+    within PROGRAMS_PER_SM an SM; slices with no keys exit at once."""
+    splits = 1
+    while splits < MAX_SPLITS and 2 * splits * num_decodes * num_kv_heads <= PROGRAMS_PER_SM * num_sms:
+        splits *= 2
+    return splits
 
 
 @dataclass
@@ -50,9 +62,7 @@ class TritonAttention:
         self.copied = torch.cuda.Event() if device.type == "cuda" else None
 
     def num_splits(self, batch: int) -> int:
-        """Enough programs to fill the GPU twice over, in powers of two; slices with no keys exit at once."""
-        want = -(-2 * self.num_sms // (batch * self.num_kv_heads))
-        return min(MAX_SPLITS, 1 << max(0, want - 1).bit_length())
+        return split_count(batch, self.num_kv_heads, self.num_sms)
 
     def prepare(self, batch: list[ScheduledSeq]) -> StepInputs:
         rows, updates = self.block_table.assign([item.seq for item in batch])
