@@ -40,7 +40,10 @@ class StepTimes:
     prefill time of all the tokens it computes (its prompt chunks' and one per decoding sequence),
     read off the profile's prefill samples by linear interpolation (extended past both ends along
     the nearest segment), plus the decoding sequences' attention to what they hold. A decode-only
-    step costs d0 + d_seq·B + d_ctx·(tokens the B sequences hold), fitted to the decode samples."""
+    step costs d0 + d_seq·B + d_ctx·(tokens the B sequences hold), fitted to the decode samples, plus
+    what the samples of B sequences took beyond that line, interpolated between the profiled batch
+    sizes (flat past both ends): a CUDA graph runs a batch padded to its bucket, with the attention
+    split count of the bucket's size, so the step is a staircase in B, not a line."""
     prefill_tokens: list[int]
     prefill_seconds: list[float]
     d0: float
@@ -48,6 +51,8 @@ class StepTimes:
     d_ctx: float
     serving_step: float = 0.0  # what a served node adds to each step (Profile.serving)
     serving_per_seq: float = 0.0  # and to it for each decoding sequence past the first
+    decode_batches: list[int] = field(default_factory=list)  # the profiled batch sizes, ascending
+    decode_residuals: list[float] = field(default_factory=list)  # their samples' mean beyond the line
 
     @classmethod
     def fit(cls, profile: Profile) -> "StepTimes":
@@ -56,8 +61,13 @@ class StepTimes:
         samples = sorted(profile.prefill, key=lambda s: s.tokens)
         d = nonnegative_fit([[1.0, s.batch, s.batch * s.context] for s in profile.decode],
                             [s.seconds for s in profile.decode])
+        beyond: dict[int, list[float]] = {}
+        for sample in profile.decode:
+            line = d[0] + d[1] * sample.batch + d[2] * sample.batch * sample.context
+            beyond.setdefault(sample.batch, []).append(sample.seconds - line)
+        batches = sorted(beyond)
         return cls([s.tokens for s in samples], [s.seconds for s in samples], *d, profile.serving.step_extra_s,
-                   profile.serving.step_extra_per_seq_s)
+                   profile.serving.step_extra_per_seq_s, batches, [float(np.mean(beyond[b])) for b in batches])
 
     def prefill(self, tokens: int) -> float:
         xs, ys = self.prefill_tokens, self.prefill_seconds
@@ -70,7 +80,8 @@ class StepTimes:
         serving = self.serving_step + self.serving_per_seq * max(decode_seqs - 1, 0)
         if prompt_tokens:
             return self.prefill(prompt_tokens + decode_seqs) + self.d_ctx * decode_tokens + serving
-        return self.d0 + self.d_seq * decode_seqs + self.d_ctx * decode_tokens + serving
+        return (self.d0 + self.d_seq * decode_seqs + self.d_ctx * decode_tokens + serving
+                + float(np.interp(decode_seqs, self.decode_batches, self.decode_residuals)))
 
 
 def nonnegative_fit(rows: list[list[float]], y: list[float]) -> list[float]:
