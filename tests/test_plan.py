@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from disagg.plan import load_workload
-from disagg.plan.profile import DecodeSample, Link, PrefillSample, Profile, Serving
+from disagg.plan.profile import DecodeSample, Link, PrefillSample, Profile, Serving, graph_edges
 from disagg.plan.simulate import Layout, Node, Planner, Request, Settings, StepTimes, pick_prefill
 
 
@@ -38,6 +38,21 @@ def test_simulated_layouts_follow_the_workload_and_the_link():
     # A link too slow for a prompt's KV (512 MiB at 0.1 GB/s: 5 s) loses every disaggregated layout.
     slow = Planner(synthetic_profile(0.1), [(4096, 32)], settings)
     assert slow.goodput(Layout(3, 1)) == 0.0 and slow.goodput(Layout(0, 4)) > 0
+
+
+def test_a_decode_step_follows_the_profiled_staircase():
+    """CUDA graphs pad a batch to its bucket, so a step is flat within one and rises past it. Profiled at
+    each bucket and the batch after it, the fitted step is each sample, and flat between a bucket's ends."""
+    buckets = [1, 2, 4, 8, 9, 16, 18, 32]
+    assert graph_edges(buckets) == [1, 2, 3, 4, 5, 8, 9, 10, 16, 17, 18, 19, 32]
+    bucket_ms = {1: 4.0, 2: 4.1, 4: 4.2, 8: 4.5, 9: 5.0, 16: 5.1, 18: 6.0, 32: 6.2}
+    step_ms = {b: next(ms for size, ms in bucket_ms.items() if size >= b) for b in graph_edges(buckets)}
+    profile = synthetic_profile(25.0)
+    profile.decode = [DecodeSample(b, 1024, ms / 1e3) for b, ms in step_ms.items()]
+    cost = StepTimes.fit(profile)
+    for b in range(1, 33):
+        want = next(ms for size, ms in bucket_ms.items() if size >= b)
+        assert cost.seconds(0, b, b * 1024) * 1e3 == pytest.approx(want, abs=1e-9), b
 
 
 def test_a_prompt_goes_to_the_prefill_node_with_the_fewest_prompt_tokens_to_compute():

@@ -4,7 +4,7 @@ A decode step of a large model launches hundreds of small kernels; replaying a g
 them as one. Buckets are 1, 2, 4, 8, 16, 32, then every 32 up to max_num_seqs, and the last batch
 size of each decode attention split count; a batch is padded to the next bucket with tokens at
 position -1, which the kernels skip. A graph fixes its attention's split count, so without those
-edges a batch just past a power of two would run with the count made for twice its size (on an
+edges a batch just past a power of two would run with the count made for its bucket's size (on an
 H200, the 8B shape's attention over 4k contexts: 9 sequences 0.3 ms a step slower, 17 0.6 ms, 33
 1.5 ms; benchmarks/decode_splits.py). Captured from the largest bucket down into one memory pool.
 Prefill runs eagerly (docs/ARCHITECTURE.md, "Engine (as built)").

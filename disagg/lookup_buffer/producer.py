@@ -391,7 +391,10 @@ class LookupBufferProducer:
             part.ready.synchronize()  # its copy to host memory is done, or its layers have run
         start = time.perf_counter()
         if not on_gpu:
-            pipe.send(part.tensors)
+            # A CUDA entry with no event (a prefix pull's blocks, read and synced by the engine) goes on this
+            # thread's stream: computed only if nothing is queued there, else its send waits behind that.
+            cuda = part.tensors[0].is_cuda
+            pipe.send(part.tensors, not cuda or torch.cuda.current_stream(part.tensors[0].device).query())
         else:
             computed = part.ready.query()  # False: its layers are still queued on the engine's stream
             # On a stream of its own that waits for this part alone: on the engine's stream a GPU

@@ -106,7 +106,8 @@ class KVPipe(ABC):
     def send(self, tensors: list[torch.Tensor] | None, computed: bool = True) -> None:
         """Send a list of tensors (any dtype the wire carries, any shape, device; may be empty) or None.
         computed=False: CUDA tensors whose values are still being computed on the current stream (a
-        layer-wise KV part behind its layers), so a GPU transport's receive may wait on the peer's GPU."""
+        layer-wise KV part behind its layers), or behind other work queued there, so a GPU transport's
+        receive may wait on the peer's GPU for them."""
         with self._send_lock:
             self._check_usable()
             if tensors is None:

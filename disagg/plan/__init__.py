@@ -63,8 +63,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                       help="prompt lengths to time a prefill step at (default: 32,128,512 on the CPU, "
                            "256,1024,4096,8192 on a GPU)")
     prof.add_argument("--decode-batch", default=None,
-                      help="batch sizes to time a decode step at (default: 1,4,8 on the CPU, "
-                           "1,4,8,9,16,17,32,33,64 on a GPU)")
+                      help="batch sizes to time a decode step at (default: 1,4,8 on the CPU; on a GPU each "
+                           "CUDA graph bucket up to 64 and the batch after it)")
     prof.add_argument("--decode-context", default=None,
                       help="tokens each decoding sequence holds (default: 32,128 on the CPU, 1024,4096 on a GPU)")
     prof.add_argument("--kv-connector", default="tcp",

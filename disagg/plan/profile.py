@@ -9,7 +9,7 @@ times include what a served step pays beside the forward (scheduling, sampling):
 - link: one request's KV sent over the configured pipe and acknowledged, for a short and a long
   prompt, giving a fixed cost per transfer and a bandwidth (in a second process, as between nodes);
 - serving: a colocated `disagg serve` of the model, one request at a time, then SERVING_BATCH at once:
-  what its TTFT and TPOT take beyond the offline steps (HTTP, the engine thread's hand-offs, and each
+  what its TTFT and decode steps take beyond the offline ones (HTTP, the engine thread's hand-offs, and each
   streamed token: the event loop's work beside the engine thread; `--no-serving` skips it).
 Prompts are random token ids, the prefix cache off: nothing is reused between timings."""
 
@@ -31,10 +31,10 @@ logger = logging.getLogger(__name__)
 
 # Grids: short on the CPU (the embedded model profiles in seconds), a GPU's serving sizes otherwise. A GPU
 # decode step is a staircase in the batch (a CUDA graph pads it to its bucket: engine/cuda_graphs.py), so
-# the GPU grid has batches both sides of the usual bucket edges (an 8B model's on an H200: 8|9, 16|17, 32|33).
+# without --decode-batch a GPU's batches are each of the engine's buckets up to the grid's largest batch,
+# and the batch after each (an 8B model on an H200: 1-5, 8-10, 16-19, 32, 33, 37, 38, 64; graph_edges).
 CPU_GRID = {"prefill_tokens": "32,128,512", "decode_batch": "1,4,8", "decode_context": "32,128"}
-GPU_GRID = {"prefill_tokens": "256,1024,4096,8192", "decode_batch": "1,4,8,9,16,17,32,33,64",
-            "decode_context": "1024,4096"}
+GPU_GRID = {"prefill_tokens": "256,1024,4096,8192", "decode_batch": "1,8,32,64", "decode_context": "1024,4096"}
 LINK_TOKENS = {"cpu": (16, 2048), "cuda": (16, 8192)}  # a short and a long prompt's KV
 REPEATS = 3
 
@@ -67,9 +67,9 @@ class Serving:
     """What a served node (`disagg serve`, one request at a time) takes beyond the engine's own steps:
     the HTTP, the streaming, the engine thread's hand-offs. Zero when not measured."""
     ttft_extra_s: float = 0.0  # served TTFT less the offline prefill step of the same prompt
-    step_extra_s: float = 0.0  # served TPOT less the offline decode step at batch 1
-    # What each further sequence decoding adds to a served step (its token streamed): the served TPOT
-    # of SERVING_BATCH requests at once less the offline step of that batch, beyond step_extra_s, per
+    step_extra_s: float = 0.0  # a served decode step (profile.step_gap) less the offline one at batch 1
+    # What each further sequence decoding adds to a served step (its token streamed): the served step of
+    # SERVING_BATCH requests at once less the offline step of that batch, beyond step_extra_s, per
     # sequence past the first.
     step_extra_per_seq_s: float = 0.0
 
@@ -146,6 +146,12 @@ def time_prefill(engine, tokens: list[int], rng: random.Random) -> list[PrefillS
             times.append(time.perf_counter() - start)
         samples.append(PrefillSample(n, statistics.median(times)))
     return samples[1:]
+
+
+def graph_edges(buckets: list[int]) -> list[int]:
+    """Each CUDA graph bucket and the batch after it, up to the largest: where a decode step's staircase
+    rises (a batch runs padded to its bucket), and where it is flat until the next."""
+    return sorted({b for size in buckets for b in (size, size + 1) if b <= buckets[-1]})
 
 
 def decode_tokens(batch: int, context: int, budget: int) -> int:
@@ -261,8 +267,8 @@ SERVING_BATCH, SERVING_BATCH_OUTPUT = 8, 64  # requests decoding together, and t
 def time_serving(args: argparse.Namespace, model: str, vocab: int, prefill: list[PrefillSample],
                  decode: list[DecodeSample]) -> Serving:
     """A colocated `disagg serve` of the same model on the same device: one request at a time, then
-    the decode grid's batch nearest SERVING_BATCH at once; their TTFT and TPOT against the offline
-    steps they are made of. Prompts hold the decode grid's shortest context, so that the offline
+    the decode grid's batch nearest SERVING_BATCH at once; their TTFT and decode steps (step_gap)
+    against the offline ones they are made of. Prompts hold the decode grid's shortest context, so that the offline
     decode steps they are set against are samples, not interpolations (the TTFT is set against the
     nearest prefill sample); the served node's step budget can take the batch's prompts in one step,
     so that no prompt's chunks are split among the timed decode steps."""
@@ -301,17 +307,16 @@ def time_serving(args: argparse.Namespace, model: str, vocab: int, prefill: list
     if not alone or (batch > 1 and not together):
         raise RuntimeError("the served node answered no request")
     ttft = statistics.median(r["ttft"] for r in alone)
-    tpot = step_gap(alone)
+    step = step_gap(alone)
     offline_ttft = min(prefill, key=lambda s: abs(s.tokens - prompt)).seconds
 
     def offline_step(b: int) -> float:
         return next(s for s in decode if s.batch == b and s.context == prompt).seconds
 
-    step_extra = max(tpot - offline_step(min(d.batch for d in decode)), 0.0)
+    step_extra = max(step - offline_step(min(d.batch for d in decode)), 0.0)
     per_seq = 0.0
     if together:
-        tpot_batch = step_gap(together)
-        per_seq = max(tpot_batch - offline_step(batch) - step_extra, 0.0) / (batch - 1)
+        per_seq = max(step_gap(together) - offline_step(batch) - step_extra, 0.0) / (batch - 1)
     return Serving(max(ttft - offline_ttft, 0.0), step_extra, per_seq)
 
 
@@ -321,7 +326,10 @@ def step_gap(requests: list[dict]) -> float:
     then waits for the later prompts' step (a 4k prompt takes as long as ~20 decode steps of an 8B model),
     which the offline steps it is set against never do. With TPOT, one of four profiles of the same
     engine on an H200 gave a batch of 8 2 ms a step more than its offline step; the other three 0."""
-    return statistics.median(statistics.median(r["itl"]) for r in requests)
+    gaps = [statistics.median(r["itl"]) for r in requests if r["itl"]]
+    if not gaps:
+        raise RuntimeError("the served node streamed no request's tokens one by one: no decode step to time")
+    return statistics.median(gaps)
 
 
 def served(port: int, vocab: int, prompt: int, concurrency: int, num_requests: int, output_len: int) -> list[dict]:
@@ -367,6 +375,9 @@ def profile(args: argparse.Namespace) -> Profile:
         raise ValueError(f"the decode grid needs {max(batches)} x {decode_len} tokens of KV; the cache holds "
                          f"{capacity}: give --kv-cache-memory more, or lower --decode-batch / --decode-context")
     print(f"loaded {engine.model_dir.name} on {engine.device} in {time.perf_counter() - start:.1f}s", flush=True)
+    graphs = getattr(engine.runner, "graphs", None)
+    if not args.decode_batch and graphs is not None:  # the same largest batch: the checks above hold
+        batches = graph_edges(graphs.buckets)
     rng = random.Random(0)
     prefill = time_prefill(engine, tokens, rng)
     print("prefill ms: " + ", ".join(f"{s.tokens} tok {1e3 * s.seconds:.1f}" for s in prefill), flush=True)

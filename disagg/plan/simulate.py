@@ -80,8 +80,9 @@ class StepTimes:
         serving = self.serving_step + self.serving_per_seq * max(decode_seqs - 1, 0)
         if prompt_tokens:
             return self.prefill(prompt_tokens + decode_seqs) + self.d_ctx * decode_tokens + serving
-        return (self.d0 + self.d_seq * decode_seqs + self.d_ctx * decode_tokens + serving
-                + float(np.interp(decode_seqs, self.decode_batches, self.decode_residuals)))
+        staircase = float(np.interp(decode_seqs, self.decode_batches, self.decode_residuals)) \
+            if self.decode_batches else 0.0
+        return self.d0 + self.d_seq * decode_seqs + self.d_ctx * decode_tokens + serving + staircase
 
 
 def nonnegative_fit(rows: list[list[float]], y: list[float]) -> list[float]:
