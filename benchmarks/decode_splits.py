@@ -46,18 +46,18 @@ def case(real: int, ctx: int, num_sms: int) -> dict:
     q = torch.randn(MAX_BATCH, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     out = torch.empty_like(q)
 
-    def time(bucket: int, splits: int) -> float:
+    def ms(bucket: int, splits: int) -> float:
         positions = ints([ctx - 1] * real + [-1] * (bucket - real))
         return median_ms(lambda: triton_kernels.decode_attention(
             q[:bucket], out[:bucket], paged.k_cache, paged.v_cache, paged.table, paged.rows[:bucket], positions,
             BLOCK_SIZE, splits))
 
-    static = {s: time(real, s) for s in (1 << i for i in range(MAX_SPLITS.bit_length()))}
+    static = {s: ms(real, s) for s in (1 << i for i in range(MAX_SPLITS.bit_length()))}
     before = (before_bucket, fill_twice(before_bucket, num_sms))
     now = (now_bucket, split_count(now_bucket, KV_HEADS, num_sms))
     kv_bytes = 2 * real * ctx * KV_HEADS * HEAD_DIM * 2
     r = {"real": real, "ctx": ctx, "static_ms": static, "before_bucket": before[0], "before_splits": before[1],
-         "before_ms": time(*before), "now_bucket": now[0], "now_splits": now[1], "now_ms": time(*now)}
+         "before_ms": ms(*before), "now_bucket": now[0], "now_splits": now[1], "now_ms": ms(*now)}
     return r | {"before_gbps": kv_bytes / r["before_ms"] / 1e6, "now_gbps": kv_bytes / r["now_ms"] / 1e6}
 
 

@@ -386,14 +386,14 @@ class LookupBufferProducer:
         while it crosses: it goes once its values are there, at a GPU transport's full rate (torch_dist
         sends a part still being computed through a communicator of few CTAs)."""
         check_tensors(part.tensors)
-        on_gpu = part.ready is not None and part.tensors[0].is_cuda
+        cuda = part.tensors[0].is_cuda
+        on_gpu = part.ready is not None and cuda
         if part.ready is not None and (whole or not on_gpu):
             part.ready.synchronize()  # its copy to host memory is done, or its layers have run
         start = time.perf_counter()
         if not on_gpu:
             # A CUDA entry with no event (a prefix pull's blocks, read and synced by the engine) goes on this
             # thread's stream: computed only if nothing is queued there, else its send waits behind that.
-            cuda = part.tensors[0].is_cuda
             pipe.send(part.tensors, not cuda or torch.cuda.current_stream(part.tensors[0].device).query())
         else:
             computed = part.ready.query()  # False: its layers are still queued on the engine's stream

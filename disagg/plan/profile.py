@@ -268,9 +268,9 @@ def time_serving(args: argparse.Namespace, model: str, vocab: int, prefill: list
                  decode: list[DecodeSample]) -> Serving:
     """A colocated `disagg serve` of the same model on the same device: one request at a time, then
     the decode grid's batch nearest SERVING_BATCH at once; their TTFT and decode steps (step_gap)
-    against the offline ones they are made of. Prompts hold the decode grid's shortest context, so that the offline
-    decode steps they are set against are samples, not interpolations (the TTFT is set against the
-    nearest prefill sample); the served node's step budget can take the batch's prompts in one step,
+    against the offline ones they are made of. Prompts hold the decode grid's shortest context, so
+    that the offline decode steps they are set against are samples, not interpolations (the TTFT is
+    set against the nearest prefill sample); the served node's step budget can take the batch's prompts in one step,
     so that no prompt's chunks are split among the timed decode steps."""
     import os
     import socket
