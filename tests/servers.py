@@ -4,7 +4,6 @@ import json
 import os
 import random
 import re
-import resource
 import signal
 import socket
 import subprocess
@@ -131,6 +130,24 @@ def metric_sum(samples: list[Sample], name: str, **labels: str) -> float:
     return sum(s.value for s in samples if s.name == name and labels.items() <= s.labels.items())
 
 
+# Sets up the process, then becomes args. Not Popen's preexec_fn: Python code between fork and exec lets gRPC's
+# at-fork handlers (this test process has run gRPC) restart a poller thread in the child, which aborts it
+# (epoll_wait: Bad file descriptor) when Popen closes the inherited descriptors before exec.
+EXEC_WITH = """import os, resource, signal, sys
+max_open_files, sigint_default, args = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3:]
+if max_open_files:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max_open_files, max_open_files))
+if sigint_default:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+os.execv(args[0], args)"""
+
+
+def exec_with(args: list[str], *, max_open_files: int | None = None, sigint_default: bool = False) -> list[str]:
+    """args run with RLIMIT_NOFILE (soft and hard) at max_open_files, and SIGINT at its default if asked (a
+    test runner in the background may ignore it, and exec keeps an ignored signal ignored)."""
+    return [sys.executable, "-c", EXEC_WITH, str(max_open_files or 0), str(int(sigint_default)), *args]
+
+
 def start_node(role: str, tmp_dir: Path, *, model: str | None = None, connector: str = "tcp",
                prefill_nodes: list[str] | None = None, kv_extra: dict | None = None,
                extra_args: list[str] = (), wait: bool = True, max_open_files: int | None = None,
@@ -158,11 +175,8 @@ def start_node(role: str, tmp_dir: Path, *, model: str | None = None, connector:
     log_path = tmp_dir / f"{role}-{port}.log"
     # One thread each: the suite shares two cores between several node processes.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    def limit_open_files() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (max_open_files, max_open_files))
-
-    proc = subprocess.Popen(args, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env,
-                            preexec_fn=limit_open_files if max_open_files else None)
+    proc = subprocess.Popen(exec_with(args, max_open_files=max_open_files), stdout=log_path.open("w"),
+                            stderr=subprocess.STDOUT, env=env)
     node = Node(role, proc, port, log_path, grpc_port, kv_port, args)
     if wait:
         wait_ready(node)

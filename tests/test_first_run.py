@@ -19,6 +19,7 @@ from lookup_peer import make_request
 from servers import (
     KV_CACHE_BYTES,
     Node,
+    exec_with,
     free_port,
     free_port_pair,
     output_until_serving,
@@ -94,9 +95,9 @@ def start_signallable(role: str, tmp_path: Path, extra: list[str] = ()) -> Node:
     if role == "producer":
         args += ["--grpc-port", str(grpc_port), "--kv-transfer-config", json.dumps({"kv_port": free_port()})]
     log_path = tmp_path / f"{role}-{port}.log"
-    proc = subprocess.Popen(args, stdout=log_path.open("w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(exec_with(args, sigint_default=True), stdout=log_path.open("w"),
+                            stderr=subprocess.STDOUT, env=env)
     return Node(role, proc, port, log_path, grpc_port, args=args)
 
 
