@@ -18,7 +18,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from disagg.control_plane import PrefillCall, PrefillResult
-from disagg.decode_node.node import DecodeNode, PrefillUnavailable
+from disagg.decode_node.node import WHILE_CALLED_S, DecodeNode, PrefillUnavailable
 from disagg.decode_node.prefill_client import PrefillFailed, PrefillNodeUnavailable
 from disagg.engine.async_engine import AsyncEngine, PrefixWait
 from disagg.engine.remote_prefill import RemoteSlot
@@ -31,7 +31,7 @@ from disagg.lookup_buffer.errors import (
     LookupTimeout,
     ProducerLost,
 )
-from disagg.lookup_buffer.messages import KVEntry
+from disagg.lookup_buffer.messages import FirstToken, KVEntry
 from disagg.pipes import RowScatter
 
 pytestmark = pytest.mark.timeout(10)
@@ -130,11 +130,12 @@ class FakeEngine:
 
 
 class FakeClient:
-    """A PrefillClient whose Prefill call answers `answer`, or raises it."""
+    """A PrefillClient whose Prefill call answers `answer`, or raises it; with `hold`, once that is set."""
 
-    def __init__(self, log: list[tuple], answer: PrefillResult | Exception):
+    def __init__(self, log: list[tuple], answer: PrefillResult | Exception, hold: asyncio.Event | None = None):
         self.log = log
         self.answer = answer
+        self.hold = hold
         self.healthy = True
         self.load = SimpleNamespace(prefill_tokens_per_s=0.0)  # not measured: the route's fallback rule
         self.address = "prefill-0:50051"
@@ -142,6 +143,9 @@ class FakeClient:
 
     async def prefill(self, call: PrefillCall, idle_timeout: float) -> PrefillResult:
         self.log.append(("prefill", call, idle_timeout))
+        if self.hold is not None:
+            await self.hold.wait()
+            self.log.append(("answered", call.request_id))
         if isinstance(self.answer, Exception):
             raise self.answer
         return self.answer
@@ -212,7 +216,8 @@ class FakeConsumer:
                 raise
             raise LookupDiscarded(f"lookup for request {request_id!r} ended: the request was discarded")
         kv = [RowScatter(CACHE, ROWS)] if self.in_place else [KV]
-        return KVEntry(request_id=request_id, token_digest=self.digest, kv_tensors=kv, in_place=self.in_place)
+        return KVEntry(request_id=request_id, token_digest=self.digest, kv_tensors=kv, in_place=self.in_place,
+                       carries_first_token=True, first_token=FirstToken(FIRST))
 
     def discard(self, request_id: str) -> bool:
         self.log.append(("discard", request_id))
@@ -228,12 +233,12 @@ class FakeConsumer:
 
 
 def make_node(log: list[tuple], *, answer: PrefillResult | Exception | None = None, available: bool = True,
-              policy: str = "recompute", engine: FakeEngine | None = None,
-              consumer: FakeConsumer | None = None) -> DecodeNode:
-    client = FakeClient(log, answer if answer is not None else result())
+              policy: str = "recompute", engine: FakeEngine | None = None, consumer: FakeConsumer | None = None,
+              hold: asyncio.Event | None = None, lookup_timeout: float = LOOKUP_TIMEOUT) -> DecodeNode:
+    client = FakeClient(log, answer if answer is not None else result(), hold)
     return DecodeNode(engine or FakeEngine(log), "model", consumer=consumer or FakeConsumer(log),
                       pool=FakePool(log, client, available), kv_advertise=ADVERTISE, prefill_policy=policy,
-                      prefill_timeout=PREFILL_TIMEOUT, lookup_timeout=LOOKUP_TIMEOUT, remote_prefill="always")
+                      prefill_timeout=PREFILL_TIMEOUT, lookup_timeout=lookup_timeout, remote_prefill="always")
 
 
 async def collect(node: DecodeNode, params: SamplingParams | None = None) -> tuple[list[int], Exception | None]:
@@ -256,8 +261,9 @@ def assert_failed_over(log: list[tuple], tokens: list[int], error: Exception | N
     recomputed here or failed by the policy; the KV never loaded."""
     rid = request_id(log)
     assert "finish_remote_prefill" not in names(log)
-    # the stream's abort of a request failed by policy comes last (tested apart)
-    after_add = [name for name in names(log) if name != "drop"]
+    # the stream's abort of a request failed by policy comes last (tested apart); a lookup still waiting
+    # is cancelled as the failure is handled
+    after_add = [name for name in names(log) if name not in ("drop", "drop_select cancelled")]
     if policy == "recompute":
         assert after_add[-3:] == ["discard", "abort", "prefill_locally"]
         assert called(log, "prefill_locally") == [("prefill_locally", rid)]
@@ -291,7 +297,8 @@ def test_happy_path_receives_in_place_and_streams():
         call, idle_timeout = called(log, "prefill")[0][1:]
         assert call == PrefillCall(rid, PROMPT, SamplingParams(max_tokens=4), ADVERTISE, skip_tokens=3)
         assert idle_timeout == PREFILL_TIMEOUT
-        assert called(log, "drop_select") == [("drop_select", rid, PROMPT, LOOKUP_TIMEOUT, PRODUCER)]
+        # started with the call, bounded by its progress (then by lookup_timeout after its answer)
+        assert called(log, "drop_select") == [("drop_select", rid, PROMPT, WHILE_CALLED_S, PRODUCER)]
         # in place: the KV is in the blocks already; the remote first token; loaded after the cached part
         assert called(log, "finish_remote_prefill") == [("finish_remote_prefill", rid, engine.slot, None, FIRST, 3)]
         assert node.kv_received_at == {}
@@ -390,9 +397,10 @@ def test_no_healthy_prefill_node(policy):
 def test_prefill_call_fails(prefill_error, policy):
     async def main():
         log: list[tuple] = []
-        node = make_node(log, answer=prefill_error, policy=policy)
+        node = make_node(log, answer=prefill_error, policy=policy, consumer=FakeConsumer(log, lookup=WAIT))
         tokens, error = await collect(node)
-        assert "drop_select" not in names(log)
+        rid = request_id(log)
+        assert ("drop_select cancelled", rid) in log  # the lookup begun with the call ends with it
         assert_failed_over(log, tokens, error, policy)
         if policy == "fail":
             assert str(prefill_error) in str(error)
@@ -422,16 +430,51 @@ def test_lookup_fails(lookup_error, policy):
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_digest_of_entry_differs_from_prefill_answer(policy):
+def test_the_first_token_goes_out_with_the_kv_before_the_call_answers():
+    """The KV and the first token behind it on the pipe came; the Prefill call's answer, on its longer
+    way, has not: the tokens stream at once, and the answer, when it comes, only feeds the route's costs."""
     async def main():
         log: list[tuple] = []
-        node = make_node(log, answer=result(digest="digest-of-other-tokens"), policy=policy)
-        tokens, error = await collect(node)
-        assert_failed_over(log, tokens, error, policy)  # never loaded
+        hold = asyncio.Event()
+        node = make_node(log, hold=hold)
+        tokens, error = await asyncio.wait_for(collect(node), 2)
+        assert (tokens, error) == ([FIRST, DECODED], None)
+        assert "answered" not in names(log) and node.costs.control_seconds is None
+        hold.set()
+        await asyncio.sleep(0.05)
+        assert names(log)[-1] == "answered"
+        assert node.costs.control_seconds is not None and node.costs.bandwidth is not None
+
+    asyncio.run(main())
+
+
+def test_a_call_that_fails_after_its_kv_and_first_token_came_costs_the_request_nothing():
+    async def main():
+        log: list[tuple] = []
+        hold = asyncio.Event()
+        node = make_node(log, hold=hold, answer=PrefillNodeUnavailable("prefill node prefill-0:50051 is unreachable"))
+        assert await asyncio.wait_for(collect(node), 2) == ([FIRST, DECODED], None)
+        hold.set()
+        await asyncio.sleep(0.05)
+        assert names(log)[-1] == "answered"
+        for name in ("discard", "abort", "prefill_locally", "fail"):
+            assert name not in names(log)
+        assert node.costs.control_seconds is None  # nothing learned from a failed call
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_kv_that_does_not_follow_the_answer_within_lookup_timeout_fails_over(policy):
+    async def main():
+        log: list[tuple] = []
+        node = make_node(log, policy=policy, consumer=FakeConsumer(log, lookup=WAIT), lookup_timeout=0.2)
+        start = time.perf_counter()
+        tokens, error = await asyncio.wait_for(collect(node), 2)
+        assert time.perf_counter() - start < 1.0
+        assert_failed_over(log, tokens, error, policy)
         if policy == "fail":
-            assert DIGEST in str(error) and "digest-of-other-tokens" in str(error)
-        assert node.kv_received_at == {}
+            assert "within 0.2s of the prefill node's answer" in str(error)
 
     asyncio.run(main())
 

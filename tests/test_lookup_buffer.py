@@ -22,6 +22,7 @@ from disagg.lookup_buffer import (
     BufferFullError,
     DigestMismatch,
     EntryCancelled,
+    FirstToken,
     KVEntry,
     LookupBufferConsumer,
     LookupBufferProducer,
@@ -535,6 +536,44 @@ def test_a_prompt_still_computing_holds_up_no_entry_that_is_ready(make_consumer,
     assert entry.in_place and torch.equal(cache[:, :, :7], kv)
     wait_until(lambda: producer.stats().entries == 0, 5)
     assert (producer.stats().sent, producer.stats().expiries, consumer.stats().cancelled) == (2, 0, 0)
+
+
+@pytest.mark.timeout(30)
+def test_the_first_token_follows_the_kv_and_completes_the_entry(make_consumer, make_producer):
+    """An entry opened to carry its prompt's first token is not in hand until the token has followed its KV
+    (a prompt computed in two chunks, in place); it is not withdrawn while the token is awaited, though a
+    ready entry waits behind it. One whose prefill fails after its KV but before its token is cancelled."""
+    consumer, producer = make_consumer(), make_producer()
+    kv, groups = layer_kv(tokens=7), [(0, 1), (1, 4)]
+    cache = torch.zeros(4, 2, 8, 2, 3)
+    consumer.expect("first", [[cache[layer, k, 0:7].reshape(-1) for layer in range(4) for k in (0, 1)]])
+    producer.open("first", [1], groups, 7, kv.nbytes, consumer.address, first_token=True)
+    with pytest.raises(ValueError, match="takes no first token now"):
+        producer.put_first_token("first", FirstToken(5))  # its KV is not all put
+    for start, stop in ((0, 3), (3, 7)):
+        for first, end in groups:
+            producer.put("first", first, end, kv[first:end, :, start:stop].clone())
+    wait_until(lambda: torch.equal(cache[:, :, :7], kv), 5)
+    producer.insert("ready", [2], [torch.ones(3)], None, consumer.address)
+    with pytest.raises(LookupTimeout):  # all of its KV is there, its first token is not
+        consumer.drop_select("first", [1], timeout=0.3)
+    assert producer.stats().entries == 2  # "ready" waits behind it: its token comes in a moment
+    top = [(5, -0.25), (9, -1.5)]
+    assert producer.put_first_token("first", FirstToken(5, -0.25, top))
+    entry = consumer.drop_select("first", [1], timeout=5)
+    assert entry.in_place and entry.first_token == FirstToken(5, -0.25, top)
+    assert torch.equal(consumer.drop_select("ready", [2], timeout=5).kv_tensors[0], torch.ones(3))
+
+    producer.open("failed", [3], groups, 7, kv.nbytes, consumer.address, first_token=True)
+    for first, end in groups:
+        producer.put("failed", first, end, kv[first:end].clone())
+    time.sleep(0.2)  # its KV is on its way
+    producer.abort("failed")  # sampling its first token failed
+    with pytest.raises(EntryCancelled):
+        consumer.drop_select("failed", [3], timeout=5, source=producer.source)
+    assert not producer.put_first_token("failed", FirstToken(5))  # too late: dropped
+    wait_until(lambda: producer.stats().entries == 0, 5)
+    assert (producer.stats().sent, producer.stats().aborts, consumer.stats().cancelled) == (2, 1, 1)
 
 
 @pytest.mark.timeout(30)

@@ -27,10 +27,13 @@ from disagg.lookup_buffer import BufferFullError, LookupBufferConsumer, LookupBu
 from disagg.lookup_buffer.messages import (
     DIGEST,
     MAX_HEADER_BYTES,
+    MAX_TOP_LOGPROBS,
     PROTOCOL_VERSION,
     Hello,
     KVEntry,
     decode,
+    decode_first_token,
+    encode_first_token,
     encode_hello,
 )
 from disagg.pipes import PipeClosed, PipeConfig, PipeError, ProtocolError, sockets, tcp, torch_dist, wire
@@ -460,6 +463,34 @@ def test_fuzz_lookup_header_bytes(data, dtype, flat):
     raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     tensor = raw.to(dtype) if flat else raw.to(dtype).reshape(1, -1)
     check_decoded([tensor])
+
+
+FIRST_TOKENS = st.one_of(
+    JSON,
+    st.fixed_dictionaries(
+        {
+            "token_id": mostly(st.integers(0, 2**31 - 1), st.integers() | JSON),
+            "logprob": mostly(st.none() | st.floats(max_value=0), st.floats() | JSON),
+            "top": mostly(st.lists(st.tuples(st.integers(0, 2**31 - 1), st.floats(max_value=0)).map(list),
+                                   max_size=MAX_TOP_LOGPROBS), st.lists(JSON, max_size=30) | JSON),
+        }
+    ),
+)
+
+
+@FUZZ
+@given(FIRST_TOKENS)
+def test_fuzz_first_token_message(obj):
+    """Whatever a peer sends behind an entry's KV is a FirstToken of sound values, or ProtocolError."""
+    try:
+        first = decode_first_token([header(obj)])
+    except ProtocolError:
+        return
+    assert isinstance(first.token_id, int) and 0 <= first.token_id < 2**31
+    assert first.logprob is None or (isinstance(first.logprob, float) and first.logprob <= 0)
+    assert len(first.top) <= MAX_TOP_LOGPROBS and (first.logprob is not None or not first.top)
+    assert all(isinstance(t, int) and 0 <= t < 2**31 and isinstance(p, float) and p <= 0 for t, p in first.top)
+    assert decode_first_token(encode_first_token(first)) == first
 
 
 def test_lookup_decoder_refuses_oversized_and_missing_headers():

@@ -12,9 +12,12 @@ A disaggregated request, in order (docs/ARCHITECTURE.md, "A request, end to end"
      lookup_timeout), then hits it, and only the rest is asked for;
   2. Prefill(request id, prompt, sampling, our pipe endpoint) on the picked prefill node, with a hint
      naming another prefill node that holds more of the prompt's prefix, if one does (it may pull it);
-  3. drop_select on our LookupBuffer consumer takes exactly that request's KV off the pipe;
-  4. the first token, which came with it, goes to the client at once; the engine loads the KV
-     into the reserved blocks between two steps and decodes on from the second token.
+  3. meanwhile drop_select on our LookupBuffer consumer takes exactly that request's KV off the pipe,
+     and the first token the prefill node sampled, which follows the KV there: the call's answer takes
+     the longer way (gRPC) and usually comes after, with the costs the route learns from; a call that
+     fails before the KV is in hand ends the wait;
+  4. the first token goes to the client at once; the engine loads the KV into the reserved blocks
+     between two steps and decodes on from the second token.
 If the prefill node is down, dies mid-transfer or is too slow, the request is recomputed here
 (policy "recompute") or fails with PrefillUnavailable (policy "fail").
 """
@@ -22,13 +25,14 @@ If the prefill node is down, dies mid-transfer or is too slow, the request is re
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 from disagg import metrics
-from disagg.control_plane import HeadsEntry, KVRank, PrefillCall, plan_entries
+from disagg.control_plane import HeadsEntry, KVRank, PrefillCall, PrefillResult, plan_entries
 from disagg.decode_node.prefill_client import PrefillClient, PrefillNodeUnavailable, PrefillPool
 from disagg.decode_node.rank_kv import RankReceivers, within_rank
 from disagg.decode_node.route import Route, RouteCosts
@@ -36,13 +40,30 @@ from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.output import RequestOutput
 from disagg.engine.remote_prefill import RemoteSlot
 from disagg.engine.sampling_params import SamplingParams
+from disagg.engine.sequence import TokenLogprob
 from disagg.engine.step_cost import StepCost
-from disagg.lookup_buffer import KVEntry, LookupBufferConsumer
+from disagg.lookup_buffer import KVEntry, LookupBufferConsumer, LookupTimeout
 from disagg.pipes.row_scatter import RowScatter
 
 logger = logging.getLogger(__name__)
 
 POLICIES = ("recompute", "fail")
+# A lookup started with its Prefill call: its Prefill call's progress bounds it until the answer, and
+# lookup_timeout after that (_fetch_kv); this only keeps it finite.
+WHILE_CALLED_S = 24 * 3600.0
+
+
+def stop_tasks(*tasks: asyncio.Future | None) -> None:
+    """Cancel the tasks still running; take the outcome of those that ended, so that none is logged as
+    never retrieved."""
+    for task in tasks:
+        if task is None:
+            continue
+        if task.done():
+            if not task.cancelled():
+                task.exception()
+        else:
+            task.cancel()
 
 
 class PrefillUnavailable(RuntimeError):
@@ -174,6 +195,7 @@ class DecodeNode:
                         params: SamplingParams, policy: str, picked: PrefillClient | None,
                         block_hashes: dict[int, list[int]]) -> None:
         client: PrefillClient | None = None
+        answer = lookup = None
         start = time.perf_counter()
         try:
             client = picked or self.pool.pick(prompt_token_ids, block_hashes)  # none was healthy: this says why
@@ -201,35 +223,45 @@ class DecodeNode:
             pull_from, pull_blocks = self.pool.pull_hint(client, prompt_token_ids, block_hashes)
             call = PrefillCall(request_id, prompt_token_ids, params, self.kv_advertise, skip, pull_from, pull_blocks,
                                kv_ranks if by_rank else [])
-            result = await client.prefill(call, idle_timeout=self.prefill_timeout)
-            answered = time.perf_counter()
-            metrics.REMOTE_PREFILL_CALL.observe(answered - start)
+            # The KV and the first token behind it on the pipe usually come before the call's answer, which
+            # takes the longer way: whichever fails or ends first decides. The lookup waits as long as the call
+            # makes progress, and lookup_timeout after its answer.
             source = (client.info.kv_ip, client.info.kv_port)
-            # The reply means the KV is queued, not sent: if the node dies now, stop waiting at once.
-            watch = asyncio.create_task(self._discard_when_unhealthy(client, request_id))
-            try:
-                entry = await self._select(entries, prompt_token_ids, source)
-            finally:
-                watch.cancel()
+            answer = asyncio.ensure_future(self._call(client, call, start))
+            lookup = asyncio.ensure_future(self._select(entries, prompt_token_ids, source, WHILE_CALLED_S))
+            await asyncio.wait({answer, lookup}, return_when=asyncio.FIRST_COMPLETED)
+            if not lookup.done():
+                answer.result()  # raises why the call failed
+                # The reply means the KV is queued, not sent: if the node dies now, stop waiting at once.
+                watch = asyncio.create_task(self._discard_when_unhealthy(client, request_id))
+                try:
+                    if not (await asyncio.wait({lookup}, timeout=self.lookup_timeout))[0]:
+                        raise LookupTimeout(f"no KV for request {request_id!r} arrived within {self.lookup_timeout}s "
+                                            "of the prefill node's answer; it may be unable to reach this decode "
+                                            "node: recompute the prefill or raise the timeout")
+                finally:
+                    watch.cancel()
+            entry = lookup.result()
             received = time.perf_counter()
-            metrics.KV_LOOKUP_WAIT.observe(received - answered)
-            if entry.token_digest != result.token_digest:
-                raise RuntimeError(f"KV digest {entry.token_digest} differs from the prefill node's "
-                                   f"{result.token_digest}")
+            first = entry.first_token
+            if first is None:
+                raise RuntimeError(f"the KV of {request_id} came without its first token")
             self.kv_received_at[request_id] = received
             kv = None if entry.in_place else entry.kv_tensors[0]
-            await self.engine.finish_remote_prefill(request_id, queue, slot, kv, result.first_token,
-                                                    result.first_logprob, kv_start=skip)
+            logprob = None if first.logprob is None else TokenLogprob(first.token_id, first.logprob, first.top)
+            await self.engine.finish_remote_prefill(request_id, queue, slot, kv, first.token_id, logprob,
+                                                    kv_start=skip)
             loaded = time.perf_counter()
             metrics.KV_LOAD.observe(loaded - received)
-            self.costs.remote_done(answered - start, result.prefill_seconds, result.kv_bytes, received - answered,
-                                   loaded - received)
-            metrics.KV_TRANSFER.observe(time.perf_counter() - start)
+            metrics.KV_TRANSFER.observe(loaded - start)
             metrics.REMOTE_PREFILL.labels("ok").inc()
+            answer.add_done_callback(functools.partial(self._answered, start, received, loaded - received))
         except asyncio.CancelledError:
+            stop_tasks(answer, lookup)
             await asyncio.shield(self._let_go(request_id, client))
             raise
         except Exception as e:  # noqa: BLE001  any failure of the handoff: recomputed or failed by policy
+            stop_tasks(answer, lookup)
             self.kv_received_at.pop(request_id, None)  # a recomputed first token is no remote one
             await asyncio.shield(self._let_go(request_id, client))  # before the blocks are given back
             where = client.address if client is not None else "no prefill node"
@@ -246,16 +278,32 @@ class DecodeNode:
         finally:
             self.entries.pop(request_id, None)
 
-    async def _select(self, entries: list[HeadsEntry], prompt_token_ids: list[int],
-                      source: tuple[str, int]) -> KVEntry:
+    async def _call(self, client: PrefillClient, call: PrefillCall, start: float) -> tuple[PrefillResult, float]:
+        """The Prefill call's result, and when it came."""
+        result = await client.prefill(call, idle_timeout=self.prefill_timeout)
+        answered = time.perf_counter()
+        metrics.REMOTE_PREFILL_CALL.observe(answered - start)
+        return result, answered
+
+    def _answered(self, start: float, received: float, load_seconds: float, answer: asyncio.Future) -> None:
+        """A remote prefill's costs for the route, once its call has answered (its KV and first token were
+        in hand at `received`, usually before). A call that failed after they came costs the request nothing."""
+        if answer.cancelled() or answer.exception() is not None:
+            return
+        result, answered = answer.result()
+        tail = max(0.0, received - answered)  # the KV's wait after the answer
+        metrics.KV_LOOKUP_WAIT.observe(tail)
+        self.costs.remote_done(received - start - tail, result.prefill_seconds, result.kv_bytes, tail, load_seconds)
+
+    async def _select(self, entries: list[HeadsEntry], prompt_token_ids: list[int], source: tuple[str, int],
+                      timeout: float) -> KVEntry:
         """Our consumer's entry of the request (the first of ours), once every entry (ours and every worker
         rank's) has arrived; the first failure ends the wait."""
         own = asyncio.ensure_future(self._select_own([e.entry_id for e in entries if e.decode_rank == 0],
-                                                     prompt_token_ids, source))
+                                                     prompt_token_ids, source, timeout))
         if all(entry.decode_rank == 0 for entry in entries):
             return await own
-        others = asyncio.ensure_future(self.ranks.drop_select(entries, prompt_token_ids, self.lookup_timeout,
-                                                              source))
+        others = asyncio.ensure_future(self.ranks.drop_select(entries, prompt_token_ids, timeout, source))
         try:
             await asyncio.gather(own, others)
         finally:
@@ -264,14 +312,14 @@ class DecodeNode:
             await asyncio.gather(own, others, return_exceptions=True)
         return own.result()
 
-    async def _select_own(self, entry_ids: list[str], prompt_token_ids: list[int],
-                          source: tuple[str, int]) -> KVEntry:
-        """The first of our consumer's entries, once all have arrived (within lookup_timeout together);
-        several (from several prefill ranks) must each have landed in the blocks."""
-        deadline, taken = time.monotonic() + self.lookup_timeout, []
+    async def _select_own(self, entry_ids: list[str], prompt_token_ids: list[int], source: tuple[str, int],
+                          timeout: float) -> KVEntry:
+        """The first of our consumer's entries (the one with the first token), once all have arrived (within
+        `timeout` together); several (from several prefill ranks) must each have landed in the blocks."""
+        deadline, taken = time.monotonic() + timeout, []
         for entry_id in entry_ids:
-            timeout = max(0.0, deadline - time.monotonic()) if taken else self.lookup_timeout
-            taken.append(await self.consumer.drop_select_async(entry_id, prompt_token_ids, timeout, source))
+            left = max(0.0, deadline - time.monotonic()) if taken else timeout
+            taken.append(await self.consumer.drop_select_async(entry_id, prompt_token_ids, left, source))
         if len(taken) > 1 and not all(entry.in_place for entry in taken):
             raise RuntimeError(f"KV of {entry_ids[0]} from a prefill rank did not land in its blocks")
         return taken[0]

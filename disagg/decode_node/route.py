@@ -58,9 +58,9 @@ class RouteCosts:
 
     def remote_done(self, call_seconds: float, node_seconds: float, kv_bytes: int, tail_seconds: float,
                     load_seconds: float) -> None:
-        """A remote prefill ended: its call took `call_seconds`, of which the node reported
-        `node_seconds`; its `kv_bytes` of KV were in hand `tail_seconds` after the answer, and in the
-        engine `load_seconds` after that."""
+        """A remote prefill ended: its call took `call_seconds` to its answer or to its KV in hand, whichever
+        came first, of which the node reported `node_seconds`; its `kv_bytes` of KV were in hand
+        `tail_seconds` after the answer (0: before it), and in the engine `load_seconds` after that."""
         self.control_seconds = ewma(self.control_seconds, max(0.0, call_seconds - node_seconds) + load_seconds)
         if kv_bytes > 0:
             self.bandwidth = ewma(self.bandwidth, kv_bytes / max(tail_seconds, 1e-4))

@@ -439,6 +439,9 @@ class LLMEngine:
         request = self.requests[seq.request_id]
         self.sampler.structured.accept(seq.request_id, token)
         advance(seq, request.text, token, logprob, self.tokenizer.eos_token_ids, self.max_model_len)
+        export = seq.kv_export
+        if export is not None and export.first_token is not None and seq.num_output_tokens == 1 and not export.failed:
+            export.first_token(token, logprob)  # before the output's way to the event loop
         if seq.finish_reason is not None:
             self.scheduler.finish(seq)
             self.sampler.release(seq.request_id)

@@ -50,6 +50,9 @@ class KVExport:
     # node's put, a worker's what the node's rank_service returned there (EngineConfig.rank_service).
     # Else the driver's put gets every head, gathered from the ranks.
     own_heads: bool = False
+    # Gets the prompt's first token and its logprob (if asked for) on the engine thread as soon as it is
+    # sampled, after every put: a prefill node sends it behind the KV. None: not wanted (a worker rank's).
+    first_token: Callable[[int, TokenLogprob | None], None] | None = None
 
 
 class Sequence:

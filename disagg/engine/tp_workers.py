@@ -62,13 +62,13 @@ class StepSeq:
     num_prompt_tokens: int
     block_table: list[int]
     prompt_logprobs: int | None
-    export: KVExport | None  # its KVExport's state (a prefill node's), without the put
+    export: KVExport | None  # its KVExport's state (a prefill node's), without its callbacks
 
     @classmethod
     def of(cls, item: ScheduledSeq) -> "StepSeq":
         seq, start, export = item.seq, item.seq.num_computed_tokens, item.seq.kv_export
         if export is not None:  # its state as the step starts; a worker's put drops what it is given
-            export = dataclasses.replace(export, put=None)
+            export = dataclasses.replace(export, put=None, first_token=None)
         return cls(seq.request_id, seq.token_ids[start:start + item.num_new_tokens + 1], start,
                    item.num_new_tokens, seq.num_tokens, seq.num_prompt_tokens, list(seq.block_table),
                    seq.params.prompt_logprobs, export)

@@ -17,7 +17,7 @@ from disagg.lookup_buffer.errors import (
     LookupTimeout,
     ProducerLost,
 )
-from disagg.lookup_buffer.messages import KVEntry, token_digest
+from disagg.lookup_buffer.messages import FirstToken, KVEntry, token_digest
 from disagg.lookup_buffer.producer import LookupBufferProducer, ProducerStats
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "ConsumerStats",
     "DigestMismatch",
     "EntryCancelled",
+    "FirstToken",
     "KVEntry",
     "LookupBufferConsumer",
     "LookupBufferError",

@@ -38,7 +38,15 @@ from disagg.lookup_buffer.errors import (
     LookupTimeout,
     ProducerLost,
 )
-from disagg.lookup_buffer.messages import MAX_HEADER_BYTES, Hello, KVEntry, decode, decode_chunk, token_digest
+from disagg.lookup_buffer.messages import (
+    MAX_HEADER_BYTES,
+    Hello,
+    KVEntry,
+    decode,
+    decode_chunk,
+    decode_first_token,
+    token_digest,
+)
 from disagg.pipes.base import Destination, KVPipe, PipeConfig
 from disagg.pipes.errors import PeerMayWrite, PipeClosed, PipeError, PipeTimeout, ProtocolError
 from disagg.pipes.row_scatter import RowScatter
@@ -465,8 +473,9 @@ class LookupBufferConsumer:
                      into: list[Destination] | None) -> list[Destination] | str | None:
         """A layer-wise entry's KV, one part per group of layers and chunk of tokens: each straight into
         its share of the destination (views of the blocks are layer-major, then token-ordered), else
-        into its share of one tensor sized by the first part. None if a None message comes in place of
-        a message (cancelled), WITHDRAWN for a chunk message of 0 tokens (it comes again later)."""
+        into its share of one tensor sized by the first part; then its first token into the entry, if it
+        carries one. None if a None message comes in place of a message (cancelled), WITHDRAWN for a
+        chunk message of 0 tokens (it comes again later)."""
         if into is not None and len(into) != 1:
             raise ProtocolError(f"a layer-wise entry has one KV tensor; {len(into)} destinations were expected")
         num_layers = entry.layers[-1][1]
@@ -487,6 +496,11 @@ class LookupBufferConsumer:
                     whole = self._whole(part[0], end, num_layers, entry)
             start += tokens
             if start == entry.tokens:
+                if entry.carries_first_token:
+                    first = self._recv(pipe)
+                    if first is None:
+                        return None
+                    entry.first_token = decode_first_token(first)
                 return into if into is not None else [whole]
             chunk = self._recv_part(pipe, None)
             if chunk is None:

@@ -5,25 +5,31 @@ with a 1-d uint8 tensor holding a small JSON header; an entry's KV tensors follo
 
     hello  = [header {"kind": "hello", "version", "source": [host, port]}]
     entry  = [header {"kind": "entry", "version", "request_id", "token_digest", "extras", "layers",
-                      "tokens", "chunk"}],
+                      "tokens", "chunk", "first_token"}],
              then [*kv_tensors] if layers is null,
              else, for each chunk of the prompt's tokens in order, one message [kv of layers
              first..end, the chunk's tokens] for each [first, end] pair of layers; the first chunk
              has `chunk` of the entry's `tokens`, each later one follows a chunk message
              [int64 tensor [its tokens]]; a chunk message of 0 tokens withdraws the entry (it is
-             sent again, from its start, later), a None message in place of any cancels it
+             sent again, from its start, later), a None message in place of any cancels it;
+             if first_token is true, a last message [header {"token_id", "logprob", "top"}]: the
+             prompt's first token, sampled where the KV was computed
 
 A producer sends one hello as the first message of each connection, so the consumer
 knows which producer a connection (and its failure) belongs to. An entry's header comes
 before its KV, so that the consumer knows the request before its KV arrives and can
 receive the KV straight into that request's blocks; a layer-wise entry's KV follows in
 parts, one per group of layers and chunk of a prompt computed in chunks, sent as the prefill
-computes them. `decode` checks every field's type and size:
-whatever a peer sends gives a Hello, a KVEntry (its header: no KV yet) or ProtocolError.
+computes them. The prompt's first token follows its KV on the same connection, so that a decode node
+has both without waiting for the prefill node's answer to its Prefill call (docs/ARCHITECTURE.md, "A
+request, end to end"). `decode` checks every field's type and size: whatever a peer sends gives a
+Hello, a KVEntry (its header: no KV yet) or ProtocolError; `decode_first_token` a FirstToken or
+ProtocolError.
 """
 
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -33,13 +39,16 @@ import torch
 from disagg.pipes import wire
 from disagg.pipes.errors import ProtocolError
 
-# 2: an entry's header, then its KV in a message of its own; 3: or in layer parts; 4: per chunk too
-PROTOCOL_VERSION = 4
+# 2: an entry's header, then its KV in a message of its own; 3: or in layer parts; 4: per chunk too; 5: the
+# first token behind the KV
+PROTOCOL_VERSION = 5
 MAX_HEADER_BYTES = 64 << 10  # a header is a few hundred bytes
 MAX_REQUEST_ID_CHARS = 256  # the decode node's API takes X-Request-Id of at most 128
 MAX_HOST_CHARS = 255
 MAX_LAYERS = 1024
 DIGEST = re.compile(r"[0-9a-f]{64}")  # token_digest's hex sha256
+MAX_TOP_LOGPROBS = 20  # a first token's top logprobs: SamplingParams' MAX_LOGPROBS
+MAX_TOKEN_ID = 2**31 - 1
 
 Extras = dict[str, int | float | str]
 
@@ -60,6 +69,16 @@ def token_digest(token_ids: list[int] | torch.Tensor) -> str:
 
 
 @dataclass
+class FirstToken:
+    """A prompt's first token, sampled where its KV was computed, with its logprob and the most likely
+    tokens' (token id, logprob) when they were asked for."""
+
+    token_id: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class KVEntry:
     """One request's KV as it crosses from a producer to a consumer."""
 
@@ -75,6 +94,8 @@ class KVEntry:
     # The consumer received the KV into the destination its expect() named: kv_tensors are that (its
     # views or RowScatters), not tensors of their own.
     in_place: bool = False
+    carries_first_token: bool = False  # layer-wise: the prompt's first token follows its KV
+    first_token: FirstToken | None = None  # ... and, once received, is this
 
     @property
     def nbytes(self) -> int:
@@ -127,8 +148,49 @@ def encode_entry(entry: KVEntry) -> list[torch.Tensor]:
         "layers": entry.layers,
         "tokens": entry.tokens,
         "chunk": entry.chunk,
+        "first_token": entry.carries_first_token,
     }
     return [_header(header)]
+
+
+def encode_first_token(first: FirstToken) -> list[torch.Tensor]:
+    """The message behind the KV of an entry that carries its prompt's first token."""
+    return [_header({"token_id": first.token_id, "logprob": first.logprob, "top": [list(t) for t in first.top]})]
+
+
+def decode_first_token(message: list[torch.Tensor]) -> FirstToken:
+    """A first-token message's FirstToken; else ProtocolError."""
+    if len(message) != 1 or message[0].dtype != torch.uint8 or message[0].dim() != 1 or message[0].is_cuda:
+        raise ProtocolError("a first-token message is one 1-d uint8 CPU header tensor")
+    if message[0].numel() > MAX_HEADER_BYTES:
+        raise ProtocolError(f"a first-token message of {message[0].numel()} bytes; at most {MAX_HEADER_BYTES}")
+    try:
+        header = json.loads(message[0].numpy().tobytes())
+        token_id, logprob, top = header["token_id"], header["logprob"], header["top"]
+        if not _is_token_id(token_id):
+            raise ValueError(f"token_id must be an int from 0 to {MAX_TOKEN_ID}, got {token_id!r:.40}")
+        if not (logprob is None or _is_logprob(logprob)):
+            raise ValueError(f"logprob must be a number <= 0 or null, got {logprob!r:.40}")
+        if not isinstance(top, list) or len(top) > MAX_TOP_LOGPROBS or (top and logprob is None):
+            raise ValueError(f"top must be a list of at most {MAX_TOP_LOGPROBS} pairs, none without a logprob")
+        pairs = []
+        for pair in top:
+            top_id, top_logprob = pair  # ValueError or TypeError unless a pair
+            if not (_is_token_id(top_id) and _is_logprob(top_logprob)):
+                raise ValueError(f"a top logprob must be [token id, logprob <= 0], got {pair!r:.80}")
+            pairs.append((top_id, float(top_logprob)))
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise ProtocolError(f"malformed first-token message: {e!r:.300}") from None
+    return FirstToken(token_id, None if logprob is None else float(logprob), pairs)
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_ID
+
+
+def _is_logprob(value: object) -> bool:
+    # -inf (a token masked out) arrives as JSON's -Infinity, which Python reads as a float
+    return isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value) and value <= 0
 
 
 def encode_chunk(tokens: int) -> list[torch.Tensor]:
@@ -178,6 +240,9 @@ def decode(message: list[torch.Tensor] | None) -> Hello | KVEntry:
             entry = KVEntry(request_id, digest, [], extras, _layers(header["layers"]))
             if entry.layers is not None:
                 entry.tokens, entry.chunk = _chunk(header["tokens"], header["chunk"])
+            entry.carries_first_token = header["first_token"]
+            if not isinstance(entry.carries_first_token, bool) or (entry.carries_first_token and entry.layers is None):
+                raise ValueError("first_token must be a bool, true only for a layer-wise entry")
             return entry
     except (ValueError, KeyError, TypeError, RecursionError) as e:  # RecursionError: deeply nested JSON
         raise ProtocolError(f"malformed lookup-buffer header: {e!r:.300}") from None

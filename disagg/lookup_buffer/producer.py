@@ -3,7 +3,8 @@
 `insert` only takes the entry into a bounded buffer and returns: the engine never waits
 on the network. An entry may also come in parts: `open` reserves its room and queues it,
 then `put` hands over each layer group's KV as the prefill computes it, and the sender
-sends each part as soon as it is there (docs/ARCHITECTURE.md, "Layer-wise send"). One sender
+sends each part as soon as it is there (docs/ARCHITECTURE.md, "Layer-wise send"); an entry opened to
+carry its prompt's first token ends with it (`put_first_token`). One sender
 thread per destination connects lazily to the consumer the entry is addressed to and pushes
 its entries in insertion order, reconnecting after a failure; an entry's bytes are freed once
 it is sent. Entries whose consumer cannot be reached expire after `ttl`, so a dead decode node
@@ -23,6 +24,7 @@ from disagg import pipes
 from disagg.lookup_buffer.errors import BufferFullError, LookupBufferError
 from disagg.lookup_buffer.messages import (
     Extras,
+    FirstToken,
     Hello,
     KVEntry,
     check_extras,
@@ -30,6 +32,7 @@ from disagg.lookup_buffer.messages import (
     check_tensors,
     encode_chunk,
     encode_entry,
+    encode_first_token,
     encode_hello,
     token_digest,
 )
@@ -64,7 +67,8 @@ class ProducerStats:
 class _Part:
     tensors: list[torch.Tensor]
     ready: torch.cuda.Event | None  # its tensors hold their values once this has happened
-    ends_chunk: bool = False  # the last layer group of a chunk: the entry may be withdrawn after it
+    ends_chunk: bool = False  # the last layer group of a chunk that more follow: the entry may be withdrawn after it
+    counted: bool = True  # on_sent counts it (KV and chunk sizes; not the first token behind them)
 
 
 @dataclass
@@ -74,7 +78,7 @@ class _Pending:
     nbytes: int
     deadline: float  # time.monotonic() after which the entry expires unsent
     parts: list[_Part]  # the messages of its KV that are there, in order
-    num_parts: int | None  # how many there will be; None until a layer-wise entry's last part is put
+    num_parts: int | None  # how many there will be; None until a layer-wise entry's last part (or first token) is put
     # A layer-wise entry's puts so far: tokens of its chunks put whole, then its current chunk's.
     tokens_put: int = 0
     chunk_tokens: int = 0
@@ -140,13 +144,14 @@ class LookupBufferProducer:
         self._queue(entry, dest, entry.nbytes, [_Part(entry.kv_tensors, None)])
 
     def open(self, request_id: str, token_ids: list[int], layers: list[tuple[int, int]], tokens: int,
-             nbytes: int, dest: tuple[str, int], wait: bool = True) -> bool:
+             nbytes: int, dest: tuple[str, int], wait: bool = True, first_token: bool = False) -> bool:
         """Queue the entry of a request whose KV of `tokens` tokens is still being computed: it will
         come as one `put` per layer group in `layers` ([first, end) pairs covering all layers in
-        order) for each chunk of those tokens, in order, `nbytes` in all. Waits for buffer space as
-        insert does, so that put never waits; with wait=False, returns False at once instead (nothing
-        queued). True once queued."""
-        entry = KVEntry(request_id, token_digest(token_ids), [], {}, layers=list(layers), tokens=tokens)
+        order) for each chunk of those tokens, in order, `nbytes` in all, and then, with first_token,
+        the prompt's first token (put_first_token). Waits for buffer space as insert does, so that put
+        never waits; with wait=False, returns False at once instead (nothing queued). True once queued."""
+        entry = KVEntry(request_id, token_digest(token_ids), [], {}, layers=list(layers), tokens=tokens,
+                        carries_first_token=first_token)
         return self._queue(entry, dest, nbytes, [], None, wait)
 
     def put(self, request_id: str, first: int, end: int, kv: torch.Tensor,
@@ -168,12 +173,32 @@ class LookupBufferProducer:
             elif kv.shape[2] != pending.chunk_tokens:
                 raise ValueError(f"put of {kv.shape[2]} tokens for {request_id!r} in a chunk of {pending.chunk_tokens}")
             pending.groups_put += 1
-            pending.parts.append(_Part([kv], ready, ends_chunk=pending.groups_put == len(layers)))
+            part = _Part([kv], ready)
+            pending.parts.append(part)
             if pending.groups_put == len(layers):
                 pending.groups_put, pending.tokens_put = 0, pending.tokens_put + pending.chunk_tokens
-                if pending.tokens_put == pending.entry.tokens:
+                part.ends_chunk = pending.tokens_put < pending.entry.tokens
+                if not part.ends_chunk and not pending.entry.carries_first_token:
                     pending.num_parts = len(pending.parts)
             # Its ttl bounds the wait for the consumer, not the prefill: it runs from its latest part.
+            pending.deadline = time.monotonic() + self.ttl
+            self._pending[request_id] = self._pending.pop(request_id)  # deadline order
+            self._cond.notify_all()
+            return True
+
+    def put_first_token(self, request_id: str, first: FirstToken) -> bool:
+        """The prompt's first token, the last message of an entry opened with first_token, after all its
+        KV was put. False, and dropped, if the entry is gone (aborted). Never waits."""
+        with self._cond:
+            pending = self._pending.get(request_id)
+            if pending is None or pending.aborted:
+                return False
+            if not pending.entry.carries_first_token or pending.num_parts is not None \
+                    or pending.tokens_put != pending.entry.tokens:
+                raise ValueError(f"{request_id!r} takes no first token now: not opened to carry one, "
+                                 "its KV not all put, or its first token put already")
+            pending.parts.append(_Part(encode_first_token(first), None, counted=False))
+            pending.num_parts = len(pending.parts)
             pending.deadline = time.monotonic() + self.ttl
             self._pending[request_id] = self._pending.pop(request_id)  # deadline order
             self._cond.notify_all()
@@ -404,7 +429,7 @@ class LookupBufferProducer:
             with torch.cuda.stream(stream[0]):
                 stream[0].wait_event(part.ready)
                 pipe.send(part.tensors, computed)
-        if self.on_sent is not None:
+        if self.on_sent is not None and part.counted:
             self.on_sent(sum(t.nbytes for t in part.tensors), time.perf_counter() - start)
 
     def _connect(self, dest: tuple[str, int]) -> KVPipe:

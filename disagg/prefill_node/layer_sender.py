@@ -1,7 +1,8 @@
 """LayerSender: a prefill rank's KV of one request, put into the producer entries it sends.
 
 Each layer group's KV goes into the rank's open entries (one per decode rank, each with the heads it
-takes) as soon as those layers have run (docs/ARCHITECTURE.md, "Layer-wise send"). The driver's runs
+takes) as soon as those layers have run (docs/ARCHITECTURE.md, "Layer-wise send"), and the prompt's
+first token, once sampled, behind the KV of the first (to the decode node's rank 0). The driver's runs
 in the node's process; under tensor parallelism each worker rank's runs in its own (rank_send.py).
 """
 
@@ -10,7 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from disagg.lookup_buffer import LookupBufferProducer
+from disagg.engine.sequence import TokenLogprob
+from disagg.lookup_buffer import FirstToken, LookupBufferProducer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,3 +78,10 @@ class LayerSender:
             sent = put and sent
         if sent and end == self.num_layers:
             self.tokens_put += kv.shape[2]
+
+    def first_token(self, token_id: int, logprob: TokenLogprob | None) -> None:
+        """The driver's KVExport.first_token: the token behind the KV of the first entry, which was opened
+        to carry it."""
+        top = [] if logprob is None else list(logprob.top)
+        self.producer.put_first_token(self.entries[0].entry_id,
+                                      FirstToken(token_id, None if logprob is None else logprob.logprob, top))

@@ -157,8 +157,9 @@ class PrefillNode:
         workers = worker_ranks(entries)
         try:
             for entry, size in zip(entries, sizes):
+                # The first, to the decode node's rank 0 (plan_entries' order), carries the first token.
                 if entry.rank == 0:
-                    await self._open_entry(entry, call.prompt_token_ids, layers, tokens, size)
+                    await self._open_entry(entry, call.prompt_token_ids, layers, tokens, size, not opened)
                     opened.append(entry)
             if workers:
                 await self.ranks.open(call.request_id, entries, sizes, call.prompt_token_ids, layers, tokens)
@@ -177,17 +178,19 @@ class PrefillNode:
         own_heads = bool(call.kv_ranks) and len(self.kv_rank_heads) > 1
         sender = LayerSender(self.producer, opened, num_layers, copy_stream,
                              self.kv_rank_heads[0][0] if own_heads else 0, metrics.KV_RANK_SENT_BYTES.labels("0").inc)
-        export = KVExport(call.skip_tokens, layers, sender.put, at_end=not layerwise, own_heads=own_heads)
+        export = KVExport(call.skip_tokens, layers, sender.put, at_end=not layerwise, own_heads=own_heads,
+                          first_token=sender.first_token)
         return export, sender, workers, sum(sizes)
 
     async def _open_entry(self, entry: RankEntry, token_ids: list[int], layers: list[tuple[int, int]], tokens: int,
-                          nbytes: int) -> None:
-        """One entry opened in the producer, its room reserved."""
+                          nbytes: int, first_token: bool) -> None:
+        """One entry opened in the producer, its room reserved; with first_token, to carry the prompt's first token."""
         args = (entry.entry_id, token_ids, layers, tokens, nbytes, entry.dest)
-        if not self.producer.open(*args, wait=False):  # at once when there is room: no thread hop
+        # At once when there is room: no thread hop.
+        if not self.producer.open(*args, wait=False, first_token=first_token):
             # Full: wait (bounded) for buffer space off the event loop, and shielded, so that a call
             # cancelled meanwhile (its decode node gave up) aborts the entry once it is open.
-            opening = asyncio.ensure_future(asyncio.to_thread(self.producer.open, *args))
+            opening = asyncio.ensure_future(asyncio.to_thread(self.producer.open, *args, first_token=first_token))
             try:
                 await asyncio.shield(opening)
             except asyncio.CancelledError:
