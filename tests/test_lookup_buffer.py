@@ -423,6 +423,30 @@ def test_expected_kv_lands_in_its_views_with_no_buffer_of_its_own(make_consumer,
 
 
 @pytest.mark.timeout(30)
+def test_a_receive_cut_by_discard_loses_no_other_request_of_its_producer(make_consumer, make_producer):
+    """A request discarded while its KV lands in its views (its client went away): the cut connection is
+    not its producer's loss. Another request's lookup from that producer, waiting meanwhile (as a decode
+    node's waits through the prefill), gets its entry on the producer's next connection."""
+    consumer, producer = make_consumer(), make_producer()
+    kv = layer_kv()
+    cache = torch.zeros(4, 2, 8, 2, 3)
+    consumer.expect("gone", [[cache[layer, k, 0:5].reshape(-1) for layer in range(4) for k in (0, 1)]])
+    producer.open("gone", [1], [(0, 1), (1, 4)], kv.shape[2], kv.nbytes, consumer.address)
+    producer.put("gone", 0, 1, kv[0:1].clone())
+    wait_until(lambda: torch.equal(cache[0, :, :5], kv[0]), 5)  # its receive is in progress
+    answers = {}
+    other = threading.Thread(target=lambda: answers.update(
+        other=consumer.drop_select("other", [2], 10.0, source=producer.source)))
+    other.start()
+    assert consumer.discard("gone") is False
+    producer.put("gone", 1, 4, kv[1:4].clone())  # the rest goes on the next connection, and is dropped there
+    producer.insert("other", [2], [torch.ones(2)], None, consumer.address)
+    other.join(10)
+    assert torch.equal(answers["other"].kv_tensors[0], torch.ones(2))
+    assert consumer.stats().producer_losses == 0
+
+
+@pytest.mark.timeout(30)
 def test_discard_cuts_off_a_receive_into_views_before_it_returns(make_consumer):
     """A producer that stalls mid-KV: discard closes its connection and returns at once, and the
     receiver has let go of the views by then (so the decode node may give the blocks back)."""

@@ -117,7 +117,9 @@ def exchange(listener: pipes.PipeListener, pipe_name: str, config: PipeConfig, w
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("pipe_name", ["tcp", "torch_dist"])
 def test_idle_connections_cost_bounded_threads_fds_and_log_lines(pipe_name, flood, caplog):
-    config = PipeConfig(kv_port=0, auth_token=TOKEN, timeout=10, handshake_timeout=2.0)
+    # A handshake deadline well past the flood's connects and its 1 s wait before it counts: on a loaded
+    # machine (2 s) the last ones in handshake were sometimes closed before they were counted.
+    config = PipeConfig(kv_port=0, auth_token=TOKEN, timeout=10, handshake_timeout=4.0)
     listener = pipes.listen(pipe_name, config)
     try:
         threads, fds = threading.active_count(), open_fds() + 2  # + the flood process's stdin and stdout
@@ -470,8 +472,8 @@ FIRST_TOKENS = st.one_of(
     st.fixed_dictionaries(
         {
             "token_id": mostly(st.integers(0, 2**31 - 1), st.integers() | JSON),
-            "logprob": mostly(st.none() | st.floats(max_value=0), st.floats() | JSON),
-            "top": mostly(st.lists(st.tuples(st.integers(0, 2**31 - 1), st.floats(max_value=0)).map(list),
+            "logprob": mostly(st.none() | st.floats(max_value=0), st.floats() | st.integers(-10**400, 10**400) | JSON),
+            "top": mostly(st.lists(st.tuples(st.integers(0, 2**31 - 1), st.floats()).map(list),
                                    max_size=MAX_TOP_LOGPROBS), st.lists(JSON, max_size=30) | JSON),
         }
     ),
@@ -487,10 +489,11 @@ def test_fuzz_first_token_message(obj):
     except ProtocolError:
         return
     assert isinstance(first.token_id, int) and 0 <= first.token_id < 2**31
-    assert first.logprob is None or (isinstance(first.logprob, float) and first.logprob <= 0)
+    assert first.logprob is None or isinstance(first.logprob, float)
     assert len(first.top) <= MAX_TOP_LOGPROBS and (first.logprob is not None or not first.top)
-    assert all(isinstance(t, int) and 0 <= t < 2**31 and isinstance(p, float) and p <= 0 for t, p in first.top)
-    assert decode_first_token(encode_first_token(first)) == first
+    assert all(isinstance(t, int) and 0 <= t < 2**31 and isinstance(p, float) for t, p in first.top)
+    again = decode_first_token(encode_first_token(first))
+    assert json.dumps(again.__dict__) == json.dumps(first.__dict__)  # NaN too, which equals nothing
 
 
 def test_lookup_decoder_refuses_oversized_and_missing_headers():

@@ -129,6 +129,9 @@ class LookupBufferConsumer:
         self._written_on: dict[str, float] = {}  # request id -> deadline: a peer may still write its destination
         self._destinations: dict[str, list[Destination]] = {}  # request id -> where its KV goes (expect)
         self._filling: dict[str, KVPipe] = {}  # request id -> the connection receiving into its destination
+        # Connections discard() closed to cut off a receive: the producer is not lost, it connects again and
+        # sends what it still holds, so their lookups go on.
+        self._cut: set[KVPipe] = set()
         self._wakers: set[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = set()  # drop_select_async waits
         self._refusals = RateLimitedLog(log)
         self._pipes: set[KVPipe] = set()
@@ -289,6 +292,8 @@ class LookupBufferConsumer:
             if dropped:
                 self._remove(request_id)
         if filling is not None:
+            with self._cond:
+                self._cut.add(filling)
             filling.close()  # the receive fails at once; then its thread lets go of the destination
             with self._cond:
                 self._cond.wait_for(lambda: request_id not in self._filling)
@@ -387,15 +392,18 @@ class LookupBufferConsumer:
             with self._cond:
                 self._pipes.discard(pipe)
                 self._receivers.remove(threading.current_thread())
+                cut = pipe in self._cut
+                self._cut.discard(pipe)
                 if source is not None:
                     self._stats.connections -= 1
-                    self._losses[source] = self._losses.get(source, 0) + 1
-                    self._loss_reasons[source] = reason
-                    self._wake()
+                    if not cut:
+                        self._losses[source] = self._losses.get(source, 0) + 1
+                        self._loss_reasons[source] = reason
+                        self._wake()
                 # A producer closes a connection idle for a minute (its IDLE_SENDER_S), and every one as it
                 # stops: routine, and nothing was in flight (a decode node hears of a prefill node that died
-                # from its gRPC health check).
-                if not self._closed and routine:
+                # from its gRPC health check); discard() cut one to end a receive.
+                if not self._closed and (routine or cut):
                     log.info("KV producer %s closed its connection between entries: %s", source, reason)
                 elif not self._closed:
                     log.warning("KV producer %s disconnected: %s", source or "(before its hello)", reason)

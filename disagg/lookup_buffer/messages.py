@@ -29,7 +29,6 @@ ProtocolError.
 
 import hashlib
 import json
-import math
 import re
 from dataclasses import dataclass, field
 
@@ -169,28 +168,28 @@ def decode_first_token(message: list[torch.Tensor]) -> FirstToken:
         token_id, logprob, top = header["token_id"], header["logprob"], header["top"]
         if not _is_token_id(token_id):
             raise ValueError(f"token_id must be an int from 0 to {MAX_TOKEN_ID}, got {token_id!r:.40}")
-        if not (logprob is None or _is_logprob(logprob)):
-            raise ValueError(f"logprob must be a number <= 0 or null, got {logprob!r:.40}")
+        if not (logprob is None or _is_number(logprob)):
+            raise ValueError(f"logprob must be a number or null, got {logprob!r:.40}")
         if not isinstance(top, list) or len(top) > MAX_TOP_LOGPROBS or (top and logprob is None):
             raise ValueError(f"top must be a list of at most {MAX_TOP_LOGPROBS} pairs, none without a logprob")
         pairs = []
         for pair in top:
             top_id, top_logprob = pair  # ValueError or TypeError unless a pair
-            if not (_is_token_id(top_id) and _is_logprob(top_logprob)):
-                raise ValueError(f"a top logprob must be [token id, logprob <= 0], got {pair!r:.80}")
+            if not (_is_token_id(top_id) and _is_number(top_logprob)):
+                raise ValueError(f"a top logprob must be [token id, logprob], got {pair!r:.80}")
             pairs.append((top_id, float(top_logprob)))
-    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        return FirstToken(token_id, None if logprob is None else float(logprob), pairs)
+    except (ValueError, KeyError, TypeError, RecursionError, OverflowError) as e:  # Overflow: a huge JSON int
         raise ProtocolError(f"malformed first-token message: {e!r:.300}") from None
-    return FirstToken(token_id, None if logprob is None else float(logprob), pairs)
 
 
 def _is_token_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_ID
 
 
-def _is_logprob(value: object) -> bool:
-    # -inf (a token masked out) arrives as JSON's -Infinity, which Python reads as a float
-    return isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value) and value <= 0
+def _is_number(value: object) -> bool:
+    """A JSON number (-Infinity and NaN too, as a model's logprob may be: its value is the model's business)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def encode_chunk(tokens: int) -> list[torch.Tensor]:
