@@ -12,7 +12,8 @@ Split of the disagg TTFT, per request:
   PrefillResult.prefill_seconds: schedule + compute + KV taken out of the cache + buffer insert);
 - kv_transfer: the decode node's `disagg_kv_transfer_seconds` for the request (Prefill call sent
   -> KV loaded into its blocks), read as the histogram's _sum delta around the request;
-- transfer+load = kv_transfer - prefill: gRPC round trip, the pipe, drop_select and the load;
+- transfer+load = kv_transfer - prefill: the call's way there, the pipe (the first token follows the
+  KV there), drop_select and the load (the call's answer no longer gates it: it may come after);
 - rest = TTFT - kv_transfer: HTTP, tokenization, block reservation, the first token's stream.
 
 The fixed cost of a colocated TTFT, per request, from the node's own histograms read around it:
