@@ -447,6 +447,25 @@ def test_a_receive_cut_by_discard_loses_no_other_request_of_its_producer(make_co
 
 
 @pytest.mark.timeout(30)
+def test_an_idle_close_said_with_a_bye_loses_no_lookup_of_its_producer(make_consumer, make_producer):
+    """A producer closes a connection it had nothing to send on, and says so: a lookup naming it that
+    waits meanwhile (a decode node's waits through the prefill, before the entry is opened) goes on, and
+    gets its entry on the producer's next connection. A connection that breaks without a bye is a loss."""
+    consumer, producer = make_consumer(), make_producer(idle_sender_s=0.3)
+    producer.insert("first", [1], [torch.ones(2)], None, consumer.address)
+    consumer.drop_select("first", [1], timeout=5)
+    answers = {}
+    later = threading.Thread(target=lambda: answers.update(
+        later=consumer.drop_select("later", [2], 10.0, source=producer.source)))
+    later.start()
+    wait_until(lambda: sender_threads() == [] and consumer.stats().connections == 0, 5)  # closed, idle
+    producer.insert("later", [2], [torch.ones(3)], None, consumer.address)
+    later.join(10)
+    assert torch.equal(answers["later"].kv_tensors[0], torch.ones(3))
+    assert consumer.stats().producer_losses == 0
+
+
+@pytest.mark.timeout(30)
 def test_discard_cuts_off_a_receive_into_views_before_it_returns(make_consumer):
     """A producer that stalls mid-KV: discard closes its connection and returns at once, and the
     receiver has let go of the views by then (so the decode node may give the blocks back)."""

@@ -29,6 +29,7 @@ from disagg.lookup_buffer.messages import (
     MAX_HEADER_BYTES,
     MAX_TOP_LOGPROBS,
     PROTOCOL_VERSION,
+    Bye,
     Hello,
     KVEntry,
     decode,
@@ -446,7 +447,7 @@ def check_decoded(message: list[torch.Tensor] | None) -> None:
     if isinstance(decoded, Hello):
         host, port = decoded.source
         assert isinstance(host, str) and isinstance(port, int) and 0 <= port < 65536
-    else:
+    elif not isinstance(decoded, Bye):
         assert isinstance(decoded, KVEntry)
         assert isinstance(decoded.request_id, str) and 0 < len(decoded.request_id) <= 256
         assert DIGEST.fullmatch(decoded.token_digest)

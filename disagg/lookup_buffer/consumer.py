@@ -40,6 +40,7 @@ from disagg.lookup_buffer.errors import (
 )
 from disagg.lookup_buffer.messages import (
     MAX_HEADER_BYTES,
+    Bye,
     Hello,
     KVEntry,
     decode,
@@ -358,6 +359,7 @@ class LookupBufferConsumer:
         reason = "closed"
         between_entries = False  # waiting for the next entry's header: nothing is in flight on this connection
         routine = False  # closed between entries: see the log line below
+        bye = False  # the producer closed an idle connection, saying so: nothing is lost
         try:
             self._use_own_stream()
             hello = decode(self._recv(pipe))
@@ -370,6 +372,9 @@ class LookupBufferConsumer:
                 between_entries = True
                 entry = decode(self._recv(pipe))
                 between_entries = False
+                if isinstance(entry, Bye):
+                    bye, reason = True, "it had nothing to send"
+                    break
                 if not isinstance(entry, KVEntry):
                     raise ProtocolError("a producer sent a second hello on one connection")
                 start = time.perf_counter()
@@ -396,15 +401,17 @@ class LookupBufferConsumer:
                 self._cut.discard(pipe)
                 if source is not None:
                     self._stats.connections -= 1
-                    if not cut:
+                    if not (cut or bye):
                         self._losses[source] = self._losses.get(source, 0) + 1
                         self._loss_reasons[source] = reason
                         self._wake()
-                # A producer closes a connection idle for a minute (its IDLE_SENDER_S), and every one as it
-                # stops: routine, and nothing was in flight (a decode node hears of a prefill node that died
-                # from its gRPC health check); discard() cut one to end a receive.
-                if not self._closed and (routine or cut):
+                # A producer closes a connection idle for a minute (its IDLE_SENDER_S), with a bye, and every
+                # one as it stops: routine, and nothing was in flight (a decode node hears of a prefill node
+                # that died from its gRPC health check); discard() cut one to end a receive.
+                if not self._closed and (routine or bye):
                     log.info("KV producer %s closed its connection between entries: %s", source, reason)
+                elif not self._closed and cut:
+                    log.info("KV producer %s: its connection was cut to end a discarded request's receive", source)
                 elif not self._closed:
                     log.warning("KV producer %s disconnected: %s", source or "(before its hello)", reason)
 

@@ -4,6 +4,7 @@ A pipe carries lists of tensors and nothing else (no pickle), so every message s
 with a 1-d uint8 tensor holding a small JSON header; an entry's KV tensors follow it:
 
     hello  = [header {"kind": "hello", "version", "source": [host, port]}]
+    bye    = [header {"kind": "bye", "version"}]: the producer closes this idle connection
     entry  = [header {"kind": "entry", "version", "request_id", "token_digest", "extras", "layers",
                       "tokens", "chunk", "first_token"}],
              then [*kv_tensors] if layers is null,
@@ -16,14 +17,15 @@ with a 1-d uint8 tensor holding a small JSON header; an entry's KV tensors follo
              prompt's first token, sampled where the KV was computed
 
 A producer sends one hello as the first message of each connection, so the consumer
-knows which producer a connection (and its failure) belongs to. An entry's header comes
-before its KV, so that the consumer knows the request before its KV arrives and can
+knows which producer a connection (and its failure) belongs to, and a bye before it closes one
+it had nothing to send on, so that the consumer does not take that close for the producer's loss.
+An entry's header comes before its KV, so that the consumer knows the request before its KV arrives and can
 receive the KV straight into that request's blocks; a layer-wise entry's KV follows in
 parts, one per group of layers and chunk of a prompt computed in chunks, sent as the prefill
 computes them. The prompt's first token follows its KV on the same connection, so that a decode node
 has both without waiting for the prefill node's answer to its Prefill call (docs/ARCHITECTURE.md, "A
 request, end to end"). `decode` checks every field's type and size: whatever a peer sends gives a
-Hello, a KVEntry (its header: no KV yet) or ProtocolError; `decode_first_token` a FirstToken or
+Hello, a Bye, a KVEntry (its header: no KV yet) or ProtocolError; `decode_first_token` a FirstToken or
 ProtocolError.
 """
 
@@ -39,7 +41,7 @@ from disagg.pipes import wire
 from disagg.pipes.errors import ProtocolError
 
 # 2: an entry's header, then its KV in a message of its own; 3: or in layer parts; 4: per chunk too; 5: the
-# first token behind the KV
+# first token behind the KV, and bye
 PROTOCOL_VERSION = 5
 MAX_HEADER_BYTES = 64 << 10  # a header is a few hundred bytes
 MAX_REQUEST_ID_CHARS = 256  # the decode node's API takes X-Request-Id of at most 128
@@ -109,6 +111,11 @@ class Hello:
     version: int = PROTOCOL_VERSION
 
 
+@dataclass
+class Bye:
+    """Last message of a connection its producer closes because it had nothing to send on it."""
+
+
 def check_extras(extras: Extras) -> None:
     """Extras travel as JSON, so only flat str -> int | float | str maps survive the trip unchanged."""
     for key, value in extras.items():
@@ -128,6 +135,10 @@ def check_request_id(request_id: object) -> None:
 
 def encode_hello(hello: Hello) -> list[torch.Tensor]:
     return [_header({"kind": "hello", "version": hello.version, "source": list(hello.source)})]
+
+
+def encode_bye() -> list[torch.Tensor]:
+    return [_header({"kind": "bye", "version": PROTOCOL_VERSION})]
 
 
 def check_tensors(tensors: list[torch.Tensor]) -> None:
@@ -208,7 +219,7 @@ def decode_chunk(message: list[torch.Tensor], tokens_left: int) -> int:
     return tokens
 
 
-def decode(message: list[torch.Tensor] | None) -> Hello | KVEntry:
+def decode(message: list[torch.Tensor] | None) -> Hello | Bye | KVEntry:
     """Parse a received message; ProtocolError names what was wrong with it."""
     if not message or message[0].dtype != torch.uint8 or message[0].dim() != 1 or message[0].is_cuda:
         raise ProtocolError("lookup-buffer message must start with a 1-d uint8 CPU header tensor")
@@ -226,6 +237,8 @@ def decode(message: list[torch.Tensor] | None) -> Hello | KVEntry:
             )
         if kind == "hello":
             return Hello(source=_source(header["source"]), version=version)
+        if kind == "bye":
+            return Bye()
         if kind == "entry":
             if len(message) != 1:
                 raise ProtocolError("an entry's header comes alone: its KV follows in a message of its own")

@@ -11,6 +11,7 @@ it is sent. Entries whose consumer cannot be reached expire after `ttl`, so a de
 never pins prefill memory.
 """
 
+import contextlib
 import logging
 import threading
 import time
@@ -30,6 +31,7 @@ from disagg.lookup_buffer.messages import (
     check_extras,
     check_request_id,
     check_tensors,
+    encode_bye,
     encode_chunk,
     encode_entry,
     encode_first_token,
@@ -306,6 +308,7 @@ class LookupBufferProducer:
         pipe: KVPipe | None = None
         stream: list[torch.cuda.Stream] = []  # this thread's CUDA stream, made when first needed
         retry_s = RETRY_MIN_S
+        idle = False
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._closed or _next(queue) is not None, self.idle_sender_s)
@@ -315,6 +318,7 @@ class LookupBufferProducer:
                     del self._senders[dest], self._queues[dest]
                     self._pipes.pop(dest, None)
                     self._last_error.pop(dest, None)
+                    idle = True
                     break
             pending: _Pending | None = None
             started = False  # the entry's header is on the wire: the receiver expects its parts next
@@ -369,6 +373,9 @@ class LookupBufferProducer:
                 self._stats.sent += 1
                 self._stats.bytes_sent += pending.nbytes
         if pipe is not None:
+            if idle:  # the consumer's lookups from us go on: nothing was lost
+                with contextlib.suppress(PipeError):
+                    pipe.send(encode_bye())
             pipe.close()
 
     def _send_parts(self, pipe: KVPipe, pending: _Pending, queue: deque[_Pending],

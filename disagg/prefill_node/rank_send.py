@@ -83,11 +83,9 @@ def serve_rank(pipe_name: str, config: PipeConfig, kv_buffer_size: int, ttl: flo
     def count(nbytes: int, seconds: float) -> None:
         sent[0] += nbytes
 
-    # Named as the driver's producer is (the decode node knows one name per prefill node), this one keeps its
-    # connections: a routine close of an idle one would read, at the decode node, as that name's loss and
-    # fail the lookups of the driver's entries in flight.
-    producer = LookupBufferProducer(pipe_name, config, kv_buffer_size, ttl, insert_timeout, idle_sender_s=None,
-                                    on_sent=count)
+    # Named as the driver's producer is (the decode node knows one name per prefill node): a connection of
+    # this one that breaks fails the lookups of the driver's entries in flight too; one it closes idle says bye.
+    producer = LookupBufferProducer(pipe_name, config, kv_buffer_size, ttl, insert_timeout, on_sent=count)
     copy_stream = None
     if kv_cache.kv.is_cuda and kv_buffer_device == "cpu":
         copy_stream = torch.cuda.Stream(kv_cache.kv.device)
