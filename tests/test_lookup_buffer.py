@@ -450,7 +450,7 @@ def test_a_receive_cut_by_discard_loses_no_other_request_of_its_producer(make_co
 def test_an_idle_close_said_with_a_bye_loses_no_lookup_of_its_producer(make_consumer, make_producer):
     """A producer closes a connection it had nothing to send on, and says so: a lookup naming it that
     waits meanwhile (a decode node's waits through the prefill, before the entry is opened) goes on, and
-    gets its entry on the producer's next connection. A connection that breaks without a bye is a loss."""
+    gets its entry on the producer's next connection."""
     consumer, producer = make_consumer(), make_producer(idle_sender_s=0.3)
     producer.insert("first", [1], [torch.ones(2)], None, consumer.address)
     consumer.drop_select("first", [1], timeout=5)

@@ -165,7 +165,8 @@ class LookupBufferConsumer:
         other tokens, LookupDiscarded if `discard` was called for it, BufferFullError if it
         arrived before this lookup while the buffer was full and was dropped, and, when
         `source` names the producer expected to send it (its config's kv_ip, kv_port),
-        ProducerLost as soon as a connection from that producer breaks during the wait, and
+        ProducerLost as soon as a connection from that producer breaks during the wait (not one
+        `discard` cut, nor one the producer closed with a bye), and
         EntryCancelled if the producer cancelled a layer-wise entry on its way.
         """
         lookup = self._start_lookup(request_id, timeout, source)

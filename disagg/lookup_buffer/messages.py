@@ -238,6 +238,8 @@ def decode(message: list[torch.Tensor] | None) -> Hello | Bye | KVEntry:
         if kind == "hello":
             return Hello(source=_source(header["source"]), version=version)
         if kind == "bye":
+            if len(message) != 1:
+                raise ProtocolError("a bye comes alone")
             return Bye()
         if kind == "entry":
             if len(message) != 1:
