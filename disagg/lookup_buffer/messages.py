@@ -170,12 +170,10 @@ def encode_first_token(first: FirstToken) -> list[torch.Tensor]:
 
 def decode_first_token(message: list[torch.Tensor]) -> FirstToken:
     """A first-token message's FirstToken; else ProtocolError."""
-    if len(message) != 1 or message[0].dtype != torch.uint8 or message[0].dim() != 1 or message[0].is_cuda:
-        raise ProtocolError("a first-token message is one 1-d uint8 CPU header tensor")
-    if message[0].numel() > MAX_HEADER_BYTES:
-        raise ProtocolError(f"a first-token message of {message[0].numel()} bytes; at most {MAX_HEADER_BYTES}")
+    if len(message) != 1:
+        raise ProtocolError("a first-token message is its header alone")
     try:
-        header = json.loads(message[0].numpy().tobytes())
+        header = _header_of(message)
         token_id, logprob, top = header["token_id"], header["logprob"], header["top"]
         if not _is_token_id(token_id):
             raise ValueError(f"token_id must be an int from 0 to {MAX_TOKEN_ID}, got {token_id!r:.40}")
@@ -192,6 +190,16 @@ def decode_first_token(message: list[torch.Tensor]) -> FirstToken:
         return FirstToken(token_id, None if logprob is None else float(logprob), pairs)
     except (ValueError, KeyError, TypeError, RecursionError, OverflowError) as e:  # Overflow: a huge JSON int
         raise ProtocolError(f"malformed first-token message: {e!r:.300}") from None
+
+
+def _header_of(message: list[torch.Tensor] | None) -> object:
+    """The JSON value a message's header tensor holds: ProtocolError if it holds no header (or one too
+    large to read), ValueError if its bytes are not JSON."""
+    if not message or message[0].dtype != torch.uint8 or message[0].dim() != 1 or message[0].is_cuda:
+        raise ProtocolError("lookup-buffer message must start with a 1-d uint8 CPU header tensor")
+    if message[0].numel() > MAX_HEADER_BYTES:
+        raise ProtocolError(f"lookup-buffer header of {message[0].numel()} bytes; at most {MAX_HEADER_BYTES}")
+    return json.loads(message[0].numpy().tobytes())
 
 
 def _is_token_id(value: object) -> bool:
@@ -221,12 +229,8 @@ def decode_chunk(message: list[torch.Tensor], tokens_left: int) -> int:
 
 def decode(message: list[torch.Tensor] | None) -> Hello | Bye | KVEntry:
     """Parse a received message; ProtocolError names what was wrong with it."""
-    if not message or message[0].dtype != torch.uint8 or message[0].dim() != 1 or message[0].is_cuda:
-        raise ProtocolError("lookup-buffer message must start with a 1-d uint8 CPU header tensor")
-    if message[0].numel() > MAX_HEADER_BYTES:
-        raise ProtocolError(f"lookup-buffer header of {message[0].numel()} bytes; at most {MAX_HEADER_BYTES}")
     try:
-        header = json.loads(message[0].numpy().tobytes())
+        header = _header_of(message)
         if not isinstance(header, dict):
             raise TypeError(f"the header must be a JSON object, got {type(header).__name__}")
         kind, version = header["kind"], header["version"]

@@ -182,10 +182,7 @@ class LookupBufferProducer:
                 part.ends_chunk = pending.tokens_put < pending.entry.tokens
                 if not part.ends_chunk and not pending.entry.carries_first_token:
                     pending.num_parts = len(pending.parts)
-            # Its ttl bounds the wait for the consumer, not the prefill: it runs from its latest part.
-            pending.deadline = time.monotonic() + self.ttl
-            self._pending[request_id] = self._pending.pop(request_id)  # deadline order
-            self._cond.notify_all()
+            self._part_added(pending)
             return True
 
     def put_first_token(self, request_id: str, first: FirstToken) -> bool:
@@ -201,10 +198,16 @@ class LookupBufferProducer:
                                  "its KV not all put, or its first token put already")
             pending.parts.append(_Part(encode_first_token(first), None, counted=False))
             pending.num_parts = len(pending.parts)
-            pending.deadline = time.monotonic() + self.ttl
-            self._pending[request_id] = self._pending.pop(request_id)  # deadline order
-            self._cond.notify_all()
+            self._part_added(pending)
             return True
+
+    def _part_added(self, pending: _Pending) -> None:
+        """Under the lock: an opened entry got its next part. Its ttl bounds the wait for the consumer, not
+        the prefill: it runs from its latest part."""
+        pending.deadline = time.monotonic() + self.ttl
+        request_id = pending.entry.request_id
+        self._pending[request_id] = self._pending.pop(request_id)  # deadline order
+        self._cond.notify_all()
 
     def _start_chunk(self, pending: _Pending, tokens: int) -> None:
         """Under the lock: the first put of a chunk of `tokens` tokens. The first chunk's size goes in
