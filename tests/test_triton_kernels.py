@@ -110,6 +110,19 @@ def test_split_counts_and_graph_buckets():
         assert count(n) == count(next(b for b in sizes if b >= n))
 
 
+def test_graph_buckets_of_tensor_parallel_ranks_with_unequal_kv_heads():
+    """The embedded model's 3 KV heads go 2 + 1 on two ranks, whose split counts change at different
+    batches: both ranks capture the same buckets (a graph's all-reduces pair with the peer's graph of
+    that size, else capture hangs), and each bucket keeps each rank's split count."""
+    counts = [lambda n, h=h: split_count(n, h, 132) for h in (1, 2)]
+    sizes = buckets(64, *counts)
+    assert sizes == buckets(64, *reversed(counts))
+    assert set(buckets(64, counts[0])) | set(buckets(64, counts[1])) == set(sizes)
+    for count in counts:
+        for n in range(1, 65):
+            assert count(n) == count(next(b for b in sizes if b >= n))
+
+
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("num_kv_heads,group,head_dim", [(2, 1, 64), (2, 4, 128), (1, 8, 64)])
 def test_decode_matches_sdpa(num_kv_heads, group, head_dim, num_splits):

@@ -197,7 +197,8 @@ def build_rank_runner(config: EngineConfig, model_dir: Path, mc: LlamaConfig, de
         if tp.size > 1:
             logger.info("%sthe decode CUDA graphs capture the all-reduces and the logits' all-gather "
                         "(--enforce-eager runs them eagerly)", rank)
-        graphs = DecodeGraphs(model, attention, config.max_num_seqs)
+        rank_kv_heads = [shard_plan(mc, TPGroup(r, tp.size, device)).num_kv_heads for r in range(tp.size)]
+        graphs = DecodeGraphs(model, attention, config.max_num_seqs, rank_kv_heads)
     return ModelRunner(model, attention, graphs, max_model_len)
 
 
