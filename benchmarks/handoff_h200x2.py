@@ -51,7 +51,7 @@ ATTAINMENT = 0.9
 # The handoff's steps, timed by the nodes (histograms on /metrics): each 1P1D run reports their means.
 HANDOFF_STEPS = {"decode": ["remote_prefill_call", "kv_lookup_wait", "kv_entry_receive", "kv_load",
                             "first_token_delay"],
-                 "prefill": ["prefill_compute", "kv_buffer_insert", "kv_part_send"]}
+                 "prefill": ["prefill_compute", "kv_buffer_insert", "kv_part_send", "first_token_send"]}
 
 
 STEP_PREFIXES = ("colocated_", "decode_", "prefill_")  # measure()'s per-request splits

@@ -72,7 +72,8 @@ def ttft_of(url: str, prompt: list[int]) -> float:
 COLOCATED_TIMES = ["request_queue_time", "request_prefill_time", "time_to_first_token"]
 DECODE_STEPS = ["time_to_first_token", "remote_prefill_call", "kv_lookup_wait", "kv_entry_receive", "kv_load",
                 "first_token_delay", "request_queue_time", "request_prefill_time"]
-PREFILL_STEPS = ["prefill_compute", "kv_buffer_insert", "request_queue_time", "request_prefill_time"]
+PREFILL_STEPS = ["prefill_compute", "kv_buffer_insert", "first_token_send", "request_queue_time",
+                 "request_prefill_time"]
 
 
 def scrape(url: str, names: list[str]) -> dict[str, float]:

@@ -57,9 +57,13 @@ PREFILL_COMPUTE = Histogram("disagg_prefill_compute_seconds", "A Prefill call's 
                             buckets=LATENCY_BUCKETS)
 KV_BUFFER_INSERT = Histogram("disagg_kv_buffer_insert_seconds", "Opening a prompt's entry in the lookup buffer "
                              "before its prefill runs: the wait for buffer space", buckets=LATENCY_BUCKETS)
+SEND_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 KV_PART_SEND = Histogram("disagg_kv_part_send_seconds", "One KV message (a layer part, or a whole prompt's KV) "
                          "handed to the pipe until sent (a GPU part over NCCL: until its transfer is queued)",
-                         buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
+                         buckets=SEND_BUCKETS)
+FIRST_TOKEN_SEND = Histogram("disagg_first_token_send_seconds", "A prompt's first token, sampled and put behind its "
+                             "KV, until sent on the pipe (its wait for the sender thread included)",
+                             buckets=SEND_BUCKETS)
 # Prefix pull between prefill nodes (prefill_node/pull.py): the puller's outcomes and blocks, the holder's blocks sent.
 PREFIX_PULLS = Counter("disagg_prefix_pulls_total", "Prefix pulls a prefill node tried on a hint, by outcome: "
                        "pulled, failed (the blocks were computed), not_worth (computing them was estimated "

@@ -400,7 +400,7 @@ def test_a_prefix_the_decode_node_holds_does_not_cross_the_pipe_again(pair, colo
     # Each step of the handoff is timed on the node that does it.
     for node, names in ((decode, ["remote_prefill_call", "kv_lookup_wait", "kv_entry_receive", "kv_load",
                                   "first_token_delay"]),
-                        (prefill, ["prefill_compute", "kv_buffer_insert", "kv_part_send"])):
+                        (prefill, ["prefill_compute", "kv_buffer_insert", "kv_part_send", "first_token_send"])):
         for name in names:
             assert node.metric(f"disagg_{name}_seconds_count") >= 2, name
 

@@ -70,7 +70,7 @@ class _Part:
     tensors: list[torch.Tensor]
     ready: torch.cuda.Event | None  # its tensors hold their values once this has happened
     ends_chunk: bool = False  # the last layer group of a chunk that more follow: the entry may be withdrawn after it
-    counted: bool = True  # on_sent counts it (KV and chunk sizes; not the first token behind them)
+    first_token_put_at: float | None = None  # a first token behind the KV: when it was put (time.perf_counter())
 
 
 @dataclass
@@ -100,10 +100,13 @@ class LookupBufferProducer:
     def __init__(
         self, pipe_name: str, config: PipeConfig, kv_buffer_size: int, ttl: float, insert_timeout: float,
         idle_sender_s: float | None = IDLE_SENDER_S, on_sent: Callable[[int, float], None] | None = None,
+        on_first_token_sent: Callable[[float], None] | None = None,
     ) -> None:
         """idle_sender_s: how long a destination's connection stays with nothing to send (None: until
         close). on_sent(nbytes, seconds) is called on a sender thread for every KV message it has sent,
-        with the seconds the send took (for a GPU part: until the transport was done with it)."""
+        with the seconds the send took (for a GPU part: until the transport was done with it);
+        on_first_token_sent(seconds) for every first token, with the seconds from its put to its send's end
+        (the hop to the sender thread included: the first token's whole way on this side)."""
         if kv_buffer_size <= 0:
             raise ValueError(f"kv_buffer_size must be positive, got {kv_buffer_size}")
         self.pipe_name = pipe_name
@@ -113,6 +116,7 @@ class LookupBufferProducer:
         self.insert_timeout = insert_timeout
         self.idle_sender_s = idle_sender_s
         self.on_sent = on_sent
+        self.on_first_token_sent = on_first_token_sent
         self.source = (config.kv_ip, config.kv_port)
 
         # One condition guards all state below; every change that may unblock someone
@@ -196,7 +200,7 @@ class LookupBufferProducer:
                     or pending.tokens_put != pending.entry.tokens:
                 raise ValueError(f"{request_id!r} takes no first token now: not opened to carry one, "
                                  "its KV not all put, or its first token put already")
-            pending.parts.append(_Part(encode_first_token(first), None, counted=False))
+            pending.parts.append(_Part(encode_first_token(first), None, first_token_put_at=time.perf_counter()))
             pending.num_parts = len(pending.parts)
             self._part_added(pending)
             return True
@@ -439,7 +443,10 @@ class LookupBufferProducer:
             with torch.cuda.stream(stream[0]):
                 stream[0].wait_event(part.ready)
                 pipe.send(part.tensors, computed)
-        if self.on_sent is not None and part.counted:
+        if part.first_token_put_at is not None:
+            if self.on_first_token_sent is not None:
+                self.on_first_token_sent(time.perf_counter() - part.first_token_put_at)
+        elif self.on_sent is not None:
             self.on_sent(sum(t.nbytes for t in part.tensors), time.perf_counter() - start)
 
     def _connect(self, dest: tuple[str, int]) -> KVPipe:

@@ -48,7 +48,7 @@ async def run_prefill_node(engine: AsyncEngine, model_name: str, kv: KVTransferC
                            grpc_port: int, log_level: str, limits: HTTPLimits | None = None) -> None:
     producer = LookupBufferProducer(kv.kv_connector, kv.pipe_config(), int(kv.kv_buffer_size),
                                     kv.extra("buffer_ttl"), kv.extra("insert_timeout"),
-                                    on_sent=metrics.kv_sent)
+                                    on_sent=metrics.kv_sent, on_first_token_sent=metrics.FIRST_TOKEN_SEND.observe)
     # Each worker rank's own sender (rank_service, started with the engine): each rank sends its own KV heads.
     ranks = RankSenders(engine.rank_channels, engine.kv_heads_by_rank, kv.extra("insert_timeout")) \
         if engine.rank_channels else None
