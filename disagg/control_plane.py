@@ -5,18 +5,15 @@ converted to and from protobuf at the gRPC boundary only.
 """
 
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING
 
 from disagg.engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:  # engine/sequence.py imports torch; the router reads NodeInfo through serving.py without it
-    from disagg.engine.sequence import TokenLogprob
 
 # 2: Prefill streams progress; penalties, logit_bias and min_tokens in SamplingFields. 3: Watch (a decode
 # node follows each prefill node's load and prefix cache); progress tells of a long step in progress.
 # 4: a decode node's ranks each receive their KV heads (kv_ranks). 5: a prefill node's ranks each send their
-# own KV heads (NodeInfo.kv_rank_heads; entry ids from plan_entries).
-PROTOCOL_VERSION = 5
+# own KV heads (NodeInfo.kv_rank_heads; entry ids from plan_entries). 6: the Prefill answer carries no first
+# token nor digest (both come behind the KV on the pipe).
+PROTOCOL_VERSION = 6
 # Fields two nodes must agree on before KV can move between them.
 COMPATIBILITY_FIELDS = ("protocol_version", "model_name", "dtype", "num_layers", "num_kv_heads",
                         "head_dim", "block_size", "kv_connector")
@@ -111,9 +108,8 @@ class PrefillCall:
 
 @dataclass
 class PrefillResult:
-    first_token: int
-    first_logprob: "TokenLogprob | None"
-    token_digest: str  # of the prompt whose KV was sent
+    """What a Prefill call answers once its KV is sent; the first token went behind the KV."""
+
     num_cached_tokens: int  # prompt tokens the prefill node's prefix cache already had
     kv_bytes: int
     prefill_seconds: float

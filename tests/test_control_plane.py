@@ -37,6 +37,7 @@ from disagg.engine.engine import LLMEngine
 from disagg.engine.sampling_params import SamplingParams, StructuredOutputSpec
 from disagg.engine.sequence import Sequence
 from disagg.lookup_buffer import (
+    FirstToken,
     LookupBufferConsumer,
     LookupBufferProducer,
     token_digest,
@@ -175,23 +176,23 @@ def test_prefill_runs_the_engine_and_the_kv_reaches_the_consumer(node: PrefillNo
             assert client.outstanding == 0
             entry = await asyncio.to_thread(consumer.drop_select, "greedy-1", PROMPT, 10.0)
             again = await client.prefill(prefill_call("greedy-2", consumer), idle_timeout=10)
-            await asyncio.to_thread(consumer.drop_select, "greedy-2", PROMPT, 10.0)
-            return result, entry, again
+            again_entry = await asyncio.to_thread(consumer.drop_select, "greedy-2", PROMPT, 10.0)
+            return (result, entry), (again, again_entry)
         finally:
             await client.close()
             await server.stop(0)
 
-    result, entry, again = run(scenario())
-    assert result.token_digest == token_digest(PROMPT) == entry.token_digest
+    (result, entry), (again, again_entry) = run(scenario())
+    assert entry.token_digest == token_digest(PROMPT)
     assert result.kv_bytes == entry.nbytes > 0
     [kv] = entry.kv_tensors
     assert kv.shape[:3] == (node.info.num_layers, 2, len(PROMPT))
-    # Greedy: the first token is the most likely one, and its logprob came across with the top 2.
-    lp = result.first_logprob
-    assert lp is not None and lp.token_id == result.first_token and len(lp.top) == 2
-    assert lp.top[0] == (result.first_token, pytest.approx(lp.logprob))
+    # Greedy: the first token, behind the KV, is the most likely one, with its logprob and the top 2.
+    first = entry.first_token
+    assert first is not None and first.logprob is not None and len(first.top) == 2
+    assert first.top[0] == (first.token_id, pytest.approx(first.logprob))
     # The same prompt again: the same token, mostly from the prefix cache, and no logprobs asked.
-    assert again.first_token == result.first_token and again.first_logprob is None
+    assert again_entry.first_token == FirstToken(first.token_id)
     assert again.num_cached_tokens > 0
 
 
@@ -296,7 +297,7 @@ def test_a_prefill_the_engine_fails_fails_alone(node: PrefillNode, consumer: Loo
     (failed, fine), entry = run(scenario())
     assert isinstance(failed, PrefillFailed) and failed.code == grpc.StatusCode.INTERNAL
     assert "injected sampling failure" in str(failed)
-    assert fine.token_digest == entry.token_digest and fine.kv_bytes == entry.nbytes
+    assert fine.kv_bytes == entry.nbytes and entry.first_token is not None
     assert engine.block_manager.num_free_blocks == free
 
 
@@ -347,7 +348,7 @@ def test_a_slow_prefill_is_waited_for_a_stuck_one_given_up_and_aborted_by_its_ca
             await server.stop(0)
 
     result, slow_seconds, entry, stuck, foreign_abort = run(scenario())
-    assert slow_seconds > 1.5 and result.token_digest == entry.token_digest
+    assert slow_seconds > 1.5 and result.kv_bytes == entry.nbytes
     assert not foreign_abort
     assert stuck.code == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_for(lambda: "stuck" not in engine.requests and engine.block_manager.num_free_blocks == free,
@@ -383,7 +384,7 @@ def test_a_step_longer_than_the_no_progress_limit_is_waited_for(make_node: Calla
                 call = PrefillCall(f"long-step-{i}", prompt, SamplingParams(temperature=0.0), consumer.address)
                 result = await client.prefill(call, idle_timeout=1.0)
                 entry = await asyncio.to_thread(consumer.drop_select, call.request_id, prompt, 10.0)
-                assert result.token_digest == entry.token_digest and result.prefill_seconds > 1.5
+                assert result.kv_bytes == entry.nbytes and result.prefill_seconds > 1.5
         finally:
             await client.close()
             await server.stop(0)

@@ -64,9 +64,8 @@ def called(log: list[tuple], name: str) -> list[tuple]:
     return [call for call in log if call[0] == name]
 
 
-def result(digest: str = DIGEST) -> PrefillResult:
-    return PrefillResult(first_token=FIRST, first_logprob=None, token_digest=digest, num_cached_tokens=0,
-                         kv_bytes=1024, prefill_seconds=0.01)
+def result() -> PrefillResult:
+    return PrefillResult(num_cached_tokens=0, kv_bytes=1024, prefill_seconds=0.01)
 
 
 class FakeEngine:

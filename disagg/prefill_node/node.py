@@ -23,7 +23,7 @@ from disagg.control_plane import NodeInfo, NodeLoad, PrefillCall, PrefillProgres
 from disagg.engine.async_engine import AsyncEngine
 from disagg.engine.sequence import KVExport
 from disagg.engine.step_cost import StepCost
-from disagg.lookup_buffer import LookupBufferProducer, token_digest
+from disagg.lookup_buffer import LookupBufferProducer
 from disagg.prefill_node.layer_sender import LayerSender, RankEntry, worker_ranks
 from disagg.prefill_node.pull import PrefixPuller
 from disagg.prefill_node.rank_send import RankSenders
@@ -120,9 +120,6 @@ class PrefillNode:
                     f", {pulled * self.info.block_size} of them pulled from {call.pull_from}" if pulled else "",
                     nbytes / 1024, *call.kv_dest, seconds)
         return PrefillResult(
-            first_token=final.token_ids[0],
-            first_logprob=final.logprobs[0] if final.logprobs else None,
-            token_digest=token_digest(call.prompt_token_ids),
             num_cached_tokens=final.num_cached_tokens,
             kv_bytes=nbytes,
             prefill_seconds=seconds,

@@ -17,7 +17,6 @@ from disagg.control_plane import (
 )
 from disagg.engine.kv_events import KVEventBatch, KVSnapshot
 from disagg.engine.sampling_params import SamplingParams, StructuredOutputSpec
-from disagg.engine.sequence import TokenLogprob
 from disagg.proto import disagg_pb2 as pb
 
 
@@ -76,24 +75,12 @@ def prefill_call_from_proto(msg: pb.PrefillRequest) -> PrefillCall:
 
 
 def prefill_result_to_proto(result: PrefillResult) -> pb.PrefillReply:
-    logprob = None
-    if result.first_logprob is not None:
-        lp = result.first_logprob
-        logprob = pb.Logprob(token_id=lp.token_id, logprob=lp.logprob,
-                             top=[pb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top])
-    return pb.PrefillReply(first_token=result.first_token, first_logprob=logprob, token_digest=result.token_digest,
-                           num_cached_tokens=result.num_cached_tokens, kv_bytes=result.kv_bytes,
+    return pb.PrefillReply(num_cached_tokens=result.num_cached_tokens, kv_bytes=result.kv_bytes,
                            prefill_seconds=result.prefill_seconds)
 
 
 def prefill_result_from_proto(msg: pb.PrefillReply) -> PrefillResult:
-    logprob = None
-    if msg.HasField("first_logprob"):
-        lp = msg.first_logprob
-        logprob = TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
-                               top=[(t.token_id, t.logprob) for t in lp.top])
-    return PrefillResult(first_token=msg.first_token, first_logprob=logprob, token_digest=msg.token_digest,
-                         num_cached_tokens=msg.num_cached_tokens, kv_bytes=msg.kv_bytes,
+    return PrefillResult(num_cached_tokens=msg.num_cached_tokens, kv_bytes=msg.kv_bytes,
                          prefill_seconds=msg.prefill_seconds)
 
 

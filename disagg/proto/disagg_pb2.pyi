@@ -133,39 +133,15 @@ class KVRank(_message.Message):
     end_head: int
     def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., first_head: _Optional[int] = ..., end_head: _Optional[int] = ...) -> None: ...
 
-class TopLogprob(_message.Message):
-    __slots__ = ("token_id", "logprob")
-    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    LOGPROB_FIELD_NUMBER: _ClassVar[int]
-    token_id: int
-    logprob: float
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
-
-class Logprob(_message.Message):
-    __slots__ = ("token_id", "logprob", "top")
-    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    LOGPROB_FIELD_NUMBER: _ClassVar[int]
-    TOP_FIELD_NUMBER: _ClassVar[int]
-    token_id: int
-    logprob: float
-    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
-
 class PrefillReply(_message.Message):
-    __slots__ = ("first_token", "first_logprob", "token_digest", "num_cached_tokens", "kv_bytes", "prefill_seconds")
-    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("num_cached_tokens", "kv_bytes", "prefill_seconds")
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    first_token: int
-    first_logprob: Logprob
-    token_digest: str
     num_cached_tokens: int
     kv_bytes: int
     prefill_seconds: float
-    def __init__(self, first_token: _Optional[int] = ..., first_logprob: _Optional[_Union[Logprob, _Mapping]] = ..., token_digest: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, num_cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
 
 class PrefillProgress(_message.Message):
     __slots__ = ("engine_steps", "num_computed_tokens", "step_seconds", "step_expected_seconds")

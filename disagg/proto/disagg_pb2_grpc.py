@@ -72,7 +72,7 @@ class PrefillServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Prefill(self, request, context):
-        """Compute a prompt's KV, send it to kv_dest, answer with the first sampled token. Until then
+        """Compute a prompt's KV and its first token, send both to kv_dest, answer with the costs. Until then
         the node sends progress every PROGRESS_INTERVAL_S, so a caller can tell a long or queued
         prompt on a busy node from a stuck node. Cancelling the call aborts the prefill.
         """
