@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the H200 pair (nvidia-h200-x2), after benchmarks/device_setup.sh here:
 #   bash benchmarks/handoff_pair_run.sh PHASE...     carry [".whl", ".device"]
-# PHASE: tests (the 2-GPU handoff tests), ttft (layer-wise, then whole, or $MODES; $LENS; PROFILE=1: then one
+# PHASE: tests (the 2-GPU handoff tests), ttft (layer-wise, then whole, or $MODES; $LENS; $REPEATS a length, 11
+# unless set: at 512 tokens two calls' medians of 5 gave 1.08 and 1.45; PROFILE=1: then one
 # request of each length under both 1P1D nodes' torch.profiler, traces into $OUT/ttft_MODE_traces.tar), goodput
 # (layer-wise; $WORKLOADS, rates $RATES_4K / $RATES_CHAT; PROFILE=1 runs py-spy on the pair's nodes and takes
 # torch.profiler traces, PYSPY=1 py-spy alone on a decoding node of each system; CONNECTOR: the KV pipe, torch_dist
@@ -24,7 +25,7 @@ for phase in "$@"; do
     ttft)
         for mode in ${MODES:-layerwise whole}; do
             python3 benchmarks/handoff_h200x2.py "${common[@]}" --phase ttft --lens "${LENS:-512,2048,8192,16384}" \
-                --repeats 5 --kv-modes $mode ${PROFILE:+--profile} --json "$out/ttft_$mode.json" 2>&1 \
+                --repeats "${REPEATS:-11}" --kv-modes $mode ${PROFILE:+--profile} --json "$out/ttft_$mode.json" 2>&1 \
                 | tee "$out/ttft_$mode.log" | tail -8
             tar cf "$out/ttft_${mode}_traces.tar" -C /tmp/handoff_h200x2/logs-ttft-$mode traces 2>/dev/null || true
         done ;;
