@@ -130,7 +130,7 @@ def test_a_prefix_pulled_from_a_peer_gives_what_computing_it_gives(tmp_path, pai
             call = PrefillCall(rid, prompt, SamplingParams(temperature=0.0), consumer.address, 0, *hint)
             result = await client.prefill(call, idle_timeout=120)
             entry = await consumer.drop_select_async(rid, prompt, 60, (client.info.kv_ip, client.info.kv_port))
-            return result, entry.kv_tensors[0]
+            return result, entry
 
         try:
             out = {}
@@ -146,15 +146,15 @@ def test_a_prefix_pulled_from_a_peer_gives_what_computing_it_gives(tmp_path, pai
 
     try:
         out = asyncio.run(run())
-        (a2, kv_a2), (b2, kv_b2), (a3, _) = out["a2"], out["b2"], out["a3"]
+        (a2, a2_entry), (_, b2_entry), (a3, a3_entry) = out["a2"], out["b2"], out["a3"]
         assert a2.num_cached_tokens == shared * BLOCK  # all of it pulled: A had computed nothing
-        assert a2.first_token == b2.first_token == hf_greedy(hf_model, prompts[1], 1)[0]
-        assert torch.equal(kv_a2, kv_b2)
+        assert a2_entry.first_token.token_id == b2_entry.first_token.token_id == hf_greedy(hf_model, prompts[1], 1)[0]
+        assert torch.equal(a2_entry.kv_tensors[0], b2_entry.kv_tensors[0])
         assert a.labelled("disagg_prefix_pulls_total", "outcome") == {"pulled": 1.0, "failed": 1.0}
         assert a.metric("disagg_prefix_pulled_blocks_total") == shared
         assert re.search(rf"prefill a2: {len(prompts[1])} prompt tokens \({shared * BLOCK} cached, "
                          rf"{shared * BLOCK} of them pulled from {b.grpc_address}\)", a.log())
-        assert a3.num_cached_tokens == 0 and a3.first_token == hf_greedy(hf_model, other, 1)[0]
+        assert a3.num_cached_tokens == 0 and a3_entry.first_token.token_id == hf_greedy(hf_model, other, 1)[0]
         assert f"pull of 4 prefix blocks from {gone} failed" in a.log()
     finally:
         a.kill()
