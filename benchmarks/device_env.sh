@@ -11,8 +11,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 gpu_tests() {  # the 2-GPU engine and pipe tests, first in any call that measures; nixl's in a process of their own
     # A test that stalls prints every thread's stack after 150 s (pytest's faulthandler_timeout), and the run
     # ends after ${TESTS_LIMIT_S:-360} s (they take about 160), so that a hang leaves the call's later phases their time.
-    timeout -s INT "${TESTS_LIMIT_S:-360}" python3 -m pytest -q -p no:cacheprovider --durations=8 -o faulthandler_timeout=150 \
+    timeout -s INT -k 30 "${TESTS_LIMIT_S:-360}" python3 -m pytest -q -p no:cacheprovider --durations=8 -o faulthandler_timeout=150 \
         tests/test_gpu_engine.py tests/test_pipes.py -k gpu 2>&1 | tee "$out/tests.log" | tail -14
-    DISAGG_TEST_NIXL=1 timeout -s INT 120 python3 -m pytest -q -p no:cacheprovider tests/test_pipes.py -k "gpu and nixl" 2>&1 \
+    DISAGG_TEST_NIXL=1 timeout -s INT -k 30 120 python3 -m pytest -q -p no:cacheprovider tests/test_pipes.py -k "gpu and nixl" 2>&1 \
         | tee "$out/tests_nixl.log" | tail -5
 }

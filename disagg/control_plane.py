@@ -12,7 +12,7 @@ from disagg.engine.sampling_params import SamplingParams
 # node follows each prefill node's load and prefix cache); progress tells of a long step in progress.
 # 4: a decode node's ranks each receive their KV heads (kv_ranks). 5: a prefill node's ranks each send their
 # own KV heads (NodeInfo.kv_rank_heads; entry ids from plan_entries). 6: the Prefill answer carries no first
-# token nor digest (both come behind the KV on the pipe).
+# token nor digest (the first token follows the KV on the pipe; the digest is in the entry's header).
 PROTOCOL_VERSION = 6
 # Fields two nodes must agree on before KV can move between them.
 COMPATIBILITY_FIELDS = ("protocol_version", "model_name", "dtype", "num_layers", "num_kv_heads",
@@ -108,7 +108,7 @@ class PrefillCall:
 
 @dataclass
 class PrefillResult:
-    """What a Prefill call answers once its KV is sent; the first token went behind the KV."""
+    """What a Prefill call answers once all its KV is queued in the producer (the first token behind it)."""
 
     num_cached_tokens: int  # prompt tokens the prefill node's prefix cache already had
     kv_bytes: int

@@ -115,6 +115,7 @@ def test_graph_buckets_of_tensor_parallel_ranks_with_unequal_kv_heads():
     batches: both ranks capture the same buckets (a graph's all-reduces pair with the peer's graph of
     that size, else capture hangs), and each bucket keeps each rank's split count."""
     counts = [lambda n, h=h: split_count(n, h, 132) for h in (1, 2)]
+    assert buckets(64, counts[0]) != buckets(64, counts[1])  # each rank's own edges differ
     sizes = buckets(64, *counts)
     assert sizes == buckets(64, *reversed(counts))
     assert set(buckets(64, counts[0])) | set(buckets(64, counts[1])) == set(sizes)

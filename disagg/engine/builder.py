@@ -12,7 +12,7 @@ from disagg.engine.kv_cache import KVCache
 from disagg.engine.layers.attention import AttentionBackend, SdpaAttention
 from disagg.engine.loader import load_weights
 from disagg.engine.model_runner import ModelRunner
-from disagg.engine.models.llama import LlamaConfig, LlamaForCausalLM, shard_plan
+from disagg.engine.models.llama import LlamaConfig, LlamaForCausalLM, rank_shards, shard_plan
 from disagg.engine.parallel import TPGroup
 from disagg.engine.tp_workers import TPWorkers
 
@@ -147,7 +147,7 @@ def build_runner(config: EngineConfig, model_dir: Path, mc: LlamaConfig, device:
     except BaseException:
         workers.stop()
         raise
-    workers.kv_heads = [shard_plan(mc, TPGroup(rank, tp.size, device)).kv_heads for rank in range(tp.size)]
+    workers.kv_heads = [shard.kv_heads for shard in rank_shards(mc, tp)]
     runner.workers = workers
     return runner
 
@@ -197,8 +197,9 @@ def build_rank_runner(config: EngineConfig, model_dir: Path, mc: LlamaConfig, de
         if tp.size > 1:
             logger.info("%sthe decode CUDA graphs capture the all-reduces and the logits' all-gather "
                         "(--enforce-eager runs them eagerly)", rank)
-        rank_kv_heads = [shard_plan(mc, TPGroup(r, tp.size, device)).num_kv_heads for r in range(tp.size)]
-        graphs = DecodeGraphs(model, attention, config.max_num_seqs, rank_kv_heads)
+        # Every rank captures the same buckets (DecodeGraphs): from every rank's KV heads and the fewest SMs.
+        graphs = DecodeGraphs(model, attention, config.max_num_seqs,
+                              [shard.num_kv_heads for shard in rank_shards(mc, tp)], tp.min(attention.num_sms))
     return ModelRunner(model, attention, graphs, max_model_len)
 
 

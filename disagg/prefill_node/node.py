@@ -7,7 +7,8 @@ rank_send.py), and runs the prompt through the engine for exactly
 one token (prefix-cache hits skip what is cached). During each step that computes a chunk of
 the prompt, each layer group's KV goes to the producer as soon as those layers have run, so it
 crosses the pipe while later layers and chunks compute (docs/ARCHITECTURE.md, "Layer-wise
-send"); the call answers with the first token. The engine never waits on the network.
+send"); the first token follows the KV on the pipe, and the call answers with the costs. The engine
+never waits on the network.
 """
 
 import asyncio

@@ -115,6 +115,11 @@ def shard_plan(config: LlamaConfig, tp: TPGroup) -> LlamaShard:
     return LlamaShard(q_heads, kv_heads, tp.split(config.intermediate_size), vocab, rows)
 
 
+def rank_shards(config: LlamaConfig, tp: TPGroup) -> list[LlamaShard]:
+    """Every rank's share of the model (shard_plan of each rank of tp's size), as any rank computes it."""
+    return [shard_plan(config, TPGroup(rank, tp.size, tp.device)) for rank in range(tp.size)]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -344,7 +349,7 @@ class LlamaForCausalLM(nn.Module):
         head_dim], on every rank: KV leaves a node with all its heads whatever its TP (a collective)."""
         if self.tp.size == 1:
             return kv
-        shards = [shard_plan(self.config, TPGroup(rank, self.tp.size, self.tp.device)) for rank in range(self.tp.size)]
+        shards = rank_shards(self.config, self.tp)
         width = max(sh.num_kv_heads for sh in shards)  # a gather's parts are of one shape
         padded = kv.new_zeros(*kv.shape[:-2], width, kv.shape[-1])
         padded[..., :kv.shape[-2], :] = kv
