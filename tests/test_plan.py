@@ -118,6 +118,27 @@ def test_plan_ends_with_the_disagg_up_line_that_runs_its_recommendation(tmp_path
     assert lines[-1] == "run it: " + " ".join(plan["up_command"])
 
 
+def test_a_profile_of_one_decode_context_far_from_the_workloads_says_so(tmp_path: Path, capsys):
+    """Decode steps timed at one context cannot tell the tokens held from the batch: for a workload whose
+    sequences hold far fewer (chat on a profile made for 4k prompts) the plan says its TPOT is extrapolated
+    and which contexts to profile; profiled at two contexts, or near the workload's, it says nothing."""
+    from disagg import cli
+
+    def plan(profile: Profile, input_len: int) -> list[str]:
+        path = tmp_path / "profile.json"
+        path.write_text(profile.to_json())
+        cli.main(["plan", "--profile", str(path), "--gpus", "2", "--input-len", str(input_len), "--output-len", "512",
+                  "--ttft-slo-ms", "1000", "--tpot-slo-ms", "20", "--num-requests", "20", "--seeds", "1"])
+        return [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+
+    both = synthetic_profile(25.0)
+    one = Profile(**vars(both) | {"decode": [s for s in both.decode if s.context == 4096]})
+    assert plan(one, 1024) == ["note: the profile timed decode steps at 4096 tokens held only, this workload's "
+                               "sequences hold about 1280: its TPOT is extrapolated; profile with --decode-context "
+                               "1280,4096 for one that follows the context"]
+    assert plan(one, 3800) == [] and plan(both, 1024) == []
+
+
 def test_the_up_command_names_the_profiled_model_its_device_its_pipe_and_the_batching_simulated():
     from disagg.plan import up_command
 

@@ -171,6 +171,7 @@ def format_plan(profile: "Profile", lengths: list[tuple[int, int]], settings: "S
              f"workload: {len(lengths)} length pair(s), mean input {mean_in:.0f}, output {mean_out:.0f} tokens; "
              f"SLO TTFT <= {1e3 * settings.ttft_s:g} ms, TPOT <= {1e3 * settings.tpot_s:g} ms, "
              f"goodput at >= 90% within both",
+             *context_note(profile, mean_in + mean_out / 2),
              "",
              f"{'layout':<14} {'goodput req/s':>14} {'per GPU':>9}   attainment at "
              + ", ".join(f"{r:g}" for r in rates) + " req/s"]
@@ -190,6 +191,19 @@ def format_plan(profile: "Profile", lengths: list[tuple[int, int]], settings: "S
                      f"nodes; predicted goodput {best.goodput:.3f} req/s, {gain} {colocated.layout.name})")
     lines.append("run it: " + shlex.join(up_command(profile, best.layout, settings)))
     return "\n".join(lines)
+
+
+def context_note(profile: "Profile", held: float) -> list[str]:
+    """A line when the profile timed decode steps at one context, far from what the workload's sequences hold
+    (`held`, on average): then how a step grows with the tokens held is not measured (the fit cannot tell it
+    from the batch's own cost), and TPOT there is a guess."""
+    contexts = {sample.context for sample in profile.decode}
+    if len(contexts) > 1 or 0.75 <= held / next(iter(contexts)) <= 1.25:
+        return []
+    profiled, wanted = next(iter(contexts)), max(256, round(held / 256) * 256)
+    return [f"note: the profile timed decode steps at {profiled} tokens held only, this workload's sequences hold "
+            f"about {held:.0f}: its TPOT is extrapolated; profile with --decode-context "
+            f"{min(profiled, wanted)},{max(profiled, wanted)} for one that follows the context"]
 
 
 def up_command(profile: "Profile", layout: "Layout", settings: "Settings") -> list[str]:
