@@ -1,8 +1,13 @@
 # Sourced by the GPU run scripts (handoff_pair_run.sh, xpyd_quad_run.sh) on the GPU machine: installs
 # the wheels device_setup.sh fetched (carried in .whl) and sets the environment the nodes and tests need.
-if [ -d .whl ]; then
+# .whl, and .whl-ucx for the ucx phase (device_setup.sh ucx): each wheel once, by name (a warm machine may keep both)
+wheels=() && declare -A named=()
+for wheel in .whl/*.whl .whl-ucx/*.whl; do
+    [ -f "$wheel" ] && [ -z "${named[$(basename "$wheel")]:-}" ] && named[$(basename "$wheel")]=1 && wheels+=("$wheel")
+done
+if [ ${#wheels[@]} -gt 0 ]; then
     # --upgrade: a second call on the same machine replaces what the first installed (else pip keeps it)
-    python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+    python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site "${wheels[@]}" || exit 1
 fi
 export PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 DISAGG_TEST_TOKENIZER_DIR=.device/tok
 out=${OUT:-/tmp/out}

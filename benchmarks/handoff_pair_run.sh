@@ -12,7 +12,9 @@
 # cache (issue 26: cache_aware against least_loaded routing, 2P2D over tcp, shared 4k prefixes; rates
 # $RATES_CACHE, $REPEATS_CACHE runs of each, REMOTE_PREFILL=auto|always for the decode nodes, DECODE_KV their
 # KV cache, 16GiB unless set), tp (issue 27: the all-reduce alone, then TP=2 against TP=1 in the engine; ASYNC=1 for
-# --async-scheduling, PROFILE=1 for its kernel profiles, traces into $OUT/tpprof.tar), ttft_tp2 (a TP=2 prefill node on both GPUs beside a TP=1 decode node, KV over nixl; $LENS).
+# --async-scheduling, PROFILE=1 for its kernel profiles, traces into $OUT/tpprof.tar), ttft_tp2 (a TP=2 prefill node on both GPUs beside a TP=1 decode node, KV over nixl; $LENS),
+# ucx (the ucx pipe's GPU tests, then torch_dist beside ucx at 16 and 256 MiB; carry [".whl-ucx", ".device"] after
+# device_setup.sh ucx).
 # Each writes its JSON and log under $OUT, traces and node logs as one tar a phase (a call brings back 8
 # files at most); the last lines are the summary.
 set -uo pipefail
@@ -54,6 +56,11 @@ for phase in "$@"; do
         python3 benchmarks/handoff_h200x2.py "${common[@]}" --connector nixl --phase ttft --prefill-tp 2 \
             --lens "${LENS:-512,2048,8192}" --repeats 5 --kv-modes layerwise --json "$out/ttft_tp2.json" 2>&1 \
             | tee "$out/ttft_tp2.log" | tail -4 ;;
+    ucx)  # the ucx pipe between the two GPUs: carry [".whl-ucx", ".device"] (benchmarks/device_setup.sh ucx)
+        timeout -s INT -k 30 300 python3 -m pytest -q -p no:cacheprovider tests/test_pipes.py -k "gpu and ucx" 2>&1 \
+            | tee "$out/tests_ucx.log" | tail -5
+        python3 benchmarks/pipe_bandwidth.py --pipes torch_dist,ucx --sizes 16M,256M --repeats 3 \
+            --json "$out/pipes_ucx.json" 2>&1 | tee "$out/pipes_ucx.log" | tail -12 ;;
     pipes)
         python3 benchmarks/pipe_bandwidth.py --pipes torch_dist,nixl --sizes 16M,256M --repeats 3 \
             --json "$out/pipes.json" 2>&1 | tee "$out/pipes.log" | tail -12 ;;
