@@ -197,9 +197,8 @@ def build_rank_runner(config: EngineConfig, model_dir: Path, mc: LlamaConfig, de
         if tp.size > 1:
             logger.info("%sthe decode CUDA graphs capture the all-reduces and the logits' all-gather "
                         "(--enforce-eager runs them eagerly)", rank)
-        # Every rank captures the same buckets (DecodeGraphs): from every rank's KV heads and the fewest SMs.
         graphs = DecodeGraphs(model, attention, config.max_num_seqs,
-                              [shard.num_kv_heads for shard in rank_shards(mc, tp)], tp.min(attention.num_sms))
+                              [shard.num_kv_heads for shard in rank_shards(mc, tp)])
     return ModelRunner(model, attention, graphs, max_model_len)
 
 

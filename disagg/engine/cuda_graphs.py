@@ -33,19 +33,17 @@ def buckets(max_batch: int, *split_counts: Callable[[int], int]) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: LlamaForCausalLM, attention: TritonAttention, max_batch: int,
-                 num_kv_heads_per_rank: list[int], num_sms: int):
-        """`num_kv_heads_per_rank`: every tensor-parallel rank's number of KV heads; `num_sms`: the same on
-        every rank (the fewest). Ranks may hold different numbers of KV heads (3 go 2 + 1), so their split
-        counts change at different batches, yet all must capture the same buckets: each graph's
-        all-reduces pair with the other ranks' graph of that size. A graph still runs its own rank's
-        split count."""
+                 num_kv_heads_per_rank: list[int]):
+        """`num_kv_heads_per_rank`: every tensor-parallel rank's number of KV heads. Ranks may hold different
+        numbers (3 KV heads go 2 + 1), so their split counts change at different batches, yet all must
+        capture the same buckets: each graph's all-reduces pair with the other ranks' graph of that size."""
         self.model = model
         self.attention = attention
         device = attention.kv_cache.kv.device
         self.input_ids = torch.zeros(max_batch, dtype=torch.int32, device=device)
         self.positions = torch.full((max_batch,), -1, dtype=torch.int32, device=device)
         self.rows = torch.zeros(max_batch, dtype=torch.int32, device=device)
-        self.buckets = buckets(max_batch, *(partial(split_count, num_kv_heads=h, num_sms=num_sms)
+        self.buckets = buckets(max_batch, *(partial(split_count, num_kv_heads=h, num_sms=attention.num_sms)
                                             for h in sorted(set(num_kv_heads_per_rank))))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}

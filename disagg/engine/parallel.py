@@ -152,7 +152,7 @@ class TPGroup:
         self.pg.recv([x], rank, 0).wait()
 
     def min(self, value: int) -> int:
-        """The smallest of the ranks' values (the KV blocks every rank has room for, the SMs of their GPUs)."""
+        """The smallest of the ranks' values (the KV blocks every rank has room for)."""
         if self.size == 1:
             return value
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
