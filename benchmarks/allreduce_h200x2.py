@@ -1,7 +1,10 @@
 """The all-reduces of a TP=2 engine, on two GPUs: NCCL against the engine's TPGroup.all_reduce (PyTorch's
 symmetric-memory one-shot all-reduce up to ONE_SHOT_MAX_BYTES: peer-to-peer loads over NVLink, no
-multicast) and, for larger parts, the engine's linear_sum (PyTorch's two-shot all-reduce, in place in the
-symmetric buffer the product was written into: `two_shot_in_place`).
+multicast) and, for larger parts, the engine's sum of a prefill's row-parallel product (PyTorch's two-shot
+all-reduce, in place in the symmetric buffer the product was written into: `two_shot_in_place`). Up to
+ONE_SHOT_MAX_BYTES also what follows a decode step's product, the sum with the residual add and RMSNorm:
+the engine's one kernel reading the parts in their slots (`sum_norm`, TPGroup.sum_add_norm) against the
+one-shot all-reduce and the norm's kernel after it (`one_shot_then_norm`).
 
 One process a GPU, each forming its group with TPGroup.join, as the engine's ranks do. Sizes: a decode step's hidden
 states at batch 1, 8, 32, 128 and 256 of the 8B shape (4,096 bf16 values a token: 8 KiB to 2 MiB), and a 4,096-token
@@ -89,8 +92,7 @@ def worker(rank: int, size: int, port: int, sizes: list[int], queue) -> None:
     result: dict = {"symmetric_set_up": tp.symmetric is not None}
     large = [numel for numel in sizes if numel * 2 > ONE_SHOT_MAX_BYTES]
     if large and tp.symmetric is not None:  # a prefill's larger parts, in the engine's symmetric buffer
-        raw, group_name, _ = tp.symmetric
-        buffer = raw.view(torch.bfloat16)
+        buffer, group_name = tp.symmetric.buffer.view(torch.bfloat16), tp.symmetric.name
 
         def two_shot(x: torch.Tensor) -> torch.Tensor:
             part = buffer[:x.numel()]
@@ -120,8 +122,48 @@ def worker(rank: int, size: int, port: int, sizes: list[int], queue) -> None:
             ok = bool((op(x.clone()) == sum(range(1, size + 1))).all())
             result[key] = {"us": round(time_in_graph(op, x), 2), "eager_us": round(time_eager(op, x), 2), "correct": ok}
             torch.cuda.synchronize()
+    if tp.symmetric is not None:
+        result |= sum_norm_kinds(tp, [n for n in sizes if n * 2 <= ONE_SHOT_MAX_BYTES
+                                      and n // HIDDEN <= tp.symmetric.max_rows], size)
+        result["sum_norm_max_rows"] = tp.symmetric.max_rows
     if rank == 0:
         queue.put(result)
+
+
+def sum_norm_kinds(tp: TPGroup, sizes: list[int], size: int) -> dict:
+    """A decode step's sum of a row-parallel product with the residual add and RMSNorm: the fused kernel
+    on parts already in their slots (as the product writes them), by turns as the engine takes them,
+    against the one-shot all-reduce of the part and the norm's kernel."""
+    from disagg.engine.layers import fused_ops
+    from disagg.engine.models.llama import RMSNorm
+
+    norm = RMSNorm(HIDDEN, 1e-5).to(tp.device, torch.bfloat16)
+    norm.fused_ops = fused_ops
+    symmetric, result = tp.symmetric, {}
+    for numel in sizes:
+        rows = numel // HIDDEN
+        residual = torch.zeros(rows, HIDDEN, dtype=torch.bfloat16, device=tp.device)
+        slots = [symmetric.buffer[symmetric.region + slot * ONE_SHOT_MAX_BYTES:][:numel * 2].view(torch.bfloat16)
+                 .view(rows, HIDDEN) for slot in (0, 1)]
+        for part in slots:
+            part.fill_(tp.rank + 1)
+
+        def sum_norm(x: torch.Tensor, slots=slots, residual=residual) -> torch.Tensor:
+            tp.slot = 1 - tp.slot
+            return tp.sum_add_norm(slots[tp.slot], residual, norm)[0]
+
+        def one_shot_then_norm(x: torch.Tensor, residual=residual) -> torch.Tensor:
+            return norm(tp.all_reduce(x), residual)[0]
+
+        expected = norm(torch.full_like(residual, sum(range(1, size + 1))), torch.zeros_like(residual))[0]
+        for name, op in (("sum_norm", sum_norm), ("one_shot_then_norm", one_shot_then_norm)):
+            x = torch.full((rows, HIDDEN), float(tp.rank + 1), dtype=torch.bfloat16, device=tp.device)
+            residual.zero_()
+            ok = bool(torch.equal(op(x.clone()), expected)) and bool((residual == sum(range(1, size + 1))).all())
+            result[f"{name}/{numel * 2 // 1024}KiB"] = {"us": round(time_in_graph(op, x), 2),
+                                                        "eager_us": round(time_eager(op, x), 2), "correct": ok}
+            torch.cuda.synchronize()
+    return result
 
 
 def main() -> None:

@@ -19,7 +19,9 @@ them, its decode CUDA graphs capturing the all-reduces (--enforce-eager: both en
   under torch.profiler (the driver's process: its CPU ops, and every kernel of cuda:0), a gzipped Chrome
   trace each in DIR, and `decode_profile` (its "prefill" key the prefill's): per step, the wall time, the
   GPU's busy time, and the time in collective kernels (`all_reduce_kernel_ms`: the all-reduces and the
-  logits' all-gather, each with its wait for the other rank) against the other kernels.
+  logits' all-gather, each with its wait for the other rank; `sum_norm_kernel_ms`: the kernels that sum a
+  decode step's row-parallel products with their residual add and RMSNorm, waits included) against the
+  other kernels.
 """
 
 import argparse
@@ -109,9 +111,11 @@ def kernel_times(prof, steps: int) -> dict:
         busy += max(0.0, end - max(begin, reach))
         reach = max(reach, end)
     comm = sum(end - begin for begin, end, name in kernels if "nccl" in name.lower() or "all_reduce" in name)
-    other = sum(end - begin for begin, end, _ in kernels) - comm
+    fused = sum(end - begin for begin, end, name in kernels if "sum_rms_norm" in name)
+    other = sum(end - begin for begin, end, _ in kernels) - comm - fused
     return {"gpu_busy_ms": busy / steps / 1e3, "all_reduce_kernel_ms": comm / steps / 1e3,
-            "other_kernel_ms": other / steps / 1e3, "kernels_per_step": len(kernels) / steps}
+            "sum_norm_kernel_ms": fused / steps / 1e3, "other_kernel_ms": other / steps / 1e3,
+            "kernels_per_step": len(kernels) / steps}
 
 
 def main() -> int:

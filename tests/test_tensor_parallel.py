@@ -22,8 +22,8 @@ from disagg.engine.config import EngineConfig
 from disagg.engine.kv_cache import KVCache
 from disagg.engine.llm import LLM
 from disagg.engine.loader import load_config
-from disagg.engine.models.llama import LlamaConfig, shard_plan
-from disagg.engine.parallel import ONE_SHOT_MAX_BYTES, TPGroup, symmetric_bytes
+from disagg.engine.models.llama import LlamaConfig, RMSNorm, shard_plan
+from disagg.engine.parallel import ONE_SHOT_MAX_BYTES, Symmetric, TPGroup, symmetric_bytes
 from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.scheduler import ScheduledSeq
 from disagg.engine.sequence import Sequence
@@ -83,7 +83,7 @@ def test_all_reduce_takes_one_shot_only_for_the_dtypes_its_kernel_has(monkeypatc
     monkeypatch.setattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out",
                         lambda buffer, x, op, name, out: one_shot.append(x.dtype), raising=False)
     pg = RecordingGroup()
-    tp = TPGroup(0, 2, torch.device("cpu"), pg, (torch.zeros(1 << 20, dtype=torch.uint8), "g", None))
+    tp = TPGroup(0, 2, torch.device("cpu"), pg, Symmetric(torch.zeros(3 << 20, dtype=torch.uint8), "g", None, 1 << 20))
     for dtype in (torch.bfloat16, torch.float32, torch.float16):
         tp.all_reduce(torch.ones(4096, dtype=dtype))
     tp.all_reduce(torch.ones(1 << 20, dtype=torch.bfloat16))  # 2 MiB
@@ -91,10 +91,26 @@ def test_all_reduce_takes_one_shot_only_for_the_dtypes_its_kernel_has(monkeypatc
     assert pg.calls == [torch.float16, torch.bfloat16]
 
 
-def test_a_prefill_s_row_parallel_product_is_summed_in_the_symmetric_buffer(monkeypatch):
-    """A product larger than a one-shot part is written into the symmetric buffer and summed there in
-    place (two-shot: here a stand-in that adds a second rank's equal part); a decode step's goes one-shot,
-    and one larger than the buffer, with a bias, or float16, through the process group."""
+class FusedOps:
+    """fused_ops.sum_rms_norm as sum_add_norm calls it, recorded (the kernel itself: test_triton_kernels)."""
+
+    def __init__(self):
+        self.calls, self.norms = [], 0
+
+    def sum_rms_norm(self, part_ptrs, pad_ptrs, pad_base, rank, residual, weight, eps):
+        self.calls.append((part_ptrs, pad_base, rank, residual.shape))
+        return torch.zeros_like(residual)
+
+    def rms_norm(self, x, weight, eps, residual):  # the norm after a sum of its own
+        self.norms += 1
+        return torch.zeros_like(x)
+
+
+def test_row_parallel_products_are_summed_where_they_are_written(monkeypatch):
+    """A prefill's product larger than a one-shot part is written into the symmetric buffer's start and summed
+    there in place (two-shot: here a stand-in that adds a second rank's equal part) before the norm; a decode
+    step's into the two slots by turns, each summed with its norm by one kernel; one too large for the
+    buffer, with a bias, or float16 is the product's own tensor, summed through the process group."""
     two_shot, one_shot = [], []
 
     def fake_two_shot(x, op, name):  # every rank computed the same product: the sum is twice it
@@ -106,21 +122,46 @@ def test_a_prefill_s_row_parallel_product_is_summed_in_the_symmetric_buffer(monk
     monkeypatch.setattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out",
                         lambda buffer, x, op, name, out: one_shot.append(x.shape), raising=False)
     pg = RecordingGroup()
-    buffer = torch.zeros(symmetric_bytes(2048, 256, torch.float32), dtype=torch.uint8)
-    assert buffer.nbytes == 2048 * 256 * 4 > ONE_SHOT_MAX_BYTES
+    region = symmetric_bytes(2048, 256, torch.float32)
+    assert region == 2048 * 256 * 4 > ONE_SHOT_MAX_BYTES
     assert symmetric_bytes(2048, 256, torch.float16) == 0  # PyTorch's kernels have no float16: no buffer
-    tp = TPGroup(0, 2, torch.device("cpu"), pg, (buffer, "g", None))
+    buffer = torch.zeros(region + 2 * ONE_SHOT_MAX_BYTES, dtype=torch.uint8)
+    slots = (torch.tensor([1, 2]), torch.tensor([3, 4]))  # every rank's address of each slot
+    tp = TPGroup(0, 2, torch.device("cpu"), pg, Symmetric(buffer, "g", None, region, slots, torch.tensor([5, 6]),
+                                                          pad_base=256, max_rows=128))
     torch.manual_seed(0)
     linear = torch.nn.Linear(32, 256, bias=False).requires_grad_(False)  # as loaded
-    x = torch.randn(2048, 32)
-    out = tp.linear_sum(x, linear)
-    assert out.data_ptr() == buffer.data_ptr() and two_shot == [((2048, 256), "g")]
-    torch.testing.assert_close(out, 2 * linear(x))
-    tp.linear_sum(x[:16], linear)  # 16 KiB: one-shot
-    assert one_shot == [(16 * 256,)]
-    tp.linear_sum(torch.randn(2049, 32), linear)  # one token more than the buffer holds
-    tp.linear_sum(x, torch.nn.Linear(32, 256).requires_grad_(False))  # a bias: the product's own tensor
-    tp.linear_sum(torch.randn(2048, 32, dtype=torch.float16), linear.half())
+    norm = RMSNorm(256, 1e-5)
+    x, residual = torch.randn(2048, 32), torch.randn(2048, 256)
+
+    part = tp.row_parallel(x, linear)
+    assert part.data_ptr() == buffer.data_ptr()
+    out, summed = tp.sum_add_norm(part, residual.clone(), norm)
+    assert two_shot == [((2048, 256), "g")]
+    expected = norm(2 * linear(x), residual.clone())
+    torch.testing.assert_close(out, expected[0])
+    torch.testing.assert_close(summed, expected[1])
+
+    norm.fused_ops = FusedOps()  # set on the GPU path, where the slots are
+    for turn in range(3):  # 16 KiB each: a slot each, by turns, summed with the norm in one kernel
+        part = tp.row_parallel(x[:16], linear)
+        assert part.data_ptr() == buffer.data_ptr() + region + (turn % 2) * ONE_SHOT_MAX_BYTES
+        torch.testing.assert_close(part, linear(x[:16]))
+        tp.sum_add_norm(part, residual[:16], norm)
+    assert [(call[0] is slots[turn % 2], call[1:]) for turn, call in enumerate(norm.fused_ops.calls)] == \
+        [(True, (256, 0, (16, 256)))] * 3
+    assert one_shot == [] and len(two_shot) == 1 and norm.fused_ops.norms == 0
+
+    tp.sum_add_norm(tp.row_parallel(x[:129], linear), residual[:129], norm)  # more rows than the barrier has
+    assert one_shot == [(129 * 256,)] and norm.fused_ops.norms == 1
+    tp.symmetric.slot_ptrs = ()  # slots not set up: one-shot, then the norm
+    tp.sum_add_norm(tp.row_parallel(x[:16], linear), residual[:16], norm)
+    assert one_shot[-1] == (16 * 256,) and len(norm.fused_ops.calls) == 3 and norm.fused_ops.norms == 2
+    norm.fused_ops = None
+
+    tp.sum_add_norm(tp.row_parallel(torch.randn(2049, 32), linear), torch.randn(2049, 256), norm)  # beyond it
+    tp.sum_add_norm(tp.row_parallel(x, torch.nn.Linear(32, 256).requires_grad_(False)), residual, norm)  # a bias
+    tp.sum_add_norm(tp.row_parallel(x.half(), linear.half()), residual.half(), norm.half())
     assert pg.calls == [torch.float32, torch.float32, torch.float16] and len(two_shot) == 1
 
 

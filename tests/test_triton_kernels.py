@@ -177,6 +177,26 @@ def test_fused_ops_match_the_torch_layers(dtype):
     torch.testing.assert_close(mlp(h.to(DEVICE)).cpu(), ref, **tol)
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_sum_over_ranks_with_its_norm_is_the_all_reduce_then_the_norm(dtype):
+    """fused_ops.sum_rms_norm, its arithmetic (the barrier between GPUs runs on the pair: test_gpu_engine):
+    three ranks' parts read through their addresses, summed in rank order and rounded as an all-reduce's
+    result, + residual (written back), then RMSNorm, as the norm after an all-reduce gives them."""
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randn(5, 96, generator=g).to(dtype).to(DEVICE) for _ in range(3)]
+    residual = torch.randn(5, 96, generator=g).to(dtype)
+    norm = RMSNorm(96, 1e-5).to(dtype)
+    norm.weight.data = torch.randn(96, generator=g).to(dtype)
+    summed = (parts[0].float() + parts[1].float() + parts[2].float()).to(dtype).cpu()
+    ref_out, ref_residual = norm(summed, residual.clone())
+    part_ptrs = torch.tensor([part.data_ptr() for part in parts], dtype=torch.int64, device=DEVICE)
+    fused_residual = residual.to(DEVICE)
+    out = fused_ops.sum_rms_norm(part_ptrs, None, 0, 1, fused_residual, norm.weight.to(DEVICE), norm.eps)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(fused_residual.cpu(), ref_residual, **tol)
+    torch.testing.assert_close(out.cpu(), ref_out, **tol)
+
 def test_store_kv_writes_each_token_at_its_slot_and_skips_padding():
     case = PagedCase([(20, 20), (35, 3)], num_kv_heads=2, group=1, head_dim=64).to(DEVICE)
     k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()

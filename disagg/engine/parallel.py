@@ -7,24 +7,32 @@ sets no state in the process it lives in (on CUDA but the name symmetric memory 
 released with it). A group of size 1 runs no collective at all: TP=1 is the single-device engine,
 bit for bit.
 
-On CUDA, each rank sets up a buffer of symmetric memory (every rank can read and write every rank's
-over NVLink). An all-reduce of up to ONE_SHOT_MAX_BYTES (a decode step's hidden states) is PyTorch's
-one-shot all-reduce: in one kernel, each rank copies its part into its buffer and sums all of them
-itself; measured in CUDA graphs on two H200s (benchmarks/allreduce_h200x2.py), 6.7-9.3 µs against
-NCCL's 23-25 µs from 8 to 256 KiB. A larger row-parallel product (a prefill's, `linear_sum`) is
-written straight into the buffer and summed there by PyTorch's two-shot all-reduce, in place: 111 µs
-against NCCL's 138 µs for a 4,096-token prefill's 32 MiB, 215 against 250 µs at 64 MiB (the copy
-in that an all-reduce of a tensor of its own would need costs back most of the gain: 147 µs).
-Anything larger than the buffer, float16 parts, and GPUs where symmetric memory cannot be set up, go
-through NCCL. Unlike NCCL's, a symmetric-memory kernel waiting for a dead rank is not ended by an
-abort: a serving node exits on its watchdog's word (AsyncEngine), but an offline LLM's step in flight
-then never ends.
+A row-parallel product (a layer's o_proj and down_proj) is summed over ranks by the RMSNorm that
+follows it: `row_parallel` computes this rank's part, `sum_add_norm` sums the parts, adds the
+residual and normalizes. On CUDA, each rank sets up a buffer of symmetric memory (every rank can
+read and write every rank's over NVLink) and the parts are written straight into it:
+- up to ONE_SHOT_MAX_BYTES (a decode step's), into one of two slots by turns; one Triton kernel
+  (fused_ops.sum_rms_norm) meets the other ranks through the signal pads, reads every rank's part
+  over NVLink, sums, adds the residual and normalizes. Two slots, because a rank may write its next
+  part while the others still read its last one: a slot is written again only after the barrier of
+  the part between, which no rank passes before every rank has finished reading the part before
+  that. A forward writes two parts a layer, an even count, so every forward (and every CUDA graph
+  captured of one) starts at the same slot.
+- larger ones (a prefill's), into the buffer's start, summed there in place by PyTorch's two-shot
+  all-reduce: 111 µs against NCCL's 138 µs for a 4,096-token prefill's 32 MiB, 215 against 250 µs
+  at 64 MiB on two H200s (benchmarks/allreduce_h200x2.py).
+The embedding's all-reduce is PyTorch's one-shot all-reduce (6.7-9.3 µs in CUDA graphs against
+NCCL's 23-25 µs from 8 to 256 KiB). Anything larger than the buffer, float16 parts, and GPUs where
+symmetric memory cannot be set up, go through NCCL. Unlike NCCL's, a symmetric-memory kernel waiting
+for a dead rank is not ended by an abort: a serving node exits on its watchdog's word (AsyncEngine),
+but an offline LLM's step in flight then never ends.
 """
 
 import datetime
 import logging
 import threading
 import uuid
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -37,7 +45,7 @@ logger = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 # Workers join right after they start (imports only), before they load their shards.
 RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=2)
-ONE_SHOT_MAX_BYTES = 1 << 20  # 128 tokens of a 4,096-wide bf16 model
+ONE_SHOT_MAX_BYTES = 1 << 20  # 128 tokens of a 4,096-wide bf16 model; also a slot's size
 # The symmetric buffer holds a step's row-parallel product up to this (vLLM's and SGLang's bound for
 # their symmetric-memory all-reduce on Hopper).
 TWO_SHOT_MAX_BYTES = 64 << 20
@@ -48,15 +56,33 @@ SYMMETRIC_DTYPES = (torch.bfloat16, torch.float32)  # PyTorch's kernels have no 
 ABORT_WAIT_S = 10
 
 
+@dataclass
+class Symmetric:
+    """This rank's symmetric memory: `region` bytes for one-shot parts and two-shot sums, then two slots
+    of ONE_SHOT_MAX_BYTES for the fused sums' parts."""
+    buffer: torch.Tensor  # uint8
+    name: str  # the group's registered name
+    group: object  # the group registered under it: the registry holds it weakly, so it is kept here
+    region: int
+    slot_ptrs: tuple[torch.Tensor, ...] = ()  # per slot, every rank's address of it (int64, on the device)
+    pad_ptrs: torch.Tensor | None = None  # every rank's signal pad (int64, on the device)
+    pad_base: int = 0  # the first signal-pad entry the fused sums' barriers use
+    max_rows: int = 0  # the most rows a fused sum takes (one barrier entry per row and rank)
+
+    def offset(self, x: torch.Tensor) -> int | None:
+        """Where x starts in the buffer, if it lies there."""
+        start = x.data_ptr() - self.buffer.data_ptr()
+        return start if 0 <= start < self.buffer.nbytes else None
+
+
 class TPGroup:
-    def __init__(self, rank: int, size: int, device: torch.device, pg=None, symmetric: tuple | None = None):
+    def __init__(self, rank: int, size: int, device: torch.device, pg=None, symmetric: Symmetric | None = None):
         self.rank = rank
         self.size = size
         self.device = device  # this rank's
         self.pg = pg  # None when size == 1
-        # (symmetric buffer, group name, the group registered under it), on CUDA where it could be set up;
-        # the registry holds the group weakly, so it is kept here
-        self.symmetric = symmetric
+        self.symmetric = symmetric  # on CUDA where it could be set up
+        self.slot = 1  # the fused sums' slot last written (row_parallel takes turns)
 
     @classmethod
     def single(cls, device: torch.device) -> "TPGroup":
@@ -89,7 +115,7 @@ class TPGroup:
         rank calls it at about the same time (the driver right after it sends the workers `close`, each
         worker as it takes that message: TPWorkers.stop): NCCL's abort returns once all ranks abort."""
         if self.symmetric is not None:
-            torch._C._distributed_c10d._unregister_process_group(self.symmetric[1])
+            torch._C._distributed_c10d._unregister_process_group(self.symmetric.name)
             self.symmetric = None
         if self.pg is None or self.device.type != "cuda":
             return
@@ -105,37 +131,58 @@ class TPGroup:
         return n * self.rank // self.size, n * (self.rank + 1) // self.size
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum over ranks, in place (row-parallel products' partial sums)."""
+        """The sum over ranks, in place."""
         if self.size == 1:
             return x
         symmetric = self.symmetric  # read once: close() may drop it from another thread
         if (symmetric is not None and x.nbytes <= ONE_SHOT_MAX_BYTES and x.is_contiguous()
                 and x.dtype in SYMMETRIC_DTYPES):
-            buffer, name, _ = symmetric
             flat = x.view(-1)  # the kernel copies it into this rank's buffer itself, then sums every rank's
-            torch.ops.symm_mem.one_shot_all_reduce_copy_out(buffer[:x.nbytes].view(x.dtype), flat, "sum", name, flat)
+            part = symmetric.buffer[:x.nbytes].view(x.dtype)
+            torch.ops.symm_mem.one_shot_all_reduce_copy_out(part, flat, "sum", symmetric.name, flat)
         else:
             self.pg.allreduce([x]).wait()
         return x
 
-    def linear_sum(self, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
-        """linear(x) summed over ranks: a row-parallel product of tokens [T, in]. One larger than a
-        one-shot all-reduce takes is written into this rank's symmetric buffer and summed there, two-shot
-        and in place; the result is then a view of that buffer, valid until the group's next linear_sum
-        or all_reduce, which write there too (the layer's next norm reads it first)."""
-        if self.size == 1:
-            return linear(x)
+    def row_parallel(self, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+        """This rank's part of a row-parallel product of tokens [T, in]: the ranks' parts sum to the
+        product, which sum_add_norm forms. Written into the symmetric buffer where that sums it: into the
+        next slot for a fused sum, else at the buffer's start; the part is then a view of the buffer,
+        valid until it is written there again (sum_add_norm reads it first)."""
         symmetric = self.symmetric
+        if self.size == 1 or symmetric is None or x.dtype not in SYMMETRIC_DTYPES or linear.bias is not None:
+            return linear(x)
         nbytes = x.shape[0] * linear.out_features * x.element_size()
-        if (symmetric is None or nbytes <= ONE_SHOT_MAX_BYTES or nbytes > symmetric[0].nbytes
-                or x.dtype not in SYMMETRIC_DTYPES or linear.bias is not None):
-            return self.all_reduce(linear(x))
-        buffer, name, _ = symmetric
-        out = buffer[:nbytes].view(x.dtype).view(x.shape[0], linear.out_features)
+        if symmetric.slot_ptrs and nbytes <= ONE_SHOT_MAX_BYTES and x.shape[0] <= symmetric.max_rows:
+            self.slot = 1 - self.slot
+            start = symmetric.region + self.slot * ONE_SHOT_MAX_BYTES
+        elif ONE_SHOT_MAX_BYTES < nbytes <= symmetric.region:
+            start = 0
+        else:
+            return linear(x)
+        out = symmetric.buffer[start:start + nbytes].view(x.dtype).view(x.shape[0], linear.out_features)
         torch.mm(x, linear.weight.t(), out=out)
-        # Its last barrier waits for every rank's writes and reads: the next product may overwrite the buffer.
-        torch.ops.symm_mem.two_shot_all_reduce_(out, "sum", name)
         return out
+
+    def sum_add_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                     norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm(x summed over ranks, residual): the RMSNorm of the sum + residual, and that (new) residual.
+        x: this rank's part from row_parallel."""
+        if self.size == 1:
+            return norm(x, residual)
+        symmetric = self.symmetric
+        start = symmetric.offset(x) if symmetric is not None else None
+        if start is not None and start >= symmetric.region:  # a slot: one kernel sums, adds and normalizes
+            slot = (start - symmetric.region) // ONE_SHOT_MAX_BYTES
+            out = norm.fused_ops.sum_rms_norm(symmetric.slot_ptrs[slot], symmetric.pad_ptrs, symmetric.pad_base,
+                                              self.rank, residual, norm.weight, norm.eps)
+            return out, residual
+        if start == 0:
+            # Its last barrier waits for every rank's writes and reads: the next part may overwrite the buffer.
+            torch.ops.symm_mem.two_shot_all_reduce_(x, "sum", symmetric.name)
+        else:
+            self.all_reduce(x)
+        return norm(x, residual)
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's x (all of the same shape), in rank order."""
@@ -163,7 +210,7 @@ class TPGroup:
 
 
 def symmetric_bytes(max_tokens: int, hidden_size: int, dtype: torch.dtype) -> int:
-    """The symmetric buffer for a step of up to max_tokens tokens: its row-parallel product, up to
+    """The symmetric buffer's region for a step of up to max_tokens tokens: its row-parallel product, up to
     TWO_SHOT_MAX_BYTES, and at least a one-shot all-reduce's part; none for a dtype PyTorch's kernels lack."""
     if dtype not in SYMMETRIC_DTYPES:
         return 0
@@ -177,10 +224,10 @@ _symmetric_memory_used = False
 
 
 def symmetric_buffer(store: dist.Store, pg, rank: int, size: int, device: torch.device,
-                     nbytes: int) -> tuple | None:
-    """Every rank's symmetric buffer of nbytes, the name its group is known by and that group;
-    None (NCCL all-reduces only) where PyTorch or the GPUs cannot set it up. Collective: every rank
-    calls it right after forming the group."""
+                     nbytes: int) -> Symmetric | None:
+    """Every rank's symmetric memory, `nbytes` of region and the fused sums' two slots; None (NCCL
+    all-reduces only) where PyTorch or the GPUs cannot set it up. Collective: every rank calls it right
+    after forming the group."""
     global _symmetric_memory_used
     if rank == 0:  # "" when this process set up symmetric memory before: see _symmetric_memory_used
         store.set("symmetric_group", "" if _symmetric_memory_used else f"disagg-tp-{uuid.uuid4().hex}")
@@ -201,18 +248,31 @@ def symmetric_buffer(store: dist.Store, pg, rank: int, size: int, device: torch.
         group._register_backend(device, dist.ProcessGroup.BackendType.NCCL, pg)
         group._set_group_name(name)
         torch._C._distributed_c10d._register_process_group(name, group)
-        buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-        symm_mem.rendezvous(buffer, name)
+        buffer = symm_mem.empty(nbytes + 2 * ONE_SHOT_MAX_BYTES, dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(buffer, name)
+        # The fused sums' barriers take the upper half of each signal pad, away from PyTorch's kernels'
+        # (which count their blocks' entries from 0).
+        entries = handle.signal_pad_size // 4
+        at = buffer.data_ptr() - handle.buffer_ptrs[rank] + nbytes  # the slots, from each rank's allocation
+        symmetric = Symmetric(
+            buffer, name, group, nbytes,
+            # the fused kernel's barrier has a thread a rank, which takes a power-of-two group
+            slot_ptrs=tuple(torch.tensor([p + at + slot * ONE_SHOT_MAX_BYTES for p in handle.buffer_ptrs],
+                                         dtype=torch.int64, device=device) for slot in (0, 1))
+            if size & (size - 1) == 0 else (),
+            pad_ptrs=torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device),
+            pad_base=entries // 2, max_rows=(entries - entries // 2) // size)
         why = ""
     except Exception as e:  # noqa: BLE001  any reason: the all-reduces go through NCCL, as they can anywhere
-        buffer, why = None, str(e) or type(e).__name__
-    # Every rank must take the same path: one-shot only where every rank could set it up.
+        symmetric, why = None, str(e) or type(e).__name__
+    # Every rank must take the same path: symmetric memory only where every rank could set it up.
     store.set(f"symmetric_ok/{rank}", "0" if why else "1")
     if all(store.get(f"symmetric_ok/{r}") == b"1" for r in range(size)):
         if rank == 0:
-            logger.info("all-reduces over symmetric memory: one-shot up to %d KiB, row-parallel products two-shot "
-                        "up to %d MiB", ONE_SHOT_MAX_BYTES >> 10, nbytes >> 20)
-        return buffer, name, group
+            logger.info("all-reduces over symmetric memory: a decode step's products summed with their norm "
+                        "up to %d KiB and %d tokens, larger ones two-shot up to %d MiB", ONE_SHOT_MAX_BYTES >> 10,
+                        symmetric.max_rows, nbytes >> 20)
+        return symmetric
     logger.warning("rank %d: no all-reduce over symmetric memory (%s): every all-reduce goes through "
                    "NCCL", rank, why or "another rank could not set it up")
     return None

@@ -1,5 +1,6 @@
 """Triton kernels for the elementwise parts of a Llama layer on the GPU path: residual add +
-RMSNorm, rotary embedding in place, SiLU(gate) * up. Each is one kernel where torch's ops are
+RMSNorm (under tensor parallelism also the sum over ranks before it), rotary embedding in place,
+SiLU(gate) * up. Each is one kernel where torch's ops are
 several, which matters most in a decode step, where a layer's ~40 small kernels cost more than
 its weights take to read (docs/ARCHITECTURE.md, "Engine (as built)").
 
@@ -28,6 +29,75 @@ def rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_x, stride_r
     h = (x * tl.rsqrt(tl.sum(x * x, 0) / N + eps)).to(dtype).to(tl.float32)
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, (w * h).to(dtype), mask=mask)
+
+
+
+@triton.jit
+def _thread_index():
+    return tl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r", [], dtype=tl.uint32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _signal(flags):
+    """Set each flag (another rank's) from 0 to 1, once it is 0: that rank has taken the last signal."""
+    tl.inline_asm_elementwise("""{
+        .reg .u32 %old;
+        .reg .pred %taken;
+        again:
+        atom.global.release.sys.cas.b32 %old, [$1], 0, 1;
+        setp.eq.u32 %taken, %old, 0;
+        @!%taken bra again;
+    }""", "=r, l", [flags], dtype=tl.uint32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _take_signal(flags):
+    """Wait until each flag (this rank's, one per rank) is 1, and set it back to 0."""
+    tl.inline_asm_elementwise("""{
+        .reg .u32 %old;
+        .reg .pred %set;
+        again:
+        atom.global.acquire.sys.cas.b32 %old, [$1], 1, 0;
+        setp.eq.u32 %set, %old, 1;
+        @!%set bra again;
+    }""", "=r, l", [flags], dtype=tl.uint32, is_pure=False, pack=1)
+
+
+@triton.jit
+def sum_rms_norm_kernel(part_ptrs, pad_ptrs, residual_ptr, weight_ptr, out_ptr, stride_r, eps, pad_base,
+                        N: tl.constexpr, BLOCK: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
+                        SYNC: tl.constexpr):
+    """One row: the sum of every rank's part of it (part_ptrs: each rank's [T, N] product, read over
+    NVLink), + residual (written back to residual), then its RMSNorm times weight. First, the block
+    meets the same block of every other rank through their signal pads (pad_ptrs, entries from
+    pad_base on): each rank's part is written before its block signals. SYNC off: no barrier (a test
+    of the arithmetic on one device)."""
+    row = tl.program_id(0).to(tl.int64)
+    dtype = out_ptr.dtype.element_ty
+    if SYNC:
+        ranks = tl.arange(0, WORLD)
+        pads = tl.load(pad_ptrs + ranks).to(tl.pointer_type(tl.uint32))
+        own = tl.load(pad_ptrs + RANK).to(tl.pointer_type(tl.uint32))
+        # One thread per rank: a tensor of WORLD flags is held by more threads than that, and a
+        # second signal to the same flag would be taken as the next barrier's.
+        if _thread_index() < WORLD:
+            _signal(pads + pad_base + row * WORLD + RANK)
+            _take_signal(own + pad_base + row * WORLD + ranks)
+        tl.debug_barrier()
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.zeros([BLOCK], tl.float32)
+    for rank in tl.static_range(WORLD):  # in rank order on every rank: all get the same sum
+        part = tl.multiple_of(tl.load(part_ptrs + rank).to(tl.pointer_type(dtype)), 16)  # 16-byte loads
+        x += tl.load(part + row * N + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
+    # Rounded as an all-reduce's result would be, then as rms_norm_kernel goes on.
+    residual = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+    x = (x.to(dtype).to(tl.float32) + residual).to(dtype)
+    tl.store(residual_ptr + row * stride_r + offs, x, mask=mask)
+    x = x.to(tl.float32)
+    h = (x * tl.rsqrt(tl.sum(x * x, 0) / N + eps)).to(dtype).to(tl.float32)
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + offs, (w * h).to(dtype), mask=mask)
 
 
 @triton.jit
@@ -83,6 +153,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                                    num_warps=8 if n >= 2048 else 4)
     return out
 
+
+
+def sum_rms_norm(part_ptrs: torch.Tensor, pad_ptrs: torch.Tensor | None, pad_base: int, rank: int,
+                 residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of (the sum over ranks of a [T, N] product + residual), the sum written to residual:
+    part_ptrs (int64, on the device) holds every rank's address of its part, pad_ptrs every rank's
+    signal pad (None: no barrier, the parts are known to be written)."""
+    n = residual.shape[-1]
+    out = torch.empty(residual.shape[0], n, dtype=residual.dtype, device=residual.device)
+    sum_rms_norm_kernel[(residual.shape[0],)](
+        part_ptrs, part_ptrs if pad_ptrs is None else pad_ptrs, residual, weight, out, residual.stride(0), eps,
+        pad_base, N=n,
+        BLOCK=triton.next_power_of_2(n), RANK=rank, WORLD=part_ptrs.shape[0], SYNC=pad_ptrs is not None,
+        num_warps=8 if n >= 2048 else 4)
+    return out
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> None:
     """q [T, H, D] and k [T, Hkv, D] (heads contiguous, tokens strided) rotated in place;

@@ -220,7 +220,7 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
         out = attention.forward(self.layer_idx, q, k, v, meta)
-        return self.tp.linear_sum(out.reshape(T, q_size), self.o_proj)
+        return self.tp.row_parallel(out.reshape(T, q_size), self.o_proj)  # this rank's part: the next norm sums
 
 
 class MLP(nn.Module):
@@ -240,9 +240,10 @@ class MLP(nn.Module):
         self.fused_ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the MLP's output: the next norm sums the ranks' (TPGroup.sum_add_norm)."""
         if self.fused_ops is None:
-            return self.tp.linear_sum(F.silu(self.gate_proj(x)) * self.up_proj(x), self.down_proj)
-        return self.tp.linear_sum(self.fused_ops.silu_mul(self.gate_up_proj(x)), self.down_proj)
+            return self.tp.row_parallel(F.silu(self.gate_proj(x)) * self.up_proj(x), self.down_proj)
+        return self.tp.row_parallel(self.fused_ops.silu_mul(self.gate_up_proj(x)), self.down_proj)
 
 
 def fuse_linears(*linears: nn.Linear) -> nn.Linear:
@@ -263,17 +264,19 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, shard, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding,
                 positions: torch.Tensor, attention: AttentionBackend, meta) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's MLP output, the residual stream before it): the next norm adds them,
-        so each add is fused with a norm on the GPU path."""
+        """(this rank's part of the layer's MLP output, the residual stream before it): the next norm
+        sums the ranks' parts and adds the residual, so each sum and add is fused with a norm on the GPU
+        path. x: the embeddings (residual None), else the previous layer's MLP part."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
-            h, residual = self.input_layernorm(x, residual)
+            h, residual = self.tp.sum_add_norm(x, residual, self.input_layernorm)
         h = self.self_attn(h, rotary, positions, attention, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
+        h, residual = self.tp.sum_add_norm(h, residual, self.post_attention_layernorm)
         return self.mlp(h), residual
 
 
@@ -312,7 +315,7 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, self.model.rotary, positions, attention, meta)
             if after_layer is not None:
                 after_layer(i)
-        return self.model.norm(x, residual)[0]
+        return self.tp.sum_add_norm(x, residual, self.model.norm)[0]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
