@@ -5,6 +5,7 @@ otherwise (the GPU machines carry no 98 MB GGUF) a random-weight Llama of exactl
 with its tokenizer, from DISAGG_TEST_TOKENIZER_DIR.
 """
 
+import multiprocessing
 import os
 from pathlib import Path
 
@@ -187,25 +188,45 @@ def test_remote_requests_under_max_num_seqs_on_cuda(gpu_model_dir, prompts, refe
     assert [done[f"r{k}"] for k in range(len(chosen))] == [reference[i] for i in chosen]
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs two GPUs")
-@pytest.mark.parametrize("enforce_eager,async_scheduling", [(False, False), (True, False), (False, True)],
-                         ids=["graphs", "eager", "graphs-async"])
-def test_tensor_parallel_2_greedy_equals_transformers(gpu_model_dir, prompts, reference, enforce_eager,
-                                                      async_scheduling):
-    """TP=2 on cuda:0 and cuda:1 (NCCL all-reduces, captured in the decode graphs unless eager), with
-    chunked prefill and a prefix hit, gives transformers' float32 tokens."""
-    llm = LLM(str(gpu_model_dir), device="cuda", dtype="float32", enforce_eager=enforce_eager,
-              kv_cache_memory=2**30, max_num_seqs=16, max_num_batched_tokens=256, tensor_parallel_size=2,
-              async_scheduling=async_scheduling)
+def tp2_generate(model_dir: str, prompts: list[list[int]], options: dict, queue) -> None:
+    """A TP=2 engine's greedy tokens for the prompts, then for the last four again (prefix hits), in a process of
+    its own: only the first tensor-parallel group of a process gets symmetric memory (parallel.py)."""
+    llm = LLM(model_dir, device="cuda", dtype="float32", kv_cache_memory=2**30, max_num_seqs=16,
+              max_num_batched_tokens=256, tensor_parallel_size=2, **options)
     try:
-        assert (llm.engine.runner.graphs is None) == enforce_eager
         outs = llm.generate(prompts, GREEDY)
-        assert [o.token_ids for o in outs] == reference
         again = llm.generate(prompts[6:], GREEDY)
-        assert all(o.num_cached_tokens > 0 for o in again)
-        assert [o.token_ids for o in again] == reference[6:]
+        queue.put((llm.engine.runner.graphs is not None, llm.engine.runner.model.tp.symmetric is not None,
+                   [o.token_ids for o in outs], [o.num_cached_tokens for o in again], [o.token_ids for o in again]))
     finally:
         llm.engine.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs two GPUs")
+@pytest.mark.parametrize("enforce_eager,async_scheduling,backend",
+                         [(False, False, None), (True, False, None), (False, True, None), (True, False, "sdpa")],
+                         ids=["graphs", "eager", "graphs-async", "sdpa"])
+def test_tensor_parallel_2_greedy_equals_transformers(gpu_model_dir, prompts, reference, enforce_eager,
+                                                      async_scheduling, backend):
+    """TP=2 on cuda:0 and cuda:1, each case in a fresh process so that it has symmetric memory: a decode step's
+    sums fused with their norms (captured in the decode graphs unless eager; under the sdpa backend, without
+    the Triton kernels, summed one-shot), with chunked prefill and a prefix hit, give transformers' float32
+    tokens."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    options = dict(enforce_eager=enforce_eager, async_scheduling=async_scheduling, attention_backend=backend)
+    child = ctx.Process(target=tp2_generate, args=(str(gpu_model_dir), prompts, options, queue))
+    child.start()
+    try:
+        graphs, symmetric, outs, cached, again = queue.get(timeout=240)
+    finally:
+        child.join(60)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0
+    assert graphs != enforce_eager and symmetric
+    assert outs == reference
+    assert all(n > 0 for n in cached) and again == reference[6:]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs two GPUs")

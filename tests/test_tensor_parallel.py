@@ -22,7 +22,7 @@ from disagg.engine.config import EngineConfig
 from disagg.engine.kv_cache import KVCache
 from disagg.engine.llm import LLM
 from disagg.engine.loader import load_config
-from disagg.engine.models.llama import LlamaConfig, RMSNorm, shard_plan
+from disagg.engine.models.llama import LlamaConfig, LlamaForCausalLM, RMSNorm, shard_plan
 from disagg.engine.parallel import ONE_SHOT_MAX_BYTES, Symmetric, TPGroup, symmetric_bytes
 from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.scheduler import ScheduledSeq
@@ -98,7 +98,7 @@ class FusedOps:
         self.calls, self.norms = [], 0
 
     def sum_rms_norm(self, part_ptrs, pad_ptrs, pad_base, rank, residual, weight, eps):
-        self.calls.append((part_ptrs, pad_base, rank, residual.shape))
+        self.calls.append((part_ptrs, pad_ptrs, pad_base, rank, residual.shape))
         return torch.zeros_like(residual)
 
     def rms_norm(self, x, weight, eps, residual):  # the norm after a sum of its own
@@ -109,8 +109,9 @@ class FusedOps:
 def test_row_parallel_products_are_summed_where_they_are_written(monkeypatch):
     """A prefill's product larger than a one-shot part is written into the symmetric buffer's start and summed
     there in place (two-shot: here a stand-in that adds a second rank's equal part) before the norm; a decode
-    step's into the two slots by turns, each summed with its norm by one kernel; one too large for the
-    buffer, with a bias, or float16 is the product's own tensor, summed through the process group."""
+    step's into the two slots by turns, each summed with its norm by one kernel (without the Triton kernels,
+    one-shot from there); one too large for the buffer, with a bias, or float16 is the product's own tensor,
+    summed through the process group."""
     two_shot, one_shot = [], []
 
     def fake_two_shot(x, op, name):  # every rank computed the same product: the sum is twice it
@@ -148,15 +149,22 @@ def test_row_parallel_products_are_summed_where_they_are_written(monkeypatch):
         assert part.data_ptr() == buffer.data_ptr() + region + (turn % 2) * ONE_SHOT_MAX_BYTES
         torch.testing.assert_close(part, linear(x[:16]))
         tp.sum_add_norm(part, residual[:16], norm)
-    assert [(call[0] is slots[turn % 2], call[1:]) for turn, call in enumerate(norm.fused_ops.calls)] == \
-        [(True, (256, 0, (16, 256)))] * 3
+    assert [(call[0] is slots[turn % 2], call[1] is tp.symmetric.pad_ptrs, call[2:])
+            for turn, call in enumerate(norm.fused_ops.calls)] == [(True, True, (256, 0, (16, 256)))] * 3
     assert one_shot == [] and len(two_shot) == 1 and norm.fused_ops.norms == 0
+    stream = residual[:16]
+    assert tp.sum_add_norm(tp.row_parallel(x[:16], linear), stream, norm)[1] is stream  # summed into in place
+
+    unfused = RMSNorm(256, 1e-5)  # the sdpa backend on CUDA: no Triton kernels, the slot's part summed one-shot
+    tp.sum_add_norm(tp.row_parallel(x[:16], linear), residual[:16].clone(), unfused)
+    assert one_shot == [(16 * 256,)] and len(norm.fused_ops.calls) == 4
+    one_shot.clear()
 
     tp.sum_add_norm(tp.row_parallel(x[:129], linear), residual[:129], norm)  # more rows than the barrier has
     assert one_shot == [(129 * 256,)] and norm.fused_ops.norms == 1
     tp.symmetric.slot_ptrs = ()  # slots not set up: one-shot, then the norm
     tp.sum_add_norm(tp.row_parallel(x[:16], linear), residual[:16], norm)
-    assert one_shot[-1] == (16 * 256,) and len(norm.fused_ops.calls) == 3 and norm.fused_ops.norms == 2
+    assert one_shot[-1] == (16 * 256,) and len(norm.fused_ops.calls) == 4 and norm.fused_ops.norms == 2
     norm.fused_ops = None
 
     tp.sum_add_norm(tp.row_parallel(torch.randn(2049, 32), linear), torch.randn(2049, 256), norm)  # beyond it
@@ -164,6 +172,37 @@ def test_row_parallel_products_are_summed_where_they_are_written(monkeypatch):
     tp.sum_add_norm(tp.row_parallel(x.half(), linear.half()), residual.half(), norm.half())
     assert pg.calls == [torch.float32, torch.float32, torch.float16] and len(two_shot) == 1
 
+
+
+class PassThroughAttention:
+    """An attention backend that returns the queries: what a forward's sums do does not depend on it."""
+
+    def forward(self, layer_idx, q, k, v, meta):
+        return q
+
+
+def test_a_forward_ends_at_the_slot_it_began(monkeypatch):
+    """A forward's fused sums take the two slots by turns and leave TPGroup.slot as they found it, so that a
+    CUDA graph captured of one forward replays with the slots an eager forward would take."""
+    monkeypatch.setattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out", lambda *args: None, raising=False)
+    c = config(heads=2, kv_heads=2, vocab=64, intermediate=64)
+    region = symmetric_bytes(16, c.hidden_size, torch.float32)
+    slots = (torch.tensor([1, 2]), torch.tensor([3, 4]))
+    tp = TPGroup(0, 2, torch.device("cpu"), RecordingGroup(),
+                 Symmetric(torch.zeros(region + 2 * ONE_SHOT_MAX_BYTES, dtype=torch.uint8), "g", None, region, slots,
+                           torch.tensor([5, 6]), pad_base=256, max_rows=128))
+    model = LlamaForCausalLM(c, max_positions=16, tp=tp).requires_grad_(False)
+    ops = FusedOps()
+    for norm in [model.model.norm, *(n for layer in model.model.layers
+                                      for n in (layer.input_layernorm, layer.post_attention_layernorm))]:
+        norm.fused_ops = ops
+    before = tp.slot
+    for _ in range(2):
+        model(torch.tensor([3, 1, 4]), torch.arange(3), PassThroughAttention(), None)
+        assert tp.slot == before
+    # two parts a layer, each summed by the next norm (the last by the model's final one), slots by turns
+    assert len(ops.calls) == 2 * 2 * c.num_hidden_layers
+    assert all(call[0] is slots[i % 2] for i, call in enumerate(ops.calls))
 
 def test_a_worker_mirrors_the_driver_s_sequences_step_by_step():
     # The driver's sequence through a prompt chunk, a decode, and a preemption that rebuilds its blocks.

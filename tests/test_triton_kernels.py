@@ -177,8 +177,8 @@ def test_fused_ops_match_the_torch_layers(dtype):
     torch.testing.assert_close(mlp(h.to(DEVICE)).cpu(), ref, **tol)
 
 
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    DEVICE == "cpu", reason="TRITON_INTERPRET rounds float32 to bfloat16 towards zero, a GPU to nearest"))])
 def test_the_sum_over_ranks_with_its_norm_is_the_all_reduce_then_the_norm(dtype):
     """fused_ops.sum_rms_norm, its arithmetic (the barrier between GPUs runs on the pair: test_gpu_engine):
     three ranks' parts read through their addresses, summed in rank order and rounded as an all-reduce's
@@ -193,9 +193,12 @@ def test_the_sum_over_ranks_with_its_norm_is_the_all_reduce_then_the_norm(dtype)
     part_ptrs = torch.tensor([part.data_ptr() for part in parts], dtype=torch.int64, device=DEVICE)
     fused_residual = residual.to(DEVICE)
     out = fused_ops.sum_rms_norm(part_ptrs, None, 0, 1, fused_residual, norm.weight.to(DEVICE), norm.eps)
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
-    torch.testing.assert_close(fused_residual.cpu(), ref_residual, **tol)
+    # The new residual bit for bit (its sum in rank order, rounded where an all-reduce's result is), so that
+    # every rank carries the same stream; the norm within its rsqrt's precision.
+    assert torch.equal(fused_residual.cpu(), ref_residual)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(out.cpu(), ref_out, **tol)
+
 
 def test_store_kv_writes_each_token_at_its_slot_and_skips_padding():
     case = PagedCase([(20, 20), (35, 3)], num_kv_heads=2, group=1, head_dim=64).to(DEVICE)

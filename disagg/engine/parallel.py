@@ -46,6 +46,9 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 # Workers join right after they start (imports only), before they load their shards.
 RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=2)
 ONE_SHOT_MAX_BYTES = 1 << 20  # 128 tokens of a 4,096-wide bf16 model; also a slot's size
+# A fused sum's kernel has a block a token, each spinning at its barrier until the other ranks' same block
+# comes: few enough that all of them are resident at once on every rank (PyTorch's barriers take <= 32).
+FUSED_MAX_ROWS = 128
 # The symmetric buffer holds a step's row-parallel product up to this (vLLM's and SGLang's bound for
 # their symmetric-memory all-reduce on Hopper).
 TWO_SHOT_MAX_BYTES = 64 << 20
@@ -172,7 +175,9 @@ class TPGroup:
             return norm(x, residual)
         symmetric = self.symmetric
         start = symmetric.offset(x) if symmetric is not None else None
-        if start is not None and start >= symmetric.region:  # a slot: one kernel sums, adds and normalizes
+        if start is not None and start >= symmetric.region and norm.fused_ops is not None:
+            # a slot: one kernel sums, adds and normalizes (without the Triton kernels, under the sdpa backend,
+            # the part is summed one-shot from there as any other)
             slot = (start - symmetric.region) // ONE_SHOT_MAX_BYTES
             out = norm.fused_ops.sum_rms_norm(symmetric.slot_ptrs[slot], symmetric.pad_ptrs, symmetric.pad_base,
                                               self.rank, residual, norm.weight, norm.eps)
@@ -214,7 +219,8 @@ def symmetric_bytes(max_tokens: int, hidden_size: int, dtype: torch.dtype) -> in
     TWO_SHOT_MAX_BYTES, and at least a one-shot all-reduce's part; none for a dtype PyTorch's kernels lack."""
     if dtype not in SYMMETRIC_DTYPES:
         return 0
-    return max(ONE_SHOT_MAX_BYTES, min(TWO_SHOT_MAX_BYTES, max_tokens * hidden_size * dtype.itemsize))
+    region = max(ONE_SHOT_MAX_BYTES, min(TWO_SHOT_MAX_BYTES, max_tokens * hidden_size * dtype.itemsize))
+    return -(-region // 256) * 256  # the slots after it start 16-byte aligned (the fused kernel's loads)
 
 
 # PyTorch's symmetric memory numbers its store exchanges per process: a driver's second group would wait for
@@ -224,10 +230,10 @@ _symmetric_memory_used = False
 
 
 def symmetric_buffer(store: dist.Store, pg, rank: int, size: int, device: torch.device,
-                     nbytes: int) -> Symmetric | None:
-    """Every rank's symmetric memory, `nbytes` of region and the fused sums' two slots; None (NCCL
-    all-reduces only) where PyTorch or the GPUs cannot set it up. Collective: every rank calls it right
-    after forming the group."""
+                     region: int) -> Symmetric | None:
+    """Every rank's symmetric memory, `region` bytes (symmetric_bytes) and the fused sums' two slots; None
+    (NCCL all-reduces only) where PyTorch or the GPUs cannot set it up. Collective: every rank calls it
+    right after forming the group."""
     global _symmetric_memory_used
     if rank == 0:  # "" when this process set up symmetric memory before: see _symmetric_memory_used
         store.set("symmetric_group", "" if _symmetric_memory_used else f"disagg-tp-{uuid.uuid4().hex}")
@@ -248,20 +254,20 @@ def symmetric_buffer(store: dist.Store, pg, rank: int, size: int, device: torch.
         group._register_backend(device, dist.ProcessGroup.BackendType.NCCL, pg)
         group._set_group_name(name)
         torch._C._distributed_c10d._register_process_group(name, group)
-        buffer = symm_mem.empty(nbytes + 2 * ONE_SHOT_MAX_BYTES, dtype=torch.uint8, device=device)
+        buffer = symm_mem.empty(region + 2 * ONE_SHOT_MAX_BYTES, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(buffer, name)
         # The fused sums' barriers take the upper half of each signal pad, away from PyTorch's kernels'
         # (which count their blocks' entries from 0).
         entries = handle.signal_pad_size // 4
-        at = buffer.data_ptr() - handle.buffer_ptrs[rank] + nbytes  # the slots, from each rank's allocation
+        at = buffer.data_ptr() - handle.buffer_ptrs[rank] + region  # the slots, from each rank's allocation
         symmetric = Symmetric(
-            buffer, name, group, nbytes,
-            # the fused kernel's barrier has a thread a rank, which takes a power-of-two group
+            buffer, name, group, region,
+            # the fused kernel's barrier indexes the ranks with tl.arange: a power-of-two group
             slot_ptrs=tuple(torch.tensor([p + at + slot * ONE_SHOT_MAX_BYTES for p in handle.buffer_ptrs],
                                          dtype=torch.int64, device=device) for slot in (0, 1))
             if size & (size - 1) == 0 else (),
             pad_ptrs=torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device),
-            pad_base=entries // 2, max_rows=(entries - entries // 2) // size)
+            pad_base=entries // 2, max_rows=min(FUSED_MAX_ROWS, (entries - entries // 2) // size))
         why = ""
     except Exception as e:  # noqa: BLE001  any reason: the all-reduces go through NCCL, as they can anywhere
         symmetric, why = None, str(e) or type(e).__name__
@@ -271,7 +277,7 @@ def symmetric_buffer(store: dist.Store, pg, rank: int, size: int, device: torch.
         if rank == 0:
             logger.info("all-reduces over symmetric memory: a decode step's products summed with their norm "
                         "up to %d KiB and %d tokens, larger ones two-shot up to %d MiB", ONE_SHOT_MAX_BYTES >> 10,
-                        symmetric.max_rows, nbytes >> 20)
+                        symmetric.max_rows, region >> 20)
         return symmetric
     logger.warning("rank %d: no all-reduce over symmetric memory (%s): every all-reduce goes through "
                    "NCCL", rank, why or "another rank could not set it up")

@@ -31,7 +31,6 @@ def rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_x, stride_r
     tl.store(out_ptr + row * stride_o + offs, (w * h).to(dtype), mask=mask)
 
 
-
 @triton.jit
 def _thread_index():
     return tl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r", [], dtype=tl.uint32, is_pure=True, pack=1)
@@ -154,7 +153,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out
 
 
-
 def sum_rms_norm(part_ptrs: torch.Tensor, pad_ptrs: torch.Tensor | None, pad_base: int, rank: int,
                  residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of (the sum over ranks of a [T, N] product + residual), the sum written to residual:
@@ -163,11 +161,13 @@ def sum_rms_norm(part_ptrs: torch.Tensor, pad_ptrs: torch.Tensor | None, pad_bas
     n = residual.shape[-1]
     out = torch.empty(residual.shape[0], n, dtype=residual.dtype, device=residual.device)
     sum_rms_norm_kernel[(residual.shape[0],)](
+        # without a barrier the pads are never read: any pointer stands in for them
         part_ptrs, part_ptrs if pad_ptrs is None else pad_ptrs, residual, weight, out, residual.stride(0), eps,
         pad_base, N=n,
         BLOCK=triton.next_power_of_2(n), RANK=rank, WORLD=part_ptrs.shape[0], SYNC=pad_ptrs is not None,
         num_warps=8 if n >= 2048 else 4)
     return out
+
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> None:
     """q [T, H, D] and k [T, Hkv, D] (heads contiguous, tokens strided) rotated in place;
