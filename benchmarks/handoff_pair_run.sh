@@ -12,7 +12,8 @@
 # cache (issue 26: cache_aware against least_loaded routing, 2P2D over tcp, shared 4k prefixes; rates
 # $RATES_CACHE, $REPEATS_CACHE runs of each, REMOTE_PREFILL=auto|always for the decode nodes, DECODE_KV their
 # KV cache, 16GiB unless set), tp (issue 27: the all-reduce alone, then TP=2 against TP=1 in the engine; ASYNC=1 for
-# --async-scheduling, PROFILE=1 for its kernel profiles, traces into $OUT/tpprof.tar), ttft_tp2 (a TP=2 prefill node on both GPUs beside a TP=1 decode node, KV over nixl; $LENS),
+# --async-scheduling, PROFILE=1 for its kernel profiles, traces into $OUT/tpprof.tar), gemv (a decode step's
+# products on one GPU: cuBLAS against a Triton candidate, at TP=1's and TP=2's shapes), ttft_tp2 (a TP=2 prefill node on both GPUs beside a TP=1 decode node, KV over nixl; $LENS),
 # ucx (the ucx pipe's GPU tests, then torch_dist beside ucx at 16 and 256 MiB; carry [".whl-ucx", ".device"] after
 # device_setup.sh ucx).
 # Each writes its JSON and log under $OUT, traces and node logs as one tar a phase (a call brings back 8
@@ -51,6 +52,8 @@ for phase in "$@"; do
         python3 benchmarks/tp_h200x2.py --tokenizer-dir .device/tok --repeats 3 ${ASYNC:+--async-scheduling} \
             ${PROFILE:+--profile /tmp/tpprof} --json "$out/tp.json" 2>&1 | tee "$out/tp.log" | tail -12
         [ -z "${PROFILE:-}" ] || tar cf "$out/tpprof.tar" -C /tmp tpprof ;;
+    gemv)  # one GPU: a decode step's products, cuBLAS against a Triton candidate, at TP=1's and TP=2's shapes
+        python3 benchmarks/gemv_shapes.py --json "$out/gemv.json" 2>&1 | tee "$out/gemv.log" | tail -30 ;;
     ttft_tp2)
         # a prefill rank shares GPU 1 with the decode node, which NCCL refuses: nixl (the last --connector wins)
         python3 benchmarks/handoff_h200x2.py "${common[@]}" --connector nixl --phase ttft --prefill-tp 2 \
