@@ -37,29 +37,16 @@ def _thread_index():
 
 
 @triton.jit
-def _signal(flags):
-    """Set each flag (another rank's) from 0 to 1, once it is 0: that rank has taken the last signal."""
-    tl.inline_asm_elementwise("""{
-        .reg .u32 %old;
-        .reg .pred %taken;
+def _swap_when(flags, old: tl.constexpr, new: tl.constexpr, sem: tl.constexpr):
+    """Set each flag from `old` to `new` as soon as it is `old`: a system-scope compare-and-swap, spun."""
+    tl.inline_asm_elementwise(f"""{{
+        .reg .u32 %prev;
+        .reg .pred %done;
         again:
-        atom.global.release.sys.cas.b32 %old, [$1], 0, 1;
-        setp.eq.u32 %taken, %old, 0;
-        @!%taken bra again;
-    }""", "=r, l", [flags], dtype=tl.uint32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _take_signal(flags):
-    """Wait until each flag (this rank's, one per rank) is 1, and set it back to 0."""
-    tl.inline_asm_elementwise("""{
-        .reg .u32 %old;
-        .reg .pred %set;
-        again:
-        atom.global.acquire.sys.cas.b32 %old, [$1], 1, 0;
-        setp.eq.u32 %set, %old, 1;
-        @!%set bra again;
-    }""", "=r, l", [flags], dtype=tl.uint32, is_pure=False, pack=1)
+        atom.global.{sem}.sys.cas.b32 %prev, [$1], {old}, {new};
+        setp.eq.u32 %done, %prev, {old};
+        @!%done bra again;
+    }}""", "=r, l", [flags], dtype=tl.uint32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -80,8 +67,9 @@ def sum_rms_norm_kernel(part_ptrs, pad_ptrs, residual_ptr, weight_ptr, out_ptr, 
         # One thread per rank: a tensor of WORLD flags is held by more threads than that, and a
         # second signal to the same flag would be taken as the next barrier's.
         if _thread_index() < WORLD:
-            _signal(pads + pad_base + row * WORLD + RANK)
-            _take_signal(own + pad_base + row * WORLD + ranks)
+            # signal each rank once it has taken the last signal; then take each rank's
+            _swap_when(pads + pad_base + row * WORLD + RANK, 0, 1, "release")
+            _swap_when(own + pad_base + row * WORLD + ranks, 1, 0, "acquire")
         tl.debug_barrier()
     offs = tl.arange(0, BLOCK)
     mask = offs < N
