@@ -66,7 +66,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "and decode nodes may differ in it")
     parser.add_argument("--disable-custom-all-reduce", action="store_true",
                         help="tensor parallelism on CUDA: every all-reduce through NCCL (by default they go over "
-                             "symmetric memory: one-shot up to 1 MiB, a decode step's; a prefill's two-shot)")
+                             "symmetric memory: a decode step's summed with the norm after it in one kernel, a "
+                             "prefill's two-shot)")
     parser.add_argument("--attention-backend", choices=["sdpa", "triton"], default=None,
                         help="default: triton on CUDA, sdpa on the CPU")
     parser.add_argument("--kv-offloading-size", type=float, default=0.0,
