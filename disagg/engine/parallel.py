@@ -47,7 +47,7 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=2)
 ONE_SHOT_MAX_BYTES = 1 << 20  # 128 tokens of a 4,096-wide bf16 model; also a slot's size
 # A fused sum's kernel has a block a token, each spinning at its barrier until the other ranks' same block
-# comes: few enough that all of them are resident at once on every rank (PyTorch's barriers take <= 32).
+# comes: few enough that all of them are resident at once on every rank, whatever else runs beside them.
 FUSED_MAX_ROWS = 128
 # The symmetric buffer holds a step's row-parallel product up to this (vLLM's and SGLang's bound for
 # their symmetric-memory all-reduce on Hopper).
