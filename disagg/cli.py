@@ -490,11 +490,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "and Qwen 2.5), llama3_json (Llama 3.1-3.3, 4), mistral ([TOOL_CALLS]), pythonic "
                              "([f(a=1)], Llama 3.2 and 4), qwen3_coder (<function=...>, Qwen3-Coder); vLLM's "
                              "other parsers are refused")
-    parser.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=True,
-                        help="log a line as each request starts and as it ends (the default here; vLLM's is off)")
+    parser.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=False,
+                        help="log a line as each request starts and as it ends (off by default, as in vLLM)")
     parser.add_argument("--disable-log-requests", "--disable-log-request", dest="log_requests", action="store_false",
-                        help="turn off the line per request that --enable-log-requests describes (the spelling "
-                             "--disable-log-request is in vLLM's own scripts)")
+                        help="no line per request (the default; the spelling --disable-log-request is in vLLM's "
+                             "own scripts)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM or Ctrl-C, seconds that requests in flight get to finish while new "
                              "connections are refused")

@@ -1031,7 +1031,7 @@ def add_body_schemas(app: FastAPI) -> None:
 
 
 def build_app(node: DecodeNode, options: HTTPOptions, served_model_name: str,
-              tool_options: ToolOptions | None = None, log_requests: bool = True,
+              tool_options: ToolOptions | None = None, log_requests: bool = False,
               sampling: ServerSamplingOptions | None = None) -> FastAPI:
     app = make_app("disagg", options, error_response)
     app.add_middleware(RequestIdHeader)  # added last, so it wraps the API key and body limit refusals too
