@@ -611,6 +611,40 @@ def test_async_scheduling_with_arrivals_aborts_and_sampled_requests_between_step
     assert engine.block_manager.num_free_blocks == free
 
 
+def test_async_scheduling_a_remote_request_joins_a_step_launched_ahead(ahead, llm, hf_model, monkeypatch):
+    """A decode node's remote request whose KV has landed joins the next step launched ahead, beside the
+    step in flight, instead of waiting for that step to be read back (which idled the GPU at every
+    arrival); both requests get transformers' tokens."""
+    engine = ahead.engine
+    free = engine.block_manager.num_free_blocks
+    engine.add_request("a", PROMPTS[1], greedy(24))
+    outputs = [out for _ in range(4) for out in engine.step()]
+    assert engine.in_flight is not None
+    export = KVCollector(30, 7)
+    llm.engine.add_request("p", PROMPTS[2], greedy(1), kv_export=export.export)
+    engine.add_request("r", PROMPTS[2], greedy(16), remote_prefill=True)
+    first = engine.remote_slot("r").first
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step():
+            outputs.append(first.output(out.token_ids[0], None))
+    engine.finish_remote_prefill("r", export.kv(), first)
+    launched = []
+    launch = engine._launch
+
+    def recorded(batch, prev):
+        launched.append(({item.seq.request_id for item in batch}, prev is not None))
+        return launch(batch, prev)
+
+    monkeypatch.setattr(engine, "_launch", recorded)
+    outputs += engine.step()
+    assert launched == [({"a", "r"}, True)]  # launched while a's step was in flight, r in it
+    done = run_to_end(ahead)
+    assert no_placeholders(outputs + list(done.values()))
+    for request_id, max_tokens in (("a", 24), ("r", 16)):
+        assert done[request_id].token_ids == reference(hf_model, done[request_id].prompt_token_ids, max_tokens)
+    assert engine.in_flight is None and engine.block_manager.num_free_blocks == free
+
+
 def test_async_scheduling_a_failed_step_ahead_fails_its_requests_once_the_step_before_is_read(ahead, hf_model,
                                                                                              monkeypatch):
     engine = ahead.engine

@@ -5,6 +5,7 @@ otherwise (the GPU machines carry no 98 MB GGUF) a random-weight Llama of exactl
 with its tokenizer, from DISAGG_TEST_TOKENIZER_DIR.
 """
 
+import dataclasses
 import multiprocessing
 import os
 from pathlib import Path
@@ -153,21 +154,33 @@ def test_layerwise_kv_over_tcp_lands_in_the_decode_engines_blocks(gpu_model_dir,
         consumer.close()
 
 
-def test_remote_requests_under_max_num_seqs_on_cuda(gpu_model_dir, prompts, reference):
-    """12 remote requests on a decode engine with max_num_seqs=4, each prompt's KV (computed by a
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_remote_requests_under_max_num_seqs_on_cuda(gpu_model_dir, prompts, reference, async_scheduling):
+    """18 remote requests on a decode engine with max_num_seqs=4, each prompt's KV (computed by a
     prefill engine) handed over as it is ready: at most 4 ever hold blocks, so the device block
     table's 2 x 4 rows suffice (remote requests once bypassed the cap and ran it out of rows,
-    failing every request of that step), and every answer is transformers'."""
+    failing every request of that step), and every answer is transformers'. Under async scheduling
+    a request whose KV has landed joins a decode step launched ahead of the one in flight."""
     from kv_export import KVCollector
 
     kwargs = dict(device="cuda", dtype="float32", kv_cache_memory=2**30)
     prefill = LLM(str(gpu_model_dir), **kwargs).engine
-    decode = LLM(str(gpu_model_dir), max_num_seqs=4, **kwargs).engine
+    decode = LLM(str(gpu_model_dir), max_num_seqs=4, async_scheduling=async_scheduling, **kwargs).engine
+    launch, joined_ahead = decode._launch, []
+
+    def recorded(batch, prev):  # a sequence on its first token (the remote one) in a step launched ahead
+        joined_ahead.append(prev is not None and any(item.seq.num_output_tokens == 1 for item in batch))
+        return launch(batch, prev)
+
+    decode._launch = recorded
     chosen = [i for i in range(len(prompts)) if len(prompts[i]) > 1] * 2  # 18 requests, some prompts twice
+    lengths = [4 + k % (MAX_TOKENS - 3) for k in range(len(chosen))]
     firsts, exports = {}, {}
     for k, i in enumerate(chosen):
         request_id = f"r{k}"
-        decode.add_request(request_id, prompts[i], GREEDY, remote_prefill=True)
+        # Lengths apart, so that requests join while others decode.
+        decode.add_request(request_id, prompts[i], dataclasses.replace(GREEDY, max_tokens=lengths[k]),
+                           remote_prefill=True)
         slot = decode.remote_slot(request_id)
         firsts[request_id] = slot.first
         exports[request_id] = KVCollector(30, start=slot.cached_tokens)
@@ -185,7 +198,8 @@ def test_remote_requests_under_max_num_seqs_on_cuda(gpu_model_dir, prompts, refe
         most = max(most, holding)
         assert len(decode.scheduler.running) <= 4 and holding <= 4
     assert most == 4
-    assert [done[f"r{k}"] for k in range(len(chosen))] == [reference[i] for i in chosen]
+    assert [done[f"r{k}"] for k in range(len(chosen))] == [reference[i][:n] for i, n in zip(chosen, lengths)]
+    assert any(joined_ahead) == async_scheduling
 
 
 def tp2_generate(model_dir: str, prompts: list[list[int]], options: dict, queue) -> None:

@@ -349,23 +349,29 @@ class LLMEngine:
         return outputs + (self._land(launched) if launched is not None else [])
 
     def _can_step_ahead(self) -> bool:
-        """The next step would decode the running sequences alone, greedily, with nothing a token's
-        value must be known for first (a grammar, penalties, logprobs, a KV export), no sequence
-        admitted (the waiting ones wait for KV still on its way) and no preemption (free blocks for
-        every next token): its inputs can be made before the step in flight is read back."""
+        """The next step would decode greedily, with nothing a token's value must be known for first (a
+        grammar, penalties, logprobs, a KV export), no prompt to compute (every waiting sequence's KV
+        comes from elsewhere: it may only be given blocks) and no preemption (free blocks for every
+        next token): its inputs can be made before the step in flight is read back. It decodes the
+        running sequences and those whose remote KV has landed: their first token is known here, so
+        they join a step launched ahead instead of waiting for the one in flight (which idled a decode
+        node's GPU for about a step at every arrival)."""
         s, bm = self.scheduler, self.block_manager
-        if (self.offload is not None or not s.running
-                or any(seq.status != SequenceStatus.WAITING_FOR_KV or not s.kv_pending(seq) for seq in s.waiting)):
+        if self.offload is not None or not all(seq.remote or seq.status == SequenceStatus.WAITING_FOR_KV
+                                               for seq in s.waiting):
+            return False
+        joining = [seq for seq in s.waiting if seq.status == SequenceStatus.WAITING_FOR_KV and not s.kv_pending(seq)]
+        if not (s.running or joining):
             return False
         needed = 0
-        for seq in s.running:
+        for seq in list(s.running) + joining:
             p = seq.params
             if (seq.num_tokens - seq.num_computed_tokens != 1 or not p.greedy or p.logprobs is not None
                     or p.processes_logits or p.structured is not None or seq.kv_export is not None
                     or seq.scores_prompt):
                 return False
             needed += bm.blocks_for(seq.num_computed_tokens + 1) - len(seq.block_table)
-        return needed <= bm.num_free_blocks and len(s.running) <= s.max_num_batched_tokens
+        return needed <= bm.num_free_blocks and len(s.running) + len(joining) <= s.max_num_batched_tokens
 
     def _launch(self, batch: list[ScheduledSeq], prev: _InFlight | None) -> tuple[list[ScheduledSeq], _InFlight]:
         """Run a decode batch whose input tokens may be placeholders for `prev`'s; its chosen tokens stay
