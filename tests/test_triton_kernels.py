@@ -125,9 +125,12 @@ def test_graph_buckets_of_tensor_parallel_ranks_with_unequal_kv_heads():
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("num_kv_heads,group,head_dim", [(2, 1, 64), (2, 4, 128), (1, 8, 64)])
-def test_decode_matches_sdpa(num_kv_heads, group, head_dim, num_splits):
-    lengths = [(1, 1), (15, 1), (16, 1), (17, 1), (150, 1)]
+@pytest.mark.parametrize("num_kv_heads,group,head_dim,contexts", [
+    (2, 1, 64, (1, 15, 16, 17, 150)), (2, 4, 128, (1, 15, 16, 17, 150)), (1, 8, 64, (1, 15, 16, 17, 150)),
+    # One long context among short ones: it takes most of the programs (_slices), sliced 64 keys at a time.
+    (2, 4, 64, (700, 3, 40, 1, 64))])
+def test_decode_matches_sdpa(num_kv_heads, group, head_dim, num_splits, contexts):
+    lengths = [(ctx, 1) for ctx in contexts]
     case = PagedCase(lengths, num_kv_heads, group, head_dim).to(DEVICE)
     # Two padding rows (negative positions), as a CUDA graph's batch bucket has.
     positions = torch.tensor([ctx - 1 for ctx, _ in lengths] + [-1, -1], dtype=torch.int32, device=DEVICE)

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+DECODE_BLOCK_N = 64  # keys a decode program reads per tile
 
 
 @triton.jit
@@ -114,61 +115,94 @@ def prefill_attention_kernel(q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, table_ptr
 
 
 @triton.jit
-def decode_attention_kernel(q_ptr, part_out_ptr, part_lse_ptr, k_cache_ptr, v_cache_ptr, table_ptr,
-                            rows_ptr, positions_ptr, stride_qt, stride_qh, stride_table, scale_log2,
-                            NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                            HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr):
-    """Split-K (flash-decoding) attention of one new token per sequence: each program takes one
-    slice of one sequence's context for one KV head's group and writes a partial output and its
-    log-sum-exp; `merge_splits_kernel` combines the slices. Grid: (sequences, kv heads, splits).
-    A sequence with a negative position is padding and attends to nothing."""
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    context = tl.load(positions_ptr + b) + 1
-    table_row_ptr = table_ptr + tl.load(rows_ptr + b).to(tl.int64) * stride_table
-
-    r = tl.arange(0, BLOCK_M)
-    head = kv_head * GROUP + r
-    r_mask = r < GROUP
-    d = tl.arange(0, HEAD_DIM_PAD)
-    d_mask = d < HEAD_DIM
-    q = tl.load(q_ptr + b * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=r_mask[:, None] & d_mask[None, :], other=0.0)
-
-    num_tiles = tl.cdiv(tl.maximum(context, 0), BLOCK_N)
-    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    q_pos = tl.zeros([BLOCK_M], tl.int32)  # unused: no causal mask within the context
-    for tile in range(split * per_split, tl.minimum((split + 1) * per_split, num_tiles)):
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head,
-                                     tile * BLOCK_N, context, q_pos, d, d_mask, scale_log2, NUM_KV_HEADS,
-                                     HEAD_DIM, BLOCK_N, BLOCK_SIZE, False, IEEE)
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
-    num_heads = NUM_KV_HEADS * GROUP
-    part = (b * num_heads + head).to(tl.int64) * NUM_SPLITS + split
-    tl.store(part_out_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :], out, mask=r_mask[:, None])
-    tl.store(part_lse_ptr + part, lse, mask=r_mask)
+def _slices(positions_ptr, batch, splits, BATCH_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The step's context slices, from its sequences' contexts: as vectors over [0, BATCH_PAD), each
+    sequence's key tiles, first program and number of programs (slices). A slice holds at most the
+    mean load of batch x splits programs: equal contexts get `splits` slices each, as many as one
+    split count for all would give them, and a long context among short ones gets more, so that no
+    slice is much longer than another (a step lasts as long as its longest: benchmarks/decode_mixed.py).
+    The counts sum to at most batch x (splits + 1): the grid's programs."""
+    i = tl.arange(0, BATCH_PAD)
+    tiles = tl.cdiv(tl.maximum(tl.load(positions_ptr + i, mask=i < batch, other=-1) + 1, 0), BLOCK_N)
+    per_slice = tl.maximum(tl.cdiv(tl.sum(tiles, 0), batch * splits), 1)
+    count = tl.where(i < batch, tl.maximum(tl.cdiv(tiles, per_slice), 1), 0)
+    return i, tiles, tl.cumsum(count, 0) - count, count
 
 
 @triton.jit
-def merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, NUM_HEADS: tl.constexpr,
-                        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """Weights each split's partial output by its share of the softmax mass. Grid: (sequences, heads)."""
+def decode_attention_kernel(q_ptr, part_out_ptr, part_lse_ptr, k_cache_ptr, v_cache_ptr, table_ptr,
+                            rows_ptr, positions_ptr, stride_qt, stride_qh, stride_table, scale_log2, batch,
+                            splits, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, BATCH_PAD: tl.constexpr,
+                            IEEE: tl.constexpr):
+    """Split-K (flash-decoding) attention of one new token per sequence: each program takes one
+    slice of one sequence's context (`_slices`) for one KV head's group and writes a partial output
+    and its log-sum-exp at its own index; `merge_splits_kernel` combines a sequence's slices. Grid:
+    (batch x (splits + 1), kv heads). A sequence with a negative position is padding and attends to nothing."""
+    program = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    i, tiles, firsts, counts = _slices(positions_ptr, batch, splits, BATCH_PAD, BLOCK_N)
+    b = tl.sum(((firsts <= program) & (i < batch)).to(tl.int32), 0) - 1  # every sequence has a program
+    mine = i == b
+    num_tiles = tl.sum(tl.where(mine, tiles, 0), 0)
+    split = program - tl.sum(tl.where(mine, firsts, 0), 0)
+    count = tl.sum(tl.where(mine, counts, 0), 0)
+    if split < count:  # else a program left over: no slice
+        context = tl.load(positions_ptr + b) + 1
+        table_row_ptr = table_ptr + tl.load(rows_ptr + b).to(tl.int64) * stride_table
+        r = tl.arange(0, BLOCK_M)
+        head = kv_head * GROUP + r
+        r_mask = r < GROUP
+        d = tl.arange(0, HEAD_DIM_PAD)
+        d_mask = d < HEAD_DIM
+        q = tl.load(q_ptr + b * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=r_mask[:, None] & d_mask[None, :], other=0.0)
+        per_split = tl.cdiv(num_tiles, count)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+        q_pos = tl.zeros([BLOCK_M], tl.int32)  # unused: no causal mask within the context
+        for tile in range(split * per_split, tl.minimum((split + 1) * per_split, num_tiles)):
+            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head,
+                                         tile * BLOCK_N, context, q_pos, d, d_mask, scale_log2, NUM_KV_HEADS,
+                                         HEAD_DIM, BLOCK_N, BLOCK_SIZE, False, IEEE)
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+        part = program.to(tl.int64) * (NUM_KV_HEADS * GROUP) + head
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :], out, mask=r_mask[:, None])
+        tl.store(part_lse_ptr + part, lse, mask=r_mask)
+
+
+@triton.jit
+def merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, positions_ptr, stride_ot, stride_oh, batch, splits,
+                        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BATCH_PAD: tl.constexpr, LANES: tl.constexpr):
+    """Weights each of a sequence's slices by its share of the softmax mass, LANES slices at a time (the
+    split count: one round when contexts are equal). Grid: (sequences, heads)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    s = tl.arange(0, NUM_SPLITS)
-    base = (b * NUM_HEADS + h).to(tl.int64) * NUM_SPLITS
-    lse = tl.load(part_lse_ptr + base + s)
-    m = tl.max(lse, 0)
-    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m)))
+    i, _, firsts, counts = _slices(positions_ptr, batch, splits, BATCH_PAD, BLOCK_N)
+    first = tl.sum(tl.where(i == b, firsts, 0), 0)
+    count = tl.sum(tl.where(i == b, counts, 0), 0)
+    s = tl.arange(0, LANES)
     d = tl.arange(0, HEAD_DIM_PAD)
-    parts = tl.load(part_out_ptr + (base + s)[:, None] * HEAD_DIM_PAD + d[None, :])
-    out = tl.sum(parts * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    m = tl.max(tl.full([LANES], float("-inf"), tl.float32), 0)
+    total = tl.sum(tl.zeros([LANES], tl.float32), 0)
+    acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
+    for start in range(0, count, LANES):
+        valid = start + s < count
+        part = (first + start + s).to(tl.int64) * NUM_HEADS + h
+        lse = tl.load(part_lse_ptr + part, mask=valid, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m_safe))
+        parts = tl.load(part_out_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :], mask=valid[:, None], other=0.0)
+        scale = tl.exp2(m - m_safe)  # what the slices before weighed, against the new maximum
+        acc = acc * scale + tl.sum(parts * w[:, None], 0)
+        total = total * scale + tl.sum(w, 0)
+        m = m_new
+    out = acc / tl.maximum(total, 1e-30)
     tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
@@ -206,17 +240,22 @@ def prefill_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
 def decode_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, block_size: int,
                      num_splits: int) -> None:
-    """q/out [B, heads, head_dim], one token per sequence at `positions` (its context is positions + 1)."""
+    """q/out [B, heads, head_dim], one token per sequence at `positions` (its context is positions + 1),
+    its context in slices of about the mean load of B x num_splits programs a KV head (`_slices`)."""
     num_kv_heads, group, head_dim = _group(q, k_cache)
     batch, num_heads = q.shape[0], q.shape[1]
     head_dim_pad = triton.next_power_of_2(head_dim)
-    part_out = torch.empty(batch, num_heads, num_splits, head_dim_pad, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    decode_attention_kernel[(batch, num_kv_heads, num_splits)](
+    num_programs = batch * (num_splits + 1)
+    batch_pad = triton.next_power_of_2(batch)
+    part_out = torch.empty(num_programs, num_heads, head_dim_pad, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(num_programs, num_heads, dtype=torch.float32, device=q.device)
+    decode_attention_kernel[(num_programs, num_kv_heads)](
         q, part_out, part_lse, k_cache, v_cache, table, rows, positions, q.stride(0), q.stride(1),
-        table.stride(0), head_dim ** -0.5 * LOG2E, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad, BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=64,
-        BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
-    merge_splits_kernel[(batch, num_heads)](part_out, part_lse, out, out.stride(0), out.stride(1),
-                                            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-                                            NUM_SPLITS=num_splits)
+        table.stride(0), head_dim ** -0.5 * LOG2E, batch, num_splits, NUM_KV_HEADS=num_kv_heads, GROUP=group,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=DECODE_BLOCK_N, BLOCK_SIZE=block_size, BATCH_PAD=batch_pad, IEEE=q.dtype == torch.float32,
+        num_warps=4, num_stages=2)
+    merge_splits_kernel[(batch, num_heads)](part_out, part_lse, out, positions, out.stride(0), out.stride(1), batch,
+                                            num_splits, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+                                            HEAD_DIM_PAD=head_dim_pad, BLOCK_N=DECODE_BLOCK_N, BATCH_PAD=batch_pad,
+                                            LANES=triton.next_power_of_2(num_splits))
