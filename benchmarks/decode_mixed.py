@@ -10,7 +10,7 @@ program resident at once, the step lasts as long as the longest slice. At the 8B
 milliseconds of one layer's decode attention (the kernel and its merge, in a CUDA graph) for: `equal`,
 every sequence at the mean context; `lognormal`, contexts drawn lognormal (sigma 0.8, as a chat
 workload's prompts and answers spread) scaled to the same total; `one_long`, one sequence at 4x the
-mean and the rest sharing what is left. `--baseline` times another version's triton_kernels.py beside
+mean and the rest sharing what is left (nothing up to 4 sequences: empty rows, as a graph's padding). `--baseline` times another version's triton_kernels.py beside
 this one's, case by case.
 """
 
@@ -38,8 +38,8 @@ def contexts(kind: str, batch: int, mean: int, rng: np.random.Generator) -> list
     total = batch * mean
     if kind == "equal":
         return [mean] * batch
-    if kind == "one_long":
-        rest = (total - 4 * mean) // (batch - 1)
+    if kind == "one_long":  # up to 4 sequences nothing is left: the long one alone beside empty rows
+        rest = max(0, (total - 4 * mean) // (batch - 1))
         return [4 * mean] + [rest] * (batch - 1)
     drawn = rng.lognormal(0.0, 0.8, batch)
     return [max(16, int(c)) for c in drawn / drawn.sum() * total]
