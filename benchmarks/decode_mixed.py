@@ -3,15 +3,15 @@ holding the same tokens.
 
     python benchmarks/decode_mixed.py [--baseline OLD/triton_kernels.py] [--json out.json]
 
-A decode step's attention splits each sequence's context into the same number of slices (its graph
-bucket's split count), so a long sequence's slices are long and a short one's short; with every
-program resident at once, the step lasts as long as the longest slice. At the 8B shape's attention
+With one split count for every sequence (the kernel before db62618), a long sequence's slices are long
+and a short one's short; with every program resident at once, a step lasts as long as the longest
+slice. Now a step's slices are shared out by length (`_slices`). At the 8B shape's attention
 (32 query heads, 8 KV heads, head_dim 128, bfloat16, a shuffled paged cache), for each batch size,
 milliseconds of one layer's decode attention (the kernel and its merge, in a CUDA graph) for: `equal`,
 every sequence at the mean context; `lognormal`, contexts drawn lognormal (sigma 0.8, as a chat
 workload's prompts and answers spread) scaled to the same total; `one_long`, one sequence at 4x the
-mean and the rest sharing what is left (nothing up to 4 sequences: empty rows, as a graph's padding). `--baseline` times another version's triton_kernels.py beside
-this one's, case by case.
+mean and the rest sharing what is left (nothing up to 4 sequences: empty rows, as a graph's padding).
+`--baseline` times another version's triton_kernels.py beside this one's, case by case.
 """
 
 import argparse
