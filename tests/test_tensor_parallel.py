@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from kv_export import KVCollector
 from prompts import CODE, PASSAGE, hf_greedy
 from servers import start_node, wait_all_ready, wait_for
 
@@ -284,16 +285,38 @@ def test_tp2_greedy_equals_tp1_with_prefix_hits_chunks_and_preemption(model_dir:
 
 def test_tp2_async_scheduling_gives_transformers_tokens(model_dir: Path, hf_model):
     """Async scheduling under TP=2: each rank takes the next step's input tokens from the tokens it chose
-    itself (the logits are all-gathered, so they are the driver's). Greedy, so steps go ahead."""
+    itself (the logits are all-gathered, so they are the driver's). Greedy, so steps go ahead. Then a
+    remote request whose KV has landed (each worker given its heads of it) joins a step launched ahead,
+    its first token beside the others' placeholders."""
     llm = LLM(str(model_dir), device="cpu", kv_cache_memory=2**24, tensor_parallel_size=2, async_scheduling=True)
-    launch, ahead = llm.engine._launch, []
-    llm.engine._launch = lambda batch, prev: ahead.append(prev is not None) or launch(batch, prev)
+    engine, launch, ahead = llm.engine, llm.engine._launch, []
+    engine._launch = lambda batch, prev: ahead.append(({i.seq.request_id for i in batch}, prev is not None)) \
+        or launch(batch, prev)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     try:
-        outs = llm.generate(PROMPTS[:5], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+        outs = llm.generate(PROMPTS[:5], greedy)
+        assert sum(went for _, went in ahead) > 5 and all(o.error is None for o in outs)
+        prefill = LLM(str(model_dir), device="cpu", kv_cache_memory=2**24).engine
+        export = KVCollector(30, 6)
+        prefill.add_request("p", PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=1), kv_export=export.export)
+        engine.add_request("a", PROMPTS[1], greedy)
+        for _ in range(3):
+            engine.step()
+        engine.add_request("r", PROMPTS[2], greedy, remote_prefill=True)
+        first = engine.remote_slot("r").first
+        while prefill.has_unfinished_requests():
+            for out in prefill.step():
+                first.output(out.token_ids[0], None)
+        engine.finish_remote_prefill("r", export.kv(), first)
+        ahead.clear()
+        engine.step()
+        assert ahead == [({"a", "r"}, True)]
+        done = {}
+        while engine.has_unfinished_requests():
+            done |= {out.request_id: out for out in engine.step() if out.finished}
     finally:
         llm.engine.close()
-    assert sum(ahead) > 5 and all(o.error is None for o in outs)
-    for out in outs:
+    for out in outs + [done["a"], done["r"]]:
         assert out.token_ids == hf_greedy(hf_model, out.prompt_token_ids, MAX_TOKENS)
 
 
