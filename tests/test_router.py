@@ -95,8 +95,10 @@ def cluster(tmp_path_factory):
         prefills = [start_node("producer", tmp, wait=False) for _ in range(2)]
         nodes += prefills
         # A short lookup timeout: KV cut off by the killed prefill node is recomputed soon.
+        # Their request lines (--enable-log-requests) say which decode node took a request and how it ended.
         decodes = [start_node("consumer", tmp, prefill_nodes=[p.grpc_address for p in prefills],
-                              kv_extra={"lookup_timeout": 10.0, "remote_prefill": "always"}, wait=False)
+                              kv_extra={"lookup_timeout": 10.0, "remote_prefill": "always"},
+                              extra_args=["--enable-log-requests"], wait=False)
                    for _ in range(2)]
         nodes += decodes
         router = start_router(tmp, [f"127.0.0.1:{d.port}" for d in decodes], wait=False)
