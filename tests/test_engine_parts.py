@@ -218,6 +218,31 @@ def test_remote_sequences_get_blocks_in_arrival_order_and_run_once_their_kv_arri
     assert scheduler.running == [b] and b.status == SequenceStatus.RUNNING
 
 
+def test_a_sequence_holding_its_blocks_runs_past_one_that_waits_for_blocks():
+    """A preempted sequence at the queue's head waits for more blocks than are free; a remote one behind
+    it, whose KV has landed in blocks it holds, runs meanwhile (else nothing would free a block: both
+    wait for ever), and no sequence behind the first is admitted before it."""
+    manager = BlockManager(5, BS)
+    scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=100)
+    arrival = FakeArrival()
+    scheduler.arrivals = [arrival]
+    a = seq("a", list(range(12)))
+    scheduler.add(a)
+    assert run_batch(scheduler) == ["a"]  # its prompt, in 3 blocks
+    j, late = remote_seq("j", list(range(50, 58))), seq("late", [9] * 4)
+    scheduler.add(j)
+    scheduler.reserve()
+    assert j.status == SequenceStatus.WAITING_FOR_KV and manager.num_free_blocks == 0
+    scheduler.running.remove(a)
+    scheduler.preempt(a)  # its 13 tokens need 4 blocks; 3 are free
+    scheduler.add(late)  # 1 block would do, but it is behind a
+    arrival.arrive(j)
+    assert run_batch(scheduler) == ["j"]
+    assert [s.request_id for s in scheduler.waiting] == ["a", "late"] and late.block_table == []
+    scheduler.finish(j)
+    assert run_batch(scheduler) == ["a", "late"]  # a first, then the one behind it
+
+
 def test_max_num_seqs_caps_every_sequence_that_holds_blocks():
     """12 remote requests under max_num_seqs=4: at most 4 hold blocks (running or waiting for their
     KV) at any time, so a batch never has more than 4 (the GPU's block table has rows for 2x4)."""

@@ -1,14 +1,15 @@
 """Scheduler: continuous batching of prompt chunks and decodes under a token budget.
 
-Every step is one batch. Running sequences go first (a decode is one token, a long prompt
-continues with its next chunk), then waiting ones, in arrival order, while the sequence cap,
-blocks and the token budget allow. A waiting sequence that gets its blocks asks each KV source
-(`KVArrival`: the KV tiers, remote prefill) for what it holds of its KV; if any of it is still on
-its way, the sequence stays in the queue as WAITING_FOR_KV, holding its blocks, until it has
-arrived, and then runs. max_num_seqs caps every sequence that holds blocks, running or waiting for
-its KV, so a batch never has more. When a running sequence needs a block and none is free, the
-newest running sequence is preempted: its blocks are freed and it goes back to the head of the
-queue, to be recomputed from its tokens later.
+Every step is one batch. Running sequences go first (a decode is one token, a long prompt continues
+with its next chunk), then waiting ones, in arrival order, while the sequence cap, blocks and the
+token budget allow; one that must wait for blocks or a place stops the admissions behind it, not the
+sequences behind it that hold their blocks and have their KV. A waiting sequence that gets its
+blocks asks each KV source (`KVArrival`: the KV tiers, remote prefill) for what it holds of its KV;
+if any of it is still on its way, the sequence stays in the queue as WAITING_FOR_KV, holding its
+blocks, until it has arrived, and then runs. max_num_seqs caps every sequence that holds blocks,
+running or waiting for its KV, so a batch never has more. When a running sequence needs a block and
+none is free, the newest running sequence is preempted: its blocks are freed and it goes back to the
+head of the queue, to be recomputed from its tokens later.
 
 Prompts that ask for prompt logprobs (which skip the prefix cache, and a decode node computes itself)
 take at most PROMPT_LOGPROB_TOKENS of a step together, and a request's n choices score their prompt
@@ -135,6 +136,7 @@ class Scheduler:
                 i += 1
         # Admitting new work right after a preemption would only evict it again.
         i = 0
+        admitting = True
         while i < len(self.waiting) and not preempted and budget > 0:
             seq = self.waiting[i]
             if seq.status == SequenceStatus.WAITING_FOR_KV and self.kv_pending(seq):
@@ -144,9 +146,12 @@ class Scheduler:
                 i += 1  # the others go on meanwhile
                 continue
             if seq.status == SequenceStatus.WAITING:
-                if not self.admit(seq):
-                    if self.num_holding >= self.max_num_seqs or not self.blocked(seq):
-                        break  # no place or no blocks: the ones behind it do not overtake it
+                if admitting and not self.admit(seq):
+                    # No place or no blocks: the ones behind it are not admitted before it. Those that hold
+                    # their blocks and have their KV still run: they take no place, and their blocks come
+                    # back only once they have run.
+                    admitting = self.blocked(seq) and self.num_holding < self.max_num_seqs
+                if seq.status == SequenceStatus.WAITING:
                     i += 1
                     continue
                 if seq.status == SequenceStatus.WAITING_FOR_KV:
