@@ -330,14 +330,16 @@ class LLMEngine:
     def _step_ahead(self) -> list[RequestOutput]:
         """Launch the next step before reading back the one in flight, so that the host's work on a
         step's tokens (reading them, detokenizing, stop checks, outputs) and on the next step's inputs
-        overlaps the GPU's next step. Only greedy decoding of the running sequences goes ahead
-        (`_can_step_ahead`); anything else waits for the step in flight and then runs as without."""
+        overlaps the GPU's next step. Only greedy decoding goes ahead (`_can_step_ahead`); anything
+        else waits for the step in flight and then runs as without."""
         prev, self.in_flight = self.in_flight, None
         launched = None
         if self._can_step_ahead():
             batch = self.scheduler.schedule()
+            if not batch and prev is None:
+                return []  # nothing it could run (a landed request whose next slot another's admission took)
             try:
-                launched = self._launch(batch, prev)
+                launched = self._launch(batch, prev) if batch else None
             except Exception as e:  # the step's requests fail once the one in flight is read back
                 logger.exception("the model forward failed; failing the %d requests of this step", len(batch))
                 outputs = self._read_back(prev) if prev is not None else []
