@@ -129,7 +129,8 @@ def _slices(positions_ptr, batch, splits, BATCH_PAD: tl.constexpr, BLOCK_N: tl.c
     return i, tiles, tl.cumsum(count, 0) - count, count
 
 
-@triton.jit
+# batch and splits unspecialized: a decode count no graph bucket warmed compiles no variant mid-serving
+@triton.jit(do_not_specialize=["batch", "splits"])
 def decode_attention_kernel(q_ptr, part_out_ptr, part_lse_ptr, k_cache_ptr, v_cache_ptr, table_ptr,
                             rows_ptr, positions_ptr, stride_qt, stride_qh, stride_table, scale_log2, batch,
                             splits, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
@@ -174,7 +175,7 @@ def decode_attention_kernel(q_ptr, part_out_ptr, part_lse_ptr, k_cache_ptr, v_ca
         tl.store(part_lse_ptr + part, lse, mask=r_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch", "splits"])
 def merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, positions_ptr, stride_ot, stride_oh, batch, splits,
                         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                         BLOCK_N: tl.constexpr, BATCH_PAD: tl.constexpr, LANES: tl.constexpr):
