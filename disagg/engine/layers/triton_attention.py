@@ -21,8 +21,9 @@ ALIGN = 4  # int32 elements: 16 bytes
 
 
 def split_count(num_decodes: int, num_kv_heads: int, num_sms: int) -> int:
-    """The most context slices of a decode, in powers of two up to MAX_SPLITS, that keep a step's programs
-    within PROGRAMS_PER_SM an SM; slices with no keys exit at once."""
+    """A step's split count: num_decodes x it context slices a KV head, shared out by length
+    (triton_kernels._slices); the most, in powers of two up to MAX_SPLITS, that keep a step's programs
+    within PROGRAMS_PER_SM an SM. Slices with no keys exit at once."""
     splits = 1
     while splits < MAX_SPLITS and 2 * splits * num_decodes * num_kv_heads <= PROGRAMS_PER_SM * num_sms:
         splits *= 2
@@ -34,7 +35,7 @@ class TritonMetadata:
     positions: torch.Tensor  # [T] int32; negative: a padding token (CUDA graph buckets)
     token_rows: torch.Tensor  # [T] int32 block-table row of each token's sequence
     num_decodes: int  # rows 0..num_decodes-1 are single-token segments
-    num_splits: int  # context slices per decode (split-K)
+    num_splits: int  # split-K: num_decodes x num_splits context slices, shared out by length
     # Multi-token segments, numbered from 0 after the decodes; None when the step has none.
     query_start: torch.Tensor | None = None  # [P + 1] first row of each segment, relative to num_decodes
     seq_lens: torch.Tensor | None = None  # [P] context length after this step
