@@ -99,9 +99,12 @@ async def serve_http(app: FastAPI, host: str, port: int, ready_line: str, log_le
     cap, backlog = connection_bounds(limits)
     protocol = type("BoundedH11Protocol", (BoundedH11Protocol,), {"pool": ConnectionPool(cap, limits)})
     asyncio.get_running_loop().set_exception_handler(rate_limited_accept_errors)
+    # lifespan off: the apps have no startup or shutdown handlers, and a Ctrl-C that lands while uvicorn
+    # waits for the lifespan's startup would have it log that task's cancellation as a traceback.
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
                                     timeout_graceful_shutdown=shutdown_timeout, http=protocol,
-                                    backlog=backlog, timeout_keep_alive=limits.timeout_keep_alive),
+                                    backlog=backlog, timeout_keep_alive=limits.timeout_keep_alive,
+                                    lifespan="off"),
                      ready_line)
     try:
         await server.serve()

@@ -164,6 +164,24 @@ def test_ctrl_c_while_a_node_loads_is_one_line(tmp_path: Path):
         assert code == 0 and "stopped (SIGINT)" in log, log
 
 
+def test_ctrl_c_as_the_http_server_starts_is_one_line():
+    """SIGINT just before the server takes signals over (asyncio.run's handler cancels the task at its
+    next await, inside the server's start): no traceback, only the caller's KeyboardInterrupt."""
+    code = ("import asyncio, os, signal\n"
+            "from fastapi import FastAPI\n"
+            "from disagg.serving import serve_http\n"
+            "async def main():\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "    await serve_http(FastAPI(), '127.0.0.1', 0, 'test ready', 'info')\n"
+            "try:\n"
+            "    asyncio.run(main())\n"
+            "except KeyboardInterrupt:\n"
+            "    print('interrupted')\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    output = result.stdout + result.stderr
+    assert "Traceback" not in output and result.stdout.strip() == "interrupted", output
+
+
 def children(pid: int) -> list[int]:
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
