@@ -151,10 +151,7 @@ class Scheduler:
                     # their blocks and have their KV still run: they take no place, and their blocks come
                     # back only once they have run.
                     admitting = self.blocked(seq) and self.num_holding < self.max_num_seqs
-                if seq.status == SequenceStatus.WAITING:
-                    i += 1
-                    continue
-                if seq.status == SequenceStatus.WAITING_FOR_KV:
+                if seq.status != SequenceStatus.RUNNING:  # not admitted, or admitted to wait for its KV
                     i += 1
                     continue
             del self.waiting[i]
