@@ -114,7 +114,7 @@ def test_sigterm_lets_a_request_in_flight_finish_within_the_shutdown_timeout(tmp
         node.kill()
 
 
-MAX_TOKENS_DRAINED = 120  # about 9 s of tokens on one core here: well past the old 5 s grace
+MAX_TOKENS_DRAINED = 200  # 120 once took only 4.9 s on a quiet 2-core machine: too near the old 5 s grace
 
 
 def refuses_connections(url: str) -> bool:
