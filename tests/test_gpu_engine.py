@@ -71,11 +71,46 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 @pytest.mark.parametrize("enforce_eager,async_scheduling", [(False, False), (True, False), (False, True)],
                          ids=["graphs", "eager", "graphs-async"])
 def test_float32_greedy_equals_transformers(gpu_model_dir, prompts, reference, enforce_eager, async_scheduling):
+    # 512 tokens a step: every step with prompt tokens fits the prefill graphs (the 700- and 1000-token
+    # prompts in chunks, some steps beside decodes), in buckets of every size the prompts give.
     llm = LLM(str(gpu_model_dir), device="cuda", dtype="float32", enforce_eager=enforce_eager,
-              kv_cache_memory=2**30, max_num_seqs=16, async_scheduling=async_scheduling)
-    assert (llm.engine.runner.graphs is None) == enforce_eager
+              kv_cache_memory=2**30, max_num_seqs=16, async_scheduling=async_scheduling, max_num_batched_tokens=512)
+    runner = llm.engine.runner
+    assert (runner.graphs is None) == enforce_eager
+    assert (runner.prefill_graphs is None) == enforce_eager
+    sizes = []
+    if runner.prefill_graphs is not None:
+        run = runner.prefill_graphs.run
+        runner.prefill_graphs.run = lambda inputs, after_layer=None: sizes.append(inputs.input_ids.shape[0]) or run(
+            inputs, after_layer)
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == reference
+    assert (len(sizes) >= 4 and max(sizes) == 512) != enforce_eager
+
+
+def test_prefill_graphs_give_the_eager_forwards_logits(gpu_model_dir, prompts):
+    """One step of a 333-token prompt beside a decode, through the prefill graphs (the 384-token bucket)
+    and eagerly (max_prefill_graph_tokens=0): the same logits up to the matrix products' order of
+    summation, which cuBLAS may choose by the number of rows."""
+    def step_logits(max_prefill_graph_tokens: int) -> torch.Tensor:
+        llm = LLM(str(gpu_model_dir), device="cuda", dtype="float32", kv_cache_memory=2**30,
+                  max_prefill_graph_tokens=max_prefill_graph_tokens)
+        assert (llm.engine.runner.prefill_graphs is None) == (max_prefill_graph_tokens == 0)
+        bm = llm.engine.block_manager
+        decoding = Sequence("decoding", prompts[5], GREEDY)  # 64 tokens, then one to decode
+        bm.allocate(decoding)
+        llm.engine.runner.run([ScheduledSeq(decoding, 64)])
+        decoding.num_computed_tokens = 64
+        decoding.append_token(7)
+        bm.append_slots(decoding, 1)
+        prompt = Sequence("prompt", prompts[7], GREEDY)
+        bm.allocate(prompt)
+        _, logits, _ = llm.engine.runner.run([ScheduledSeq(decoding, 1), ScheduledSeq(prompt, 333)])
+        return logits.cpu()
+
+    graphs, eager = step_logits(1024), step_logits(0)
+    assert graphs.shape == (2, eager.shape[1])
+    torch.testing.assert_close(graphs, eager, rtol=1e-4, atol=1e-4)
 
 
 def test_bfloat16_logits_near_float32_reference(gpu_model_dir, hf_cuda, prompts):

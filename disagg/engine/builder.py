@@ -79,12 +79,18 @@ def gpu_free_at_start(config: EngineConfig, device: torch.device) -> int | None:
     return free
 
 
+def prefill_graph_tokens(config: EngineConfig) -> int:
+    """The largest step PrefillGraphs capture (0: none): no larger than a step may be."""
+    return 0 if config.enforce_eager else min(config.max_prefill_graph_tokens, config.max_num_batched_tokens)
+
+
 def step_activation_bytes(config: EngineConfig, mc: LlamaConfig, dtype: torch.dtype) -> int:
     """An estimate of a step's peak activations beside the weights: a layer's hidden states, q/k/v and MLP
-    for max_num_batched_tokens tokens, and float32 logits for max_num_seqs rows (vLLM measures a dummy
-    step instead)."""
+    for max_num_batched_tokens tokens, the same kept by the prefill graphs' memory pool for their largest
+    step, and float32 logits for max_num_seqs rows (vLLM measures a dummy step instead)."""
     per_token = (6 * mc.hidden_size + 3 * mc.intermediate_size) * dtype.itemsize
-    return config.max_num_batched_tokens * per_token + 2 * config.max_num_seqs * mc.vocab_size * 4
+    tokens = config.max_num_batched_tokens + prefill_graph_tokens(config)
+    return tokens * per_token + 2 * config.max_num_seqs * mc.vocab_size * 4
 
 
 def gpu_kv_cache_budget(config: EngineConfig, mc: LlamaConfig, device: torch.device, dtype: torch.dtype,
@@ -158,6 +164,8 @@ def build_rank_runner(config: EngineConfig, model_dir: Path, mc: LlamaConfig, de
     share of every block; every rank has the same number of blocks."""
     if config.block_size < 1 or config.block_size & (config.block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {config.block_size}")
+    if config.max_prefill_graph_tokens < 0:
+        raise ValueError(f"max_prefill_graph_tokens must be 0 (none) or more, got {config.max_prefill_graph_tokens}")
     max_model_len = config.max_model_len or mc.max_position_embeddings
     if max_model_len < 2:
         raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
@@ -190,16 +198,19 @@ def build_rank_runner(config: EngineConfig, model_dir: Path, mc: LlamaConfig, de
                 config.block_size, num_blocks * block_bytes / 2**20, kv_heads, mc.num_key_value_heads, device,
                 str(dtype).removeprefix("torch."))
     attention = make_attention(config, model, kv_cache, max_model_len)
-    graphs = None
+    graphs = prefill_graphs = None
     if device.type == "cuda" and not config.enforce_eager and not isinstance(attention, SdpaAttention):
         from disagg.engine.cuda_graphs import DecodeGraphs  # Triton is needed on CUDA only
+        from disagg.engine.prefill_graphs import PrefillGraphs
 
         if tp.size > 1:
             logger.info("%sthe decode CUDA graphs capture the all-reduces and the logits' all-gather "
                         "(--enforce-eager runs them eagerly)", rank)
         graphs = DecodeGraphs(model, attention, config.max_num_seqs,
                               [shard.num_kv_heads for shard in rank_shards(mc, tp)])
-    return ModelRunner(model, attention, graphs, max_model_len)
+        if prefill_graph_tokens(config):
+            prefill_graphs = PrefillGraphs(model, attention, prefill_graph_tokens(config))
+    return ModelRunner(model, attention, graphs, prefill_graphs, max_model_len)
 
 
 def make_attention(config: EngineConfig, model: LlamaForCausalLM, kv_cache: KVCache,

@@ -26,7 +26,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # vLLM's: CUDA all-reduces through NCCL only, none over symmetric memory (parallel.py).
     disable_custom_all_reduce: bool = False
-    enforce_eager: bool = False  # CUDA: no decode graphs
+    enforce_eager: bool = False  # CUDA: no CUDA graphs
+    # CUDA: steps with prompt tokens of up to this many tokens in all run as CUDA graphs of the pieces
+    # between attentions (prefill_graphs.py); 0: eagerly, as longer ones do.
+    max_prefill_graph_tokens: int = 1024
     # Greedy decode steps launched before the step in flight is read back (LLMEngine._step_ahead).
     async_scheduling: bool = False
     attention_backend: str | None = None  # "sdpa" or "triton"; None: triton on CUDA, sdpa on the CPU

@@ -22,7 +22,7 @@ class LLM:
                  kv_offloading_backend: str | None = "native", kv_offloading_mode: str = "eager",
                  kv_disk_path: str | None = None, kv_disk_size: float | None = None,
                  tokenizer: str | None = None, chat_template: str | None = None, async_scheduling: bool = False,
-                 disable_custom_all_reduce: bool = False):
+                 disable_custom_all_reduce: bool = False, max_prefill_graph_tokens: int = 1024):
         self.engine = LLMEngine(EngineConfig(
             model=model, device=device, dtype=dtype, block_size=block_size, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -32,7 +32,7 @@ class LLM:
             kv_offloading_size=kv_offloading_size, kv_offloading_backend=kv_offloading_backend,
             kv_offloading_mode=kv_offloading_mode, kv_disk_path=kv_disk_path, kv_disk_size=kv_disk_size,
             tokenizer=tokenizer, chat_template=chat_template, async_scheduling=async_scheduling,
-            disable_custom_all_reduce=disable_custom_all_reduce))
+            disable_custom_all_reduce=disable_custom_all_reduce, max_prefill_graph_tokens=max_prefill_graph_tokens))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -23,12 +23,14 @@ PromptLogprobs = dict[str, tuple[int, list[TokenLogprob]]]
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, attention: AttentionBackend, graphs, max_model_len: int):
+    def __init__(self, model: LlamaForCausalLM, attention: AttentionBackend, graphs, prefill_graphs,
+                 max_model_len: int):
         """Made by builder.build_runner. max_model_len: the longest sequence its KV cache holds."""
         self.model = model
         self.attention = attention
         self.kv_cache = attention.kv_cache
         self.graphs = graphs  # DecodeGraphs on CUDA unless enforce_eager
+        self.prefill_graphs = prefill_graphs  # PrefillGraphs, likewise: the steps with prompt tokens
         self.max_model_len = max_model_len
         self.workers: TPWorkers | None = None  # the driver's, under tensor parallelism (builder.build_runner)
 
@@ -76,7 +78,7 @@ class ModelRunner:
     def close(self) -> None:
         # The decode graphs first: collectives captured in them hold the group's NCCL communicator,
         # whose abort (TPGroup.close, every rank's) would wait for them.
-        self.graphs = None
+        self.graphs = self.prefill_graphs = None
         if self.workers is not None:
             self.workers.stop(release=True)
 
@@ -94,7 +96,11 @@ class ModelRunner:
         if (self.graphs is not None and decode_only and not scoring and not exports
                 and len(batch) <= self.graphs.max_batch):
             return batch, self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta.token_rows), {}
-        hidden = self._forward(inputs, self._exporter(exports) if exports else None)
+        after_layer = self._exporter(exports) if exports else None
+        if self.prefill_graphs is not None and inputs.input_ids.shape[0] <= self.prefill_graphs.max_tokens:
+            hidden = self.prefill_graphs.run(inputs, after_layer)
+        else:
+            hidden = self._forward(inputs, after_layer)
         logits = self.model.compute_logits(hidden[inputs.sample_rows]).float()
         return batch, logits, self._prompt_logprobs(batch, hidden) if scoring else {}
 

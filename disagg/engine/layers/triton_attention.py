@@ -125,10 +125,20 @@ class TritonAttention:
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: TritonMetadata) -> torch.Tensor:
+        self.store(layer, k, v, meta)
+        out = torch.empty_like(q)
+        self.attend(layer, q, out, meta)
+        return out
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: TritonMetadata) -> None:
+        """The step's K and V into their cache slots (padding tokens, at position -1, nowhere)."""
+        triton_kernels.store_kv(k, v, self.kv_cache.keys(layer), self.kv_cache.values(layer), self.block_table.table,
+                                meta.token_rows, meta.positions, self.block_size)
+
+    def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor, meta: TritonMetadata) -> None:
+        """out = attention of the step's queries over the cache (their own K and V stored first)."""
         k_cache, v_cache = self.kv_cache.keys(layer), self.kv_cache.values(layer)
         table = self.block_table.table
-        triton_kernels.store_kv(k, v, k_cache, v_cache, table, meta.token_rows, meta.positions, self.block_size)
-        out = torch.empty_like(q)
         b = meta.num_decodes
         if b:
             triton_kernels.decode_attention(q[:b], out[:b], k_cache, v_cache, table, meta.token_rows[:b],
@@ -137,4 +147,3 @@ class TritonAttention:
             triton_kernels.prefill_attention(q[b:], out[b:], k_cache, v_cache, table, meta.seq_rows,
                                              meta.query_start, meta.seq_lens, meta.tile_seq, meta.tile_start,
                                              self.block_size, self.block_m)
-        return out
