@@ -7,7 +7,7 @@ next bucket with tokens at position -1, which the kernels skip. A graph fixes it
 count, so without those edges a batch just past a power of two would run with the count made for its
 bucket's size (on an H200, the 8B shape's attention over 4k contexts: 9 sequences 0.3 ms a step
 slower, 17 0.6 ms, 33 1.5 ms; benchmarks/decode_splits.py). Captured from the largest bucket down
-into one memory pool. Prefill runs eagerly (docs/ARCHITECTURE.md, "Engine (as built)").
+into one memory pool. Steps with prompt tokens run as PrefillGraphs (prefill_graphs.py) or eagerly.
 """
 
 import logging

@@ -1,8 +1,9 @@
 """PrefillGraphs: steps with prompt tokens run as CUDA graphs of the pieces between attentions.
 
 An eager forward launches about 11 kernels a layer from Python, and a prompt of a few hundred tokens
-takes the GPU less time than the host takes to launch them: on an H200 the 8B shape's step of 256
-prompt tokens took 17 ms where its kernels take about 6 (docs/ARCHITECTURE.md, "Engine (as built)").
+takes the GPU less time than the host takes to launch them: on an H200 an eager step of the 8B shape
+took 16 ms for anything up to 512 prompt tokens, where 256 tokens' kernels take 7.6 (BENCHMARKS.md,
+"Steps with prompt tokens").
 Attention depends on the step's segments (how many query tiles, which contexts), which a graph cannot
 fix; everything between two attentions depends only on the step's token count. So, as vLLM's
 piecewise graphs do, each bucket of token counts is captured as num_layers + 1 graphs: the first embeds
