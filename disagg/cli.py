@@ -56,7 +56,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-enable-prefix-caching", "--no-prefix-caching", dest="enable_prefix_caching",
                         action="store_false", help="turn the prefix cache off")
     parser.add_argument("--seed", type=int, default=0, help="seed for requests that set none")
-    parser.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs (decode steps, and steps with prompt tokens of up to 1,024 tokens, run eagerly)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="CUDA: no CUDA graphs (decode steps, and steps with prompt tokens of up to 1,024 "
+                             "tokens, run eagerly)")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="launch each greedy decode step before reading back the one in flight, so the host's "
                              "work overlaps the GPU's (off by default)")

@@ -61,7 +61,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     prof.add_argument("--out", required=True, help="PROFILE.json to write")
     prof.add_argument("--prefill-tokens", default=None,
                       help="prompt lengths to time a prefill step at (default: 32,128,512 on the CPU, "
-                           "256,1024,4096,8192 on a GPU)")
+                           "64,256,1024,4096,8192 on a GPU)")
     prof.add_argument("--decode-batch", default=None,
                       help="batch sizes to time a decode step at (default: 1,4,8 on the CPU; on a GPU each "
                            "CUDA graph bucket up to 64 and the batch after it)")
