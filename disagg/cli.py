@@ -59,6 +59,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true",
                         help="CUDA: no CUDA graphs (decode steps, and steps with prompt tokens of up to 1,024 "
                              "tokens, run eagerly)")
+    parser.add_argument("--max-prefill-graph-tokens", type=int, default=1024, metavar="N",
+                        help="CUDA: steps with prompt tokens of up to N tokens in all replay CUDA graphs of the "
+                             "pieces between attentions (captured at start); longer ones, or all with 0, run "
+                             "eagerly (default: 1024)")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="launch each greedy decode step before reading back the one in flight, so the host's "
                              "work overlaps the GPU's (off by default)")
@@ -122,6 +126,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
                 enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
                 tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+                max_prefill_graph_tokens=args.max_prefill_graph_tokens,
                 disable_custom_all_reduce=args.disable_custom_all_reduce, async_scheduling=args.async_scheduling,
                 attention_backend=args.attention_backend,
                 kv_offloading_size=args.kv_offloading_size, kv_offloading_backend=args.kv_offloading_backend,

@@ -89,9 +89,10 @@ def test_float32_greedy_equals_transformers(gpu_model_dir, prompts, reference, e
 
 
 def test_prefill_graphs_give_the_eager_forwards_logits(gpu_model_dir, prompts):
-    """One step of a 333-token prompt beside a decode, through the prefill graphs (the 384-token bucket)
-    and eagerly (max_prefill_graph_tokens=0): the same logits up to the matrix products' order of
-    summation, which cuBLAS may choose by the number of rows."""
+    """One step of a 700-token prompt beside a decode, through the prefill graphs (the 768-token bucket:
+    67 padding rows, the shared buffers filled with NaN first, which no real row may see) and eagerly
+    (max_prefill_graph_tokens=0): the same logits up to the matrix products' order of summation, which
+    cuBLAS may choose by the number of rows."""
     def step_logits(max_prefill_graph_tokens: int) -> torch.Tensor:
         llm = LLM(str(gpu_model_dir), device="cuda", dtype="float32", kv_cache_memory=2**30,
                   max_prefill_graph_tokens=max_prefill_graph_tokens)
@@ -103,13 +104,17 @@ def test_prefill_graphs_give_the_eager_forwards_logits(gpu_model_dir, prompts):
         decoding.num_computed_tokens = 64
         decoding.append_token(7)
         bm.append_slots(decoding, 1)
-        prompt = Sequence("prompt", prompts[7], GREEDY)
+        prompt = Sequence("prompt", prompts[8], GREEDY)
         bm.allocate(prompt)
-        _, logits, _ = llm.engine.runner.run([ScheduledSeq(decoding, 1), ScheduledSeq(prompt, 333)])
+        graphs = llm.engine.runner.prefill_graphs
+        if graphs is not None:
+            graphs.queries.fill_(float("nan"))
+            graphs.out.fill_(float("nan"))
+        _, logits, _ = llm.engine.runner.run([ScheduledSeq(decoding, 1), ScheduledSeq(prompt, 700)])
         return logits.cpu()
 
     graphs, eager = step_logits(1024), step_logits(0)
-    assert graphs.shape == (2, eager.shape[1])
+    assert graphs.shape == (2, eager.shape[1]) and graphs.isfinite().all()
     torch.testing.assert_close(graphs, eager, rtol=1e-4, atol=1e-4)
 
 
@@ -241,7 +246,7 @@ def tp2_generate(model_dir: str, prompts: list[list[int]], options: dict, queue)
     """A TP=2 engine's greedy tokens for the prompts, then for the last four again (prefix hits), in a process of
     its own: only the first tensor-parallel group of a process gets symmetric memory (parallel.py)."""
     llm = LLM(model_dir, device="cuda", dtype="float32", kv_cache_memory=2**30, max_num_seqs=16,
-              max_num_batched_tokens=256, tensor_parallel_size=2, **options)
+              tensor_parallel_size=2, **options)
     try:
         outs = llm.generate(prompts, GREEDY)
         again = llm.generate(prompts[6:], GREEDY)
@@ -252,18 +257,21 @@ def tp2_generate(model_dir: str, prompts: list[list[int]], options: dict, queue)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs two GPUs")
-@pytest.mark.parametrize("enforce_eager,async_scheduling,backend",
-                         [(False, False, None), (True, False, None), (False, True, None), (True, False, "sdpa")],
-                         ids=["graphs", "eager", "graphs-async", "sdpa"])
+@pytest.mark.parametrize("enforce_eager,async_scheduling,backend,step_tokens",
+                         [(False, False, None, 256), (True, False, None, 256), (False, True, None, 256),
+                          (True, False, "sdpa", 256), (False, False, None, 1024)],
+                         ids=["graphs", "eager", "graphs-async", "sdpa", "graphs-1024-token-steps"])
 def test_tensor_parallel_2_greedy_equals_transformers(gpu_model_dir, prompts, reference, enforce_eager,
-                                                      async_scheduling, backend):
+                                                      async_scheduling, backend, step_tokens):
     """TP=2 on cuda:0 and cuda:1, each case in a fresh process so that it has symmetric memory: a decode step's
     sums fused with their norms (captured in the decode graphs unless eager; under the sdpa backend, without
     the Triton kernels, summed one-shot), with chunked prefill and a prefix hit, give transformers' float32
-    tokens."""
+    tokens. Steps of up to 1,024 tokens put the prefill graphs' larger buckets on the other paths: a product
+    over 1 MiB summed two-shot in place, the embedding's all-reduce through NCCL."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    options = dict(enforce_eager=enforce_eager, async_scheduling=async_scheduling, attention_backend=backend)
+    options = dict(enforce_eager=enforce_eager, async_scheduling=async_scheduling, attention_backend=backend,
+                   max_num_batched_tokens=step_tokens)
     child = ctx.Process(target=tp2_generate, args=(str(gpu_model_dir), prompts, options, queue))
     child.start()
     try:

@@ -352,3 +352,31 @@ def test_gpu_memory_utilization_sizes_the_kv_cache_as_vllm(monkeypatch: pytest.M
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 * gib, 80 * gib))
     with pytest.raises(ValueError, match="is less than --gpu-memory-utilization 0.5 asks for"):
         builder.gpu_free_at_start(config, device)
+
+
+def test_the_prefill_graphs_count_in_a_steps_memory_and_their_bound_is_checked():
+    """The prefill graphs' memory pool holds a step of their largest size and every bucket's final hidden
+    states beside the eager step's activations: counted unless they are off (eager, sdpa, 0); a bound that
+    is not a count of tokens is refused before anything is built."""
+    import dataclasses
+
+    import torch
+
+    from disagg.engine import builder
+    from disagg.engine.config import EngineConfig
+    from disagg.engine.models.llama import LlamaConfig
+
+    mc = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16)
+    config = EngineConfig(max_num_batched_tokens=2048, max_num_seqs=2)
+
+    def step_bytes(**changes) -> int:
+        return builder.step_activation_bytes(dataclasses.replace(config, **changes), mc, torch.bfloat16)
+
+    off = step_bytes(max_prefill_graph_tokens=0)
+    assert step_bytes(enforce_eager=True) == step_bytes(attention_backend="sdpa") == off
+    assert off < step_bytes(max_prefill_graph_tokens=512) < step_bytes() < step_bytes(max_prefill_graph_tokens=2048)
+    assert step_bytes(max_prefill_graph_tokens=4096) == step_bytes(max_prefill_graph_tokens=2048)  # a step's most
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="max_prefill_graph_tokens must be a number of tokens"):
+            builder.prefill_graph_tokens(dataclasses.replace(config, max_prefill_graph_tokens=bad))

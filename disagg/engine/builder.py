@@ -80,17 +80,24 @@ def gpu_free_at_start(config: EngineConfig, device: torch.device) -> int | None:
 
 
 def prefill_graph_tokens(config: EngineConfig) -> int:
-    """The largest step PrefillGraphs capture (0: none): no larger than a step may be."""
-    return 0 if config.enforce_eager else min(config.max_prefill_graph_tokens, config.max_num_batched_tokens)
+    """The largest step PrefillGraphs capture on CUDA (0: none), no larger than a step may be; ValueError
+    for a setting that is not a count."""
+    tokens = config.max_prefill_graph_tokens
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        raise ValueError(f"max_prefill_graph_tokens must be a number of tokens, 0 for none; got {tokens!r}")
+    if config.enforce_eager or config.attention_backend == "sdpa":
+        return 0
+    return min(tokens, config.max_num_batched_tokens)
 
 
 def step_activation_bytes(config: EngineConfig, mc: LlamaConfig, dtype: torch.dtype) -> int:
     """An estimate of a step's peak activations beside the weights: a layer's hidden states, q/k/v and MLP
     for max_num_batched_tokens tokens, the same kept by the prefill graphs' memory pool for their largest
-    step, and float32 logits for max_num_seqs rows (vLLM measures a dummy step instead)."""
+    step with every bucket's final hidden states (their sizes add up to about 6 times the largest's), and
+    float32 logits for max_num_seqs rows (vLLM measures a dummy step instead)."""
     per_token = (6 * mc.hidden_size + 3 * mc.intermediate_size) * dtype.itemsize
-    tokens = config.max_num_batched_tokens + prefill_graph_tokens(config)
-    return tokens * per_token + 2 * config.max_num_seqs * mc.vocab_size * 4
+    graphs = prefill_graph_tokens(config) * (per_token + 6 * mc.hidden_size * dtype.itemsize)
+    return config.max_num_batched_tokens * per_token + graphs + 2 * config.max_num_seqs * mc.vocab_size * 4
 
 
 def gpu_kv_cache_budget(config: EngineConfig, mc: LlamaConfig, device: torch.device, dtype: torch.dtype,
@@ -145,6 +152,7 @@ def build_runner(config: EngineConfig, model_dir: Path, mc: LlamaConfig, device:
     """The driver's runner: with tensor_parallel_size > 1, the worker ranks are spawned first (they load
     their shards while this process loads its own) and drive along with it."""
     check_tensor_parallel(config, mc, device)
+    prefill_graph_tokens(config)  # refused before any worker starts
     if config.tensor_parallel_size == 1:
         return build_rank_runner(config, model_dir, mc, device, dtype, TPGroup.single(device))
     workers, tp = TPWorkers.start(config, model_dir, mc.hidden_size, dtype, device)
@@ -164,8 +172,6 @@ def build_rank_runner(config: EngineConfig, model_dir: Path, mc: LlamaConfig, de
     share of every block; every rank has the same number of blocks."""
     if config.block_size < 1 or config.block_size & (config.block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {config.block_size}")
-    if config.max_prefill_graph_tokens < 0:
-        raise ValueError(f"max_prefill_graph_tokens must be 0 (none) or more, got {config.max_prefill_graph_tokens}")
     max_model_len = config.max_model_len or mc.max_position_embeddings
     if max_model_len < 2:
         raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")

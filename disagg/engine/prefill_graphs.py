@@ -16,6 +16,8 @@ All buckets share one memory pool and the two buffers: a step replays its pieces
 were captured, and one step runs at a time.
 """
 
+import contextlib
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -31,8 +33,8 @@ logger = logging.getLogger(__name__)
 
 def buckets(max_tokens: int) -> list[int]:
     """Token counts to capture: powers of two to 64, every 64 to 512, every 128 above; and max_tokens.
-    Padding to the next one costs at most an eighth of a step's work above 512 tokens, where a step
-    is mostly matrix products, and little more below, where the host's launches cost more."""
+    A step padded to the next one computes up to a quarter more rows just above 512 tokens and half
+    more just above 128, and still takes less than an eager step of its own size (BENCHMARKS.md)."""
     sizes = {8, 16, 32, 64} | set(range(128, 513, 64)) | set(range(640, max_tokens, 128))
     return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
 
@@ -66,6 +68,13 @@ class _Cut:
         if self.graphs.pool is None:
             self.graphs.pool = self.pieces[-1].pool()
 
+    def abandon(self) -> None:
+        """After a failure inside the forward: end the capture under way, so that the failure, not a
+        stream left capturing, is what the caller sees."""
+        if torch.cuda.is_current_stream_capturing():
+            with contextlib.suppress(RuntimeError):
+                self.pieces[-1].capture_end()
+
 
 class PrefillGraphs:
     def __init__(self, model: LlamaForCausalLM, attention: TritonAttention, max_tokens: int):
@@ -87,16 +96,23 @@ class PrefillGraphs:
         start = time.monotonic()
         free_before = torch.cuda.mem_get_info(device)[0]
         stream = torch.cuda.Stream(device)  # a capture needs a stream other than the default one
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.inference_mode(), torch.cuda.stream(stream):
+        with torch.inference_mode():
             for n in reversed(self.buckets):  # the largest first: the smaller ones reuse its memory
-                self._forward(_Cut(self, n, capture=False), n)  # compiles and settles the allocator outside the capture
+                # Warmed up on the engine's stream (the kernels compiled, the allocator settled), where
+                # eager steps reuse what it freed; captured, as torch.cuda.graph does, after a sync and a
+                # collection, so that no finalizer frees CUDA memory during the capture.
+                self._forward(_Cut(self, n, capture=False), n)
                 torch.cuda.synchronize(device)
-                cut = _Cut(self, n, capture=True)
-                self.hidden[n] = self._forward(cut, n)
-                cut.end()
+                gc.collect()
+                with torch.cuda.stream(stream):
+                    cut = _Cut(self, n, capture=True)
+                    try:
+                        self.hidden[n] = self._forward(cut, n)
+                        cut.end()
+                    except BaseException:
+                        cut.abandon()
+                        raise
                 self.pieces[n] = cut.pieces
-        torch.cuda.current_stream(device).wait_stream(stream)
         torch.cuda.synchronize(device)
         logger.info("captured prefill CUDA graphs for %d token counts (%s), %d pieces each, in %.1f s using %.0f MiB",
                     len(self.buckets), ",".join(map(str, self.buckets)), self.num_layers + 1,
