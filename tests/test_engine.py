@@ -645,6 +645,38 @@ def test_async_scheduling_a_remote_request_joins_a_step_launched_ahead(ahead, ll
     assert engine.in_flight is None and engine.block_manager.num_free_blocks == free
 
 
+def test_async_scheduling_holds_a_finished_sequences_block_until_the_step_ahead_is_read(ahead, monkeypatch):
+    """A step launched ahead writes each of its sequences' next KV into a block of theirs. One that finishes
+    as the step before it is read back frees its blocks while that step still writes: the block it writes
+    stays out of the free list until that step is read back (else the next request could be given it at
+    once, a remote one's KV receiver writing from another stream, say)."""
+    engine = ahead.engine
+    bm = engine.block_manager
+    free = bm.num_free_blocks
+    launched = []
+    launch = engine._launch
+
+    def recorded(batch, prev):
+        result = launch(batch, prev)
+        launched.append(dict(zip((seq.request_id for seq in result[1].seqs), result[1].held)))
+        return result
+
+    monkeypatch.setattr(engine, "_launch", recorded)
+    engine.add_request("a", PROMPTS[1], greedy(3))
+    engine.add_request("b", PROMPTS[2], greedy(12))
+    while True:
+        outputs = engine.step()
+        if any(out.request_id == "a" and out.finished for out in outputs):
+            break
+    written = launched[-1]["a"]  # launched in this call, before a's last token was read back
+    assert engine.in_flight is not None and "a" not in engine.requests
+    assert bm.blocks[written].ref_count == 1 and written not in bm.free_ids
+    engine.step()  # reads that step back
+    assert bm.blocks[written].ref_count == 0 and written in bm.free_ids
+    run_to_end(ahead)
+    assert engine.in_flight is None and bm.num_free_blocks == free
+
+
 def test_async_scheduling_a_failed_step_ahead_fails_its_requests_once_the_step_before_is_read(ahead, hf_model,
                                                                                              monkeypatch):
     engine = ahead.engine

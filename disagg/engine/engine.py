@@ -42,16 +42,21 @@ class _InFlight:
     # step too), and on a GPU the event that says it is done.
     host: torch.Tensor
     copied: torch.cuda.Event | None
+    # The block each sequence's KV is written to by the step, held until it is read back: a sequence
+    # that finishes or is aborted meanwhile frees its blocks, and the one freed first would otherwise
+    # be handed out at once (to a KV receiver writing from another stream, say) while the step still
+    # writes there.
+    held: list[int]
 
     @classmethod
-    def launched(cls, seqs: list[Sequence], tokens: torch.Tensor) -> "_InFlight":
+    def launched(cls, seqs: list[Sequence], tokens: torch.Tensor, held: list[int]) -> "_InFlight":
         if not tokens.is_cuda:
-            return cls(seqs, tokens, tokens, None)
+            return cls(seqs, tokens, tokens, None, held)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return cls(seqs, tokens, host, copied)
+        return cls(seqs, tokens, host, copied, held)
 
     def read(self) -> list[int]:
         if self.copied is not None:
@@ -382,7 +387,11 @@ class LLMEngine:
         self.step_prompt_tokens = 0
         with step_range(batch, 0):
             batch, tokens = self.runner.run_ahead(batch, None if prev is None else prev.tokens)
-        return batch, _InFlight.launched([item.seq for item in batch], tokens)
+        bm = self.block_manager
+        held = [seq.block_table[seq.num_computed_tokens // bm.block_size] for seq in (item.seq for item in batch)]
+        for block_id in held:
+            bm.hold(block_id)
+        return batch, _InFlight.launched([item.seq for item in batch], tokens, held)
 
     def _land(self, launched: tuple[list[ScheduledSeq], _InFlight]) -> list[RequestOutput]:
         """After the step before it was read back (its tokens are this one's inputs, now known on the
@@ -395,6 +404,8 @@ class LLMEngine:
             item.seq.append_token(-(row + 1))
         if live:
             self.in_flight = in_flight
+        else:  # none of its sequences is left to read it back later: the blocks it holds are freed as it ends
+            self._read_back(in_flight)
         return []
 
     def _read_back(self, prev: _InFlight) -> list[RequestOutput]:
@@ -407,6 +418,9 @@ class LLMEngine:
         except Exception as e:  # the device failed: nothing of this step can be trusted
             logger.exception("reading back a step's tokens failed; failing its %d requests", len(live))
             return [self._fail(seq, f"the model forward failed: {type(e).__name__}: {e}") for _, seq in live]
+        finally:
+            for block_id in prev.held:
+                self.block_manager.release(block_id)
         return [self._take(seq, (tokens[row], None)) for row, seq in live]
 
     def _live(self, seq: Sequence) -> bool:
