@@ -6,7 +6,7 @@
 # request of each length under both 1P1D nodes' torch.profiler, traces into $OUT/ttft_MODE_traces.tar), goodput
 # (layer-wise; $WORKLOADS, rates $RATES_4K / $RATES_CHAT; PROFILE=1 runs py-spy on the pair's nodes and takes
 # torch.profiler traces, PYSPY=1 py-spy alone on a decoding node of each system; CONNECTOR: the KV pipe, torch_dist
-# unless set; KV_MEMORY: each node's --kv-cache-memory, 24GiB unless set (12GiB on H100s: two nodes share a GPU); ASYNC=1: every node with --async-scheduling (ttft and goodput); SEED: the arrivals' seed (7 + the
+# unless set; KV_MEMORY: each node's --kv-cache-memory, unless set 24GiB on H200s and 12GiB on H100s (two nodes share a GPU); ASYNC=1: every node with --async-scheduling (ttft and goodput); SEED: the arrivals' seed (7 + the
 # rate's place in the sweep unless set); PREFILL_CHUNK sets the prefill
 # node's max-num-batched-tokens), pipes (torch_dist beside nixl: 16 MiB, 256 MiB, a layer list),
 # cache (issue 26: cache_aware against least_loaded routing, 2P2D over tcp, shared 4k prefixes; rates
@@ -20,7 +20,9 @@
 # files at most); the last lines are the summary.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-common=(--tokenizer-dir .device/tok --gpus 2 --connector "${CONNECTOR:-torch_dist}" --kv-buffer-device cuda --kv-cache-memory "${KV_MEMORY:-24GiB}"
+# Two 8B nodes share a GPU in the ttft and goodput phases: 24 GiB of KV each fits an H200 (141 GB), not an H100 (80).
+[ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -gt 100000 ] && kv=24GiB || kv=12GiB
+common=(--tokenizer-dir .device/tok --gpus 2 --connector "${CONNECTOR:-torch_dist}" --kv-buffer-device cuda --kv-cache-memory "${KV_MEMORY:-$kv}"
         ${ASYNC:+--async-scheduling})
 for phase in "$@"; do
     case $phase in
