@@ -94,10 +94,10 @@ def step_activation_bytes(config: EngineConfig, mc: LlamaConfig, dtype: torch.dt
     """An estimate of a step's peak activations beside the weights: a layer's hidden states, q/k/v and MLP
     for max_num_batched_tokens tokens; what the prefill graphs keep, twice that for their largest step
     (their pool, whose blocks are rounded up, and the shared buffers: 324 MiB measured for an 8B model at
-    1,024 tokens) and every bucket's final hidden states (their sizes add up to about 6 times the
+    1,024 tokens) and every bucket's final hidden states (their sizes add up to about 9 times the
     largest's); and float32 logits for max_num_seqs rows (vLLM measures a dummy step instead)."""
     per_token = (6 * mc.hidden_size + 3 * mc.intermediate_size) * dtype.itemsize
-    graphs = prefill_graph_tokens(config) * (2 * per_token + 6 * mc.hidden_size * dtype.itemsize)
+    graphs = prefill_graph_tokens(config) * (2 * per_token + 9 * mc.hidden_size * dtype.itemsize)
     return config.max_num_batched_tokens * per_token + graphs + 2 * config.max_num_seqs * mc.vocab_size * 4
 
 
