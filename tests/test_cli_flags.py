@@ -120,7 +120,8 @@ MAX_TOKENS_DRAINED = 200  # 120 once took only 4.9 s on a quiet 2-core machine: 
 def refuses_connections(url: str) -> bool:
     try:
         httpx.get(f"{url}/health", timeout=1)
-    except httpx.ConnectError:
+    # Refused; or, taken into the listen backlog just before the listener closed, reset or dropped unanswered.
+    except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
         return True
     return False
 
