@@ -387,11 +387,11 @@ class LLMEngine:
         self.step_prompt_tokens = 0
         with step_range(batch, 0):
             batch, tokens = self.runner.run_ahead(batch, None if prev is None else prev.tokens)
-        bm = self.block_manager
-        held = [seq.block_table[seq.num_computed_tokens // bm.block_size] for seq in (item.seq for item in batch)]
+        seqs, bm = [item.seq for item in batch], self.block_manager
+        held = [seq.block_table[seq.num_computed_tokens // bm.block_size] for seq in seqs]
         for block_id in held:
             bm.hold(block_id)
-        return batch, _InFlight.launched([item.seq for item in batch], tokens, held)
+        return batch, _InFlight.launched(seqs, tokens, held)
 
     def _land(self, launched: tuple[list[ScheduledSeq], _InFlight]) -> list[RequestOutput]:
         """After the step before it was read back (its tokens are this one's inputs, now known on the
