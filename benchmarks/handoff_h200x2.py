@@ -93,7 +93,7 @@ def ttft_phase(args: argparse.Namespace, model: Path) -> dict:
                 {"profiler": "torch", "torch_profiler_dir": str(log_dir / "traces")})]
         with systems(log_dir, gpu0, prefill, gpu1, prefill_extra, **kwargs) as sys_by_name:
             measure(sys_by_name, [64, 512], 1, args.vocab, seed=999)  # warm-up: kernels for both paths
-            rows = measure(sys_by_name, lens, args.repeats, args.vocab)
+            rows = measure(sys_by_name, lens, args.repeats, args.vocab, raw_client=True)
             save_metrics(sys_by_name, log_dir)
             if args.profile:  # after the timed requests: the profiler's cost stays out of them
                 traces[mode] = profile_requests(sys_by_name["disagg"], lens, args.vocab)
@@ -112,7 +112,9 @@ def ttft_phase(args: argparse.Namespace, model: Path) -> dict:
         return {f"ttft_prefill_tp{args.prefill_tp}": out} | traced
     return traced | {"ttft": out, "ttft_ratio": {str(n): r["ttft_ratio"] for n, r in first.items()},
             "exposed_handoff_ms_8k": {mode: rows[8192]["exposed_ms"] for mode, rows in out.items() if 8192 in rows},
-            "ttft_fixed_ms_512": first[512]["timeline_ms"]["colocated_fixed"] if 512 in first else None}
+            "ttft_fixed_ms_512": first[512]["timeline_ms"]["colocated_fixed"] if 512 in first else None,
+            "ttft_fixed_ms_512_raw_client": (first[512]["timeline_ms"]["colocated_fixed_raw_client"]
+                                             if 512 in first else None)}
 
 
 def profile_requests(system: System, lens: list[int], vocab: int) -> dict[str, str]:

@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import re
+import socket
 import statistics
 import sys
 import time
@@ -68,6 +69,38 @@ def ttft_of(url: str, prompt: list[int]) -> float:
     raise RuntimeError("no content in the stream")
 
 
+# One keep-alive connection per node for ttft_raw.
+RAW_SOCKETS: dict[str, socket.socket] = {}
+
+
+def ttft_raw(url: str, prompt: list[int]) -> float:
+    """ttft_of's request through a bare HTTP/1.1 socket: the time to the first event's bytes, with none of
+    a client library's own work (httpx's parsing and wake-ups: about 1 ms a first token on a CPU core),
+    so that what it times beyond the engine is the node's."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = RAW_SOCKETS.get(url)
+    if sock is None:
+        sock = RAW_SOCKETS[url] = socket.create_connection((host, int(port)), timeout=600)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    body = json.dumps({"prompt": prompt, "max_tokens": 1, "ignore_eos": True, "temperature": 0,
+                       "stream": True}).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+               f"content-length: {len(body)}\r\n\r\n").encode() + body
+    start = time.perf_counter()
+    sock.sendall(request)
+    got, ttft = b"", None
+    while not got.endswith(b"0\r\n\r\n"):  # the chunked stream's end; [DONE] comes before it
+        data = sock.recv(65536)
+        if not data:
+            raise RuntimeError("the node closed the connection")
+        got += data
+        if ttft is None and b'"choices":[{' in got:
+            ttft = time.perf_counter() - start
+    if not got.startswith(b"HTTP/1.1 200") or ttft is None:
+        raise RuntimeError(f"no first token in the answer: {got[:300]!r}")
+    return ttft
+
+
 # Histograms read around each request: the colocated node's engine and API times, the pair's handoff steps.
 COLOCATED_TIMES = ["request_queue_time", "request_prefill_time", "time_to_first_token"]
 DECODE_STEPS = ["time_to_first_token", "remote_prefill_call", "kv_lookup_wait", "kv_entry_receive", "kv_load",
@@ -101,7 +134,9 @@ def last_prefill(system: System) -> tuple[float, float]:
     return float(seconds), float(kib)
 
 
-def measure(sys_by_name: dict[str, System], lens: list[int], repeats: int, vocab: int, seed: int = 0) -> dict:
+def measure(sys_by_name: dict[str, System], lens: list[int], repeats: int, vocab: int, seed: int = 0,
+            raw_client: bool = False) -> dict:
+    """raw_client: each colocated request is followed by one through ttft_raw (colocated_fixed_raw_client)."""
     import random
 
     rng = random.Random(seed)
@@ -131,6 +166,13 @@ def measure(sys_by_name: dict[str, System], lens: list[int], repeats: int, vocab
                                        "api": d["time_to_first_token"] - engine,
                                        "http": ttft - d["time_to_first_token"]}.items():
                         rec.setdefault(f"colocated_{key}", []).append(value)
+                    if raw_client:  # the same again through a bare socket: the node's share of *fixed*
+                        times = scrape(system.front.url, COLOCATED_TIMES)
+                        raw = ttft_raw(system.front.url, [rng.randrange(1000, vocab) for _ in range(n)])
+                        time.sleep(0.2)
+                        d = deltas(times, scrape(system.front.url, COLOCATED_TIMES))
+                        engine = d["request_queue_time"] + d["request_prefill_time"]
+                        rec.setdefault("colocated_fixed_raw_client", []).append(raw - engine)
                 if name == "disagg":
                     for key, value in {**deltas(steps[0], scrape(system.front.url, DECODE_STEPS), "decode_"),
                                        **deltas(steps[1], scrape(system.prefill.url, PREFILL_STEPS), "prefill_")
