@@ -582,13 +582,19 @@ def test_a_prompt_still_computing_holds_up_no_entry_that_is_ready(make_consumer,
 
 
 @pytest.mark.timeout(30)
-def test_the_first_token_follows_the_kv_and_completes_the_entry(make_consumer, make_producer):
+@pytest.mark.parametrize("at_once", [True, False], ids=["sent-by-put", "pipe-busy"])
+def test_the_first_token_follows_the_kv_and_completes_the_entry(make_consumer, make_producer, monkeypatch, at_once):
     """An entry opened to carry its prompt's first token is not in hand until the token has followed its KV
     (a prompt computed in two chunks, in place); it is not withdrawn while the token is awaited, though a
     ready entry waits behind it. One whose prefill fails after its KV but before its token is cancelled.
-    The token's way from its put to the pipe is timed, apart from the KV's sends."""
+    The token's way from its put to the pipe is timed, apart from the KV's sends. Its sender waiting for it,
+    the token is sent by put_first_token's caller (the engine thread) when the pipe takes it without
+    blocking, else by the sender thread."""
+    if not at_once:
+        monkeypatch.setattr(tcp.TcpPipe, "_takes_at_once", lambda self: False)
     token_sends = []
-    consumer, producer = make_consumer(), make_producer(on_first_token_sent=token_sends.append)
+    consumer = make_consumer()
+    producer = make_producer(on_first_token_sent=lambda s: token_sends.append((s, threading.current_thread())))
     kv, groups = layer_kv(tokens=7), [(0, 1), (1, 4)]
     cache = torch.zeros(4, 2, 8, 2, 3)
     consumer.expect("first", [[cache[layer, k, 0:7].reshape(-1) for layer in range(4) for k in (0, 1)]])
@@ -607,8 +613,10 @@ def test_the_first_token_follows_the_kv_and_completes_the_entry(make_consumer, m
     assert producer.put_first_token("first", FirstToken(5, -0.25, top))
     entry = consumer.drop_select("first", [1], timeout=5)
     assert entry.in_place and entry.first_token == FirstToken(5, -0.25, top)
-    wait_until(lambda: token_sends, 5)  # timed once its send has returned, on the sender thread
-    assert len(token_sends) == 1 and 0 <= token_sends[0] < 5
+    wait_until(lambda: token_sends, 5)  # timed once its send has returned
+    assert len(token_sends) == 1 and 0 <= token_sends[0][0] < 5
+    sender = token_sends[0][1]
+    assert (sender is threading.current_thread()) == at_once, sender.name
     assert torch.equal(consumer.drop_select("ready", [2], timeout=5).kv_tensors[0], torch.ones(3))
 
     producer.open("failed", [3], groups, 7, kv.nbytes, consumer.address, first_token=True)

@@ -87,6 +87,9 @@ class _Pending:
     groups_put: int = 0  # layer groups of the current chunk
     sending: bool = False  # on the wire right now: cannot be dropped until the send ends
     aborted: bool = False  # aborted while sending: not retried if that send fails
+    awaited: int | None = None  # the part its sender waits for, with every part before it sent
+    put_sending: bool = False  # put_first_token is sending a part on the sender's connection
+    sent_by_put: int | None = None  # the part put_first_token sent on the sender's connection, this attempt
 
 
 class LookupBufferProducer:
@@ -191,7 +194,13 @@ class LookupBufferProducer:
 
     def put_first_token(self, request_id: str, first: FirstToken) -> bool:
         """The prompt's first token, the last message of an entry opened with first_token, after all its
-        KV was put. False, and dropped, if the entry is gone (aborted). Never waits."""
+        KV was put. False, and dropped, if the entry is gone (aborted). Never waits.
+
+        If the entry's sender is waiting for just this part, the caller sends it itself when the pipe
+        takes it without blocking (KVPipe.send_at_once): handed to the sender thread, the token waited
+        1.5-2.6 ms on a GPU pair's prefill node for that thread to get the GIL, twice (once to wake,
+        once after its send), from the engine thread and the event loop answering the Prefill call."""
+        part = _Part(encode_first_token(first), None, first_token_put_at=time.perf_counter())
         with self._cond:
             pending = self._pending.get(request_id)
             if pending is None or pending.aborted:
@@ -200,10 +209,30 @@ class LookupBufferProducer:
                     or pending.tokens_put != pending.entry.tokens:
                 raise ValueError(f"{request_id!r} takes no first token now: not opened to carry one, "
                                  "its KV not all put, or its first token put already")
-            pending.parts.append(_Part(encode_first_token(first), None, first_token_put_at=time.perf_counter()))
-            pending.num_parts = len(pending.parts)
-            self._part_added(pending)
-            return True
+            pipe = self._pipes.get(pending.dest)
+            if pipe is None or not pending.sending or pending.awaited != len(pending.parts):
+                self._add_last_part(pending, part)
+                return True
+            pending.put_sending = True  # its sender waits until this ends
+        sent = False
+        try:
+            sent = pipe.send_at_once(part.tensors)
+        except PipeError:
+            pass  # the pipe is broken: the sender's next send finds out, and the entry goes again
+        finally:
+            with self._cond:
+                pending.put_sending = False
+                if sent:
+                    pending.sent_by_put = len(pending.parts)
+                self._add_last_part(pending, part)
+        if sent and self.on_first_token_sent is not None:
+            self.on_first_token_sent(time.perf_counter() - part.first_token_put_at)
+        return True
+
+    def _add_last_part(self, pending: _Pending, part: _Part) -> None:
+        pending.parts.append(part)
+        pending.num_parts = len(pending.parts)
+        self._part_added(pending)
 
     def _part_added(self, pending: _Pending) -> None:
         """Under the lock: an opened entry got its next part. Its ttl bounds the wait for the consumer, not
@@ -398,10 +427,17 @@ class LookupBufferProducer:
         while pending.num_parts is None or i < pending.num_parts:
             between_chunks = i > 0 and pending.parts[i - 1].ends_chunk
             with self._cond:
+                pending.awaited = i
                 # B023: wait_for calls the predicate in this iteration only.
                 self._cond.wait_for(lambda: self._closed or pending.aborted or len(pending.parts) > i  # noqa: B023
                                     or (between_chunks and _complete(queue) is not None),  # noqa: B023
                                     max(0.0, pending.deadline - time.monotonic()))
+                # put_first_token's send on this pipe ends without blocking: the pipe is ours again after it.
+                self._cond.wait_for(lambda: not pending.put_sending)
+                pending.awaited = None
+                if pending.sent_by_put == i:
+                    i += 1
+                    continue
                 part = pending.parts[i] if len(pending.parts) > i else None
                 if part is None and self._closed:
                     raise PipeClosed("the lookup-buffer producer is closed")
@@ -477,6 +513,7 @@ class LookupBufferProducer:
     def _requeue(self, pending: _Pending) -> None:
         """A failed send: retry the entry first, unless it was aborted or expired meanwhile."""
         pending.sending = False
+        pending.sent_by_put = None  # the entry goes again from its start, each part on the sender's thread
         if pending.aborted or pending.deadline <= time.monotonic():
             self._drop_unfinished(pending)
         else:

@@ -23,6 +23,11 @@ from disagg.rate_limited_log import RateLimitedLog
 logger = logging.getLogger(__name__)
 
 
+# The most send_at_once sends (a first-token message, with 20 top logprobs): a TCP socket that polls
+# writable has at least a third of its send buffer free, never less than 1.5 KiB.
+AT_ONCE_MAX_BYTES = 1024
+
+
 # Where recv puts one tensor of a message: a tensor of its shape, views whose bytes, in order, make
 # up the tensor, or rows of a bigger one (a KV cache's blocks; docs/ARCHITECTURE.md, "Pipes").
 Destination = torch.Tensor | list[torch.Tensor] | RowScatter
@@ -118,6 +123,32 @@ class KVPipe(ABC):
                 self._send(header, tensors, computed)
             except Exception as e:  # noqa: BLE001  any error breaks the pipe: re-raised as its PipeError
                 raise self._fail(e, "sending") from None
+
+    def send_at_once(self, tensors: list[torch.Tensor]) -> bool:
+        """send() of a small message of CPU tensors on the caller's thread, only if it cannot wait: no
+        other send in progress, and the transport takes the message without blocking (_takes_at_once).
+        False, with nothing sent, otherwise; a failure mid-message breaks the pipe as send's does.
+        For a thread that must not wait on the network (an engine's) but should not wait for another
+        thread's turn either."""
+        if any(t.is_cuda for t in tensors) or sum(t.nbytes for t in tensors) > AT_ONCE_MAX_BYTES:
+            return False
+        if not self._send_lock.acquire(blocking=False):
+            return False
+        try:
+            if self._closed or self._broken or not self._takes_at_once():
+                return False
+            header = wire.encode(wire.Kind.TENSORS, [wire.TensorMeta.of(t) for t in tensors])
+            try:
+                self._send(header, tensors, True)
+            except Exception as e:  # noqa: BLE001  any error breaks the pipe: re-raised as its PipeError
+                raise self._fail(e, "sending") from None
+            return True
+        finally:
+            self._send_lock.release()
+
+    def _takes_at_once(self) -> bool:
+        """A message of at most AT_ONCE_MAX_BYTES of CPU tensors would be sent now without blocking."""
+        return False
 
     @abstractmethod
     def _send(self, header: bytes, tensors: list[torch.Tensor] | None, computed: bool) -> None:

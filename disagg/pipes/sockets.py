@@ -7,6 +7,7 @@ socket call waits at most `config.timeout` for progress. Who may handshake at a 
 HandshakeSlots' business.
 """
 
+import select
 import socket
 import threading
 import time
@@ -57,6 +58,12 @@ def send_buffers(sock: socket.socket, buffers: list) -> None:
             else:
                 views[i] = views[i][sent:]
                 sent = 0
+
+
+def writable(sock: socket.socket) -> bool:
+    """The socket would take a small write now without blocking (Linux: it polls writable while at
+    least a third of its send buffer is free, and a write blocks only once the buffer is full)."""
+    return bool(select.select([], [sock], [], 0)[1])
 
 
 def recv_exact_into(sock: socket.socket, view: memoryview) -> None:

@@ -27,6 +27,7 @@ from disagg.pipes.sockets import (
     shut,
     socket_errors,
     to_host,
+    writable,
 )
 
 STAGE_BYTES = 64 << 20  # each of the two pinned buffers CUDA views are received through
@@ -66,6 +67,9 @@ class TcpPipe(KVPipe):
         payload = [byte_view(to_host(t)) for t in tensors or []]
         with socket_errors("sending a message", self._config.timeout):
             send_buffers(self._sock, [header, *payload])
+
+    def _takes_at_once(self) -> bool:
+        return writable(self._sock)
 
     def _recv(self, out: list[Destination] | None) -> list[Destination] | None:
         metas = recv_tensor_metas(self._sock, self._config, out)

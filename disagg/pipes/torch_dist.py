@@ -292,6 +292,10 @@ class TorchDistPipe(KVPipe):
         self._send_control([header, routes, *inline])
         self._transfer(backend, bulk, send=True)
 
+    def _takes_at_once(self) -> bool:
+        # Only on the control socket: without NCCL (gloo, on CPUs) a message's bytes wait for the peer's receive.
+        return bool(self._nccl) and sockets.writable(self._sock)
+
     def _send_control(self, buffers: list) -> None:
         with sockets.socket_errors("sending a message header", self._config.timeout):
             sockets.send_buffers(self._sock, buffers)
