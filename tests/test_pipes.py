@@ -33,6 +33,7 @@ from disagg.pipes import (
     RowScatter,
     wire,
 )
+from disagg.pipes.base import AT_ONCE_MAX_BYTES
 
 HERE = Path(__file__).parent
 PEER = HERE / "pipe_peer.py"
@@ -555,6 +556,40 @@ def test_a_refused_send_keeps_the_pipe_and_a_cut_off_one_breaks_it(pipe_name):
         with pytest.raises(PipeError, match="broken"):
             client.send([torch.arange(5)])
         client.close()
+    finally:
+        listener.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pipe_name", ["tcp", "torch_dist"])
+def test_send_at_once_never_waits(pipe_name):
+    """send_at_once sends a small message of CPU tensors only when nothing can make it wait: not while
+    another send holds the pipe (one blocked on a peer that does not read), not a message over its
+    bound, and not over gloo (CPU torch_dist: its bytes wait for the peer's receive); then it returns
+    False at once with nothing sent, and the messages arrive in the order they were sent."""
+    listener = pipes.listen(pipe_name, PipeConfig(kv_port=0, timeout=30))
+    try:
+        client = pipes.connect(pipe_name, PipeConfig(timeout=30), *listener.address)
+        server = listener.accept(timeout=10)
+        small = [torch.arange(8)]
+        if pipe_name == "torch_dist":
+            assert not client.send_at_once(small)
+        else:
+            assert client.send_at_once(small)
+            assert torch.equal(server.recv()[0], small[0])
+            assert not client.send_at_once([torch.zeros(AT_ONCE_MAX_BYTES + 1, dtype=torch.uint8)])
+            big = threading.Thread(target=client.send, args=([torch.ones(16 << 20)],))
+            big.start()  # blocks: nobody reads its 64 MiB yet
+            time.sleep(0.3)
+            start = time.monotonic()
+            assert not client.send_at_once([torch.arange(3)])
+            assert time.monotonic() - start < 0.1
+            assert torch.equal(server.recv()[0], torch.ones(16 << 20))
+            big.join(10)
+            assert client.send_at_once([torch.arange(3)])
+            assert torch.equal(server.recv()[0], torch.arange(3))  # the refused one was never sent
+        client.close()
+        server.close()
     finally:
         listener.close()
 
