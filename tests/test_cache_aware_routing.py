@@ -18,7 +18,9 @@ import torch
 from servers import KV_CACHE_BYTES, Node, metric_sum, start_node, start_router, wait_all_ready, wait_for
 from test_router import MODEL
 
-from disagg.engine.block_hash import prompt_block_hashes
+from disagg.engine import block_hash
+from disagg.engine import kv_view as engine_kv_view
+from disagg.engine.block_hash import LazyBlockHashes, prompt_block_hashes
 from disagg.engine.block_manager import BlockManager
 from disagg.engine.kv_events import KVEventPublisher, KVEventsLagged, KVEventSubscription
 from disagg.engine.kv_tiers.disk import DiskTier
@@ -40,6 +42,22 @@ def test_the_router_hashes_a_prompt_as_the_block_manager_keys_it():
         tokens = list(range(100, 100 + length))
         seq = Sequence(f"r{length}", tokens, SamplingParams())
         assert prompt_block_hashes(tokens, BLOCK) == [h for h, _ in bm.block_keys(seq)]
+
+
+def test_a_decode_node_hashes_a_prompt_only_as_far_as_a_prefill_nodes_cache_matches(monkeypatch):
+    """Weighing a prefill node's cache for a prompt whose first blocks it holds hashes those and the first
+    it lacks, no more; read again (another node, the pull hint), nothing is hashed twice."""
+    tokens = list(range(100, 100 + 40 * BLOCK + 1))
+    full = prompt_block_hashes(tokens, BLOCK)
+    hashed = []
+    real_chain_hash = block_hash.chain_hash
+    monkeypatch.setattr(block_hash, "chain_hash", lambda prev, ids: hashed.append(ids) or real_chain_hash(prev, ids))
+    view = engine_kv_view.CacheView()
+    view.snapshot(0, BLOCK, {"device": full[:3]})
+    lazy = LazyBlockHashes(tokens, BLOCK)
+    assert view.matched_blocks(lazy) == 3 * MEDIUM_WEIGHTS["device"] and len(hashed) == 4
+    assert view.leading_blocks(lazy) == 3 and len(hashed) == 4
+    assert list(lazy) == full and len(lazy) == 40 and len(hashed) == 40
 
 
 def test_a_subscriber_gets_a_snapshot_then_what_entered_and_left_the_cache():

@@ -15,7 +15,7 @@ from servers import PAIR_MAX_MODEL_LEN, free_port, metric_sum, start_node
 from disagg.config import KVTransferConfig
 from disagg.control_plane import NodeInfo, PrefillCall
 from disagg.decode_node.prefill_client import PrefillClient, PrefillPool
-from disagg.engine.block_hash import prompt_block_hashes
+from disagg.engine.block_hash import LazyBlockHashes, prompt_block_hashes
 from disagg.engine.block_manager import BlockManager
 from disagg.engine.kv_cache import KVCache
 from disagg.engine.prefix_blocks import PrefixBlocks
@@ -81,9 +81,10 @@ def test_the_hint_names_the_healthy_node_holding_more_of_the_prefix_than_the_pic
         for client, held in ((a, hashes[:1]), (b, hashes[:3]), (c, hashes[1:])):  # c lacks the first block
             client.mark_healthy()
             client.view.snapshot(0, BLOCK, {"device": list(held), "host": hashes})
-        computed: dict[int, list[int]] = {}
+        computed: dict[int, LazyBlockHashes] = {}
         assert pool.pull_hint(a, prompt, computed) == ("b:2", 3)
-        assert computed == {BLOCK: hashes}  # kept for the caller, as pick() keeps them
+        # Kept for the caller, as pick() keeps them: those read so far (b's three, and the fourth it lacks).
+        assert list(computed) == [BLOCK] and computed[BLOCK].hashes == hashes[:4]
         assert pool.pull_hint(b, prompt, computed) == ("", 0)  # none holds more than b
         b.mark_unhealthy("test")
         assert pool.pull_hint(a, prompt, {}) == ("", 0)  # host blocks do not count: a pull takes device blocks

@@ -37,6 +37,7 @@ from disagg.decode_node.prefill_client import PrefillClient, PrefillNodeUnavaila
 from disagg.decode_node.rank_kv import RankReceivers, within_rank
 from disagg.decode_node.route import Route, RouteCosts
 from disagg.engine.async_engine import AsyncEngine
+from disagg.engine.block_hash import LazyBlockHashes
 from disagg.engine.output import RequestOutput
 from disagg.engine.remote_prefill import RemoteSlot
 from disagg.engine.sampling_params import SamplingParams
@@ -121,7 +122,7 @@ class DecodeNode:
         # Prompt logprobs are not part of the KV handoff: such a request is computed here.
         policy_route = "never" if params.prompt_logprobs is not None else self.remote_prefill
         client, node_seconds, node_per_token = None, None, 0.0
-        hashes: dict[int, list[int]] = {}  # the prompt's block hashes by block size, computed once
+        hashes: dict[int, LazyBlockHashes] = {}  # the prompt's block hashes by block size, computed once
         if policy_route != "never":
             with contextlib.suppress(PrefillNodeUnavailable):  # then _fetch_kv tells why, if it goes out
                 client = self.pool.pick(prompt_token_ids, hashes)
@@ -193,7 +194,7 @@ class DecodeNode:
 
     async def _fetch_kv(self, request_id: str, queue: asyncio.Queue, slot: RemoteSlot, prompt_token_ids: list[int],
                         params: SamplingParams, policy: str, picked: PrefillClient | None,
-                        block_hashes: dict[int, list[int]]) -> None:
+                        block_hashes: dict[int, LazyBlockHashes]) -> None:
         client: PrefillClient | None = None
         answer = lookup = None
         start = time.perf_counter()

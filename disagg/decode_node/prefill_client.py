@@ -26,7 +26,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from disagg.control_plane import NodeInfo, NodeLoad, PrefillCall, PrefillProgress, PrefillResult
-from disagg.engine.block_hash import prompt_block_hashes
+from disagg.engine.block_hash import LazyBlockHashes
 from disagg.engine.kv_view import CacheView, KVEventsError
 from disagg.proto import AUTH_METADATA_KEY, SERVICE_NAME, convert, disagg_pb2_grpc
 from disagg.proto import disagg_pb2 as pb
@@ -193,7 +193,7 @@ class PrefillClient:
                 stream.cancel()
             await asyncio.sleep(WATCH_RETRY_S)
 
-    def pending_tokens(self, prompt_token_ids: list[int], block_hashes: dict[int, list[int]]) -> int:
+    def pending_tokens(self, prompt_token_ids: list[int], block_hashes: dict[int, LazyBlockHashes]) -> int:
         """The prompt tokens the node would compute before this prompt's first token: its queue, then what
         its prefix cache does not hold of the prompt. `block_hashes`: the prompt's, by block size, filled
         as needed."""
@@ -201,11 +201,11 @@ class PrefillClient:
         cached = 0
         if size:
             if size not in block_hashes:
-                block_hashes[size] = prompt_block_hashes(prompt_token_ids, size)
+                block_hashes[size] = LazyBlockHashes(prompt_token_ids, size)
             cached = self.view.matched_blocks(block_hashes[size]) * size
         return self.load.queued_prefill_tokens + self.sent_tokens + len(prompt_token_ids) - cached
 
-    def expected_seconds(self, prompt_token_ids: list[int], block_hashes: dict[int, list[int]],
+    def expected_seconds(self, prompt_token_ids: list[int], block_hashes: dict[int, LazyBlockHashes],
                          unmeasured_base: float = 0.0, tokens_per_s: float = 0.0) -> float:
         """How long the node would take to compute the prompt (its pending tokens) at `tokens_per_s`
         (PrefillPool.tokens_per_s), else its own measured throughput, else a cautious default, after a
@@ -304,7 +304,8 @@ class PrefillPool:
         self.health_task = asyncio.create_task(self._health_loop(), name="prefill-health")
         self.watch_tasks = [asyncio.create_task(c.watch(), name=f"prefill-watch-{c.address}") for c in self.clients]
 
-    def pick(self, prompt_token_ids: list[int], block_hashes: dict[int, list[int]] | None = None) -> PrefillClient:
+    def pick(self, prompt_token_ids: list[int],
+             block_hashes: dict[int, LazyBlockHashes] | None = None) -> PrefillClient:
         """The healthy node with the fewest prompt tokens to compute before this prompt's first token
         (PrefillClient.pending_tokens); ties go to the one with fewer calls in flight, then fewer calls
         made, so light traffic alternates. `block_hashes`: the prompt's by block size, filled as needed,
@@ -322,14 +323,14 @@ class PrefillPool:
         return max((c.load.prefill_tokens_per_s for c in self.clients if c.healthy), default=0.0)
 
     def pull_hint(self, picked: PrefillClient, prompt_token_ids: list[int],
-                  block_hashes: dict[int, list[int]]) -> tuple[str, int]:
+                  block_hashes: dict[int, LazyBlockHashes]) -> tuple[str, int]:
         """Where the picked node may pull the prompt's prefix from (a Prefill call's pull_from,
         pull_blocks): the healthy node whose device prefix cache holds the most of the prompt's leading
         blocks, by its Watch view, if that is more than the picked node holds; ("", 0) when none does.
-        `block_hashes`: the prompt's by block size, as pick() filled them (a 16k prompt's take 1 ms)."""
+        `block_hashes`: the prompt's by block size, as pick() filled them."""
         size = self.expected.block_size
         if size not in block_hashes:
-            block_hashes[size] = prompt_block_hashes(prompt_token_ids, size)
+            block_hashes[size] = LazyBlockHashes(prompt_token_ids, size)
         hashes = block_hashes[size]
         mine = picked.view.leading_blocks(hashes)
         best, most = None, mine

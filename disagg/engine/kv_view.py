@@ -13,6 +13,7 @@ A gap in the batches' numbers, or a broken stream, drops the view; an empty view
 so a node that stopped publishing is weighed by its load alone until a new snapshot comes.
 """
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 MEDIUM_WEIGHTS = {"device": 1.0, "host": 0.5, "disk": 0.25}  # what a block held there is worth
@@ -51,7 +52,7 @@ class CacheView:
         self.hashes = {}
         self.live, self.reason = False, reason
 
-    def leading_blocks(self, block_hashes: list[int], medium: str = "device") -> int:
+    def leading_blocks(self, block_hashes: Iterable[int], medium: str = "device") -> int:
         """How many of the prompt's leading blocks the node holds in one tier."""
         held = self.hashes.get(medium, set()) if self.live else set()
         count = 0
@@ -61,7 +62,7 @@ class CacheView:
             count += 1
         return count
 
-    def matched_blocks(self, block_hashes: list[int]) -> float:
+    def matched_blocks(self, block_hashes: Iterable[int]) -> float:
         """The prompt's leading blocks the node holds in any tier, each counted by its tier's weight
         (a chained hash names its whole prefix, so the count stops at the first block held nowhere)."""
         if not self.live:
