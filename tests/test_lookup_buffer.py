@@ -32,7 +32,7 @@ from disagg.lookup_buffer import (
     token_digest,
 )
 from disagg.lookup_buffer.messages import Hello, encode_entry, encode_hello
-from disagg.pipes import PipeConfig, RowScatter, sockets, tcp, wire
+from disagg.pipes import PipeConfig, PipeError, RowScatter, sockets, tcp, wire
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = Path(__file__).resolve().parent / "lookup_peer.py"
@@ -629,6 +629,30 @@ def test_the_first_token_follows_the_kv_and_completes_the_entry(make_consumer, m
     assert not producer.put_first_token("failed", FirstToken(5))  # too late: dropped
     wait_until(lambda: producer.stats().entries == 0, 5)
     assert (producer.stats().sent, producer.stats().aborts, consumer.stats().cancelled) == (2, 1, 1)
+
+
+@pytest.mark.timeout(30)
+def test_a_first_token_whose_send_failed_after_an_abort_is_dropped(make_consumer, make_producer, monkeypatch):
+    """The engine thread's send of the first token fails just as the request is aborted (its client went
+    away): the token is dropped, not handed to the sender, which cancels the entry on the wire."""
+    consumer, producer = make_consumer(), make_producer()
+    kv, groups = layer_kv(tokens=3), [(0, 2), (2, 4)]
+    producer.open("gone", [1], groups, 3, kv.nbytes, consumer.address, first_token=True)
+    for first, end in groups:
+        producer.put("gone", first, end, kv[first:end].clone())
+    wait_until(lambda: consumer.stats().connections == 1, 5)
+    time.sleep(0.3)  # its KV is sent: the sender waits for the token
+
+    def aborted_then_cut(pipe, tensors):
+        assert not producer.abort("gone")  # on the wire: marked aborted, dropped by its sender
+        raise PipeError("cut off")
+
+    monkeypatch.setattr(tcp.TcpPipe, "send_at_once", aborted_then_cut)
+    assert not producer.put_first_token("gone", FirstToken(5))
+    with pytest.raises(EntryCancelled):
+        consumer.drop_select("gone", [1], timeout=5, source=producer.source)
+    wait_until(lambda: producer.stats().entries == 0, 5)
+    assert (producer.stats().aborts, consumer.stats().cancelled) == (1, 1)
 
 
 @pytest.mark.timeout(30)

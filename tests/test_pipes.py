@@ -7,6 +7,7 @@ import concurrent.futures
 import importlib.util
 import json
 import os
+import resource
 import select
 import signal
 import socket
@@ -31,6 +32,7 @@ from disagg.pipes import (
     PipeTimeout,
     ProtocolError,
     RowScatter,
+    sockets,
     wire,
 )
 from disagg.pipes.base import AT_ONCE_MAX_BYTES
@@ -580,10 +582,12 @@ def test_send_at_once_never_waits(pipe_name):
             assert not client.send_at_once([torch.zeros(AT_ONCE_MAX_BYTES + 1, dtype=torch.uint8)])
             big = threading.Thread(target=client.send, args=([torch.ones(16 << 20)],))
             big.start()  # blocks: nobody reads its 64 MiB yet
-            time.sleep(0.3)
+            deadline = time.monotonic() + 10
+            while not client._send_lock.locked() and time.monotonic() < deadline:
+                time.sleep(0.01)
             start = time.monotonic()
             assert not client.send_at_once([torch.arange(3)])
-            assert time.monotonic() - start < 0.1
+            assert time.monotonic() - start < 2  # not the big send's wait, which lasts until the peer reads
             assert torch.equal(server.recv()[0], torch.ones(16 << 20))
             big.join(10)
             assert client.send_at_once([torch.arange(3)])
@@ -592,6 +596,24 @@ def test_send_at_once_never_waits(pipe_name):
         server.close()
     finally:
         listener.close()
+
+
+def test_a_socket_past_descriptor_1023_is_polled_too():
+    """select() refuses descriptors above 1023, which a node with many peers and CUDA's files reaches."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if max(soft, hard if hard != resource.RLIM_INFINITY else soft) < 2048:
+        pytest.skip("the open-file limit is below 2048")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    a, b = socket.socketpair()
+    high = socket.socket(fileno=os.dup2(a.fileno(), 2000))
+    try:
+        assert sockets.writable(high)
+        high.close()
+        assert not sockets.writable(high)  # closed: fd -1
+    finally:
+        for s in (a, b, high):
+            s.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 @pytest.mark.timeout(30)

@@ -109,7 +109,8 @@ class LookupBufferProducer:
         close). on_sent(nbytes, seconds) is called on a sender thread for every KV message it has sent,
         with the seconds the send took (for a GPU part: until the transport was done with it);
         on_first_token_sent(seconds) for every first token, with the seconds from its put to its send's end
-        (the hop to the sender thread included: the first token's whole way on this side)."""
+        (the first token's whole way on this side), on the thread that sent it: the sender, or
+        put_first_token's caller."""
         if kv_buffer_size <= 0:
             raise ValueError(f"kv_buffer_size must be positive, got {kv_buffer_size}")
         self.pipe_name = pipe_name
@@ -194,7 +195,8 @@ class LookupBufferProducer:
 
     def put_first_token(self, request_id: str, first: FirstToken) -> bool:
         """The prompt's first token, the last message of an entry opened with first_token, after all its
-        KV was put. False, and dropped, if the entry is gone (aborted). Never waits.
+        KV was put. False, and dropped, if the entry is gone (aborted). Never waits: a send on the
+        caller's thread is one the pipe takes at once (KVPipe.send_at_once).
 
         If the entry's sender is waiting for just this part, the caller sends it itself when the pipe
         takes it without blocking (KVPipe.send_at_once): handed to the sender thread, the token waited
@@ -205,7 +207,7 @@ class LookupBufferProducer:
             pending = self._pending.get(request_id)
             if pending is None or pending.aborted:
                 return False
-            if not pending.entry.carries_first_token or pending.num_parts is not None \
+            if not pending.entry.carries_first_token or pending.num_parts is not None or pending.put_sending \
                     or pending.tokens_put != pending.entry.tokens:
                 raise ValueError(f"{request_id!r} takes no first token now: not opened to carry one, "
                                  "its KV not all put, or its first token put already")
@@ -214,7 +216,7 @@ class LookupBufferProducer:
                 self._add_last_part(pending, part)
                 return True
             pending.put_sending = True  # its sender waits until this ends
-        sent = False
+        sent = kept = False
         try:
             sent = pipe.send_at_once(part.tensors)
         except PipeError:
@@ -224,10 +226,14 @@ class LookupBufferProducer:
                 pending.put_sending = False
                 if sent:
                     pending.sent_by_put = len(pending.parts)
-                self._add_last_part(pending, part)
+                kept = sent or not pending.aborted
+                if kept:
+                    self._add_last_part(pending, part)
+                else:  # aborted meanwhile and not on the wire: its sender cancels the entry
+                    self._cond.notify_all()
         if sent and self.on_first_token_sent is not None:
             self.on_first_token_sent(time.perf_counter() - part.first_token_put_at)
-        return True
+        return kept
 
     def _add_last_part(self, pending: _Pending, part: _Part) -> None:
         pending.parts.append(part)

@@ -135,7 +135,10 @@ class KVPipe(ABC):
         if not self._send_lock.acquire(blocking=False):
             return False
         try:
-            if self._closed or self._broken or not self._takes_at_once():
+            try:
+                if self._closed or self._broken or not self._takes_at_once():
+                    return False
+            except (OSError, ValueError):  # the socket closed under us: the pipe's own send will say so
                 return False
             header = wire.encode(wire.Kind.TENSORS, [wire.TensorMeta.of(t) for t in tensors])
             try:

@@ -61,9 +61,16 @@ def send_buffers(sock: socket.socket, buffers: list) -> None:
 
 
 def writable(sock: socket.socket) -> bool:
-    """The socket would take a small write now without blocking (Linux: it polls writable while at
-    least a third of its send buffer is free, and a write blocks only once the buffer is full)."""
-    return bool(select.select([], [sock], [], 0)[1])
+    """The socket would take a small write now without blocking: Linux polls a TCP socket writable
+    while at least a third of its send buffer is free, and a write of a few hundred bytes then goes in
+    whole (unless the kernel's TCP memory as a whole runs out, when a send waits out the socket's
+    timeout). poll, not select: select fails on a descriptor above 1023. A closed socket is not."""
+    fd = sock.fileno()
+    if fd < 0:
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLOUT for _, events in poller.poll(0))
 
 
 def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
