@@ -169,6 +169,7 @@ class LookupBufferConsumer:
         `discard` cut, nor one the producer closed with a bye), and
         EntryCancelled if the producer cancelled a layer-wise entry on its way.
         """
+        expected = token_digest(token_ids)  # before the wait: a 16k prompt's takes 0.25 ms
         lookup = self._start_lookup(request_id, timeout, source)
         with self._cond:
             try:
@@ -176,7 +177,7 @@ class LookupBufferConsumer:
                     self._cond.wait(lookup.deadline - time.monotonic())
             finally:
                 self._end_lookup(request_id)
-            return self._take(request_id, token_ids)
+            return self._take(request_id, expected)
 
     async def drop_select_async(
         self,
@@ -188,12 +189,13 @@ class LookupBufferConsumer:
         """drop_select for an event loop: the wait holds no thread, so any number of lookups wait at
         once (in a thread pool they would queue behind each other once its threads are taken)."""
         loop = asyncio.get_running_loop()
+        expected = token_digest(token_ids)
         lookup = self._start_lookup(request_id, timeout, source)
         try:
             while True:
                 with self._cond:
                     if self._arrived(lookup):
-                        return self._take(request_id, token_ids)
+                        return self._take(request_id, expected)
                     woken = loop.create_future()
                     self._wakers.add((loop, woken))
                 try:
@@ -250,9 +252,9 @@ class LookupBufferConsumer:
             )
         return False
 
-    def _take(self, request_id: str, token_ids: list[int] | torch.Tensor) -> KVEntry:
-        """Under the lock: remove the arrived entry and hand it over if computed for these tokens."""
-        expected = token_digest(token_ids)
+    def _take(self, request_id: str, expected: str) -> KVEntry:
+        """Under the lock: remove the arrived entry and hand it over if computed for the tokens whose
+        token_digest is `expected`."""
         arrived = self._remove(request_id)
         self._destinations.pop(request_id, None)
         if arrived.entry.token_digest != expected:
