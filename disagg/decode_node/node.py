@@ -300,10 +300,10 @@ class DecodeNode:
                       timeout: float) -> KVEntry:
         """Our consumer's entry of the request (the first of ours), once every entry (ours and every worker
         rank's) has arrived; the first failure ends the wait."""
-        own = asyncio.ensure_future(self._select_own([e.entry_id for e in entries if e.decode_rank == 0],
-                                                     prompt_token_ids, source, timeout))
-        if all(entry.decode_rank == 0 for entry in entries):
-            return await own
+        own_ids = [e.entry_id for e in entries if e.decode_rank == 0]
+        if all(entry.decode_rank == 0 for entry in entries):  # awaited here: no task, no loop turn to hand it over
+            return await self._select_own(own_ids, prompt_token_ids, source, timeout)
+        own = asyncio.ensure_future(self._select_own(own_ids, prompt_token_ids, source, timeout))
         others = asyncio.ensure_future(self.ranks.drop_select(entries, prompt_token_ids, timeout, source))
         try:
             await asyncio.gather(own, others)
