@@ -31,6 +31,7 @@ from disagg.lookup_buffer import (
     ProducerLost,
     token_digest,
 )
+from disagg.lookup_buffer import consumer as consumer_module
 from disagg.lookup_buffer.messages import Hello, encode_entry, encode_hello
 from disagg.pipes import PipeConfig, PipeError, RowScatter, sockets, tcp, wire
 
@@ -742,12 +743,16 @@ def test_a_prompt_computed_in_chunks_travels_chunk_by_chunk(make_consumer, make_
 
 
 @pytest.mark.timeout(60)
-def test_async_lookups_wait_on_the_event_loop_without_threads(make_consumer, make_producer):
+def test_async_lookups_wait_on_the_event_loop_without_threads(make_consumer, make_producer, monkeypatch):
     """64 lookups wait at once on one event loop (more than a default thread pool's threads here),
-    holding no thread; entries arriving in reverse order answer each at once; a discard and a
-    timeout end theirs as drop_select's would."""
+    holding no thread; entries arriving in reverse order answer each at once, each waking its own
+    lookup alone (not all that wait: under load that was a turn of the event loop per lookup per
+    arrival); a discard and a timeout end theirs as drop_select's would."""
     consumer, producer = make_consumer(), make_producer()
     n = 64
+    wakes = []
+    real_set_done = consumer_module._set_done
+    monkeypatch.setattr(consumer_module, "_set_done", lambda future: wakes.append(future) or real_set_done(future))
 
     async def scenario():
         threads = threading.active_count()
@@ -769,6 +774,7 @@ def test_async_lookups_wait_on_the_event_loop_without_threads(make_consumer, mak
     assert [int(e.kv_tensors[0][0]) for e in entries] == list(range(n))
     stats = consumer.stats()
     assert (stats.hits, stats.timeouts, stats.entries) == (n, 1, 0)
+    assert len(wakes) <= n + 1  # one an arrival, one the discard: with every lookup woken, ~n * n / 2
 
 
 @pytest.mark.timeout(30)

@@ -133,7 +133,8 @@ class LookupBufferConsumer:
         # Connections discard() closed to cut off a receive: the producer is not lost, it connects again and
         # sends what it still holds, so their lookups go on.
         self._cut: set[KVPipe] = set()
-        self._wakers: set[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = set()  # drop_select_async waits
+        # drop_select_async's waits, by request id: an arrival wakes its own request's lookups, not every one.
+        self._wakers: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {}
         self._refusals = RateLimitedLog(log)
         self._pipes: set[KVPipe] = set()
         self._receivers: list[threading.Thread] = []
@@ -197,14 +198,17 @@ class LookupBufferConsumer:
                     if self._arrived(lookup):
                         return self._take(request_id, expected)
                     woken = loop.create_future()
-                    self._wakers.add((loop, woken))
+                    self._wakers.setdefault(request_id, set()).add((loop, woken))
                 try:
                     await asyncio.wait_for(woken, max(0.0, lookup.deadline - time.monotonic()))
                 except TimeoutError:
                     pass  # _arrived raises LookupTimeout
                 finally:
                     with self._cond:
-                        self._wakers.discard((loop, woken))
+                        waiting = self._wakers[request_id]
+                        waiting.discard((loop, woken))
+                        if not waiting:
+                            del self._wakers[request_id]
         finally:
             with self._cond:
                 self._end_lookup(request_id)
@@ -267,11 +271,14 @@ class LookupBufferConsumer:
         self._stats.hits += 1
         return arrived.entry
 
-    def _wake(self) -> None:
-        """Under the lock: every waiting lookup rechecks its request, threads and event loops alike."""
+    def _wake(self, request_id: str | None = None) -> None:
+        """Under the lock: the lookups of `request_id` (None: every lookup, for a lost producer or a close)
+        recheck their request; threads wait on the condition, and every one of them wakes."""
         self._cond.notify_all()
-        for loop, woken in self._wakers:
-            loop.call_soon_threadsafe(_set_done, woken)
+        waiting = self._wakers.values() if request_id is None else [self._wakers.get(request_id, ())]
+        for wakers in waiting:
+            for loop, woken in wakers:
+                loop.call_soon_threadsafe(_set_done, woken)
 
     def expect(self, request_id: str, into: list[Destination]) -> None:
         """Receive the KV of `request_id`, when it comes, into `into` (one destination per KV
@@ -290,7 +297,7 @@ class LookupBufferConsumer:
             self._discarded.pop(request_id, None)  # re-insert: the dict stays in deadline order
             self._discarded[request_id] = time.monotonic() + self.ttl
             self._destinations.pop(request_id, None)
-            self._wake()
+            self._wake(request_id)
             filling = self._filling.get(request_id)
             dropped = request_id in self._entries
             if dropped:
@@ -548,7 +555,7 @@ class LookupBufferConsumer:
         with self._cond:
             self._stats.cancelled += 1
             self._remember(self._cancelled, request_id)
-            self._wake()
+            self._wake(request_id)
 
     def _store(self, entry: KVEntry, source: tuple[str, int]) -> None:
         nbytes = 0 if entry.in_place else entry.nbytes  # in place, it takes no room in the buffer
@@ -568,7 +575,7 @@ class LookupBufferConsumer:
             self._entries[entry.request_id] = _Arrived(entry, nbytes, source, time.monotonic() + self.ttl)
             self._stats.entries += 1
             self._stats.bytes += nbytes
-            self._wake()
+            self._wake(entry.request_id)
 
     def _refuse(self, request_id: str, nbytes: int, source: tuple[str, int]) -> None:
         self._stats.refused += 1
