@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from disagg import pipes
-from disagg.lookup_buffer import EntryCancelled, LookupBufferConsumer, LookupBufferProducer
+from disagg.lookup_buffer import EntryCancelled, FirstToken, LookupBufferConsumer, LookupBufferProducer
 from disagg.pipes import (
     AuthError,
     PeerMayWrite,
@@ -766,7 +766,8 @@ def test_chunked_cuda_parts_land_in_the_rows_of_a_cache_between_two_gpus(pipe_na
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_layer_wise_cuda_parts_between_two_gpus(pipe_name):
     """Layer parts computed on cuda:0 by a stream still busy with later work, each handed over with
-    the event after its own layer (as a prefill node's do), land in views of a cache on cuda:1."""
+    the event after its own layer (as a prefill node's do), land in views of a cache on cuda:1; the
+    prompt's first token follows them (sent on the caller's thread where the pipe takes it at once)."""
     torch.cuda.set_device(0)
     config = PipeConfig(kv_port=0, timeout=60)
     consumer = LookupBufferConsumer(pipe_name, config, device="cuda:1")  # receives as a decode node on GPU 1
@@ -776,7 +777,7 @@ def test_layer_wise_cuda_parts_between_two_gpus(pipe_name):
         cache = torch.zeros(8, 2, 4096, 8, 128, device="cuda:1")
         consumer.expect("r", [[cache[layer, k] for layer in range(layers) for k in (0, 1)]])
         producer.open("r", [1], [(layer, layer + 1) for layer in range(layers)], kv.shape[2], kv.nbytes,
-                      consumer.address)
+                      consumer.address, first_token=True)
         big = torch.randn(8192, 8192, device="cuda:0")
         for layer in range(layers):
             part = kv[layer:layer + 1] * 1.0  # computed on the engine's stream
@@ -784,10 +785,12 @@ def test_layer_wise_cuda_parts_between_two_gpus(pipe_name):
             ready.record()
             producer.put("r", layer, layer + 1, part, ready)
             big = big @ big / 8192  # later work queued behind it
+        torch.cuda.synchronize("cuda:0")  # as the engine reads its sampled token back
+        assert producer.put_first_token("r", FirstToken(7, -0.5, [(7, -0.5)]))
         entry = consumer.drop_select("r", [1], 60)
         torch.cuda.synchronize("cuda:1")
         got = cache if entry.in_place else entry.kv_tensors[0]
-        assert torch.equal(got.cpu(), kv.cpu())
+        assert torch.equal(got.cpu(), kv.cpu()) and entry.first_token == FirstToken(7, -0.5, [(7, -0.5)])
     finally:
         producer.close()
         consumer.close()
