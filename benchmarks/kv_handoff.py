@@ -48,12 +48,15 @@ PREFILL_LINE = re.compile(r"prefill (\S+): (\d+) prompt tokens \((\d+) cached\),
 CLIENT = httpx.Client(timeout=600.0)
 
 
-def ttft_of(url: str, prompt: list[int]) -> float:
+def one_token_request(prompt: list[int]) -> dict:
     # One token: its event is the first (a token whose text is an incomplete character sends none
     # until the next, so the first event of a longer stream may come a step late).
-    body = {"prompt": prompt, "max_tokens": 1, "ignore_eos": True, "temperature": 0, "stream": True}
+    return {"prompt": prompt, "max_tokens": 1, "ignore_eos": True, "temperature": 0, "stream": True}
+
+
+def ttft_of(url: str, prompt: list[int]) -> float:
     start = time.perf_counter()
-    with CLIENT.stream("POST", f"{url}/v1/completions", json=body) as response:
+    with CLIENT.stream("POST", f"{url}/v1/completions", json=one_token_request(prompt)) as response:
         response.raise_for_status()
         lines = response.iter_lines()
         for line in lines:
@@ -82,8 +85,7 @@ def ttft_raw(url: str, prompt: list[int]) -> float:
     if sock is None:
         sock = RAW_SOCKETS[url] = socket.create_connection((host, int(port)), timeout=600)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    body = json.dumps({"prompt": prompt, "max_tokens": 1, "ignore_eos": True, "temperature": 0,
-                       "stream": True}).encode()
+    body = json.dumps(one_token_request(prompt)).encode()
     request = (f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
                f"content-length: {len(body)}\r\n\r\n").encode() + body
     start = time.perf_counter()
