@@ -26,7 +26,6 @@ the KV buffer on the GPU. Each phase fits one 10-minute call of the GPU machine.
 
 import argparse
 import dataclasses
-import functools
 import json
 import random
 import signal
@@ -46,6 +45,7 @@ from kv_handoff import measure, ttft_of
 
 from disagg.bench.serve import run_benchmark
 from disagg.launch import wait_healthy
+from disagg.timeline import show, timeline
 
 ATTAINMENT = 0.9
 # The handoff's steps, timed by the nodes (histograms on /metrics): each 1P1D run reports their means.
@@ -84,7 +84,7 @@ def ttft_phase(args: argparse.Namespace, model: Path) -> dict:
     if args.prefill_tp > 1:  # the prefill node on both GPUs; each rank sends its own KV heads
         prefill = dataclasses.replace(gpu0, env={"CUDA_VISIBLE_DEVICES": "0,1"})
         prefill_extra = ["--tensor-parallel-size", str(args.prefill_tp)]
-    out, traces = {}, {}
+    out, traces, timelines = {}, {}, {}
     for mode in args.kv_modes.split(","):
         log_dir = Path(args.work) / f"logs-ttft-{mode}"
         kwargs = node_kwargs(args, model, mode)
@@ -96,7 +96,7 @@ def ttft_phase(args: argparse.Namespace, model: Path) -> dict:
             rows = measure(sys_by_name, lens, args.repeats, args.vocab, raw_client=True)
             save_metrics(sys_by_name, log_dir)
             if args.profile:  # after the timed requests: the profiler's cost stays out of them
-                traces[mode] = profile_requests(sys_by_name["disagg"], lens, args.vocab)
+                traces[mode], timelines[mode] = profile_requests(sys_by_name["disagg"], lens, args.vocab)
         out[mode] = {n: {"ttft_colocated_ms": r["ttft_colocated"] * 1e3, "ttft_disagg_ms": r["ttft_disagg"] * 1e3,
                          "prefill_ms": r["prefill"] * 1e3, "exposed_ms": r["overhead"] * 1e3,
                          "ttft_ratio": r["ttft_disagg"] / r["ttft_colocated"], "kv_mib": r["kv_mib"],
@@ -107,7 +107,7 @@ def ttft_phase(args: argparse.Namespace, model: Path) -> dict:
         print(f"[{mode}] " + "; ".join(f"{n}: ratio {r['ttft_ratio']:.3f}, exposed {r['exposed_ms']:+.1f} ms"
                                        for n, r in out[mode].items()), flush=True)
     first = next(iter(out.values()))
-    traced = {"ttft_torch_traces": traces} if traces else {}
+    traced = {"ttft_torch_traces": traces, "ttft_request_timeline": timelines} if traces else {}
     if args.prefill_tp > 1:
         return {f"ttft_prefill_tp{args.prefill_tp}": out} | traced
     return traced | {"ttft": out, "ttft_ratio": {str(n): r["ttft_ratio"] for n, r in first.items()},
@@ -117,17 +117,27 @@ def ttft_phase(args: argparse.Namespace, model: Path) -> dict:
                                              if 512 in first else None)}
 
 
-def profile_requests(system: System, lens: list[int], vocab: int) -> dict[str, str]:
+def profile_requests(system: System, lens: list[int], vocab: int) -> tuple[dict[str, str], dict[str, list]]:
     """One 1P1D request of each length under both nodes' torch.profiler (/start_profile, /stop_profile):
     each node's GPU timeline (kernels, copies, NCCL, every stream) beside its threads' ops, for the
     handoff's own costs (the export, the send, the receive, the first token's way). Trace paths by
-    length and node."""
-    rng, traces = random.Random(7), {}
+    length and node, and by length the request's way through both nodes (disagg/timeline.py). A request
+    of 64 tokens goes first in each trace: the profiler's first op on a thread costs that thread ~1 ms."""
+    rng, traces, timelines = random.Random(7), {}, {}
     for n in lens:
-        prompt = [rng.randrange(1000, vocab) for _ in range(n)]
-        traced = node_traces([system.prefill, system.front], functools.partial(ttft_of, system.front.url, prompt))
+        first, prompt = ([rng.randrange(1000, vocab) for _ in range(k)] for k in (64, n))
+        nodes = [system.prefill, system.front]
+
+        def run(first: list[int] = first, prompt: list[int] = prompt) -> None:
+            ttft_of(system.front.url, first)
+            ttft_of(system.front.url, prompt)
+
+        traced = node_traces(nodes, run)
         traces |= {f"{n}-{node}": trace for node, trace in traced.items()}
-    return traces
+        timelines[str(n)] = timeline(*(traced[f"{node.role}-{node.port}"] for node in nodes))
+        print(f"one request of {n} tokens, both nodes (ms from the decode node's API):\n{show(timelines[str(n)])}",
+              flush=True)
+    return traces, timelines
 
 
 def start_router(log_dir: Path, fronts: list[System], model: Path,

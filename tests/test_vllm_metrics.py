@@ -24,6 +24,7 @@ from disagg.engine.request_stats import RequestStats
 from disagg.engine.sampling_params import SamplingParams
 from disagg.engine.sequence import Sequence, SequenceStatus
 from disagg.metrics import EngineMetrics, buckets_1_2_5
+from disagg.timeline import timeline
 
 DASHBOARD = Path(__file__).parent / "data" / "vllm_grafana.json"
 MODEL = "SmolLM2-135M-Instruct"  # the pair's served name: the embedded model's
@@ -162,8 +163,9 @@ def test_request_params_n_observes_each_prompts_n(pair_1p1d):
 
 def test_start_and_stop_profile_trace_each_node_of_a_pair(pair_1p1d):
     """vLLM's /start_profile and /stop_profile (the pair runs with --profiler-config): a trace of each
-    node's engine steps for the request between the two calls; a second start or a stop with no start
-    is refused."""
+    node's engine steps for the requests between the two calls, and of every thread's marks, which
+    line the last request's way up across both nodes in the order it went (disagg/timeline.py); a
+    second start or a stop with no start is refused."""
     prefill, decode = pair_1p1d
     for node in pair_1p1d:
         assert httpx.post(f"{node.url}/stop_profile", timeout=30).status_code == 409
@@ -172,9 +174,14 @@ def test_start_and_stop_profile_trace_each_node_of_a_pair(pair_1p1d):
         assert refused.status_code == 409 and "running already" in refused.json()["error"]["message"]
     body = {"model": MODEL, "prompt": "The profiler sees", "max_tokens": 4, "temperature": 0}
     assert httpx.post(f"{decode.url}/v1/completions", json=body, timeout=120).status_code == 200
+    streamed = httpx.post(f"{decode.url}/v1/completions", json=body | {"prompt": "And then it sees", "stream": True},
+                          timeout=120)
+    assert streamed.status_code == 200 and "data: [DONE]" in streamed.text
+    traces = {}
     for node in pair_1p1d:
         stopped = httpx.post(f"{node.url}/stop_profile", timeout=120)
         assert stopped.status_code == 200, stopped.text
+        traces[node.role] = stopped.json()["trace"]
         with gzip.open(stopped.json()["trace"]) as f:
             names = {event.get("name") for event in json.load(f)["traceEvents"]}
         # The model's forward ran on each node while the profiler ran: its matrix products are in the trace,
@@ -185,6 +192,18 @@ def test_start_and_stop_profile_trace_each_node_of_a_pair(pair_1p1d):
             assert any(re.fullmatch(r"disagg_step seqs=1 prompt_tokens=[1-9]\d* context=\d+", s) for s in steps), steps
         else:
             assert any(re.fullmatch(r"disagg_step seqs=1 prompt_tokens=0 context=[1-9]\d*", s) for s in steps), steps
+    rows = timeline(traces[prefill.role], traces[decode.role])
+    order = ["disagg.api.request", "disagg.decode.generate", "disagg.decode.routed", "disagg.decode.prefill_call",
+             "disagg.prefill.call", "disagg.prefill.entries_opened", "step start", "disagg.producer.first_token_put",
+             "disagg.consumer.first_token", "disagg.consumer.stored", "disagg.decode.kv_in_hand",
+             "disagg.api.first_event"]
+    seen = [r["what"].split(" (")[0] for r in rows]
+    assert [what for what in seen if what in order] == order, seen  # each once, on the host's one clock
+    where = {r["what"].split(" (")[0]: (r["node"], r["thread"]) for r in rows}
+    # The marks of every thread: the API's event loop, the consumer's receiver, the prefill node's engine.
+    assert where["disagg.consumer.first_token"] != where["disagg.api.request"]
+    assert where["disagg.producer.first_token_put"] == where["step start"] != where["disagg.prefill.call"]
+    assert rows[0]["what"] == "disagg.api.request" and rows[0]["ms"] == 0 < rows[-1]["ms"] < 60_000
 
 
 def test_request_stats_times_and_prompt_sources():

@@ -91,6 +91,7 @@ from disagg.serving import (
     openai_error,
     request_label,
 )
+from disagg.timeline import mark
 
 logger = logging.getLogger(__name__)
 
@@ -846,11 +847,15 @@ class OpenAIServing:
         return fmt.response(run)
 
     async def events(self, run: Run, fmt: Format, request: SamplingFields) -> AsyncIterator[str]:
+        marked = False  # the first event's mark, for a profiler's timeline
         try:
             async for choice in run.outputs():
                 opening = not choice.started
                 parts = (fmt.first(choice) if opening else []) + fmt.delta(choice)
                 choice.started = True
+                if not marked:
+                    mark("disagg.api.first_event")
+                    marked = True
                 for i, part in enumerate(parts):
                     # vLLM's continuous usage: this choice's prompt and its output so far.
                     usage_info = usage([choice], fmt.num_output_tokens) if request.continuous_usage else None
@@ -919,6 +924,7 @@ async def on_loop_if(small: bool, fn: Callable[[], T]) -> T:
 # up /health and every stream, so a body over INLINE_BODY_BYTES is parsed in a worker thread, after
 # cheap size limits.
 async def read_request(model: type[BaseModel], raw_request: Request) -> BaseModel:
+    mark("disagg.api.request")
     body = await raw_request.body()
     return await on_loop_if(len(body) <= INLINE_BODY_BYTES, lambda: parse_request(model, body))
 

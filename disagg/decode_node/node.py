@@ -45,6 +45,7 @@ from disagg.engine.sequence import TokenLogprob
 from disagg.engine.step_cost import StepCost
 from disagg.lookup_buffer import KVEntry, LookupBufferConsumer, LookupTimeout
 from disagg.pipes.row_scatter import RowScatter
+from disagg.timeline import mark
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ class DecodeNode:
         X-Request-Id or the API's id) only names the request in logs and answers: the engines and the
         prefill node know it by an id this node makes, so clients
         that reuse ids, or other decode nodes, can never touch each other's requests."""
+        mark("disagg.decode.generate")
         policy = prefill_policy or self.prefill_policy
         if policy not in POLICIES:
             raise ValueError(f"prefill_policy must be one of {POLICIES}, got {policy!r}")
@@ -142,6 +144,7 @@ class DecodeNode:
         # A prefix arriving for another request is waited for (bounded as that request's KV is), not fetched again.
         queue, slot, waited = await self.engine.add_routed_request(request_id, prompt_token_ids, params, remote,
                                                                    prefix_wait=self.lookup_timeout)
+        mark("disagg.decode.routed")
         if waited is not None:
             metrics.PREFIX_WAITS.labels("hit" if waited.saved else "missed").inc()
             metrics.PREFIX_WAIT_TOKENS.inc(waited.saved)
@@ -243,6 +246,7 @@ class DecodeNode:
                 finally:
                     watch.cancel()
             entry = lookup.result()
+            mark("disagg.decode.kv_in_hand")
             received = time.perf_counter()
             first = entry.first_token
             if first is None:
@@ -281,7 +285,9 @@ class DecodeNode:
 
     async def _call(self, client: PrefillClient, call: PrefillCall, start: float) -> tuple[PrefillResult, float]:
         """The Prefill call's result, and when it came."""
+        mark("disagg.decode.prefill_call")
         result = await client.prefill(call, idle_timeout=self.prefill_timeout)
+        mark("disagg.decode.prefill_answer")
         answered = time.perf_counter()
         metrics.REMOTE_PREFILL_CALL.observe(answered - start)
         return result, answered

@@ -1,9 +1,10 @@
 """TorchProfiler: a torch.profiler trace of what a node runs between two calls, vLLM's
 `/start_profile` and `/stop_profile` (its `--profiler-config` or `VLLM_TORCH_PROFILER_DIR`).
 
-The trace holds the CPU ops of every thread of the process and, on a GPU, every kernel and copy on
-every stream (CUPTI): the engine's steps beside the KV pipe's receives, as a timeline to open in
-Perfetto (https://ui.perfetto.dev). It is started and stopped on the engine thread, between steps,
+The trace holds the CPU ops of every thread of the process (the engine's, the event loop's, the KV
+pipe's senders and receivers, with their `disagg.*` marks: disagg/timeline.py) and, on a GPU, every
+kernel and copy on every stream (CUPTI): the engine's steps beside the KV pipe's receives, as a
+timeline to open in Perfetto (https://ui.perfetto.dev). It is started and stopped on the engine thread, between steps,
 and written off it; under tensor parallelism it covers rank 0's process only.
 """
 
@@ -30,7 +31,9 @@ class TorchProfiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self.profile = torch.profiler.profile(activities=activities)
+        # Every thread's ops, not only this one's (the engine thread's, which starts it).
+        every_thread = torch.profiler._ExperimentalConfig(profile_all_threads=True)
+        self.profile = torch.profiler.profile(activities=activities, experimental_config=every_thread)
         self.profile.start()
 
     def stop(self) -> torch.profiler.profile:

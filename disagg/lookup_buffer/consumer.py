@@ -52,6 +52,7 @@ from disagg.pipes.base import Destination, KVPipe, PipeConfig
 from disagg.pipes.errors import PeerMayWrite, PipeClosed, PipeError, PipeTimeout, ProtocolError
 from disagg.pipes.row_scatter import RowScatter
 from disagg.rate_limited_log import RateLimitedLog
+from disagg.timeline import mark
 
 log = logging.getLogger(__name__)
 
@@ -387,6 +388,7 @@ class LookupBufferConsumer:
                     break
                 if not isinstance(entry, KVEntry):
                     raise ProtocolError("a producer sent a second hello on one connection")
+                mark("disagg.consumer.entry_header")
                 start = time.perf_counter()
                 outcome = self._recv_kv(pipe, entry)
                 if outcome == RECEIVED:
@@ -490,6 +492,7 @@ class LookupBufferConsumer:
 
     def _recv_part(self, pipe: KVPipe, out: list[Destination] | None) -> list[Destination] | None:
         kv = self._recv(pipe, out)
+        mark("disagg.consumer.part")
         if kv is not None and self.on_received is not None:
             self.on_received(sum(_nbytes(dest) for dest in kv))
         return kv
@@ -526,6 +529,7 @@ class LookupBufferConsumer:
                     if first is None:
                         return None
                     entry.first_token = decode_first_token(first)
+                    mark("disagg.consumer.first_token")
                 return into if into is not None else [whole]
             chunk = self._recv_part(pipe, None)
             if chunk is None:
@@ -575,6 +579,7 @@ class LookupBufferConsumer:
             self._entries[entry.request_id] = _Arrived(entry, nbytes, source, time.monotonic() + self.ttl)
             self._stats.entries += 1
             self._stats.bytes += nbytes
+            mark("disagg.consumer.stored")
             self._wake(entry.request_id)
 
     def _refuse(self, request_id: str, nbytes: int, source: tuple[str, int]) -> None:

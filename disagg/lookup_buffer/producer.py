@@ -40,6 +40,7 @@ from disagg.lookup_buffer.messages import (
 )
 from disagg.pipes.base import KVPipe, PipeConfig
 from disagg.pipes.errors import PipeClosed, PipeError, ProtocolError
+from disagg.timeline import mark
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +203,7 @@ class LookupBufferProducer:
         takes it without blocking (KVPipe.send_at_once): handed to the sender thread, the token waited
         1.5-2.6 ms on a GPU pair's prefill node for that thread to get the GIL, twice (once to wake,
         once after its send), from the engine thread and the event loop answering the Prefill call."""
+        mark("disagg.producer.first_token_put")
         part = _Part(encode_first_token(first), None, first_token_put_at=time.perf_counter())
         with self._cond:
             pending = self._pending.get(request_id)
@@ -231,8 +233,10 @@ class LookupBufferProducer:
                     self._add_last_part(pending, part)
                 else:  # aborted meanwhile and not on the wire: its sender cancels the entry
                     self._cond.notify_all()
-        if sent and self.on_first_token_sent is not None:
-            self.on_first_token_sent(time.perf_counter() - part.first_token_put_at)
+        if sent:
+            mark("disagg.producer.first_token_sent")
+            if self.on_first_token_sent is not None:
+                self.on_first_token_sent(time.perf_counter() - part.first_token_put_at)
         return kept
 
     def _add_last_part(self, pending: _Pending, part: _Part) -> None:
@@ -486,10 +490,13 @@ class LookupBufferProducer:
                 stream[0].wait_event(part.ready)
                 pipe.send(part.tensors, computed)
         if part.first_token_put_at is not None:
+            mark("disagg.producer.first_token_sent")
             if self.on_first_token_sent is not None:
                 self.on_first_token_sent(time.perf_counter() - part.first_token_put_at)
-        elif self.on_sent is not None:
-            self.on_sent(sum(t.nbytes for t in part.tensors), time.perf_counter() - start)
+        else:
+            mark("disagg.producer.part_sent")
+            if self.on_sent is not None:
+                self.on_sent(sum(t.nbytes for t in part.tensors), time.perf_counter() - start)
 
     def _connect(self, dest: tuple[str, int]) -> KVPipe:
         pipe = pipes.connect(self.pipe_name, self.config, dest[0], dest[1])

@@ -28,6 +28,7 @@ from disagg.lookup_buffer import LookupBufferProducer
 from disagg.prefill_node.layer_sender import LayerSender, RankEntry, worker_ranks
 from disagg.prefill_node.pull import PrefixPuller
 from disagg.prefill_node.rank_send import RankSenders
+from disagg.timeline import mark
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ class PrefillNode:
             await self.engine.compile_grammar(params.structured)
         export, sender, workers, nbytes = await self._open_entries(call)
         opened = time.perf_counter()
+        mark("disagg.prefill.entries_opened")
         metrics.KV_BUFFER_INSERT.observe(opened - start)
         final = None
         self.callers[call.request_id] = call
@@ -96,6 +98,7 @@ class PrefillNode:
         try:
             async for out in self.engine.generate(call.request_id, call.prompt_token_ids, params, kv_export=export):
                 final = out
+            mark("disagg.prefill.engine_done")
             tokens = len(call.prompt_token_ids) - call.skip_tokens
             if sender.tokens_put != tokens:
                 raise RuntimeError(

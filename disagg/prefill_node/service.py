@@ -19,6 +19,7 @@ from disagg.lookup_buffer import BufferFullError
 from disagg.prefill_node.node import PrefillNode
 from disagg.proto import AUTH_METADATA_KEY, SERVICE_NAME, convert, disagg_pb2_grpc
 from disagg.proto import disagg_pb2 as pb
+from disagg.timeline import mark
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class PrefillServicer(disagg_pb2_grpc.PrefillServiceServicer):
         """Progress every PROGRESS_INTERVAL_S while the prompt waits or runs, then the result.
         A caller that cancels (its client went away, or it saw no progress) closes this
         generator, which cancels the prefill and so aborts it in the engine."""
+        mark("disagg.prefill.call")
         try:
             call = convert.prefill_call_from_proto(request)
         except ValueError as e:
@@ -100,6 +102,7 @@ class PrefillServicer(disagg_pb2_grpc.PrefillServiceServicer):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        mark("disagg.prefill.answer")
         yield pb.PrefillUpdate(done=convert.prefill_result_to_proto(result))
 
     async def Watch(self, request: pb.WatchRequest,
