@@ -21,6 +21,7 @@ from disagg.control_plane import PrefillCall, PrefillResult
 from disagg.decode_node.node import WHILE_CALLED_S, DecodeNode, PrefillUnavailable
 from disagg.decode_node.prefill_client import PrefillFailed, PrefillNodeUnavailable
 from disagg.engine.async_engine import AsyncEngine, PrefixWait
+from disagg.engine.block_hash import LazyBlockHashes
 from disagg.engine.remote_prefill import RemoteSlot
 from disagg.engine.sampling_params import SamplingParams
 from disagg.lookup_buffer.errors import (
@@ -75,8 +76,15 @@ class FakeEngine:
     stream = AsyncEngine.stream  # the real ones: a stream left early drops its request, unless told not to
     drop = AsyncEngine.drop
 
-    def __init__(self, log: list[tuple], cached_tokens: int = 0, rows: torch.Tensor | None = ROWS):
+    def __init__(self, log: list[tuple], cached_tokens: int = 0, rows: torch.Tensor | None = ROWS,
+                 holds_prefix: bool = True, add_hold: asyncio.Event | None = None):
+        """holds_prefix: what may_hold_block says of the prompt's first block (True: the Prefill call waits
+        for the request's blocks, False: it goes first); add_hold: adding a request waits for it."""
         self.log = log
+        self.block_size = 4
+        self.enable_prefix_caching = True
+        self.holds_prefix = holds_prefix
+        self.add_hold = add_hold
         self.tokenizer = object()
         self.max_model_len = 64
         self.model_config = SimpleNamespace(num_hidden_layers=2)
@@ -96,9 +104,14 @@ class FakeEngine:
         self.log.append(("drop", request_id))
         return True
 
+    def may_hold_block(self, block_hash: int) -> bool:
+        return self.holds_prefix
+
     async def add_routed_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                                  remote, prefix_wait: float = 0.0
                                  ) -> tuple[asyncio.Queue, RemoteSlot | None, PrefixWait | None]:
+        if self.add_hold is not None:
+            await self.add_hold.wait()
         self.queues[request_id] = asyncio.Queue()
         if not remote(len(prompt_token_ids) - self.slot.cached_tokens):
             self.log.append(("add_local_request", request_id, prompt_token_ids))
@@ -184,8 +197,10 @@ class FakeConsumer:
     in a thread (DecodeNode._discard); with `hold_discard` it waits on that event first."""
 
     def __init__(self, log: list[tuple], lookup: Exception | str | None = None, digest: str = DIGEST,
-                 in_place: bool = True, peer_may_write: bool = False, hold_discard: threading.Event | None = None):
+                 in_place: bool = True, peer_may_write: bool = False, hold_discard: threading.Event | None = None,
+                 kv: torch.Tensor | str = KV):
         self.log = log
+        self.kv = kv  # an entry's tensor when it was not received in place
         self.lookup = lookup
         self.digest = digest
         self.in_place = in_place
@@ -214,7 +229,7 @@ class FakeConsumer:
                 self.log.append(("drop_select cancelled", request_id))
                 raise
             raise LookupDiscarded(f"lookup for request {request_id!r} ended: the request was discarded")
-        kv = [RowScatter(CACHE, ROWS)] if self.in_place else [KV]
+        kv = [RowScatter(CACHE, ROWS)] if self.in_place else [self.kv]
         return KVEntry(request_id=request_id, token_digest=self.digest, kv_tensors=kv, in_place=self.in_place,
                        carries_first_token=True, first_token=FirstToken(FIRST))
 
@@ -249,6 +264,12 @@ async def collect(node: DecodeNode, params: SamplingParams | None = None) -> tup
     except Exception as e:  # noqa: BLE001  the test asserts what it was
         return tokens, e
     return tokens, None
+
+
+async def logged(log: list[tuple], name: str) -> None:
+    """Until the log has a call of `name`."""
+    while name not in names(log):  # noqa: ASYNC110  the fakes log calls, they set no event
+        await asyncio.sleep(0.005)
 
 
 def request_id(log: list[tuple]) -> str:
@@ -301,6 +322,107 @@ def test_happy_path_receives_in_place_and_streams():
         # in place: the KV is in the blocks already; the remote first token; loaded after the cached part
         assert called(log, "finish_remote_prefill") == [("finish_remote_prefill", rid, engine.slot, None, FIRST, 3)]
         assert node.kv_received_at == {}
+
+    asyncio.run(main())
+
+
+def test_a_prompt_of_which_nothing_is_here_calls_before_its_blocks_are_reserved():
+    """Our prefix cache holds none of the prompt: the Prefill call (for all of it) goes while the engine
+    thread adds the request; its KV then lands in the rows that add reserved."""
+    async def main():
+        log: list[tuple] = []
+        hold = asyncio.Event()
+        engine = FakeEngine(log, holds_prefix=False, add_hold=hold)
+        node = make_node(log, engine=engine)
+        collecting = asyncio.create_task(collect(node))
+        await logged(log, "prefill")
+        assert "add_remote_request" not in names(log)  # the call did not wait for the engine
+        hold.set()
+        tokens, error = await collecting
+        assert (tokens, error) == ([FIRST, DECODED], None)
+        assert names(log) == ["pick", "pull_hint", "prefill", "drop_select", "add_remote_request", "expect",
+                              "finish_remote_prefill"]
+        rid = request_id(log)
+        assert called(log, "prefill")[0][1] == PrefillCall(rid, PROMPT, SamplingParams(max_tokens=4), ADVERTISE)
+        assert called(log, "add_remote_request")[0][3] == 0  # no wait for an arriving prefix: none was
+        (into,) = called(log, "expect")[0][2]
+        assert into.tensor is CACHE and into.rows is ROWS
+        assert called(log, "finish_remote_prefill") == [("finish_remote_prefill", rid, engine.slot, None, FIRST, 0)]
+        assert node.arriving == {}  # its prefix counted as arriving only while it was fetched
+
+    asyncio.run(main())
+
+
+def test_a_prefix_cached_after_the_call_went_first_is_cut_from_the_kv():
+    """The engine thread found 4 of the prompt's tokens cached (cached since the node looked): the whole
+    prompt's KV comes into a buffer, not the rows, and only what the cache lacks is loaded."""
+    async def main():
+        log: list[tuple] = []
+        engine = FakeEngine(log, cached_tokens=4, holds_prefix=False)
+        kv = torch.arange(2 * 2 * len(PROMPT)).view(2, 2, len(PROMPT), 1, 1)
+        node = make_node(log, engine=engine, consumer=FakeConsumer(log, in_place=False, kv=kv))
+        tokens, error = await collect(node)
+        assert (tokens, error) == ([FIRST, DECODED], None)
+        assert "expect" not in names(log)
+        assert called(log, "prefill")[0][1].skip_tokens == 0
+        loaded, start = called(log, "finish_remote_prefill")[0][3:6:2]
+        assert start == 4 and torch.equal(loaded, kv[:, :, 4:])
+
+    asyncio.run(main())
+
+
+def test_a_prompt_whose_prefix_is_on_its_way_or_cached_here_waits_for_its_blocks_before_calling():
+    async def main():
+        for holds, arriving in ((True, False), (False, True)):
+            log: list[tuple] = []
+            node = make_node(log, engine=FakeEngine(log, holds_prefix=holds))
+            if arriving:  # another request's fetch brings the same first block
+                node.arriving[next(iter(LazyBlockHashes(PROMPT, 4)))] = 1
+            assert (await collect(node))[1] is None
+            assert names(log)[:4] == ["pick", "add_remote_request", "expect", "pull_hint"]
+            assert called(log, "add_remote_request")[0][3] == LOOKUP_TIMEOUT  # it may wait for that prefix
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_call_that_went_first_and_failed_before_the_request_was_added(policy):
+    """The Prefill call fails while the engine thread still adds the request: the failure is handled
+    once the request is there (recomputed or failed by the policy), not before."""
+    async def main():
+        log: list[tuple] = []
+        hold = asyncio.Event()
+        engine = FakeEngine(log, holds_prefix=False, add_hold=hold)
+        node = make_node(log, engine=engine, policy=policy, answer=PrefillNodeUnavailable("prefill-0:50051 gone"),
+                         consumer=FakeConsumer(log, lookup=WAIT))
+        collecting = asyncio.create_task(collect(node))
+        await logged(log, "prefill")
+        await asyncio.sleep(0.05)
+        assert "prefill_locally" not in names(log) and "fail" not in names(log)
+        hold.set()
+        tokens, error = await collecting
+        assert_failed_over(log, tokens, error, policy)
+
+    asyncio.run(main())
+
+
+def test_a_client_gone_before_the_request_was_added_stops_the_call_then_drops_the_request():
+    async def main():
+        log: list[tuple] = []
+        hold = asyncio.Event()
+        node = make_node(log, engine=FakeEngine(log, holds_prefix=False, add_hold=hold),
+                         consumer=FakeConsumer(log, lookup=WAIT))
+        collecting = asyncio.create_task(collect(node))
+        await logged(log, "drop_select")
+        collecting.cancel()
+        await asyncio.sleep(0.05)
+        assert names(log)[-2:] == ["discard", "abort"]  # the fetch ended; the request is not added yet
+        hold.set()
+        with pytest.raises(asyncio.CancelledError):
+            await collecting
+        rid = request_id(log)
+        assert names(log)[-2:] == ["add_remote_request", "drop"] and called(log, "drop") == [("drop", rid)]
+        assert node.arriving == {}
 
     asyncio.run(main())
 

@@ -193,12 +193,16 @@ def test_start_and_stop_profile_trace_each_node_of_a_pair(pair_1p1d):
         else:
             assert any(re.fullmatch(r"disagg_step seqs=1 prompt_tokens=0 context=[1-9]\d*", s) for s in steps), steps
     rows = timeline(traces[prefill.role], traces[decode.role])
-    order = ["disagg.api.request", "disagg.decode.generate", "disagg.decode.routed", "disagg.decode.prefill_call",
-             "disagg.prefill.call", "disagg.prefill.entries_opened", "step start", "disagg.producer.first_token_put",
+    order = ["disagg.api.request", "disagg.decode.generate", "disagg.decode.prefill_call", "disagg.prefill.call",
+             "disagg.prefill.entries_opened", "step start", "disagg.producer.first_token_put",
              "disagg.consumer.first_token", "disagg.consumer.stored", "disagg.decode.kv_in_hand",
              "disagg.api.first_event"]
     seen = [r["what"].split(" (")[0] for r in rows]
     assert [what for what in seen if what in order] == order, seen  # each once, on the host's one clock
+    # A prompt shorter than a block (nothing of it can be cached here) is called for before its blocks are
+    # reserved here, and is in hand after.
+    assert seen.index("disagg.decode.prefill_call") < seen.index("disagg.decode.routed") < \
+        seen.index("disagg.decode.kv_in_hand"), seen
     where = {r["what"].split(" (")[0]: (r["node"], r["thread"]) for r in rows}
     # The marks of every thread: the API's event loop, the consumer's receiver, the prefill node's engine.
     assert where["disagg.consumer.first_token"] != where["disagg.api.request"]

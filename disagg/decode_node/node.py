@@ -23,6 +23,7 @@ If the prefill node is down, dies mid-transfer or is too slow, the request is re
 """
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -98,6 +99,9 @@ class DecodeNode:
         self.node_id = f"d{uuid.uuid4().hex[:8]}"  # names this node's requests on every node
         self.kv_received_at: dict[str, float] = {}  # request id -> when its remote KV was in hand
         self.entries: dict[str, list[HeadsEntry]] = {}  # request id -> its KV's entries, while it is fetched
+        # The first block hash of each prompt whose KV is being fetched (their count): a request for the
+        # same prefix then waits for it in the engine rather than call first (_calls_first).
+        self.arriving: collections.Counter[int] = collections.Counter()
 
     @property
     def disaggregated(self) -> bool:
@@ -135,15 +139,34 @@ class DecodeNode:
                 node_per_token = 1.0 / per_s
         num_decoding = self.engine.stats.num_running
         route = Route(False, "policy")
+        first_block = self._first_block(prompt_token_ids, hashes)
+        if client is not None and self._calls_first(client, first_block):
+            # Nothing of the prompt is here: the Prefill call goes before the engine thread reserves its
+            # blocks (a hop of 1.5-2.6 ms on a GPU pair's decode node), and the route is chosen here.
+            route = self.costs.choose(policy_route, len(prompt_token_ids), num_decoding, node_seconds,
+                                      node_per_token)
+        if route.remote:
+            adding = asyncio.ensure_future(self.engine.add_routed_request(request_id, prompt_token_ids, params,
+                                                                          lambda uncached: True))
+            fetch = asyncio.create_task(self._fetch_kv(request_id, prompt_token_ids, params, policy, client, hashes,
+                                                       first_block, adding, called_first=True))
+            try:
+                queue, slot, waited = await asyncio.shield(adding)
+            except BaseException:  # cancelled, or the engine refused it: the call stops, the request goes
+                fetch.cancel()
+                await asyncio.shield(self._end_unadded(request_id, fetch, adding))
+                raise
+        else:
+            def remote(uncached: int) -> bool:  # on the engine thread, once the cached prefix is known
+                nonlocal route
+                route = self.costs.choose(policy_route, uncached, num_decoding, node_seconds, node_per_token)
+                return route.remote
 
-        def remote(uncached: int) -> bool:  # on the engine thread, once the cached prefix is known
-            nonlocal route
-            route = self.costs.choose(policy_route, uncached, num_decoding, node_seconds, node_per_token)
-            return route.remote
-
-        # A prefix arriving for another request is waited for (bounded as that request's KV is), not fetched again.
-        queue, slot, waited = await self.engine.add_routed_request(request_id, prompt_token_ids, params, remote,
-                                                                   prefix_wait=self.lookup_timeout)
+            # A prefix arriving for another request is waited for (bounded as that request's KV is), not
+            # fetched again.
+            queue, slot, waited = await self.engine.add_routed_request(request_id, prompt_token_ids, params, remote,
+                                                                       prefix_wait=self.lookup_timeout)
+            fetch = None
         mark("disagg.decode.routed")
         if waited is not None:
             metrics.PREFIX_WAITS.labels("hit" if waited.saved else "missed").inc()
@@ -164,8 +187,11 @@ class DecodeNode:
             return
         logger.debug("%s: prompt of %d tokens (%d cached here) goes to a prefill node (remote_prefill %s, %s)",
                      request_id, len(prompt_token_ids), slot.cached_tokens, policy_route, route.basis)
-        fetch = asyncio.create_task(self._fetch_kv(request_id, queue, slot, prompt_token_ids, params, policy, client,
-                                                   hashes))
+        if fetch is None:
+            added = asyncio.get_running_loop().create_future()
+            added.set_result((queue, slot, waited))
+            fetch = asyncio.create_task(self._fetch_kv(request_id, prompt_token_ids, params, policy, client, hashes,
+                                                       first_block, added, called_first=False))
         # Not aborted by the stream when it closes: by _end, once the fetch (and with it any receive
         # into the request's blocks) has ended.
         outputs = self.engine.stream(request_id, queue, abort_on_exit=False)
@@ -183,6 +209,34 @@ class DecodeNode:
             # any receive into the request's blocks) before the request is aborted.
             await asyncio.shield(self._end(request_id, fetch, outputs, finished))
 
+    async def _end_unadded(self, request_id: str, fetch: asyncio.Task, adding: asyncio.Future) -> None:
+        """A request whose Prefill call went first ends before its engine request was in hand: the fetch
+        ends first (and with it any receive into its blocks), then the request, if the engine added it."""
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await fetch
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await adding
+        if adding.done() and not adding.cancelled() and adding.exception() is None:
+            await self.engine.drop(request_id)
+
+    def _first_block(self, prompt_token_ids: list[int], block_hashes: dict[int, LazyBlockHashes]) -> int | None:
+        """The hash of the prompt's first block our prefix cache could serve, None if none could."""
+        if not self.engine.enable_prefix_caching:
+            return None
+        size = self.engine.block_size
+        hashes = block_hashes.setdefault(size, LazyBlockHashes(prompt_token_ids, size))
+        return next(iter(hashes), None)
+
+    def _calls_first(self, client: PrefillClient, first_block: int | None) -> bool:
+        """Whether the request's Prefill call may go before the engine thread has reserved its blocks: our
+        prefix cache holds nothing of the prompt and no KV of it is on its way for another request (then
+        the engine's wait for it decides), and one entry carries its KV (no tensor-parallel split). Read
+        here, off the engine thread: should the engine find a prefix cached meanwhile, the KV comes for
+        the whole prompt, and what the cache holds of it is dropped from it (_fetch_kv)."""
+        if self.ranks is not None or len(client.info.heads_by_rank) > 1:
+            return False
+        return first_block is None or (first_block not in self.arriving and not self.engine.may_hold_block(first_block))
+
     async def _end(self, request_id: str, fetch: asyncio.Task, outputs: AsyncIterator[RequestOutput],
                    finished: bool) -> None:
         if finished:  # the first token may have ended it before the engine loaded the KV
@@ -195,34 +249,40 @@ class DecodeNode:
         if not finished:
             await self.engine.drop(request_id)
 
-    async def _fetch_kv(self, request_id: str, queue: asyncio.Queue, slot: RemoteSlot, prompt_token_ids: list[int],
-                        params: SamplingParams, policy: str, picked: PrefillClient | None,
-                        block_hashes: dict[int, LazyBlockHashes]) -> None:
+    async def _fetch_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, policy: str,
+                        picked: PrefillClient | None, block_hashes: dict[int, LazyBlockHashes],
+                        first_block: int | None, added: asyncio.Future, called_first: bool) -> None:
+        """The request's KV and first token from a prefill node, into the engine request `added` resolves
+        to (its queue, RemoteSlot and prefix wait). called_first: the Prefill call goes before that, for
+        the whole prompt (DecodeNode._calls_first); else after, for what our prefix cache lacks."""
         client: PrefillClient | None = None
-        answer = lookup = None
+        answer = lookup = slot = None
         start = time.perf_counter()
+        if first_block is not None:
+            self.arriving[first_block] += 1
         try:
             client = picked or self.pool.pick(prompt_token_ids, block_hashes)  # none was healthy: this says why
-            # Our prefix cache's hits are held for this request: only the rest of its KV need come.
-            skip = slot.cached_tokens
-            # Blocks reserved already: the KV is received straight into them (else into a buffer first, every
-            # head as one entry), and under tensor parallelism on either node each decode rank receives its
-            # own heads into its own cache's rows, an entry from each prefill rank that holds some of them.
             heads = self.engine.kv_heads_by_rank
-            prefill_heads = client.info.heads_by_rank
-            by_rank = slot.rows is not None and (self.ranks is not None or len(prefill_heads) > 1)
-            kv_ranks = [KVRank(self.kv_advertise, heads[0])] if self.ranks is None else \
-                self.ranks.kv_ranks(self.kv_advertise)
-            entries = plan_entries(request_id, [r.heads for r in kv_ranks], prefill_heads) if by_rank else \
-                [HeadsEntry(request_id, 0, 0, heads[0])]
+            entries = [HeadsEntry(request_id, 0, 0, heads[0])]
+            if called_first:
+                skip, by_rank, kv_ranks = 0, False, []
+            else:
+                queue, slot, _ = added.result()
+                # Our prefix cache's hits are held for this request: only the rest of its KV need come.
+                skip = slot.cached_tokens
+                # Blocks reserved already: the KV is received straight into them (else into a buffer first, every
+                # head as one entry), and under tensor parallelism on either node each decode rank receives its
+                # own heads into its own cache's rows, an entry from each prefill rank that holds some of them.
+                prefill_heads = client.info.heads_by_rank
+                by_rank = slot.rows is not None and (self.ranks is not None or len(prefill_heads) > 1)
+                kv_ranks = [KVRank(self.kv_advertise, heads[0])] if self.ranks is None else \
+                    self.ranks.kv_ranks(self.kv_advertise)
+                if by_rank:
+                    entries = plan_entries(request_id, [r.heads for r in kv_ranks], prefill_heads)
+                self._expect(entries, slot)
+                if by_rank and self.ranks is not None:
+                    await self.ranks.expect(entries, slot.blocks, skip, skip + len(slot.rows))
             self.entries[request_id] = entries
-            if slot.rows is not None:
-                for entry in entries:
-                    if entry.decode_rank == 0:
-                        self.consumer.expect(entry.entry_id,
-                                             [RowScatter(slot.cache, slot.rows, within_rank(entry.heads, heads[0]))])
-            if by_rank and self.ranks is not None:
-                await self.ranks.expect(entries, slot.blocks, skip, skip + len(slot.rows))
             # Leading blocks another prefill node holds and the picked one lacks: it may pull them (pull.py).
             pull_from, pull_blocks = self.pool.pull_hint(client, prompt_token_ids, block_hashes)
             call = PrefillCall(request_id, prompt_token_ids, params, self.kv_advertise, skip, pull_from, pull_blocks,
@@ -233,6 +293,10 @@ class DecodeNode:
             source = (client.info.kv_ip, client.info.kv_port)
             answer = asyncio.ensure_future(self._call(client, call, start))
             lookup = asyncio.ensure_future(self._select(entries, prompt_token_ids, source, WHILE_CALLED_S))
+            if called_first:  # the engine thread reserves the blocks meanwhile
+                queue, slot, _ = await asyncio.shield(added)
+                if slot.cached_tokens == skip:  # else the KV is received into a buffer, and cut below
+                    self._expect(entries, slot)
             await asyncio.wait({answer, lookup}, return_when=asyncio.FIRST_COMPLETED)
             if not lookup.done():
                 answer.result()  # raises why the call failed
@@ -253,9 +317,11 @@ class DecodeNode:
                 raise RuntimeError(f"the KV of {request_id} came without its first token")
             self.kv_received_at[request_id] = received
             kv = None if entry.in_place else entry.kv_tensors[0]
+            if kv is not None and slot.cached_tokens > skip:  # our cache got a prefix after the call went first
+                kv = kv[:, :, slot.cached_tokens - skip:]
             logprob = None if first.logprob is None else TokenLogprob(first.token_id, first.logprob, first.top)
             await self.engine.finish_remote_prefill(request_id, queue, slot, kv, first.token_id, logprob,
-                                                    kv_start=skip)
+                                                    kv_start=slot.cached_tokens)
             loaded = time.perf_counter()
             metrics.KV_LOAD.observe(loaded - received)
             metrics.KV_TRANSFER.observe(loaded - start)
@@ -269,6 +335,11 @@ class DecodeNode:
             stop_tasks(answer, lookup)
             self.kv_received_at.pop(request_id, None)  # a recomputed first token is no remote one
             await asyncio.shield(self._let_go(request_id, client))  # before the blocks are given back
+            if called_first:  # the engine request, once added (else generate says why it was not)
+                try:
+                    await asyncio.shield(added)
+                except Exception:  # noqa: BLE001
+                    return
             where = client.address if client is not None else "no prefill node"
             reason = f"remote prefill of {request_id} failed ({where}): {e}"
             if policy == "fail":
@@ -282,6 +353,20 @@ class DecodeNode:
                     await self.engine.prefill_locally(request_id)
         finally:
             self.entries.pop(request_id, None)
+            if first_block is not None:
+                self.arriving[first_block] -= 1
+                if not self.arriving[first_block]:
+                    del self.arriving[first_block]
+
+    def _expect(self, entries: list[HeadsEntry], slot: RemoteSlot) -> None:
+        """Our consumer's entries received straight into the request's blocks, if it holds them."""
+        if slot.rows is None:
+            return
+        ours = self.engine.kv_heads_by_rank[0]
+        for entry in entries:
+            if entry.decode_rank == 0:
+                rows = RowScatter(slot.cache, slot.rows, within_rank(entry.heads, ours))
+                self.consumer.expect(entry.entry_id, [rows])
 
     async def _call(self, client: PrefillClient, call: PrefillCall, start: float) -> tuple[PrefillResult, float]:
         """The Prefill call's result, and when it came."""

@@ -185,6 +185,12 @@ class AsyncEngine:
                 # Shielded: a second cancellation (servers cancel repeatedly) must not lose the abort.
                 await asyncio.shield(self.drop(request_id))
 
+    def may_hold_block(self, block_hash: int) -> bool:
+        """Whether the device prefix cache holds a block under `block_hash` now, read on the caller's
+        thread: one dict lookup, atomic under the GIL but not in step with the engine thread, which may
+        cache or evict the block right after. A hint; the engine thread's own lookup decides."""
+        return block_hash in self.engine.block_manager.hash_to_block
+
     async def drop(self, request_id: str) -> bool:
         """Abort the request; its stream gets nothing more. False if it had ended."""
         return await self._call(self._drop, request_id, None)
