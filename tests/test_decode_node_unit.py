@@ -146,6 +146,7 @@ class FakeClient:
 
     def __init__(self, log: list[tuple], answer: PrefillResult | Exception, hold: asyncio.Event | None = None):
         self.log = log
+        self.send_hold: asyncio.Event | None = None  # the request goes out once this is set
         self.answer = answer
         self.hold = hold
         self.healthy = True
@@ -153,8 +154,14 @@ class FakeClient:
         self.address = "prefill-0:50051"
         self.info = SimpleNamespace(kv_ip=PRODUCER[0], kv_port=PRODUCER[1], num_kv_heads=3, heads_by_rank=[(0, 3)])
 
-    async def prefill(self, call: PrefillCall, idle_timeout: float) -> PrefillResult:
+    async def prefill(self, call: PrefillCall, idle_timeout: float, sent: asyncio.Future | None = None
+                      ) -> PrefillResult:
         self.log.append(("prefill", call, idle_timeout))
+        if self.send_hold is not None:
+            await self.send_hold.wait()
+        if sent is not None:  # the request is on its way
+            self.log.append(("sent", call.request_id))
+            sent.set_result(None)
         if self.hold is not None:
             await self.hold.wait()
             self.log.append(("answered", call.request_id))
@@ -340,7 +347,7 @@ def test_a_prompt_of_which_nothing_is_here_calls_before_its_blocks_are_reserved(
         hold.set()
         tokens, error = await collecting
         assert (tokens, error) == ([FIRST, DECODED], None)
-        assert names(log) == ["pick", "pull_hint", "prefill", "drop_select", "add_remote_request", "expect",
+        assert names(log) == ["pick", "pull_hint", "prefill", "sent", "drop_select", "add_remote_request", "expect",
                               "finish_remote_prefill"]
         rid = request_id(log)
         assert called(log, "prefill")[0][1] == PrefillCall(rid, PROMPT, SamplingParams(max_tokens=4), ADVERTISE)
@@ -349,6 +356,24 @@ def test_a_prompt_of_which_nothing_is_here_calls_before_its_blocks_are_reserved(
         assert into.tensor is CACHE and into.rows is ROWS
         assert called(log, "finish_remote_prefill") == [("finish_remote_prefill", rid, engine.slot, None, FIRST, 0)]
         assert node.arriving == {}  # its prefix counted as arriving only while it was fetched
+
+    asyncio.run(main())
+
+
+def test_the_engine_adds_a_request_that_called_first_once_its_call_is_out():
+    """The engine thread's hop waits until the call's request is handed to the connection: both want the
+    event loop (and the GIL), and the prefill node has the longer way to go."""
+    async def main():
+        log: list[tuple] = []
+        node = make_node(log, engine=FakeEngine(log, holds_prefix=False))
+        node.pool.clients[0].send_hold = sending = asyncio.Event()
+        collecting = asyncio.create_task(collect(node))
+        await logged(log, "prefill")
+        await asyncio.sleep(0.05)
+        assert "add_remote_request" not in names(log)
+        sending.set()
+        assert await collecting == ([FIRST, DECODED], None)
+        assert names(log).index("sent") < names(log).index("add_remote_request")
 
     asyncio.run(main())
 

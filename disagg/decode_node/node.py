@@ -12,6 +12,8 @@ A disaggregated request, in order (docs/ARCHITECTURE.md, "A request, end to end"
      lookup_timeout), then hits it, and only the rest is asked for;
   2. Prefill(request id, prompt, sampling, our pipe endpoint) on the picked prefill node, with a hint
      naming another prefill node that holds more of the prompt's prefix, if one does (it may pull it);
+     when our prefix cache holds none of the prompt, this call goes first, while the engine thread
+     reserves the blocks (_calls_first);
   3. meanwhile drop_select on our LookupBuffer consumer takes exactly that request's KV off the pipe,
      and the first token the prefill node sampled, which follows the KV there: the call's answer takes
      the longer way (gRPC) and usually comes after, with the costs the route learns from; a call that
@@ -54,6 +56,18 @@ POLICIES = ("recompute", "fail")
 # A lookup started with its Prefill call: its Prefill call's progress bounds it until the answer, and
 # lookup_timeout after that (_fetch_kv); this only keeps it finite.
 WHILE_CALLED_S = 24 * 3600.0
+
+
+def settle(future: asyncio.Future, source: asyncio.Future) -> None:
+    """`future` ends as `source` did."""
+    if future.done():
+        return
+    if source.cancelled():
+        future.cancel()
+    elif source.exception() is not None:
+        future.set_exception(source.exception())
+    else:
+        future.set_result(source.result())
 
 
 def stop_tasks(*tasks: asyncio.Future | None) -> None:
@@ -146,11 +160,18 @@ class DecodeNode:
             route = self.costs.choose(policy_route, len(prompt_token_ids), num_decoding, node_seconds,
                                       node_per_token)
         if route.remote:
-            adding = asyncio.ensure_future(self.engine.add_routed_request(request_id, prompt_token_ids, params,
-                                                                          lambda uncached: True))
+            loop = asyncio.get_running_loop()
+            sent, added = loop.create_future(), loop.create_future()  # the call's request out; the engine's add
             fetch = asyncio.create_task(self._fetch_kv(request_id, prompt_token_ids, params, policy, client, hashes,
-                                                       first_block, adding, called_first=True))
+                                                       first_block, added, sent))
+            adding = None
             try:
+                # The engine thread's hop once the call's request is out: both want this loop and the GIL,
+                # and the prefill node has the longer way to go.
+                await asyncio.wait({sent, fetch}, return_when=asyncio.FIRST_COMPLETED)
+                adding = asyncio.ensure_future(self.engine.add_routed_request(request_id, prompt_token_ids, params,
+                                                                              lambda uncached: True))
+                adding.add_done_callback(functools.partial(settle, added))
                 queue, slot, waited = await asyncio.shield(adding)
             except BaseException:  # cancelled, or the engine refused it: the call stops, the request goes
                 fetch.cancel()
@@ -191,7 +212,7 @@ class DecodeNode:
             added = asyncio.get_running_loop().create_future()
             added.set_result((queue, slot, waited))
             fetch = asyncio.create_task(self._fetch_kv(request_id, prompt_token_ids, params, policy, client, hashes,
-                                                       first_block, added, called_first=False))
+                                                       first_block, added))
         # Not aborted by the stream when it closes: by _end, once the fetch (and with it any receive
         # into the request's blocks) has ended.
         outputs = self.engine.stream(request_id, queue, abort_on_exit=False)
@@ -209,14 +230,16 @@ class DecodeNode:
             # any receive into the request's blocks) before the request is aborted.
             await asyncio.shield(self._end(request_id, fetch, outputs, finished))
 
-    async def _end_unadded(self, request_id: str, fetch: asyncio.Task, adding: asyncio.Future) -> None:
+    async def _end_unadded(self, request_id: str, fetch: asyncio.Task, adding: asyncio.Future | None) -> None:
         """A request whose Prefill call went first ends before its engine request was in hand: the fetch
         ends first (and with it any receive into its blocks), then the request, if the engine added it."""
         with contextlib.suppress(Exception, asyncio.CancelledError):
             await fetch
+        if adding is None:
+            return
         with contextlib.suppress(Exception, asyncio.CancelledError):
             await adding
-        if adding.done() and not adding.cancelled() and adding.exception() is None:
+        if not adding.cancelled() and adding.exception() is None:
             await self.engine.drop(request_id)
 
     def _first_block(self, prompt_token_ids: list[int], block_hashes: dict[int, LazyBlockHashes]) -> int | None:
@@ -251,10 +274,12 @@ class DecodeNode:
 
     async def _fetch_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, policy: str,
                         picked: PrefillClient | None, block_hashes: dict[int, LazyBlockHashes],
-                        first_block: int | None, added: asyncio.Future, called_first: bool) -> None:
+                        first_block: int | None, added: asyncio.Future, sent: asyncio.Future | None = None) -> None:
         """The request's KV and first token from a prefill node, into the engine request `added` resolves
-        to (its queue, RemoteSlot and prefix wait). called_first: the Prefill call goes before that, for
-        the whole prompt (DecodeNode._calls_first); else after, for what our prefix cache lacks."""
+        to (its queue, RemoteSlot and prefix wait). With `sent`, the call goes first (_calls_first), for
+        the whole prompt, and `sent` is set once its request is out, or the fetch failed before that;
+        `added` then resolves later. Else `added` is done, and the call asks for what our cache lacks."""
+        called_first = sent is not None
         client: PrefillClient | None = None
         answer = lookup = slot = None
         start = time.perf_counter()
@@ -291,7 +316,7 @@ class DecodeNode:
             # takes the longer way: whichever fails or ends first decides. The lookup waits as long as the call
             # makes progress, and lookup_timeout after its answer.
             source = (client.info.kv_ip, client.info.kv_port)
-            answer = asyncio.ensure_future(self._call(client, call, start))
+            answer = asyncio.ensure_future(self._call(client, call, start, sent))
             lookup = asyncio.ensure_future(self._select(entries, prompt_token_ids, source, WHILE_CALLED_S))
             if called_first:  # the engine thread reserves the blocks meanwhile
                 queue, slot, _ = await asyncio.shield(added)
@@ -336,6 +361,8 @@ class DecodeNode:
             self.kv_received_at.pop(request_id, None)  # a recomputed first token is no remote one
             await asyncio.shield(self._let_go(request_id, client))  # before the blocks are given back
             if called_first:  # the engine request, once added (else generate says why it was not)
+                if not sent.done():  # failed before the call went: the engine's add need wait no longer
+                    sent.set_result(None)
                 try:
                     await asyncio.shield(added)
                 except Exception:  # noqa: BLE001
@@ -368,10 +395,11 @@ class DecodeNode:
                 rows = RowScatter(slot.cache, slot.rows, within_rank(entry.heads, ours))
                 self.consumer.expect(entry.entry_id, [rows])
 
-    async def _call(self, client: PrefillClient, call: PrefillCall, start: float) -> tuple[PrefillResult, float]:
+    async def _call(self, client: PrefillClient, call: PrefillCall, start: float,
+                    sent: asyncio.Future | None) -> tuple[PrefillResult, float]:
         """The Prefill call's result, and when it came."""
         mark("disagg.decode.prefill_call")
-        result = await client.prefill(call, idle_timeout=self.prefill_timeout)
+        result = await client.prefill(call, idle_timeout=self.prefill_timeout, sent=sent)
         mark("disagg.decode.prefill_answer")
         answered = time.perf_counter()
         metrics.REMOTE_PREFILL_CALL.observe(answered - start)

@@ -131,15 +131,20 @@ class PrefillClient:
         self.mark_healthy()
         return peer
 
-    async def prefill(self, call: PrefillCall, idle_timeout: float) -> PrefillResult:
+    async def prefill(self, call: PrefillCall, idle_timeout: float,
+                      sent: asyncio.Future | None = None) -> PrefillResult:
         """The call's result. It may take as long as the node keeps making progress (its engine
         runs steps, or this prompt gains computed tokens); `idle_timeout` seconds without any
-        ends it with PrefillFailed, and cancelling the call aborts it on the node."""
+        ends it with PrefillFailed, and cancelling the call aborts it on the node. `sent` is set once
+        the request is on its way (handed to the connection), or the call ended before."""
         self.outstanding += 1
         self.calls += 1
         self.sent_tokens += len(call.prompt_token_ids)
         stream = self.stub.Prefill(convert.prefill_call_to_proto(call), metadata=self.metadata)
         try:
+            if sent is not None:
+                await stream.wait_for_connection()  # for a response-streaming call: its request is sent
+                sent.set_result(None)
             last, deadline = None, time.monotonic() + idle_timeout
             while True:
                 try:
@@ -165,6 +170,8 @@ class PrefillClient:
                 self.mark_unhealthy(str(error))
             raise error from None
         finally:
+            if sent is not None and not sent.done():
+                sent.set_result(None)
             stream.cancel()  # no-op once finished; otherwise the node aborts the prefill
             self.outstanding -= 1
 
