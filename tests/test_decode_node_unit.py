@@ -159,7 +159,7 @@ class FakeClient:
         self.log.append(("prefill", call, idle_timeout))
         if self.send_hold is not None:
             await self.send_hold.wait()
-        if sent is not None:  # the request is on its way
+        if sent is not None:  # the node has the call
             self.log.append(("sent", call.request_id))
             sent.set_result(None)
         if self.hold is not None:
@@ -360,9 +360,9 @@ def test_a_prompt_of_which_nothing_is_here_calls_before_its_blocks_are_reserved(
     asyncio.run(main())
 
 
-def test_the_engine_adds_a_request_that_called_first_once_its_call_is_out():
-    """The engine thread's hop waits until the call's request is handed to the connection: both want the
-    event loop (and the GIL), and the prefill node has the longer way to go."""
+def test_the_engine_adds_a_request_that_called_first_once_its_call_is_there():
+    """The engine thread's hop waits until the prefill node has the call: both want the event loop (and
+    the GIL), and the prefill node has the longer way to go."""
     async def main():
         log: list[tuple] = []
         node = make_node(log, engine=FakeEngine(log, holds_prefix=False))

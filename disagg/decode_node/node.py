@@ -161,13 +161,13 @@ class DecodeNode:
                                       node_per_token)
         if route.remote:
             loop = asyncio.get_running_loop()
-            sent, added = loop.create_future(), loop.create_future()  # the call's request out; the engine's add
+            sent, added = loop.create_future(), loop.create_future()  # the call is there; the engine's add
             fetch = asyncio.create_task(self._fetch_kv(request_id, prompt_token_ids, params, policy, client, hashes,
                                                        first_block, added, sent))
             adding = None
             try:
-                # The engine thread's hop once the call's request is out: both want this loop and the GIL,
-                # and the prefill node has the longer way to go.
+                # The engine thread's hop once the prefill node has the call: started together, both wanted this
+                # loop and the GIL, and the call left later; the prefill node has the longer way to go.
                 await asyncio.wait({sent, fetch}, return_when=asyncio.FIRST_COMPLETED)
                 adding = asyncio.ensure_future(self.engine.add_routed_request(request_id, prompt_token_ids, params,
                                                                               lambda uncached: True))
@@ -277,7 +277,7 @@ class DecodeNode:
                         first_block: int | None, added: asyncio.Future, sent: asyncio.Future | None = None) -> None:
         """The request's KV and first token from a prefill node, into the engine request `added` resolves
         to (its queue, RemoteSlot and prefix wait). With `sent`, the call goes first (_calls_first), for
-        the whole prompt, and `sent` is set once its request is out, or the fetch failed before that;
+        the whole prompt, and `sent` is set once the prefill node has it, or the fetch failed before that;
         `added` then resolves later. Else `added` is done, and the call asks for what our cache lacks."""
         called_first = sent is not None
         client: PrefillClient | None = None

@@ -136,23 +136,27 @@ class PrefillClient:
         """The call's result. It may take as long as the node keeps making progress (its engine
         runs steps, or this prompt gains computed tokens); `idle_timeout` seconds without any
         ends it with PrefillFailed, and cancelling the call aborts it on the node. `sent` is set once
-        the request is on its way (handed to the connection), or the call ended before."""
+        the node has the request (its handler began), or the call ended before."""
         self.outstanding += 1
         self.calls += 1
         self.sent_tokens += len(call.prompt_token_ids)
         stream = self.stub.Prefill(convert.prefill_call_to_proto(call), metadata=self.metadata)
+        last, deadline = None, time.monotonic() + idle_timeout
+        idle = PrefillFailed(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill node {self.address} made no progress "
+                                                                 f"on {call.request_id} within {idle_timeout:g}s")
         try:
             if sent is not None:
-                await stream.wait_for_connection()  # for a response-streaming call: its request is sent
+                # The node's handler answers with its metadata at once (service.py): the request is there.
+                try:
+                    await asyncio.wait_for(stream.wait_for_connection(), idle_timeout)
+                except TimeoutError:
+                    raise idle from None
                 sent.set_result(None)
-            last, deadline = None, time.monotonic() + idle_timeout
             while True:
                 try:
                     update = await asyncio.wait_for(stream.read(), max(0.0, deadline - time.monotonic()))
                 except TimeoutError:
-                    raise PrefillFailed(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                        f"prefill node {self.address} made no progress on {call.request_id} "
-                                        f"within {idle_timeout:g}s") from None
+                    raise idle from None
                 if update is grpc.aio.EOF:
                     raise PrefillFailed(grpc.StatusCode.INTERNAL,
                                         f"prefill node {self.address} ended {call.request_id} without a result")

@@ -71,6 +71,8 @@ class PrefillServicer(disagg_pb2_grpc.PrefillServiceServicer):
         A caller that cancels (its client went away, or it saw no progress) closes this
         generator, which cancels the prefill and so aborts it in the engine."""
         mark("disagg.prefill.call")
+        # At once, not with the first update: the caller learns that the call is here (PrefillClient.prefill's `sent`).
+        await context.send_initial_metadata(())
         try:
             call = convert.prefill_call_from_proto(request)
         except ValueError as e:
