@@ -146,7 +146,8 @@ class FakeClient:
 
     def __init__(self, log: list[tuple], answer: PrefillResult | Exception, hold: asyncio.Event | None = None):
         self.log = log
-        self.send_hold: asyncio.Event | None = None  # the request goes out once this is set
+        self.send_hold: asyncio.Event | None = None  # the node has the call once this is set
+        self.fail_before_send = False  # the call raises `answer` before the node has it
         self.answer = answer
         self.hold = hold
         self.healthy = True
@@ -157,6 +158,8 @@ class FakeClient:
     async def prefill(self, call: PrefillCall, idle_timeout: float, sent: asyncio.Future | None = None
                       ) -> PrefillResult:
         self.log.append(("prefill", call, idle_timeout))
+        if self.fail_before_send:
+            raise self.answer
         if self.send_hold is not None:
             await self.send_hold.wait()
         if sent is not None:  # the node has the call
@@ -205,9 +208,13 @@ class FakeConsumer:
 
     def __init__(self, log: list[tuple], lookup: Exception | str | None = None, digest: str = DIGEST,
                  in_place: bool = True, peer_may_write: bool = False, hold_discard: threading.Event | None = None,
-                 kv: torch.Tensor | str = KV):
+                 kv: torch.Tensor | str = KV, arrive: asyncio.Event | None = None):
+        """in_place: an entry lands in its destination if one was expected before it arrived (else it
+        comes as `kv`); arrive: a lookup's entry arrives once this is set (else at once)."""
         self.log = log
-        self.kv = kv  # an entry's tensor when it was not received in place
+        self.kv = kv
+        self.arrive = arrive
+        self.expected: set[str] = set()
         self.lookup = lookup
         self.digest = digest
         self.in_place = in_place
@@ -220,6 +227,7 @@ class FakeConsumer:
 
     def expect(self, request_id: str, into: list) -> None:
         self.log.append(("expect", request_id, into))
+        self.expected.add(request_id)
 
     async def drop_select_async(self, request_id: str, token_ids: list[int], timeout: float,
                                 source: tuple[str, int] | None = None) -> KVEntry:
@@ -236,8 +244,11 @@ class FakeConsumer:
                 self.log.append(("drop_select cancelled", request_id))
                 raise
             raise LookupDiscarded(f"lookup for request {request_id!r} ended: the request was discarded")
-        kv = [RowScatter(CACHE, ROWS)] if self.in_place else [self.kv]
-        return KVEntry(request_id=request_id, token_digest=self.digest, kv_tensors=kv, in_place=self.in_place,
+        if self.arrive is not None:
+            await self.arrive.wait()
+        in_place = self.in_place and request_id in self.expected
+        kv = [RowScatter(CACHE, ROWS)] if in_place else [self.kv]
+        return KVEntry(request_id=request_id, token_digest=self.digest, kv_tensors=kv, in_place=in_place,
                        carries_first_token=True, first_token=FirstToken(FIRST))
 
     def discard(self, request_id: str) -> bool:
@@ -338,13 +349,15 @@ def test_a_prompt_of_which_nothing_is_here_calls_before_its_blocks_are_reserved(
     thread adds the request; its KV then lands in the rows that add reserved."""
     async def main():
         log: list[tuple] = []
-        hold = asyncio.Event()
+        hold, arrive = asyncio.Event(), asyncio.Event()
         engine = FakeEngine(log, holds_prefix=False, add_hold=hold)
-        node = make_node(log, engine=engine)
+        node = make_node(log, engine=engine, consumer=FakeConsumer(log, arrive=arrive))
         collecting = asyncio.create_task(collect(node))
         await logged(log, "prefill")
         assert "add_remote_request" not in names(log)  # the call did not wait for the engine
         hold.set()
+        await logged(log, "expect")
+        arrive.set()  # its KV comes after the rows are known: in place
         tokens, error = await collecting
         assert (tokens, error) == ([FIRST, DECODED], None)
         assert names(log) == ["pick", "pull_hint", "prefill", "sent", "drop_select", "add_remote_request", "expect",
@@ -427,6 +440,59 @@ def test_a_call_that_went_first_and_failed_before_the_request_was_added(policy):
         hold.set()
         tokens, error = await collecting
         assert_failed_over(log, tokens, error, policy)
+        assert node.arriving == {}
+
+    asyncio.run(main())
+
+
+def test_a_kv_that_came_before_its_rows_were_known_is_handed_over_as_a_tensor():
+    """Called first, the KV came before the engine thread had reserved the blocks: no destination is
+    registered for a lookup that ended (none would be taken off again), and the tensor is loaded."""
+    async def main():
+        log: list[tuple] = []
+        hold = asyncio.Event()
+        node = make_node(log, engine=FakeEngine(log, holds_prefix=False, add_hold=hold))
+        collecting = asyncio.create_task(collect(node))
+        await logged(log, "drop_select")
+        await asyncio.sleep(0.01)
+        hold.set()
+        assert await collecting == ([FIRST, DECODED], None)
+        assert "expect" not in names(log)
+        assert called(log, "finish_remote_prefill")[0][3:6:2] == (KV, 0)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_call_that_fails_before_it_reaches_the_node_adds_the_request_then_fails_over(policy):
+    """The Prefill call raised before the node had it (its `sent` never set by the client): the engine
+    still gets the request, which is recomputed or failed by the policy, and nothing waits forever."""
+    async def main():
+        log: list[tuple] = []
+        node = make_node(log, engine=FakeEngine(log, holds_prefix=False), policy=policy,
+                         answer=RuntimeError("channel closed"), consumer=FakeConsumer(log, lookup=WAIT))
+        node.pool.clients[0].send_hold = asyncio.Event()  # never set: it fails first
+        node.pool.clients[0].fail_before_send = True
+        tokens, error = await asyncio.wait_for(collect(node), 5)
+        assert_failed_over(log, tokens, error, policy)
+        assert node.arriving == {}
+
+    asyncio.run(main())
+
+
+def test_a_client_gone_before_the_call_reached_the_node_adds_nothing():
+    async def main():
+        log: list[tuple] = []
+        node = make_node(log, engine=FakeEngine(log, holds_prefix=False), consumer=FakeConsumer(log, lookup=WAIT))
+        node.pool.clients[0].send_hold = asyncio.Event()
+        collecting = asyncio.create_task(collect(node))
+        await logged(log, "drop_select")
+        collecting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await collecting
+        assert names(log)[-2:] == ["discard", "abort"]
+        assert "add_remote_request" not in names(log) and "drop" not in names(log)
+        assert node.arriving == {}
 
     asyncio.run(main())
 

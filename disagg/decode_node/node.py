@@ -169,6 +169,9 @@ class DecodeNode:
                 # The engine thread's hop once the prefill node has the call: started together, both wanted this
                 # loop and the GIL, and the call left later; the prefill node has the longer way to go.
                 await asyncio.wait({sent, fetch}, return_when=asyncio.FIRST_COMPLETED)
+                if fetch.done():  # it failed on its way out, and no request may wait for its KV
+                    fetch.result()
+                    raise RuntimeError(f"the KV fetch of {request_id} ended before its request was added")
                 adding = asyncio.ensure_future(self.engine.add_routed_request(request_id, prompt_token_ids, params,
                                                                               lambda uncached: True))
                 adding.add_done_callback(functools.partial(settle, added))
@@ -288,7 +291,7 @@ class DecodeNode:
         try:
             client = picked or self.pool.pick(prompt_token_ids, block_hashes)  # none was healthy: this says why
             heads = self.engine.kv_heads_by_rank
-            entries = [HeadsEntry(request_id, 0, 0, heads[0])]
+            entries = self.entries[request_id] = [HeadsEntry(request_id, 0, 0, heads[0])]
             if called_first:
                 skip, by_rank, kv_ranks = 0, False, []
             else:
@@ -303,11 +306,11 @@ class DecodeNode:
                 kv_ranks = [KVRank(self.kv_advertise, heads[0])] if self.ranks is None else \
                     self.ranks.kv_ranks(self.kv_advertise)
                 if by_rank:
-                    entries = plan_entries(request_id, [r.heads for r in kv_ranks], prefill_heads)
+                    entries = self.entries[request_id] = plan_entries(request_id, [r.heads for r in kv_ranks],
+                                                                      prefill_heads)
                 self._expect(entries, slot)
                 if by_rank and self.ranks is not None:
                     await self.ranks.expect(entries, slot.blocks, skip, skip + len(slot.rows))
-            self.entries[request_id] = entries
             # Leading blocks another prefill node holds and the picked one lacks: it may pull them (pull.py).
             pull_from, pull_blocks = self.pool.pull_hint(client, prompt_token_ids, block_hashes)
             call = PrefillCall(request_id, prompt_token_ids, params, self.kv_advertise, skip, pull_from, pull_blocks,
@@ -319,8 +322,11 @@ class DecodeNode:
             answer = asyncio.ensure_future(self._call(client, call, start, sent))
             lookup = asyncio.ensure_future(self._select(entries, prompt_token_ids, source, WHILE_CALLED_S))
             if called_first:  # the engine thread reserves the blocks meanwhile
+                answer.add_done_callback(lambda _: sent.done() or sent.set_result(None))  # failed before it went
                 queue, slot, _ = await asyncio.shield(added)
-                if slot.cached_tokens == skip:  # else the KV is received into a buffer, and cut below
+                # Received in place if its rows are known before its KV comes (else into a buffer, then
+                # cut below if our cache got a prefix meanwhile).
+                if slot.cached_tokens == skip and not lookup.done():
                     self._expect(entries, slot)
             await asyncio.wait({answer, lookup}, return_when=asyncio.FIRST_COMPLETED)
             if not lookup.done():
@@ -379,6 +385,8 @@ class DecodeNode:
                 with contextlib.suppress(KeyError):  # it may have been aborted meanwhile
                     await self.engine.prefill_locally(request_id)
         finally:
+            if called_first and not sent.done():  # generate adds no request for a fetch that ends so
+                sent.set_result(None)
             self.entries.pop(request_id, None)
             if first_block is not None:
                 self.arriving[first_block] -= 1

@@ -186,10 +186,13 @@ class AsyncEngine:
                 await asyncio.shield(self.drop(request_id))
 
     def may_hold_block(self, block_hash: int) -> bool:
-        """Whether the device prefix cache holds a block under `block_hash` now, read on the caller's
-        thread: one dict lookup, atomic under the GIL but not in step with the engine thread, which may
-        cache or evict the block right after. A hint; the engine thread's own lookup decides."""
-        return block_hash in self.engine.block_manager.hash_to_block
+        """Whether the device prefix cache or the host KV tier (which a remote request's prefix is loaded
+        from too) holds a block under `block_hash` now, read on the caller's thread: dict lookups, atomic
+        under the GIL but not in step with the engine thread, which may cache or evict the block right
+        after. A hint; the engine thread's own lookup decides."""
+        offload = self.engine.offload
+        return block_hash in self.engine.block_manager.hash_to_block or (offload is not None and
+                                                                        block_hash in offload.host)
 
     async def drop(self, request_id: str) -> bool:
         """Abort the request; its stream gets nothing more. False if it had ended."""
