@@ -40,7 +40,7 @@ from disagg.decode_node.prefill_client import PrefillClient, PrefillNodeUnavaila
 from disagg.decode_node.rank_kv import RankReceivers, within_rank
 from disagg.decode_node.route import Route, RouteCosts
 from disagg.engine.async_engine import AsyncEngine
-from disagg.engine.block_hash import LazyBlockHashes
+from disagg.engine.block_hash import LazyBlockHashes, hashes_at
 from disagg.engine.output import RequestOutput
 from disagg.engine.remote_prefill import RemoteSlot
 from disagg.engine.sampling_params import SamplingParams
@@ -249,9 +249,7 @@ class DecodeNode:
         """The hash of the prompt's first block our prefix cache could serve, None if none could."""
         if not self.engine.enable_prefix_caching:
             return None
-        size = self.engine.block_size
-        hashes = block_hashes.setdefault(size, LazyBlockHashes(prompt_token_ids, size))
-        return next(iter(hashes), None)
+        return next(iter(hashes_at(block_hashes, prompt_token_ids, self.engine.block_size)), None)
 
     def _calls_first(self, client: PrefillClient, first_block: int | None) -> bool:
         """Whether the request's Prefill call may go before the engine thread has reserved its blocks: our

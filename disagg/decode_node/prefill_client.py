@@ -26,7 +26,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from disagg.control_plane import NodeInfo, NodeLoad, PrefillCall, PrefillProgress, PrefillResult
-from disagg.engine.block_hash import LazyBlockHashes
+from disagg.engine.block_hash import LazyBlockHashes, hashes_at
 from disagg.engine.kv_view import CacheView, KVEventsError
 from disagg.proto import AUTH_METADATA_KEY, SERVICE_NAME, convert, disagg_pb2_grpc
 from disagg.proto import disagg_pb2 as pb
@@ -211,9 +211,7 @@ class PrefillClient:
         size = self.view.block_size
         cached = 0
         if size:
-            if size not in block_hashes:
-                block_hashes[size] = LazyBlockHashes(prompt_token_ids, size)
-            cached = self.view.matched_blocks(block_hashes[size]) * size
+            cached = self.view.matched_blocks(hashes_at(block_hashes, prompt_token_ids, size)) * size
         return self.load.queued_prefill_tokens + self.sent_tokens + len(prompt_token_ids) - cached
 
     def expected_seconds(self, prompt_token_ids: list[int], block_hashes: dict[int, LazyBlockHashes],
@@ -339,10 +337,7 @@ class PrefillPool:
         pull_blocks): the healthy node whose device prefix cache holds the most of the prompt's leading
         blocks, by its Watch view, if that is more than the picked node holds; ("", 0) when none does.
         `block_hashes`: the prompt's by block size, as pick() filled them."""
-        size = self.expected.block_size
-        if size not in block_hashes:
-            block_hashes[size] = LazyBlockHashes(prompt_token_ids, size)
-        hashes = block_hashes[size]
+        hashes = hashes_at(block_hashes, prompt_token_ids, self.expected.block_size)
         mine = picked.view.leading_blocks(hashes)
         best, most = None, mine
         for client in self.clients:

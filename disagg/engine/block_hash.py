@@ -45,3 +45,11 @@ class LazyBlockHashes:
                 block = self.token_ids[i * self.block_size:(i + 1) * self.block_size]
                 self.hashes.append(chain_hash(self.hashes[-1] if self.hashes else None, block))
             yield self.hashes[i]
+
+
+def hashes_at(block_hashes: dict[int, LazyBlockHashes], token_ids: list[int], block_size: int) -> LazyBlockHashes:
+    """The prompt's LazyBlockHashes at `block_size` from `block_hashes` (the prompt's, by block size), made
+    and kept there the first time it is asked for: one prompt is weighed at each block size once."""
+    if block_size not in block_hashes:
+        block_hashes[block_size] = LazyBlockHashes(token_ids, block_size)
+    return block_hashes[block_size]
