@@ -4,8 +4,8 @@
 The trace holds the CPU ops of every thread of the process (the engine's, the event loop's, the KV
 pipe's senders and receivers, with their `disagg.*` marks: disagg/timeline.py) and, on a GPU, every
 kernel and copy on every stream (CUPTI): the engine's steps beside the KV pipe's receives, as a
-timeline to open in Perfetto (https://ui.perfetto.dev). It is started and stopped on the engine thread, between steps,
-and written off it; under tensor parallelism it covers rank 0's process only.
+timeline to open in Perfetto (https://ui.perfetto.dev). It is started and stopped on the engine
+thread, between steps, and written off it; under tensor parallelism it covers rank 0's process only.
 """
 
 import time
