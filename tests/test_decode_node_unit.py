@@ -368,7 +368,7 @@ def test_a_prompt_of_which_nothing_is_here_calls_before_its_blocks_are_reserved(
         (into,) = called(log, "expect")[0][2]
         assert into.tensor is CACHE and into.rows is ROWS
         assert called(log, "finish_remote_prefill") == [("finish_remote_prefill", rid, engine.slot, None, FIRST, 0)]
-        assert node.arriving == {}  # its prefix counted as arriving only while it was fetched
+        assert node.arriving == {} and node.adding == {}  # counted only while it was fetched, and added
 
     asyncio.run(main())
 
@@ -423,6 +423,39 @@ def test_a_prompt_whose_prefix_is_on_its_way_or_cached_here_waits_for_its_blocks
     asyncio.run(main())
 
 
+def test_a_burst_of_one_prompt_calls_first_once_and_the_rest_wait_for_its_prefix():
+    """Requests for the same prompt that reach the node in one turn of the loop, before any fetch of theirs has
+    run: the first calls first, the others wait in the engine for the prefix it brings (else each would
+    fetch all of it)."""
+    async def main():
+        log: list[tuple] = []
+        node = make_node(log, engine=FakeEngine(log, holds_prefix=False))
+        results = await asyncio.gather(*(collect(node) for _ in range(3)))
+        assert results == [([FIRST, DECODED], None)] * 3
+        assert len(called(log, "sent")) == 1  # one call went first
+        # its request added first, so that the engine has its prefix arriving; the others may wait for it
+        assert [add[3] for add in called(log, "add_remote_request")] == [0, LOOKUP_TIMEOUT, LOOKUP_TIMEOUT]
+        assert node.arriving == {} and node.adding == {}
+
+    asyncio.run(main())
+
+
+def test_a_fetch_cancelled_before_its_first_step_stops_counting_its_prefix():
+    async def main():
+        log: list[tuple] = []
+        node = make_node(log)
+        first_block = next(iter(LazyBlockHashes(PROMPT, 4)))
+        added = asyncio.get_running_loop().create_future()
+        fetch = node._start_fetch("r", PROMPT, SamplingParams(), "recompute", None, {}, first_block, added)
+        assert node.arriving == {first_block: 1}
+        fetch.cancel()  # before it ran any of its code
+        with pytest.raises(asyncio.CancelledError):
+            await fetch
+        assert log == [] and node.arriving == {}
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_a_call_that_went_first_and_failed_before_the_request_was_added(policy):
     """The Prefill call fails while the engine thread still adds the request: the failure is handled
@@ -440,7 +473,7 @@ def test_a_call_that_went_first_and_failed_before_the_request_was_added(policy):
         hold.set()
         tokens, error = await collecting
         assert_failed_over(log, tokens, error, policy)
-        assert node.arriving == {}
+        assert node.arriving == {} and node.adding == {}
 
     asyncio.run(main())
 
@@ -475,7 +508,7 @@ def test_a_call_that_fails_before_it_reaches_the_node_adds_the_request_then_fail
         node.pool.clients[0].fail_before_send = True
         tokens, error = await asyncio.wait_for(collect(node), 5)
         assert_failed_over(log, tokens, error, policy)
-        assert node.arriving == {}
+        assert node.arriving == {} and node.adding == {}
 
     asyncio.run(main())
 
@@ -492,7 +525,7 @@ def test_a_client_gone_before_the_call_reached_the_node_adds_nothing():
             await collecting
         assert names(log)[-2:] == ["discard", "abort"]
         assert "add_remote_request" not in names(log) and "drop" not in names(log)
-        assert node.arriving == {}
+        assert node.arriving == {} and node.adding == {}
 
     asyncio.run(main())
 
@@ -513,7 +546,7 @@ def test_a_client_gone_before_the_request_was_added_stops_the_call_then_drops_th
             await collecting
         rid = request_id(log)
         assert names(log)[-2:] == ["add_remote_request", "drop"] and called(log, "drop") == [("drop", rid)]
-        assert node.arriving == {}
+        assert node.arriving == {} and node.adding == {}
 
     asyncio.run(main())
 

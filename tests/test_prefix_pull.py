@@ -209,3 +209,38 @@ def test_a_decode_node_waits_for_a_prefix_already_arriving_instead_of_fetching_i
     for prompt, answer in zip(prompts, answers):
         assert answer["choices"][0]["text"] == hf_tokenizer.decode(hf_greedy(hf_model, prompt, 8),
                                                                    skip_special_tokens=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_requests_for_one_prefix_sent_together_fetch_it_once(pair_1p1d, hf_model, hf_tokenizer):
+    """Two requests for a prefix that nothing here holds, sent at once: the first calls first (its
+    blocks reserved only once its call is there), the second waits until they are and then for its KV,
+    so the prefix crosses once, and both answers are transformers'."""
+    decode = pair_1p1d[1]
+    prefix = hf_tokenizer("Sent together, fetched once. " + PASSAGE * 7).input_ids[:25 * BLOCK]
+    prompts = [prefix + hf_tokenizer(f" Part {q}: say what it is.").input_ids for q in (1, 2)]
+    config = hf_model.config
+    kv_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * \
+        (config.hidden_size // config.num_attention_heads) * 4  # float32 on the CPU
+    before = decode.samples()
+
+    async def run() -> list[dict]:
+        async with httpx.AsyncClient() as client:
+            async def complete(prompt: list[int]) -> dict:
+                body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+                response = await client.post(f"{decode.url}/v1/completions", json=body, timeout=120)
+                assert response.status_code == 200, response.text
+                return response.json()
+
+            return list(await asyncio.gather(*(complete(prompt) for prompt in prompts)))
+
+    answers = asyncio.run(run())
+    after = decode.samples()
+    received = metric_sum(after, "disagg_kv_transfer_bytes_total", direction="received") - \
+        metric_sum(before, "disagg_kv_transfer_bytes_total", direction="received")
+    assert received == (len(prompts[0]) + len(prompts[1]) - len(prefix)) * kv_per_token
+    assert sorted(answer["usage"]["prompt_tokens_details"]["cached_tokens"] for answer in answers) == [0, len(prefix)]
+    for prompt, answer in zip(prompts, answers):
+        assert answer["choices"][0]["text"] == hf_tokenizer.decode(hf_greedy(hf_model, prompt, 8),
+                                                                   skip_special_tokens=True)

@@ -13,7 +13,8 @@ A disaggregated request, in order (docs/ARCHITECTURE.md, "A request, end to end"
   2. Prefill(request id, prompt, sampling, our pipe endpoint) on the picked prefill node, with a hint
      naming another prefill node that holds more of the prompt's prefix, if one does (it may pull it);
      when our prefix cache holds none of the prompt, this call goes first, while the engine thread
-     reserves the blocks (_calls_first);
+     reserves the blocks (_calls_first), and a request for the same prefix that comes meanwhile waits
+     until they are reserved, then for the prefix as in 1;
   3. meanwhile drop_select on our LookupBuffer consumer takes exactly that request's KV off the pipe,
      and the first token the prefill node sampled, which follows the KV there: the call's answer takes
      the longer way (gRPC) and usually comes after, with the costs the route learns from; a call that
@@ -116,6 +117,9 @@ class DecodeNode:
         # The first block hash of each prompt whose KV is being fetched (their count): a request for the
         # same prefix then waits for it in the engine rather than call first (_calls_first).
         self.arriving: collections.Counter[int] = collections.Counter()
+        # By first block hash, the latest fetch that called first while its request is not added yet: its
+        # `added` future and its task (_first_caller_added).
+        self.adding: dict[int, tuple[asyncio.Future, asyncio.Task]] = {}
 
     @property
     def disaggregated(self) -> bool:
@@ -162,8 +166,8 @@ class DecodeNode:
         if route.remote:
             loop = asyncio.get_running_loop()
             sent, added = loop.create_future(), loop.create_future()  # the call is there; the engine's add
-            fetch = asyncio.create_task(self._fetch_kv(request_id, prompt_token_ids, params, policy, client, hashes,
-                                                       first_block, added, sent))
+            fetch = self._start_fetch(request_id, prompt_token_ids, params, policy, client, hashes, first_block,
+                                      added, sent)
             adding = None
             try:
                 # The engine thread's hop once the prefill node has the call: started together, both wanted this
@@ -187,7 +191,8 @@ class DecodeNode:
                 return route.remote
 
             # A prefix arriving for another request is waited for (bounded as that request's KV is), not
-            # fetched again.
+            # fetched again; the engine sees it arriving once that request holds its blocks.
+            await self._first_caller_added(first_block)
             queue, slot, waited = await self.engine.add_routed_request(request_id, prompt_token_ids, params, remote,
                                                                        prefix_wait=self.lookup_timeout)
             fetch = None
@@ -214,8 +219,8 @@ class DecodeNode:
         if fetch is None:
             added = asyncio.get_running_loop().create_future()
             added.set_result((queue, slot, waited))
-            fetch = asyncio.create_task(self._fetch_kv(request_id, prompt_token_ids, params, policy, client, hashes,
-                                                       first_block, added))
+            fetch = self._start_fetch(request_id, prompt_token_ids, params, policy, client, hashes, first_block,
+                                      added)
         # Not aborted by the stream when it closes: by _end, once the fetch (and with it any receive
         # into the request's blocks) has ended.
         outputs = self.engine.stream(request_id, queue, abort_on_exit=False)
@@ -273,9 +278,43 @@ class DecodeNode:
         if not finished:
             await self.engine.drop(request_id)
 
+    def _start_fetch(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, policy: str,
+                     client: PrefillClient | None, block_hashes: dict[int, LazyBlockHashes], first_block: int | None,
+                     added: asyncio.Future, sent: asyncio.Future | None = None) -> asyncio.Task:
+        """_fetch_kv as a task. The prompt's first block counts as arriving from here, not from the task's
+        first step: the requests of a burst reach _calls_first in one turn of the loop, before any of their
+        fetches runs, and each would call first for the prefix they share. It stops counting once the task is
+        done, however it ended (a task cancelled before its first step runs none of its code)."""
+        fetch = asyncio.create_task(self._fetch_kv(request_id, prompt_token_ids, params, policy, client,
+                                                   block_hashes, added, sent))
+        if first_block is not None:
+            self.arriving[first_block] += 1
+            fetch.add_done_callback(lambda _: self._arrived(first_block))
+            if sent is not None:  # its request is added later (generate)
+                pending = self.adding[first_block] = (added, fetch)
+                for future in pending:
+                    future.add_done_callback(lambda _: self.adding.get(first_block) is pending
+                                             and self.adding.pop(first_block))
+        return fetch
+
+    async def _first_caller_added(self, first_block: int | None) -> None:
+        """Until the request of a fetch that called first for a prompt with this first block holds its
+        blocks, or that fetch ended (bounded by prefill_timeout): the engine then counts that prefix as
+        arriving, and a request for it waits for it there instead of fetching it again. A request that
+        called first is added once its call is there (a gRPC round trip), and the requests of a burst
+        would otherwise reach the engine before it."""
+        pending = self.adding.get(first_block) if first_block is not None else None
+        if pending is not None:
+            await asyncio.wait(pending, timeout=self.prefill_timeout, return_when=asyncio.FIRST_COMPLETED)
+
+    def _arrived(self, first_block: int) -> None:
+        self.arriving[first_block] -= 1
+        if not self.arriving[first_block]:
+            del self.arriving[first_block]
+
     async def _fetch_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, policy: str,
                         picked: PrefillClient | None, block_hashes: dict[int, LazyBlockHashes],
-                        first_block: int | None, added: asyncio.Future, sent: asyncio.Future | None = None) -> None:
+                        added: asyncio.Future, sent: asyncio.Future | None = None) -> None:
         """The request's KV and first token from a prefill node, into the engine request `added` resolves
         to (its queue, RemoteSlot and prefix wait). With `sent`, the call goes first (_calls_first), for
         the whole prompt, and `sent` is set once the prefill node has it, or the fetch failed before that;
@@ -284,8 +323,6 @@ class DecodeNode:
         client: PrefillClient | None = None
         answer = lookup = slot = None
         start = time.perf_counter()
-        if first_block is not None:
-            self.arriving[first_block] += 1
         try:
             client = picked or self.pool.pick(prompt_token_ids, block_hashes)  # none was healthy: this says why
             heads = self.engine.kv_heads_by_rank
@@ -386,10 +423,6 @@ class DecodeNode:
             if called_first and not sent.done():  # generate adds no request for a fetch that ends so
                 sent.set_result(None)
             self.entries.pop(request_id, None)
-            if first_block is not None:
-                self.arriving[first_block] -= 1
-                if not self.arriving[first_block]:
-                    del self.arriving[first_block]
 
     def _expect(self, entries: list[HeadsEntry], slot: RemoteSlot) -> None:
         """Our consumer's entries received straight into the request's blocks, if it holds them."""
