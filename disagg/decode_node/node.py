@@ -191,8 +191,10 @@ class DecodeNode:
                 return route.remote
 
             # A prefix arriving for another request is waited for (bounded as that request's KV is), not
-            # fetched again; the engine sees it arriving once that request holds its blocks.
-            await self._first_caller_added(first_block)
+            # fetched again; the engine sees it arriving once that request holds its blocks. (A prompt computed
+            # here for want of a prefill node, or for its prompt logprobs, has no fetch to spare: it goes on.)
+            if client is not None:
+                await self._first_caller_added(first_block)
             queue, slot, waited = await self.engine.add_routed_request(request_id, prompt_token_ids, params, remote,
                                                                        prefix_wait=self.lookup_timeout)
             fetch = None
