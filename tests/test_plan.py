@@ -223,7 +223,7 @@ def test_decode_is_timed_with_the_whole_batch_running(tiny_llama_dir, async_sche
 
     from disagg.engine.config import EngineConfig
     from disagg.engine.engine import LLMEngine
-    from disagg.plan.profile import REPEATS, decode_tokens, time_decode
+    from disagg.plan.profile import DECODE_REPEATS, decode_tokens, time_decode
 
     # The budget fits one whole prompt a step, and less once sequences run (each takes a token of it):
     # 63 steps to start them all, the first decoding in each.
@@ -238,5 +238,5 @@ def test_decode_is_timed_with_the_whole_batch_running(tiny_llama_dir, async_sche
     engine.step = lambda: (running.append(len(engine.scheduler.running)), step())[1]
     samples = time_decode(engine, [batch], [context], random.Random(0))
     assert [(s.batch, s.context) for s in samples] == [(batch, context)] and samples[0].seconds > 0
-    assert running[-REPEATS:] == [batch] * REPEATS, running
+    assert running[-DECODE_REPEATS:] == [batch] * DECODE_REPEATS, running
     assert not engine.has_unfinished_requests()  # aborted once timed
