@@ -253,7 +253,9 @@ def test_remote_prefill_continues_like_local(llm, model_dir, hf_model):
     prefill.engine.add_request("tail", prompts[1], greedy(1), kv_export=tail.export)
     while prefill.engine.has_unfinished_requests():
         prefill.engine.step()
-    assert len(tail.chunks()) > 1 and torch.allclose(tail.kv(), exports[1].kv()[:, :, 100:], atol=1e-5)
+    # Alone, its chunks start at other tokens than in the batch above, so attention sums in another order:
+    # up to 1.2e-5 apart (one value in 1.1 million beyond 1e-5) on an AMD EPYC's AVX2 kernels.
+    assert len(tail.chunks()) > 1 and torch.allclose(tail.kv(), exports[1].kv()[:, :, 100:], atol=1e-4)
 
 
 def test_a_failing_kv_export_costs_its_own_layers_only(model_dir):
