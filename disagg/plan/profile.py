@@ -39,9 +39,9 @@ CPU_GRID = {"prefill_tokens": "32,128,512", "decode_batch": "1,4,8", "decode_con
 GPU_GRID = {"prefill_tokens": "64,256,1024,4096,8192", "decode_batch": "1,8,32,64", "decode_context": "1024,4096"}
 LINK_TOKENS = {"cpu": (16, 2048), "cuda": (16, 8192)}  # a short and a long prompt's KV
 REPEATS = 3
-# A decode sample's timed steps. The serving term (Serving.step_extra_s) sets a served step against the batch-1
-# sample: two GPU profiles of the same engine, with 3 steps and no warm-up sample, had that at 4.41 and 4.6 ms
-# (their other samples within 0.05 ms of each other), and the term at 0.166 and 0.001 ms.
+# A decode sample's timed steps. Two GPU profiles of the same engine with 3 were 0.07 ms apart at the median
+# sample and up to 0.31 (of 4.4-13 ms); the serving term (Serving.step_extra_s), a served step less the batch-1
+# sample, came out 0.166 and 0.001 ms, their batch-1 samples 0.22 ms apart.
 DECODE_REPEATS = 16
 
 
