@@ -170,7 +170,10 @@ def serve_once(url: str, args: argparse.Namespace, workload: str, rate: str, num
     # exact_rate: 40 Poisson arrivals otherwise land +-16% off their rate by chance, blurring the curve.
     bench = bench_args(url, qps=rate, num_requests=num_requests, prompt_kind="token-ids", vocab_size=args.vocab,
                        seed=seed, goodput=slo, max_concurrency=max_concurrency, exact_rate=True, **WORKLOADS[workload])
+    cpu = time.process_time()
     run = run_benchmark(bench)["runs"][0]
+    # The client's own CPU a second of the run: near 1, its event loop (which stamps each token) is the limit.
+    run["client_cpu"] = round((time.process_time() - cpu) / run["duration_s"], 3)
     requests = run.pop("requests")
     # Per request, for attainment at any SLO: [ttft ms, tpot ms] (None where it failed).
     run["per_request"] = [[r["ok"] and 1e3 * r["ttft"], r["tpot"] and 1e3 * r["tpot"]] for r in requests]
@@ -326,7 +329,8 @@ def handoff_sums(disagg: System) -> dict[str, tuple[float, float]]:
 
 # The decoding nodes' own view of a run: histograms (sum, count) summed over a system's decoding nodes.
 ENGINE_SUMS = {"tpot_ms": "disagg_request_time_per_output_token_seconds", "step_tokens": "disagg_engine_step_tokens",
-               "ttft_ms": "disagg_time_to_first_token_seconds"}
+               "ttft_ms": "disagg_time_to_first_token_seconds", "queue_ms": "disagg_request_queue_time_seconds",
+               "prefill_ms": "disagg_request_prefill_time_seconds"}
 
 
 def engine_sums(nodes: list) -> dict[str, tuple[float, float]]:
@@ -335,8 +339,9 @@ def engine_sums(nodes: list) -> dict[str, tuple[float, float]]:
 
 
 def engine_means(before: dict, after: dict) -> dict[str, float]:
-    """Means over one run: the engines' TPOT (first token to last, per token) and the node's TTFT (its API's
-    request to first token), both in ms, and the tokens of a step (with decoding alone, the batch)."""
+    """Means over one run: the engines' TPOT (first token to last, per token), the node's TTFT (its API's
+    request to first token), a request's queue time (arrival to its first blocks) and prefill time (blocks to
+    first token), in ms, and the tokens of a step (with decoding alone, the batch)."""
     out = {}
     for key, (total, count) in after.items():
         mean = (total - before[key][0]) / max(1.0, count - before[key][1])
@@ -423,6 +428,15 @@ def plot_goodput(result: dict, png: str) -> None:
         row[1].legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(png, dpi=90)
+
+
+def load(spec: str) -> dict:
+    """FILE, or FILE:KEY.KEY for the part of it under those keys."""
+    path, _, keys = spec.partition(":")
+    data = json.loads(Path(path).read_text())
+    for key in keys.split(".") if keys else []:
+        data = data[key]
+    return data
 
 
 def merge_json(paths: list[str], out: str) -> None:

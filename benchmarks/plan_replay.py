@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e_disagg_vs_colocated import bench_args
-from handoff_h200x2 import WORKLOADS
+from handoff_h200x2 import WORKLOADS, load
 from xpyd_h200x4 import LAYOUTS
 
 from disagg.bench.serve import arrival_offsets, build_conversations
@@ -32,15 +32,6 @@ from disagg.plan.profile import Profile
 from disagg.plan.simulate import Layout, Request, Settings, Simulation, StepTimes
 
 PERCENTILES = (50, 90, 99)
-
-
-def load(spec: str) -> dict:
-    """FILE, or FILE:KEY.KEY for the part of it under those keys."""
-    path, _, keys = spec.partition(":")
-    data = json.loads(Path(path).read_text())
-    for key in keys.split(".") if keys else []:
-        data = data[key]
-    return data
 
 
 def arrivals(run_args: dict, workload: str, rate: str, seed: int, vocab: int) -> list[Request]:
@@ -106,7 +97,9 @@ def main() -> int:
     ap.add_argument("--profile", required=True, help="the `disagg plan profile` the plan used (FILE or FILE:KEY)")
     ap.add_argument("--json")
     args = ap.parse_args()
-    result = replay(Profile.from_json(json.dumps(load(args.profile))), [load(spec) for spec in args.runs])
+    # A profile kept in a results file carries when and how it was taken beside its fields.
+    profile = {k: v for k, v in load(args.profile).items() if k not in ("when", "command")}
+    result = replay(Profile.from_json(json.dumps(profile)), [load(spec) for spec in args.runs])
     for workload, layouts in result.items():
         for name, by_rate in layouts.items():
             line = by_rate.pop("tpot_line")

@@ -4,6 +4,7 @@
     python benchmarks/xpyd_h200x4.py --tokenizer-dir DIR --phase goodput --workloads chat --json chat.json
     python benchmarks/xpyd_h200x4.py --tokenizer-dir DIR --phase plan --measured 4k.json chat.json --json plan.json
     python benchmarks/xpyd_h200x4.py --merge 4k.json chat.json plan.json --json benchmarks/results/xpyd_h200x4.json
+    python benchmarks/xpyd_h200x4.py --plot xpyd.png 4k.json chat.json   # or FILE:KEY.KEY, a merged file's part
     python benchmarks/xpyd_h200x4.py --tokenizer-dir DIR --dry-run --json /tmp/xpyd.json   # all of it on the CPU
 
 The random-weight 8B shape of gpu_e2e.py, bfloat16, one node per GPU at TP = 1, except `tp2p2d`'s
@@ -45,9 +46,13 @@ from handoff_h200x2 import (
     TTFT_SLO,
     WORKLOADS,
     attainment,
+    engine_means,
+    engine_sums,
     kept_rate,
+    load,
     merge_json,
     node_kwargs,
+    plot_goodput,
     serve_once,
     start_router,
 )
@@ -136,13 +141,16 @@ def goodput_phase(args: argparse.Namespace, model: Path) -> dict:
                 goodput = [f"ttft:{slo['ttft_ms']:.0f}", f"tpot:{slo['tpot_ms']:.2f}"]
                 runs = w["runs"][name] = {}
                 for i, rate in enumerate(rates):
+                    before = engine_sums([system.front for system in fronts])
                     r = runs[rate] = serve_once(url, args, workload, rate, args.num_requests, args.seed + i, goodput)
+                    r["fronts"] = engine_means(before, engine_sums([system.front for system in fronts]))
                     r["attainment_by_slo_scale"] = {
                         str(k): attainment(r["per_request"], k * slo["ttft_ms"], k * slo["tpot_ms"])
                         for k in SLO_SCALES}
                     print(f"  {workload} {name:12s} rate {rate:>5s}: {100 * r['goodput_fraction']:.0f}% within SLO, "
                           f"TTFT p50/p99 {r['median_ttft_ms']:.0f}/{r['p99_ttft_ms']:.0f} ms, TPOT p50/p99 "
-                          f"{r['median_tpot_ms']:.2f}/{r['p99_tpot_ms']:.2f} ms, ITL p99 {r['p99_itl_ms']:.1f} ms",
+                          f"{r['median_tpot_ms']:.2f}/{r['p99_tpot_ms']:.2f} ms, ITL p99 {r['p99_itl_ms']:.1f} ms; "
+                          f"the nodes' API TTFT mean {r['fronts']['ttft_ms']:.0f} ms; client CPU {r['client_cpu']:.2f}",
                           flush=True)
             write_json(args, summarize(result))  # what is known so far, if the time limit stops the run
     return summarize(result)
@@ -234,6 +242,16 @@ def trace(args: argparse.Namespace, workload: str) -> Path:
     return path
 
 
+def plot(png: str, runs: list[str]) -> None:
+    """The runs' layouts, by workload, in handoff_h200x2.py's two plots (a workload's SLO: its first run's)."""
+    result: dict = {"goodput": {}}
+    for spec in runs:
+        for workload, w in load(spec)["goodput"].items():
+            merged = result["goodput"].setdefault(workload, {"runs": {}, "slo": w["slo"]})
+            merged["runs"].update(w["runs"])
+    plot_goodput(result, png)
+
+
 def run_disagg(argv: list[str], env: dict) -> str:
     import os
 
@@ -257,6 +275,9 @@ def main() -> int:
     ap.add_argument("--measured", nargs="+", help="plan: the goodput phases' JSON files")
     ap.add_argument("--profile", help="plan: a `disagg plan profile` of these GPUs to use instead of profiling here")
     ap.add_argument("--merge", nargs="+", help="phase JSON files to join into one result")
+    ap.add_argument("--plot", nargs="+", metavar="PNG RUN",
+                    help="write PNG: attainment against rate and against SLO scale of each RUN, a goodput phase's "
+                         "JSON (FILE, or FILE:KEY.KEY for a part of a merged one)")
     ap.add_argument("--dry-run", action="store_true",
                     help="both phases on the CPU: tiny shape, tcp, short prompts, one rate, few requests")
     ap.add_argument("--shape", default="8b")
@@ -280,8 +301,13 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, help="the nodes' chunk size (default: theirs, 2048)")
     ap.add_argument("--prefill-max-num-batched-tokens", type=int,
                     help="the prefill nodes' chunk size alone (default: theirs, 8192 on a GPU)")
-    ap.add_argument("--json", required=True)
+    ap.add_argument("--json", help="the result to write (every use but --plot)")
     args = ap.parse_args()
+    if args.plot:
+        plot(args.plot[0], args.plot[1:])
+        return 0
+    if not args.json:
+        ap.error("give --json")
     if args.merge:
         merge_json(args.merge, args.json)
         return 0
