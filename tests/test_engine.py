@@ -542,7 +542,9 @@ def test_a_request_waiting_for_an_arriving_prefix_goes_on_when_it_will_not_come(
         slot, waited, seconds = asyncio.run(scenario())
     finally:
         engine.stop()
-    assert waited == PrefixWait(arriving=4 * bs, saved=0) and slot.cached_tokens == 0 and seconds < 2
+    # Well inside the 30 s bound it would otherwise wait out (the local prefill's steps took 2.4 s on a loaded
+    # 2-core machine).
+    assert waited == PrefixWait(arriving=4 * bs, saved=0) and slot.cached_tokens == 0 and seconds < 5
 
 
 # Async scheduling: a greedy decode step is launched before the one in flight is read back.
