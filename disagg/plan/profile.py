@@ -44,6 +44,9 @@ REPEATS = 3
 # sample, came out 0.166 and 0.001 ms, their batch-1 samples 0.22 ms apart. With 16, four profiles on one H200 had
 # their batch-1 samples within 0.05 ms and a serving term of 0.007-0.055 ms.
 DECODE_REPEATS = 16
+# Steps before them: a batch's first steps after its prompts run 1-5% slower at 8-32 sequences on an H200 than
+# steps 18-50 (benchmarks/decode_warmup.py), which a long answer's TPOT is made of.
+DECODE_WARMUP = 16
 
 
 @dataclass
@@ -165,7 +168,7 @@ def decode_tokens(batch: int, context: int, budget: int) -> int:
     """A decode timing's max_tokens: more than the steps that start its prompts (each running sequence
     decodes in every one of them, taking a token of the budget: the k-th prompt gets budget - k a step),
     the warm-up and the timed steps, so that none finishes before it is timed."""
-    return sum(-(-context // max(budget - k, 1)) for k in range(batch)) + DECODE_REPEATS + 8
+    return sum(-(-context // max(budget - k, 1)) for k in range(batch)) + DECODE_WARMUP + DECODE_REPEATS + 8
 
 
 def time_decode(engine, batches: list[int], contexts: list[int], rng: random.Random) -> list[DecodeSample]:
@@ -183,7 +186,7 @@ def time_decode(engine, batches: list[int], contexts: list[int], rng: random.Ran
         started: set[str] = set()
         while len(started) < b:  # the prompts, in as many steps as the budget needs
             started |= {out.request_id for out in engine.step()}
-        for _ in range(2):  # warm-up; with async scheduling the first also puts a step in flight
+        for _ in range(DECODE_WARMUP):  # with async scheduling the first also puts a step in flight
             engine.step()
         times = []
         for _ in range(DECODE_REPEATS):
