@@ -1,7 +1,8 @@
-"""Decode steps after a batch's prompts, by how many steps since: is the profile's decode sample (`disagg plan
-profile`: steps 3-18 after the prompts) what a long generation's steps take?
+"""Decode steps after a batch's prompts, by how many steps since: is a decode sample taken soon after the prompts
+(`disagg plan profile`'s: DECODE_WARMUP steps after them) what a long generation's steps take?
 
     python benchmarks/decode_warmup.py --tokenizer-dir DIR [--batches 1,8,16,32] [--steps 400] [--repeats 2]
+        [--kv-cache-memory-gib 48 --max-num-batched-tokens 8192 --max-model-len 8300 --enable-prefix-caching]
 
 gpu_e2e.py's random-weight 8B shape on one GPU (bfloat16, --async-scheduling, the profile's engine flags):
 for each batch, that many prompts of 1,024 tokens, then --steps decode steps timed one by one; prints the
@@ -32,11 +33,18 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--work", default="/tmp/decode_warmup")
+    # The engine's sizes: the profile's by default; a served node's differ (24GiB, 2048, 8192, prefix caching)
+    ap.add_argument("--kv-cache-memory-gib", type=int, default=48)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-model-len", type=int, default=8300)
+    ap.add_argument("--enable-prefix-caching", action="store_true")
     args = ap.parse_args()
     model = write_model("8b", Path(args.work) / "llama-8b", Path(args.tokenizer_dir), "cuda")
-    engine = LLMEngine(EngineConfig(model=str(model), device="cuda", dtype="bfloat16", enable_prefix_caching=False,
-                                    max_num_seqs=64, max_num_batched_tokens=8192, max_model_len=8300,
-                                    kv_cache_memory=48 << 30, async_scheduling=True))
+    engine = LLMEngine(EngineConfig(model=str(model), device="cuda", dtype="bfloat16",
+                                    enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=64,
+                                    max_num_batched_tokens=args.max_num_batched_tokens,
+                                    max_model_len=args.max_model_len,
+                                    kv_cache_memory=args.kv_cache_memory_gib << 30, async_scheduling=True))
     rng = random.Random(0)
     for rep in range(args.repeats):
         for b in (int(x) for x in args.batches.split(",")):
