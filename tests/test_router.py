@@ -101,7 +101,9 @@ def cluster(tmp_path_factory):
                               extra_args=["--enable-log-requests"], wait=False)
                    for _ in range(2)]
         nodes += decodes
-        router = start_router(tmp, [f"127.0.0.1:{d.port}" for d in decodes], wait=False)
+        # One node as a URL, as users of SGLang's router write them: the router takes its host and port.
+        router = start_router(tmp, [f"127.0.0.1:{decodes[0].port}", f"http://127.0.0.1:{decodes[1].port}/"],
+                              wait=False)
         nodes.append(router)
         expected = colocated_answers()
         for node in nodes:

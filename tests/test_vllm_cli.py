@@ -255,6 +255,9 @@ def test_no_flag_may_be_abbreviated(hf_cache: Path):
     assert result.returncode == 2 and "unrecognized arguments: --kv-rol" in result.stderr
     result = disagg(["router", "--decode-node", "127.0.0.1:8100"], hf_cache)
     assert result.returncode == 2 and "required: --decode-nodes" in result.stderr  # --decode-node was not taken for it
+    for entry in ("https://127.0.0.1:8100", "127.0.0.1:8100/v1"):  # http://HOST:PORT is taken (test_router's cluster)
+        result = disagg(["router", "--decode-nodes", entry], hf_cache)
+        assert result.returncode == 2 and f"entry {entry!r} is not HOST:PORT or http://HOST:PORT" in result.stderr
 
 
 def test_the_command_line_and_the_router_load_no_torch():

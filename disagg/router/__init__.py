@@ -17,7 +17,8 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("router", help="one OpenAI front door over several decode nodes (xPyD)",
                             formatter_class=HelpFormatter)
     parser.add_argument("--decode-nodes", required=True,
-                        help="HOST:PORT[,HOST:PORT...] of the decode nodes' HTTP (OpenAI) servers")
+                        help="HOST:PORT[,HOST:PORT...] of the decode nodes' HTTP (OpenAI) servers "
+                             "(http://HOST:PORT too)")
     parser.add_argument("--host", default="127.0.0.1", help="address the router's HTTP server binds")
     parser.add_argument("--port", type=int, default=8000, help="the router's HTTP port")
     parser.add_argument("--api-key", default=None,

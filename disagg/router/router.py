@@ -46,14 +46,18 @@ def describe(error: Exception) -> str:
 
 
 def parse_decode_nodes(text: str) -> list[str]:
-    """`host:port,host:port` -> addresses; raises ValueError naming the bad entry."""
-    addresses = [a.strip() for a in text.split(",") if a.strip()]
+    """`host:port,http://host:port,...` -> addresses (host:port); raises ValueError naming the bad entry.
+    A URL is taken as its host and port, as the routers of SGLang and vLLM's examples take them; the router
+    speaks plain HTTP to the nodes, so another scheme, or a path, is refused."""
+    addresses = []
+    for entry in (a.strip() for a in text.split(",") if a.strip()):
+        address = entry.removeprefix("http://").rstrip("/")
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or "/" in address:
+            raise ValueError(f"--decode-nodes entry {entry!r} is not HOST:PORT or http://HOST:PORT")
+        addresses.append(address)
     if not addresses:
         raise ValueError("--decode-nodes needs at least one HOST:PORT (a decode node's HTTP port)")
-    for address in addresses:
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"--decode-nodes entry {address!r} is not HOST:PORT")
     if len(set(addresses)) != len(addresses):
         raise ValueError(f"--decode-nodes lists a node twice: {text}")
     return addresses
