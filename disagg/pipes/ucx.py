@@ -6,6 +6,12 @@ process shares one private event-loop thread and the blocking methods below run
 coroutines on it. Each message is tag messages on the endpoint's own tag, in order:
 the fixed header, the metadata block, then one message per non-empty tensor.
 
+ucxx closes an endpoint only by force, which drops what UCX has not delivered yet, and a send
+completes once the transport has its bytes, not the peer: close() sends the CLOSE message, then
+asks the peer, on a tag of its own, to answer once all before it has arrived; each pipe keeps a
+receive posted that answers (_answer_goodbye). Only then, or when the peer is gone or the wait
+runs out (config.timeout), does it tear the endpoint down.
+
 The listener binds config.kv_port on all interfaces: ucxx's listener takes a port and
 no address, so kv_ip only names the endpoint. Peers that connect but never finish the
 handshake are bounded as on the other pipes, except per source address (a ucxx endpoint
@@ -97,6 +103,30 @@ async def _torn_down_is_closed(operation: Awaitable) -> None:
         raise PipeClosed("the UCX endpoint is closed: the peer closed the pipe or died") from None
 
 
+# The close handshake's tags (ucxx hashes them with the endpoint's tag): ints, since ucxx hashes a
+# str with Python's hash(), which differs between processes.
+_GOODBYE_TAG, _GOODBYE_ANSWER_TAG = 1, 2
+
+
+async def _answer_goodbye(ep: "ucxx.Endpoint") -> None:
+    """Posted for a pipe's life: answers the peer's closing question. It comes on the endpoint after
+    every message the peer sent, so when it arrives all of them have (matched, or queued on the worker)."""
+    question = np.empty(1, np.uint8)
+    try:
+        await ep.recv(question, tag=_GOODBYE_TAG)
+        await ep.send(question, tag=_GOODBYE_ANSWER_TAG)
+    except (UCXError, AttributeError):  # the endpoint closed or failed first: nobody to answer
+        pass
+
+
+async def _delivered(ep: "ucxx.Endpoint") -> None:
+    """Returns once the peer has received everything we sent before (see _answer_goodbye)."""
+    question, answer = np.zeros(1, np.uint8), np.empty(1, np.uint8)
+    await _torn_down_is_closed(
+        asyncio.gather(ep.send(question, tag=_GOODBYE_TAG), ep.recv(answer, tag=_GOODBYE_ANSWER_TAG))
+    )
+
+
 async def _recv_bytes(ep: "ucxx.Endpoint", nbytes: int) -> bytes:
     buf = np.empty(nbytes, dtype=np.uint8)
     if nbytes:
@@ -132,6 +162,8 @@ class UcxPipe(KVPipe):
         # A header recv that timed out stays posted and is awaited again by the next
         # recv(): cancelling it could lose a message that arrives just then.
         self._pending_header: Future | None = None
+        self._mid_message = False  # a recv is filling its destinations: close() cuts it off at once
+        _submit(_answer_goodbye(ep))
 
     def _send(self, header: bytes, tensors: list[torch.Tensor] | None, computed: bool) -> None:
         payload = [_buffer(t.contiguous()) for t in tensors or [] if t.numel()]
@@ -152,7 +184,11 @@ class UcxPipe(KVPipe):
             self._pending_header = None
             raise
         self._pending_header = None
-        return self._recv_message(header_bytes, out)
+        self._mid_message = True
+        try:
+            return self._recv_message(header_bytes, out)
+        finally:
+            self._mid_message = False
 
     def _recv_message(self, header_bytes: bytes, out: list[Destination] | None) -> list[Destination] | None:
         header = wire.decode_header(header_bytes)
@@ -190,7 +226,13 @@ class UcxPipe(KVPipe):
         if self._closed:
             return
         close_msg = np.frombuffer(wire.encode(wire.Kind.CLOSE), np.uint8)
-        self._say_goodbye(lambda: _wait(_submit(_send_all(self._ep, [close_msg])), "closing", 1.0))
+
+        def goodbye() -> None:
+            _wait(_submit(_send_all(self._ep, [close_msg])), "closing", 1.0)
+            if not self._mid_message:  # the peer's answer would queue behind the message we cut off
+                _wait(_submit(_delivered(self._ep)), "closing: the peer's answer", self._config.timeout)
+
+        self._say_goodbye(goodbye)
         self._closed = True
         # abort() cancels our own pending recvs, which then raise PipeClosed.
         _submit(_abort(self._ep)).result()
