@@ -8,6 +8,7 @@ Modes:
          one into preallocated tensors on --device), check it equals what we expect, send
          it back.
   big    connect, print "sending", then send one message of --count MiB; the test kills us.
+  last   --seed times: connect, send last_message(--count), close at once (nothing may be lost by the close).
   kv     connect (nixl), send --count messages of kv_message(seed, i), close, then print as one JSON
          line how many times our agent loaded the receiver's metadata after the connection's setup.
   flood  open --count raw connections and never speak; after a second print, as one JSON
@@ -87,6 +88,11 @@ def same(a: list[torch.Tensor] | None, b: list[torch.Tensor] | None) -> bool:
     return len(a) == len(b) and all(
         x.dtype == y.dtype and torch.equal(x.cpu(), y.cpu()) for x, y in zip(a, b)
     )
+
+
+def last_message(mib: int) -> list[torch.Tensor]:
+    """--count MiB of int64s counting up: each byte checkable, as many fragments as the transport cuts."""
+    return [torch.arange((mib << 20) // 8, dtype=torch.int64)]
 
 
 def kv_message(seed: int, i: int) -> list[torch.Tensor]:
@@ -172,7 +178,7 @@ def main() -> int:
 
     p = argparse.ArgumentParser()
     p.add_argument("pipe")
-    p.add_argument("mode", choices=["echo", "big", "kv", "flood", "hold"])
+    p.add_argument("mode", choices=["echo", "big", "last", "kv", "flood", "hold"])
     p.add_argument("host")
     p.add_argument("port", type=int)
     p.add_argument("--token")
@@ -190,15 +196,17 @@ def main() -> int:
     if args.mode == "hold":
         hold(args.host, args.port, args.sources.split(","), args.count)
         return 0
+    config = PipeConfig(auth_token=args.token, timeout=args.timeout)
+    if args.mode == "last":
+        for _ in range(args.seed):
+            pipe = connect(args.pipe, config, args.host, args.port)
+            pipe.send(last_message(args.count))
+            pipe.close()
+        return 0
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    pipe = connect(
-        args.pipe,
-        PipeConfig(auth_token=args.token, timeout=args.timeout),
-        args.host,
-        args.port,
-    )
+    pipe = connect(args.pipe, config, args.host, args.port)
     if args.mode == "big":
         big = [
             torch.empty(args.count << 20, dtype=torch.uint8)

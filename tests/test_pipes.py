@@ -184,6 +184,30 @@ def test_stress_echo(pipe_name):
         listener.close()
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pipe_name", ALL_PIPES)
+def test_a_message_sent_just_before_close_arrives_whole(pipe_name):
+    """A peer that sends and closes at once, as a producer does with its last KV: the close must not drop
+    what the transport still holds (ucxx closes by force; before its close handshake, a 16 MiB message
+    sent just before close() was cut off in 2 of 3 tries)."""
+    listener = pipes.listen(pipe_name, PipeConfig(kv_port=0, timeout=20))
+    peer = start_peer(pipe_name, "last", listener.address, "--seed", "6", "--count", "16")
+    try:
+        expected = pipe_peer.last_message(16)
+        for i in range(6):
+            pipe = listener.accept(timeout=30)
+            try:
+                assert pipe_peer.same(pipe.recv(), expected), f"message of connection {i} differs"
+                with pytest.raises(PipeClosed):  # then the clean close
+                    pipe.recv()
+            finally:
+                pipe.close()
+        finish(peer)
+    finally:
+        peer.kill()
+        listener.close()
+
+
 # Messages whose receiving memory is partly on the GPU and partly on the CPU: nixl's receiver stages
 # what lies outside its registered memory (disagg/pipes/nixl.py).
 CUDA_ECHO_PIPES = [*ALL_PIPES[:3], pytest.param("nixl", marks=[

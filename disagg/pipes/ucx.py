@@ -229,7 +229,7 @@ class UcxPipe(KVPipe):
 
         def goodbye() -> None:
             _wait(_submit(_send_all(self._ep, [close_msg])), "closing", 1.0)
-            if not self._mid_message:  # the peer's answer would queue behind the message we cut off
+            if not self._mid_message:  # a receive in progress is cut off at once (lookup_buffer/consumer.py)
                 _wait(_submit(_delivered(self._ep)), "closing: the peer's answer", self._config.timeout)
 
         self._say_goodbye(goodbye)
