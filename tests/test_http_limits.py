@@ -29,6 +29,7 @@ MAX_OPEN_FILES = 1024  # the node's RLIMIT_NOFILE
 TIMEOUTS = {"--timeout-request-headers": 2, "--timeout-request-body": 2, "--timeout-keep-alive": 1}
 TIMEOUT_ARGS = [str(a) for pair in TIMEOUTS.items() for a in pair]
 HEALTH_LIMIT_S = 1.0
+BIG_BODIES_HEALTH_LIMIT_S = 2.0
 # 100,000 empty messages (2.9 MB): validated on the event loop, one froze a decode node for 2.4 s.
 BIG_CHAT = json.dumps({"messages": [{"role": "user", "content": ""}] * 100_000}, separators=(",", ":")).encode()
 NUM_SENDERS = 8
@@ -123,7 +124,9 @@ def test_health_stays_fast_while_big_bodies_arrive(node):
     print(f"{len(statuses)} big bodies ({set(statuses)}); /health max {max(latencies):.3f}s, "
           f"median {sorted(latencies)[len(latencies) // 2]:.3f}s over {len(latencies)} probes")
     assert statuses and set(statuses) == {400}
-    assert max(latencies) < HEALTH_LIMIT_S, latencies
+    # Under the whole suite on two cores the worst probe took 1.23 s (alone 0.15-0.7 s: the parsing threads
+    # and the loop take turns at the GIL); one body parsed on the loop would hold it 2.4 s.
+    assert max(latencies) < BIG_BODIES_HEALTH_LIMIT_S, latencies
 
 
 def open_connection(node: Node) -> socket.socket:
