@@ -1,6 +1,6 @@
 """The remote end of tests/test_pipes.py, run as its own process.
 
-    python tests/pipe_peer.py PIPE MODE HOST PORT [--token T] [--seed S] [--count N]
+    python tests/pipe_peer.py PIPE MODE HOST PORT [--token T] [--seed S] [--count N] [--repeat R]
                               [--timeout S] [--device D] [--sources A,B,...]
 
 Modes:
@@ -8,7 +8,7 @@ Modes:
          one into preallocated tensors on --device), check it equals what we expect, send
          it back.
   big    connect, print "sending", then send one message of --count MiB; the test kills us.
-  last   --seed times: connect, send last_message(--count), close at once (nothing may be lost by the close).
+  last   --repeat times: connect, send last_message(--count), close at once (nothing may be lost by the close).
   kv     connect (nixl), send --count messages of kv_message(seed, i), close, then print as one JSON
          line how many times our agent loaded the receiver's metadata after the connection's setup.
   flood  open --count raw connections and never speak; after a second print, as one JSON
@@ -184,6 +184,7 @@ def main() -> int:
     p.add_argument("--token")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--count", type=int, default=500)
+    p.add_argument("--repeat", type=int, default=1, help="last: connections, one after another")
     p.add_argument("--sources", default="127.0.0.1", help="hold: source addresses, comma-separated")
     p.add_argument("--timeout", type=float, default=20.0)
     p.add_argument(
@@ -198,7 +199,7 @@ def main() -> int:
         return 0
     config = PipeConfig(auth_token=args.token, timeout=args.timeout)
     if args.mode == "last":
-        for _ in range(args.seed):
+        for _ in range(args.repeat):
             pipe = connect(args.pipe, config, args.host, args.port)
             pipe.send(last_message(args.count))
             pipe.close()

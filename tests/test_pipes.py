@@ -191,7 +191,7 @@ def test_a_message_sent_just_before_close_arrives_whole(pipe_name):
     what the transport still holds (ucxx closes by force; before its close handshake, a 16 MiB message
     sent just before close() was cut off in 2 of 3 tries)."""
     listener = pipes.listen(pipe_name, PipeConfig(kv_port=0, timeout=20))
-    peer = start_peer(pipe_name, "last", listener.address, "--seed", "6", "--count", "16")
+    peer = start_peer(pipe_name, "last", listener.address, "--repeat", "6", "--count", "16")
     try:
         expected = pipe_peer.last_message(16)
         for i in range(6):
