@@ -41,7 +41,7 @@ DOWN_AFTER_FAILED_CHECKS = 3  # then its requests in flight are failed
 
 
 def describe(error: Exception) -> str:
-    """`ReadError: reason`, or only the type for httpx errors that carry no message."""
+    """`ReadError: reason`, or only the type for errors that carry no message."""
     return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 

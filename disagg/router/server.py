@@ -26,12 +26,14 @@ import logging
 import time
 from pathlib import Path
 
+import aiohttp
 import anyio
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from yarl import URL
 
 from disagg.engine.model_files import DEFAULT_MODEL_NAME, converted_dir, embedded_gguf_path
 from disagg.http_limits import HTTPLimits
@@ -49,17 +51,13 @@ REQUEST_ID_PREFIXES = {"/v1/completions": "cmpl", "/v1/chat/completions": "chatc
 PASSED_ON = {"/v1/models": ["GET"], "/tokenize": ["POST"], "/detokenize": ["POST"], "/ping": ["GET", "POST"],
              "/load": ["GET"]}
 # Headers of the client's request the decode node needs; hop-by-hop ones (Host, Content-Length,
-# Connection) are httpx's business.
+# Connection) are aiohttp's business.
 FORWARDED_HEADERS = ("content-type", "authorization", "accept")
 CONNECT_TIMEOUT_S = 5.0  # a decode node that does not accept within this is tried as unreachable
 # Below the decode node's 5 s keep-alive (--timeout-keep-alive's default): an idle connection is
 # closed here before the node closes it, so that the router holds no socket the node has closed
 # (CLOSE_WAIT) and seldom sends a request down one the node is closing at that very moment.
 KEEPALIVE_EXPIRY_S = 2.0
-POOL_SWEEP_S = 1.0  # how often ProxyClient closes the pool's expired idle connections
-MAX_IDLE_CONNECTIONS = 64  # kept alive, over all decode nodes
-# httpcore's error for a connection that ended before any response: h11 still waited for its head.
-NO_RESPONSE = "Server disconnected without sending a response."
 error_response = openai_error_response  # the decode nodes' error shape
 
 
@@ -104,7 +102,7 @@ class UpstreamResponse(Response):
     generating for nobody. Here a watcher closes the upstream response the moment the client
     leaves, and the node's request count goes down once, however the response ends."""
 
-    def __init__(self, upstream: httpx.Response, request_id: str, route: str, node: DecodeNode, router: Router,
+    def __init__(self, upstream: aiohttp.ClientResponse, request_id: str, route: str, node: DecodeNode, router: Router,
                  start: float):
         self.upstream = upstream
         self.request_id = request_id
@@ -114,7 +112,7 @@ class UpstreamResponse(Response):
         self.start = start  # when the router received the request
         self.complete = False  # the whole body was relayed
         self.started = False  # http.response.start was sent
-        self.status_code = upstream.status_code
+        self.status_code = upstream.status
         self.background = None
         headers = {}  # X-Request-Id: RequestIdMiddleware's
         if "content-type" in upstream.headers:
@@ -146,8 +144,7 @@ class UpstreamResponse(Response):
             if node_down and not self.complete:
                 await self._fail(send, f"decode node {self.node.address} is down ({self.node.reason})")
         finally:
-            with anyio.CancelScope(shield=True):
-                await self.upstream.aclose()
+            self.upstream.close()  # a stream cut short closes its connection: the node aborts the request
             self.router.end(self.node)
             elapsed = time.perf_counter() - self.start
             DURATION.labels(self.route).observe(elapsed)
@@ -157,9 +154,9 @@ class UpstreamResponse(Response):
     async def _relay(self, send: Send) -> None:
         await self._start(send)
         try:
-            async for chunk in self.upstream.aiter_bytes():
+            async for chunk in self.upstream.content.iter_any():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except httpx.HTTPError as e:
+        except aiohttp.ClientError as e:
             await self._fail(send, f"decode node {self.node.address} broke off the response: {describe(e)}")
             return
         self.complete = True
@@ -189,40 +186,42 @@ class NodeDown(Exception):
 
 
 class ConnectionTrace:
-    """httpcore's `trace` extension for one request: whether it opened a connection of its own
-    (else it went on one the pool kept alive)."""
+    """aiohttp's trace context for one request: whether it opened a connection of its own (else it
+    went on one the pool kept alive)."""
 
     def __init__(self) -> None:
         self.opened = False
 
-    async def __call__(self, event: str, info: dict) -> None:
-        if event == "connection.connect_tcp.started":
-            self.opened = True
+
+async def _connection_opened(session: aiohttp.ClientSession, context, params) -> None:
+    context.trace_request_ctx.opened = True
 
 
 class ProxyClient:
-    """The router's connections to the decode nodes: httpx's keep-alive pool, swept of its expired
-    idle connections, and fresh connections for a request the pool's connection failed before any
-    answer. Create it inside the running event loop; `aclose` it."""
+    """The router's connections to the decode nodes for the requests it passes on: aiohttp's
+    keep-alive pool, and fresh connections for a request the pool's connection failed before any
+    answer. aiohttp rather than httpx (the router's health checks): every token of every stream
+    goes through here, and relaying one costs aiohttp a fraction of httpx's CPU; a busy event loop
+    delays every request's first token (BENCHMARKS.md, "The router's share of a TTFT"). A
+    connection idle for KEEPALIVE_EXPIRY_S is closed (aiohttp's cleanup, within twice that), and
+    one the node closed is closed here at once. Create it inside the running event loop; `aclose` it."""
 
     def __init__(self) -> None:
         # No read timeout: a non-streamed answer arrives only once the whole generation is done.
-        timeout = httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)
-        self.client = httpx.AsyncClient(timeout=timeout,
-                                        limits=httpx.Limits(max_connections=None,
-                                                            max_keepalive_connections=MAX_IDLE_CONNECTIONS,
-                                                            keepalive_expiry=KEEPALIVE_EXPIRY_S))
-        self.fresh = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_keepalive_connections=0))
-        self.sweeper = asyncio.create_task(self._sweep(), name="proxy-pool-sweep")
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
+        trace = aiohttp.TraceConfig()
+        trace.on_connection_create_start.append(_connection_opened)
+        self.client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0,
+                                                                           keepalive_timeout=KEEPALIVE_EXPIRY_S),
+                                            timeout=timeout, trace_configs=[trace])
+        self.fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True), timeout=timeout)
 
-    def build_request(self, method: str, url: str, **kwargs) -> httpx.Request:
-        return self.client.build_request(method, url, **kwargs)
-
-    async def send(self, request: httpx.Request, request_id: str) -> httpx.Response:
+    async def send(self, method: str, url: str, params: list[tuple[str, str]], headers: dict[str, str], body: bytes,
+                   request_id: str) -> aiohttp.ClientResponse:
         """The decode node's response, its head read and its body to stream.
 
         A request that fails on a kept-alive connection before any answer (the connection closed,
-        or reset, while httpx waited for the response's head) is sent once more, on a new
+        or reset, while aiohttp waited for the response's head) is sent once more, on a new
         connection: the keep-alive race, in which the node closes a connection idle at its end
         (its keep-alive timeout, or shedding the one idle longest over its connection cap) just
         as the router sends on it. Safe for a POST: the node closes only connections with no
@@ -231,43 +230,21 @@ class ProxyClient:
         connection closes, so the copy sent again is the only one. Never on a new connection
         (its failure is the node's or the network's: the caller marks the node and tries
         another) nor once a response's head came (the caller relays what follows)."""
+        # The client's Content-Type or none, as it came: aiohttp would add one to a body without.
+        kwargs = dict(params=params, headers=headers, data=body, skip_auto_headers=("Content-Type",))
         trace = ConnectionTrace()
-        request.extensions["trace"] = trace
         try:
-            return await self.client.send(request, stream=True)
-        except (httpx.RemoteProtocolError, httpx.ReadError) as e:
-            if trace.opened or (isinstance(e, httpx.RemoteProtocolError) and str(e) != NO_RESPONSE):
+            return await self.client.request(method, url, trace_request_ctx=trace, **kwargs)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+            if trace.opened:
                 raise
             logger.info("%s: decode node %s closed the kept-alive connection before answering (%s); "
-                        "sending it again on a new connection", request_id, request.url.netloc.decode(),
-                        describe(e))
-        del request.extensions["trace"]
-        return await self.fresh.send(request, stream=True)
+                        "sending it again on a new connection", request_id, URL(url).raw_authority, describe(e))
+        return await self.fresh.request(method, url, **kwargs)
 
     async def aclose(self) -> None:
-        self.sweeper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.sweeper
-        await self.client.aclose()
-        await self.fresh.aclose()
-
-    async def _sweep(self) -> None:
-        # httpcore closes an idle connection that expired, or that the node closed (its socket
-        # readable: has_expired), only when a request comes or goes. After a burst, with no request
-        # behind it, the pool's idle connections would stay open until the next request: past the
-        # expiry, and once the node closed them (its keep-alive, or shedding over its connection
-        # cap), in CLOSE_WAIT, up to MAX_IDLE_CONNECTIONS descriptors. So each POOL_SWEEP_S the
-        # sweep closes them itself. httpx keeps its transport and httpcore pool private (httpx
-        # 0.28, httpcore 1.0; test_http_limits' CLOSE_WAIT test breaks if they move); `connections`,
-        # `is_idle`, `has_expired` and `aclose` are httpcore's public interface. A connection closed
-        # here just after the pool handed it to a request makes httpcore take another for it
-        # (ConnectionNotAvailable).
-        pool = self.client._transport._pool
-        while True:
-            await asyncio.sleep(POOL_SWEEP_S)
-            for connection in pool.connections:
-                if connection.is_idle() and connection.has_expired():
-                    await connection.aclose()
+        await self.client.close()
+        await self.fresh.close()
 
 
 async def prompt_token_ids(prompts: PromptTokens, path: str, body: bytes) -> list[int] | None:
@@ -291,13 +268,12 @@ def build_app(router: Router, client: ProxyClient, options: HTTPOptions,
     app.add_middleware(RequestIdMiddleware)  # added last: outermost
 
     async def send_upstream(request: Request, node: DecodeNode, request_id: str,
-                            body: bytes) -> httpx.Response | None:
+                            body: bytes) -> aiohttp.ClientResponse | None:
         """The decode node's response (headers read, body not), or None if the client left first."""
         headers = {k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS}
         headers[REQUEST_ID_HEADER] = request_id
-        upstream_request = client.build_request(request.method, f"{node.url}{request.url.path}",
-                                                params=request.query_params, headers=headers, content=body)
-        sending = asyncio.create_task(client.send(upstream_request, request_id))
+        sending = asyncio.create_task(client.send(request.method, f"{node.url}{request.url.path}",
+                                                  request.query_params.multi_items(), headers, body, request_id))
         disconnect = asyncio.create_task(wait_for_disconnect(request.receive))
         down = asyncio.create_task(node.down.wait())
         try:
@@ -311,9 +287,9 @@ def build_app(router: Router, client: ProxyClient, options: HTTPOptions,
             given_up = sending.cancel()
         if not given_up:
             return sending.result()
-        with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+        with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
             upstream = await sending  # it may have got its answer just before the cancel
-            await upstream.aclose()
+            upstream.close()
         if node.down.is_set():
             raise NodeDown(f"decode node {node.address} is down ({node.reason})")
         return None
@@ -336,7 +312,7 @@ def build_app(router: Router, client: ProxyClient, options: HTTPOptions,
             logger.info("%s -> decode node %s (%s %s)", request_id, node.address, request.method, request.url.path)
             try:
                 upstream = await send_upstream(request, node, request_id, body)
-            except httpx.TransportError as e:
+            except aiohttp.ClientError as e:
                 # Nothing reached the client yet: the next healthy node can still take it.
                 router.end(node)
                 UPSTREAM_ERRORS.labels(node.address).inc()
