@@ -19,7 +19,8 @@ download() {
         --platform manylinux2014_x86_64 "${platforms[@]}" --platform any -d "$@"
 }
 download .whl grpcio==1.85.1 fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection \
-    gguf llguidance grpcio-health-checking h11 anyio sniffio click opentelemetry-api importlib-metadata zipp
+    gguf llguidance grpcio-health-checking h11 anyio sniffio click opentelemetry-api importlib-metadata zipp \
+    aiohttp multidict yarl propcache frozenlist aiosignal aiohappyeyeballs attrs idna
 download /tmp/disagg-nixl nixl-cu13  # the nixl pipe on CUDA 13
 rm -rf /tmp/disagg-nixl/x && mkdir /tmp/disagg-nixl/x
 (cd /tmp/disagg-nixl/x && unzip -q ../nixl_cu13-*.whl && rm -rf nixl_ep_cu13 nixl_cu13.libs/ucx/libucx_perftest* \

@@ -76,7 +76,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="the requests' sampling temperature; 0 is greedy")
     parser.add_argument("--goodput", nargs="*", default=[], metavar="METRIC:MS",
                         help="SLOs for goodput, e.g. ttft:500 tpot:50 e2e:5000 (all must hold)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds a request may wait for its connection, or for its next bytes")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts and arrival times")
     parser.add_argument("--label", default=None, help="name of this system in plots (default: the base URL)")
     parser.add_argument("--save-json", default=None, help="write the results (summary and per request) here")

@@ -34,6 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import aiohttp
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -52,6 +53,7 @@ WORDS = [
 ]
 
 METRICS = ("ttft", "tpot", "itl", "e2e")
+READ_BUFFER = 1 << 20  # the longest server-sent event line read (aiohttp's default: 64 KiB)
 PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 
 
@@ -242,8 +244,8 @@ def request_body(spec: RequestSpec, args: argparse.Namespace, model: str) -> dic
     return body
 
 
-async def send(client: httpx.AsyncClient, url: str, body: dict, spec: RequestSpec, run_start: float,
-               timeout: float) -> RequestResult:
+async def send(client: aiohttp.ClientSession, url: str, body: dict, spec: RequestSpec,
+               run_start: float) -> RequestResult:
     result = RequestResult(ok=False, input_len=spec.input_len, output_len=spec.output_len)
     start = time.perf_counter()
     result.start = start - run_start
@@ -251,16 +253,16 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, spec: RequestSpe
     chunks = 0
     usage_tokens = None
     try:
-        async with client.stream("POST", url, json=body, timeout=timeout) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                result.error = f"HTTP {response.status_code}: {text[:300]}"
+        async with client.post(url, json=body) as response:
+            if response.status != 200:
+                text = (await response.read()).decode(errors="replace")
+                result.error = f"HTTP {response.status}: {text[:300]}"
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
+            async for line in response.content:  # one line at a time, its b"\n" included
+                if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
-                if data == "[DONE]":
+                if data == b"[DONE]":
                     break
                 event = json.loads(data)
                 if "error" in event:
@@ -287,7 +289,7 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, spec: RequestSpe
         result.ok = result.ttft is not None
         if not result.ok:
             result.error = "the stream ended without any content"
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
+    except (aiohttp.ClientError, TimeoutError, ValueError) as e:  # ValueError: a bad event, or a line over READ_BUFFER
         result.error = f"{type(e).__name__}: {e}"
     return result
 
@@ -347,7 +349,6 @@ async def run_rate(args: argparse.Namespace, rate: float, conversations: list[li
                    slo: SLO, rng: random.Random) -> tuple[dict, list[RequestResult]]:
     url = f"{args.base_url.rstrip('/')}/v1/{'chat/completions' if args.endpoint == 'chat' else 'completions'}"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     progress = None
     if not args.no_progress:
@@ -356,16 +357,20 @@ async def run_rate(args: argparse.Namespace, rate: float, conversations: list[li
         progress = tqdm(total=sum(map(len, conversations)), desc=f"qps {rate}", unit="req", leave=False)
 
     offsets = arrival_offsets(len(conversations), rate, args.burstiness, rng, args.exact_rate)
-    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=args.timeout) as client:
+    # aiohttp rather than httpx (which reads the metrics and the model): the client stamps every token
+    # of every stream on one event loop, and a loop busy parsing delays the stamps it measures.
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=args.timeout, sock_read=args.timeout)
+    async with aiohttp.ClientSession(headers=headers, timeout=timeout, read_bufsize=READ_BUFFER,
+                                     connector=aiohttp.TCPConnector(limit=0)) as client:
         run_start = time.perf_counter()
 
         async def one(spec: RequestSpec) -> RequestResult:
             body = request_body(spec, args, model)
             if semaphore is None:
-                result = await send(client, url, body, spec, run_start, args.timeout)
+                result = await send(client, url, body, spec, run_start)
             else:
                 async with semaphore:
-                    result = await send(client, url, body, spec, run_start, args.timeout)
+                    result = await send(client, url, body, spec, run_start)
             if progress is not None:
                 progress.update(1)
             return result
