@@ -34,15 +34,19 @@ REPO = Path(__file__).resolve().parent.parent
 class StandIn:
     def __init__(self, ttft: float, step: float, log):
         self.ttft, self.step, self.log = ttft, step, log
-        self.streams: list[list] = []  # [writer, tokens left, finished, when the request arrived (None once sent)]
+        # [writer, tokens left, finished, when the request arrived (None once sent), tokens]
+        self.streams: list[list] = []
+
+    @staticmethod
+    def done(tokens: int) -> bytes:
+        event = f'data: {{"id":"cmpl-x","choices":[],"usage":{{"completion_tokens":{tokens}}}}}\n\ndata: [DONE]\n\n'
+        return b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event.encode())
 
     async def steps(self) -> None:
         event = json.dumps({"id": "cmpl-x", "object": "text_completion", "created": 0, "model": "stand-in",
                             "choices": [{"index": 0, "text": " a", "logprobs": None, "finish_reason": None}]})
         chunk = f"data: {event}\n\n".encode()
         chunk = b"%x\r\n%s\r\n" % (len(chunk), chunk)
-        done = b'data: {"id":"cmpl-x","choices":[],"usage":{"completion_tokens":0}}\n\ndata: [DONE]\n\n'
-        done = b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done)
         while True:
             began = time.perf_counter()
             for stream in list(self.streams):
@@ -50,7 +54,7 @@ class StandIn:
                     self.log.write(f"{1e3 * (began - stream[3]):.3f}\n")
                     stream[3] = None
                 stream[1] -= 1
-                stream[0].write(chunk if stream[1] > 0 else chunk + done)
+                stream[0].write(chunk if stream[1] > 0 else chunk + self.done(stream[4]))
                 if stream[1] <= 0:
                     self.streams.remove(stream)
                     stream[2].set()
@@ -71,7 +75,7 @@ class StandIn:
                              b"transfer-encoding: chunked\r\n\r\n")
                 await asyncio.sleep(self.ttft)
                 finished = asyncio.Event()
-                self.streams.append([writer, tokens, finished, arrived])
+                self.streams.append([writer, tokens, finished, arrived, tokens])
                 await finished.wait()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
