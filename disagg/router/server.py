@@ -25,6 +25,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import aiohttp
 import anyio
@@ -193,8 +194,9 @@ class ConnectionTrace:
         self.opened = False
 
 
-async def _connection_opened(session: aiohttp.ClientSession, context, params) -> None:
-    context.trace_request_ctx.opened = True
+async def _connection_opened(session: aiohttp.ClientSession, context: SimpleNamespace,
+                             params: aiohttp.TraceConnectionCreateStartParams) -> None:
+    context.trace_request_ctx.opened = True  # the ConnectionTrace the request was sent with
 
 
 class ProxyClient:
