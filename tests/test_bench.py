@@ -1,9 +1,13 @@
 """`disagg bench serve` and `disagg bench plot` as real processes against a real colocated node."""
 
+import http.server
+import itertools
 import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -212,3 +216,70 @@ def test_arrivals_take_vllms_flags_and_keep_their_mean_rate():
 
     with pytest.raises(ValueError, match="--burstiness must be > 0"):  # refused before anything is sent
         run_benchmark(parser.parse_args(["--burstiness", "0", "--base-url", "http://127.0.0.1:9"]))
+
+
+class BreakingServer(http.server.ThreadingHTTPServer):
+    """A server that fails each completion in its own way, in turn: a 400, a stream cut off after one
+    event, an error event, a stream that sends a byte and then nothing for longer than the client's
+    --timeout."""
+
+    WAYS = ("refused", "cut", "error event", "silent")
+
+    def __init__(self):
+        self.count = itertools.count()
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                way = server.WAYS[next(server.count) % len(server.WAYS)]
+                if way == "refused":
+                    body = json.dumps({"error": {"message": "prompt too long", "type": "BadRequestError"}}).encode()
+                    self.send_response(400)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                event = {"choices": [{"index": 0, "text": " a"}]} if way != "error event" \
+                    else {"error": {"message": "the engine failed"}}
+                data = f"data: {json.dumps(event)}\n\n".encode()
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.flush()
+                if way == "silent":
+                    time.sleep(4)
+                self.close_connection = True  # cut: no last chunk
+
+            def log_message(self, *args):
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.daemon_threads = True
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+def test_failed_requests_are_counted_with_their_reasons(tmp_path: Path):
+    """A refused request, a stream cut off, an error event and a stalled stream: each is a failed
+    request with its reason, the run goes on to its end, and the command exits 2 having written it."""
+    server = BreakingServer()
+    out_json = tmp_path / "failed.json"
+    try:
+        done = bench("serve", "--base-url", f"http://127.0.0.1:{server.server_address[1]}", "--model", "m",
+                     "--qps", "inf", "--max-concurrency", "1", "--num-requests", "4", "--input-len", "4",
+                     "--output-len", "8", "--timeout", "1", "--save-json", str(out_json), "--no-progress")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert done.returncode == 2 and "4 request(s) failed" in done.stderr, done.stdout + done.stderr
+    run = json.loads(out_json.read_text())["runs"][0]  # written all the same
+    assert (run["completed"], run["failed"]) == (0, 4)
+    refused, cut, error_event, silent = (r["error"] for r in run["requests"])
+    assert refused.startswith("HTTP 400: ") and "prompt too long" in refused
+    assert "ClientPayloadError" in cut, cut
+    assert error_event.startswith("stream error: ") and "the engine failed" in error_event
+    assert "Timeout" in silent, silent
