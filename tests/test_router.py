@@ -605,6 +605,75 @@ def test_a_request_on_a_kept_alive_connection_the_node_just_closed_is_sent_again
         node.close()
 
 
+class HalfAnsweringNode(StandInNode):
+    """Answers /health, and the first completion on each connection, kept alive; to a second on the
+    same connection it sends half a response head and closes: a node that took the request and
+    failed while answering it. With `redirect`, every completion is answered 307 instead, to
+    another path. `posts`: as KeepAliveClosingNode's."""
+
+    def __init__(self, redirect: bool = False):
+        posts = self.posts = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def setup(self):
+                super().setup()
+                self.served = 0
+
+            def do_GET(self):
+                send_json(self, {"status": "ok"})
+
+            def do_POST(self):
+                prompt = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompt"]
+                answered = self.served == 0 and not redirect
+                posts.append((self.client_address[1], self.served, prompt, answered))
+                self.served += 1
+                if redirect:
+                    self.send_response(307)
+                    self.send_header("Location", "/elsewhere")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                elif answered:
+                    send_json(self, {"choices": [{"index": 0, "text": f"{prompt}!", "finish_reason": "stop"}]})
+                else:
+                    self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: appl")
+                    self.close_connection = True
+
+            def log_message(self, *args):
+                pass
+
+        super().__init__(Handler)
+
+
+def test_a_request_the_node_began_to_answer_is_not_sent_again(tmp_path: Path):
+    """Half a response head, then the connection closed: the node took the request, so the router
+    does not send it again (it would run twice); it answers 503, there being no other node."""
+    node = HalfAnsweringNode()
+    router = start_router(tmp_path, [node.address])
+    try:
+        with httpx.Client(timeout=30) as client:
+            answers = [client.post(f"{router.url}/v1/completions", json={"prompt": p}) for p in ("one", "two")]
+        assert [a.status_code for a in answers] == [200, 503], answers[1].text
+        assert [post[1:] for post in node.posts] == [(0, "one", True), (1, "two", False)], node.posts
+    finally:
+        router.kill()
+        node.close()
+
+
+def test_a_redirect_goes_back_to_the_client(tmp_path: Path):
+    """The router passes a node's 307 on as it came, and does not follow it."""
+    node = HalfAnsweringNode(redirect=True)
+    router = start_router(tmp_path, [node.address])
+    try:
+        answer = httpx.post(f"{router.url}/v1/completions", json={"prompt": "one"}, timeout=30)
+        assert answer.status_code == 307, answer.text
+        assert [post[2] for post in node.posts] == ["one"], node.posts
+    finally:
+        router.kill()
+        node.close()
+
+
 class ElsewhereNode(StandInNode):
     """Healthy, serving a model whose directory (its /v1/models root) is not on this machine: a
     decode node on another host."""

@@ -157,7 +157,7 @@ class UpstreamResponse(Response):
         try:
             async for chunk in self.upstream.content.iter_any():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except aiohttp.ClientError as e:
+        except (aiohttp.ClientError, aiohttp.http_exceptions.HttpProcessingError) as e:  # the latter: bad framing
             await self._fail(send, f"decode node {self.node.address} broke off the response: {describe(e)}")
             return
         self.complete = True
@@ -232,13 +232,18 @@ class ProxyClient:
         connection closes, so the copy sent again is the only one. Never on a new connection
         (its failure is the node's or the network's: the caller marks the node and tries
         another) nor once a response's head came (the caller relays what follows)."""
-        # The client's Content-Type or none, as it came: aiohttp would add one to a body without.
-        kwargs = dict(params=params, headers=headers, data=body, skip_auto_headers=("Content-Type",))
+        # The client's Content-Type or none, as it came: aiohttp would add one to a body without. A
+        # redirect goes back to the client as it came, as any other answer.
+        kwargs = dict(params=params, headers=headers, data=body, skip_auto_headers=("Content-Type",),
+                      allow_redirects=False)
         trace = ConnectionTrace()
         try:
             return await self.client.request(method, url, trace_request_ctx=trace, **kwargs)
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
-            if trace.opened:
+            # A disconnect after part of the response's head came (aiohttp keeps that part as the
+            # message) means the node took the request.
+            head_began = isinstance(e, aiohttp.ServerDisconnectedError) and not isinstance(e.message, str)
+            if trace.opened or head_began:
                 raise
             logger.info("%s: decode node %s closed the kept-alive connection before answering (%s); "
                         "sending it again on a new connection", request_id, URL(url).raw_authority, describe(e))
