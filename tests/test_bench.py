@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from disagg.bench.plot import plot_files
-from disagg.bench.serve import SLO, RequestResult, parse_rates, percentile, served_model, summarize
+from disagg.bench.serve import READ_BUFFER, SLO, RequestResult, parse_rates, percentile, served_model, summarize
 from tests.servers import start_node
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -220,10 +220,10 @@ def test_arrivals_take_vllms_flags_and_keep_their_mean_rate():
 
 class BreakingServer(http.server.ThreadingHTTPServer):
     """A server that fails each completion in its own way, in turn: a 400, a stream cut off after one
-    event, an error event, a stream that sends a byte and then nothing for longer than the client's
-    --timeout."""
+    event, an error event, a stream that sends an event and then nothing for longer than the client's
+    --timeout, an event line longer than the client reads (2 x READ_BUFFER)."""
 
-    WAYS = ("refused", "cut", "error event", "silent")
+    WAYS = ("refused", "cut", "error event", "silent", "too long")
 
     def __init__(self):
         self.count = itertools.count()
@@ -246,8 +246,9 @@ class BreakingServer(http.server.ThreadingHTTPServer):
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Transfer-Encoding", "chunked")
                 self.end_headers()
-                event = {"choices": [{"index": 0, "text": " a"}]} if way != "error event" \
-                    else {"error": {"message": "the engine failed"}}
+                event = {"choices": [{"index": 0, "text": " a" * (READ_BUFFER if way == "too long" else 1)}]}
+                if way == "error event":
+                    event = {"error": {"message": "the engine failed"}}
                 data = f"data: {json.dumps(event)}\n\n".encode()
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
                 self.wfile.flush()
@@ -264,22 +265,24 @@ class BreakingServer(http.server.ThreadingHTTPServer):
 
 
 def test_failed_requests_are_counted_with_their_reasons(tmp_path: Path):
-    """A refused request, a stream cut off, an error event and a stalled stream: each is a failed
-    request with its reason, the run goes on to its end, and the command exits 2 having written it."""
+    """A refused request, a stream cut off, an error event, a stalled stream and an event too long to
+    read: each is a failed request with its reason, the run goes on to its end, and the command exits
+    2 having written it."""
     server = BreakingServer()
     out_json = tmp_path / "failed.json"
     try:
         done = bench("serve", "--base-url", f"http://127.0.0.1:{server.server_address[1]}", "--model", "m",
-                     "--qps", "inf", "--max-concurrency", "1", "--num-requests", "4", "--input-len", "4",
+                     "--qps", "inf", "--max-concurrency", "1", "--num-requests", "5", "--input-len", "4",
                      "--output-len", "8", "--timeout", "1", "--save-json", str(out_json), "--no-progress")
     finally:
         server.shutdown()
         server.server_close()
-    assert done.returncode == 2 and "4 request(s) failed" in done.stderr, done.stdout + done.stderr
+    assert done.returncode == 2 and "5 request(s) failed" in done.stderr, done.stdout + done.stderr
     run = json.loads(out_json.read_text())["runs"][0]  # written all the same
-    assert (run["completed"], run["failed"]) == (0, 4)
-    refused, cut, error_event, silent = (r["error"] for r in run["requests"])
+    assert (run["completed"], run["failed"]) == (0, 5)
+    refused, cut, error_event, silent, too_long = (r["error"] for r in run["requests"])
     assert refused.startswith("HTTP 400: ") and "prompt too long" in refused
     assert "ClientPayloadError" in cut, cut
     assert error_event.startswith("stream error: ") and "the engine failed" in error_event
     assert "Timeout" in silent, silent
+    assert "LineTooLong" in too_long, too_long

@@ -53,7 +53,7 @@ WORDS = [
 ]
 
 METRICS = ("ttft", "tpot", "itl", "e2e")
-READ_BUFFER = 1 << 20  # the longest server-sent event line read (aiohttp's default: 64 KiB)
+READ_BUFFER = 1 << 20  # aiohttp's read buffer: a server-sent event line may be twice this (its default: 64 KiB)
 PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 
 
@@ -289,7 +289,8 @@ async def send(client: aiohttp.ClientSession, url: str, body: dict, spec: Reques
         result.ok = result.ttft is not None
         if not result.ok:
             result.error = "the stream ended without any content"
-    except (aiohttp.ClientError, TimeoutError, ValueError) as e:  # ValueError: a bad event, or a line over READ_BUFFER
+    # HttpProcessingError: a line over 2 x READ_BUFFER, or the stream's framing broken; ValueError: a bad event.
+    except (aiohttp.ClientError, aiohttp.http_exceptions.HttpProcessingError, TimeoutError, ValueError) as e:
         result.error = f"{type(e).__name__}: {e}"
     return result
 
