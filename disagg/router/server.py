@@ -231,7 +231,8 @@ class ProxyClient:
         were the connection cut while the node held the request, the node aborts a request whose
         connection closes, so the copy sent again is the only one. Never on a new connection
         (its failure is the node's or the network's: the caller marks the node and tries
-        another) nor once a response's head came (the caller relays what follows)."""
+        another) nor once a byte of the response's head came (the node took it; the caller
+        relays what follows, or fails it)."""
         # The client's Content-Type or none, as it came: aiohttp would add one to a body without. A
         # redirect goes back to the client as it came, as any other answer.
         kwargs = dict(params=params, headers=headers, data=body, skip_auto_headers=("Content-Type",),
