@@ -156,10 +156,12 @@ def test_slots_held_from_many_addresses_never_keep_a_peer_out(pipe_name, holder)
     listener = pipes.listen(pipe_name, config)
     try:
         holder(listener.address, ["127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"], 16)
+        # Kept out, a peer would wait out the 5 s handshake deadline; let in, it takes well under a
+        # second alone, up to 1.8 s (torch_dist's group set-up) under the suite's load.
         for _ in range(5):
             start = time.monotonic()
-            exchange(listener, pipe_name, config, within=1.0)
-            assert time.monotonic() - start < 1.0
+            exchange(listener, pipe_name, config, within=3.0)
+            assert time.monotonic() - start < 3.0
     finally:
         listener.close()
 
